@@ -1,0 +1,54 @@
+"""Tiny random Hugging Face checkpoints for tests and benchmarks (uses torch + transformers).
+
+Only tests and bench scripts import this module; the ``mindrlhf`` package never does.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+QWEN_VOCAB = 151936  # Qwen2.5 embedding rows; covers every id of the real Qwen tokenizer
+
+
+def make_tiny_qwen2(path: os.PathLike, *, seed: int = 0, **overrides: Any) -> Path:
+    """Save a tiny random Qwen2 (q/k/v bias, tied embeddings, GQA) to ``path``; return it."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = dict(
+        vocab_size=QWEN_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        bos_token_id=151643, eos_token_id=151645, torch_dtype="float32",
+    )
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**cfg)).eval()
+    # Random init has tiny q/k biases; make them large enough that a missed bias shows up.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.5)
+    path = Path(path)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_tiny_llama(path: os.PathLike, *, seed: int = 0, **overrides: Any) -> Path:
+    """Save a tiny random Llama (untied embeddings, GQA, no bias) to ``path``; return it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(
+        vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, torch_dtype="float32",
+    )
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    path = Path(path)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
