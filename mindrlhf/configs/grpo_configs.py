@@ -1,0 +1,548 @@
+"""The GRPO configuration: one dataclass per group, YAML + command-line loading, validation.
+
+``GRPOConfig`` holds the groups as attributes (``cfg.algorithm.beta``, ``cfg.parallel.train_tp``).
+Field names are unique across groups, so YAML may be grouped (``algorithm: {beta: 0.04}``) or flat
+(``beta: 0.04``) and every field is the flag ``--<name>``. ``docs/config_reference.md`` is generated
+from the help text here by ``config_reference_markdown()``.
+
+Usage::
+
+    cfg = GRPOConfig.from_yaml("model_configs/qwen_grpo/grpo_tiny_cpu.yaml")
+    cfg = parse_args(["--config", "grpo_config.yaml", "--beta", "0.04"])
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+from mindrlhf.configs.base import GroupedConfig, config_field
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_TYPES = ("grpo", "gspo", "gspo-token")
+LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+REWARD_SCALINGS = ("group", "batch", "none")
+LR_SCHEDULES = ("cosine", "linear", "constant")
+DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+DEVICE_TARGETS = ("CPU", "Ascend", "GPU")
+
+
+@dataclass
+class AlgorithmConfig:
+    """GRPO algorithm: group size, batch geometry, loss, KL, clipping, rewards, reference model."""
+
+    num_generations: int = config_field(
+        4, "G: completions sampled per prompt; advantages are normalised within each group of G. "
+        "Must be >= 2 (a group of one has no baseline). Completions per step = chunk_size * num_rollouts * G.",
+        ge=2)
+    chunk_size: int = config_field(
+        2, "Prompts per generation call, global across data-parallel ranks: each of the infer_dp generator "
+        "replicas samples chunk_size / infer_dp prompts (x num_generations completions), so chunk_size must be "
+        "divisible by infer_dp. Bigger chunks use the accelerator better but need more KV-cache memory.",
+        ge=1)
+    num_rollouts: int = config_field(
+        1, "Generation calls per training step; prompts per step = chunk_size * num_rollouts. Raises the batch "
+        "per step without raising generation memory.",
+        ge=1)
+    num_iterations: int = config_field(
+        1, "Optimizer passes over each step's rollouts (mu in the GRPO paper). Above 1 (or with several "
+        "mini-batches per step) the update is off-policy and the old policy's log-probs are computed for the "
+        "clipped ratio; at 1 with one mini-batch the ratio is exactly 1.",
+        ge=1)
+    mini_batch_size: int = config_field(
+        0, "Completions per optimizer update, global across train_dp ranks. 0 = all completions of the step "
+        "(chunk_size * num_rollouts * num_generations) in one update. Must divide the completions per step and "
+        "be divisible by train_dp; optimizer updates per step = num_iterations * completions / mini_batch_size.",
+        ge=0)
+    micro_batch_size: int = config_field(
+        0, "Completions per forward/backward on one train rank (gradient accumulation over "
+        "mini_batch_size / train_dp / micro_batch_size micro-batches). 0 = the rank's whole share of the "
+        "mini-batch at once. Must divide mini_batch_size / train_dp, and be divisible by train_micro_batches. "
+        "Lower it to save activation memory; the loss does not change.",
+        ge=0)
+    beta: float = config_field(
+        0.0, "KL coefficient: adds beta * KL(policy || reference) per token to the loss (estimator: "
+        "kl_estimator). 0 disables the KL term and skips the reference model entirely (no memory, no forward). "
+        "DeepSeekMath used 0.04; DAPO and Dr.GRPO use 0. Range >= 0.",
+        ge=0.0)
+    kl_estimator: str = config_field(
+        "k3", "KL estimator per token, with d = logp_ref - logp: k1 = -d, k2 = d^2 / 2, "
+        "k3 = exp(d) - d - 1 (unbiased, non-negative; the GRPO paper's). Used only when beta > 0.",
+        choices=KL_ESTIMATORS)
+    loss_type: str = config_field(
+        "grpo", "Policy loss: grpo = per-token clipped ratio exp(logp - logp_old) (PPO-style); gspo = "
+        "sequence-level ratio exp(mean_t(logp - logp_old)) clipped with the sequence advantage (GSPO; use "
+        "much smaller epsilons, e.g. 3e-4 / 4e-4); gspo-token = GSPO's value with a per-token gradient.",
+        choices=LOSS_TYPES)
+    loss_agg_mode: str = config_field(
+        "seq-mean-token-mean", "How per-token losses become one number: seq-mean-token-mean = mean over each "
+        "completion's tokens, then over completions (GRPO paper); token-mean = mean over all completion tokens "
+        "of the global batch, independent of how it is split across ranks and micro-batches (DAPO); "
+        "seq-mean-token-sum-norm = sum over tokens divided by the constant max_completion_length, then mean "
+        "over completions (Dr.GRPO, no length bias).",
+        choices=LOSS_AGG_MODES)
+    epsilon_low: float = config_field(
+        0.2, "Lower clip: the ratio is clipped below at 1 - epsilon_low. Range [0, 1). For loss_type gspo / "
+        "gspo-token use ~3e-4.",
+        ge=0.0, lt=1.0)
+    epsilon_high: float = config_field(
+        0.2, "Upper clip: the ratio is clipped above at 1 + epsilon_high. Range >= 0. DAPO's clip-higher "
+        "uses 0.28 (with epsilon_low 0.2) to keep exploration; GSPO uses ~4e-4.",
+        ge=0.0)
+    scale_rewards: str = config_field(
+        "group", "Advantage scaling: advantage = (reward - group mean) / (std + eps) with the std of the "
+        "group (group, the GRPO paper) or of all the step's rewards (batch, LitePPO); none = no division "
+        "(Dr.GRPO). Groups whose rewards are all equal get advantage 0.",
+        choices=REWARD_SCALINGS)
+    mask_truncated_completions: bool = config_field(
+        False, "Exclude completions that hit max_completion_length without a stop token from the loss "
+        "(DAPO's overlong filtering); they still count in the reward metrics.")
+    sync_ref_model: bool = config_field(
+        False, "Update the reference model from the policy every ref_model_sync_steps steps (TR-DPO style), "
+        "mixed by ref_model_mixup_alpha. Requires beta > 0 (otherwise there is no reference).")
+    ref_model_sync_steps: int = config_field(
+        64, "Training steps between reference updates when sync_ref_model is true. Range >= 1.",
+        ge=1)
+    ref_model_mixup_alpha: float = config_field(
+        1.0, "Reference update when sync_ref_model is true: ref = alpha * policy + (1 - alpha) * ref. "
+        "1.0 copies the policy. Range (0, 1].",
+        gt=0.0, le=1.0)
+    reward_funcs: List[str] = config_field(
+        ["accuracy", "format"], "Reward functions, by registry name (accuracy: the GSM8K answer matches; "
+        "format: <think>...</think><answer>...</answer>; boxed: a \\boxed{} answer matches) or by dotted "
+        "path 'package.module:function' for user functions. The step reward is their weighted sum "
+        "(reward_weights); each is logged as rewards/<name>/mean. Names must be unique.")
+    reward_weights: Optional[List[float]] = config_field(
+        None, "Weight of each reward function, in reward_funcs order; null = 1.0 for all. Length must equal "
+        "len(reward_funcs). Negative weights turn a reward into a penalty.")
+
+
+@dataclass
+class GenerationConfig:
+    """Sampling of completions (the generator / rollout side)."""
+
+    max_prompt_length: int = config_field(
+        256, "Prompt tokens (after the chat template), left-padded to this length in a batch; longer prompts "
+        "are truncated from the left. Prompt + completion must fit the model's context length. Range >= 1.",
+        ge=1)
+    max_completion_length: int = config_field(
+        128, "Maximum new tokens per completion; a completion reaching it without a stop token is "
+        "'truncated' (see mask_truncated_completions, metric completions/clipped_ratio). Also the constant "
+        "divisor of loss_agg_mode seq-mean-token-sum-norm. Range >= 1.",
+        ge=1)
+    temperature: float = config_field(
+        1.0, "Sampling temperature: logits are divided by it before top-k / top-p / min-p. Range > 0; lower "
+        "is greedier. The policy's log-probs in the loss use the same temperature.",
+        gt=0.0)
+    top_p: float = config_field(
+        1.0, "Nucleus sampling: keep the smallest set of tokens whose probability sums to >= top_p. "
+        "Range (0, 1]; 1.0 = off.",
+        gt=0.0, le=1.0)
+    top_k: int = config_field(
+        0, "Keep only the top_k most likely tokens before sampling. 0 = off. Range >= 0.",
+        ge=0)
+    min_p: float = config_field(
+        0.0, "Drop tokens whose probability is below min_p * (probability of the most likely token). "
+        "0.0 = off. Range [0, 1).",
+        ge=0.0, lt=1.0)
+    repetition_penalty: float = config_field(
+        1.0, "Penalty on tokens already in the prompt or completion (CTRL / HF rule: positive logits divided "
+        "by it, negative ones multiplied). 1.0 = off; > 1 discourages repetition. Range > 0.",
+        gt=0.0)
+    min_new_tokens: int = config_field(
+        0, "Stop tokens are suppressed until a completion has this many tokens. Range "
+        "[0, max_completion_length].",
+        ge=0)
+    stop_token_ids: List[int] = config_field(
+        [], "Token ids that end a completion (the stop token is kept in the completion and the loss). "
+        "[] = the tokenizer's eos and <|im_end|> ids.",
+        ge=0)
+    use_vllm: bool = config_field(
+        False, "Generate with the optional vLLM-MindSpore backend (Ascend only; needs the vllm_mindspore "
+        "package) instead of the built-in KV-cache sampler. Same sampling options and outputs.")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW, learning-rate schedule, gradient clipping and non-finite guards."""
+
+    lr: float = config_field(
+        1e-6, "Peak learning rate of AdamW (reached after warmup_steps). Range > 0. RL fine-tuning uses small "
+        "values: 1e-6 for small models, ~5e-7 for 7B.",
+        gt=0.0)
+    min_lr: float = config_field(
+        0.0, "Learning rate at the end of the cosine / linear decay (at max_steps). Range [0, lr]. Unused "
+        "with lr_schedule constant.",
+        ge=0.0)
+    warmup_steps: int = config_field(
+        0, "Training steps of linear warmup from ~0 to lr. Range [0, max_steps]. The schedule advances once per "
+        "training step (all optimizer updates of a step use the same lr).",
+        ge=0)
+    lr_schedule: str = config_field(
+        "cosine", "Learning rate after warmup: cosine or linear decay from lr to min_lr at max_steps, or "
+        "constant lr.",
+        choices=LR_SCHEDULES)
+    weight_decay: float = config_field(
+        0.0, "AdamW decoupled weight decay on weight matrices (not on biases, norms). Range >= 0.",
+        ge=0.0)
+    adam_beta1: float = config_field(
+        0.9, "AdamW first-moment decay. Range [0, 1).",
+        ge=0.0, lt=1.0)
+    adam_beta2: float = config_field(
+        0.999, "AdamW second-moment decay. Range [0, 1). Large-model recipes often use 0.95.",
+        ge=0.0, lt=1.0)
+    adam_eps: float = config_field(
+        1e-8, "AdamW epsilon added to the denominator. Range > 0.",
+        gt=0.0)
+    max_grad_norm: float = config_field(
+        1.0, "Clip the global gradient norm (over all ranks and parameters) to this value before each update; "
+        "0 disables clipping. Range >= 0. The pre-clip norm is logged as grad_norm.",
+        ge=0.0)
+    max_consecutive_nonfinite: int = config_field(
+        3, "An update whose loss or gradients contain NaN/inf is skipped (weights and optimizer state "
+        "unchanged, logged); after this many consecutive skipped updates training stops with an error. "
+        "Range >= 1.",
+        ge=1)
+
+
+@dataclass
+class ModelConfig:
+    """Weights and tokenizer of the policy, generator and reference models."""
+
+    sft_path_train: str = config_field(
+        "", "Policy (trained model) weights: a Hugging Face directory (config.json + safetensors) or a "
+        "MindSpore checkpoint (full, or a folder of rank_{r} shards for the train layout). '' = the "
+        "packaged default model.")
+    sft_path_infer: str = config_field(
+        "", "Generator weights, e.g. the same checkpoint pre-sharded for the infer layout. '' = "
+        "sft_path_train. The generator receives the policy's weights after every update anyway; this only "
+        "sets its starting point.")
+    ref_path: str = config_field(
+        "", "Reference model weights (KL term, beta > 0). '' = sft_path_train.")
+    load_sft_checkpoint_train: bool = config_field(
+        True, "Load the policy weights from sft_path_train. false = random initialisation with the model's "
+        "architecture (debugging only).")
+    load_sft_checkpoint_infer: bool = config_field(
+        True, "Load the generator weights from sft_path_infer. false = the generator starts from the policy's "
+        "weights via the train-to-infer weight sync (no second load); then sft_path_infer must be ''.")
+    load_ref_checkpoint: bool = config_field(
+        True, "Load the reference weights from ref_path (or sft_path_train). false = the reference starts as "
+        "a copy of the initial policy (no second load); then ref_path must be ''.")
+    vocab_path: str = config_field(
+        "", "Tokenizer vocab.json (the seed's flag; give merges_file_path with it). '' = use tokenizer_dir.")
+    merges_file_path: str = config_field(
+        "", "Tokenizer merges.txt, paired with vocab_path. '' = use tokenizer_dir.")
+    tokenizer_dir: str = config_field(
+        "", "Directory with tokenizer.json or vocab.json + merges.txt, and tokenizer_config.json (chat "
+        "template). Alternative to vocab_path / merges_file_path. '' = the directory of sft_path_train "
+        "(or the packaged default model's tokenizer).")
+    dtype: str = config_field(
+        "float32", "Compute dtype of matmuls and activations of all models (bf16 / fp16 / fp32 accepted as "
+        "aliases). Trainable weights and optimizer states stay float32; log-probs and the loss are computed in "
+        "float32. Use bfloat16 on Ascend.",
+        choices=DTYPES, aliases=DTYPE_ALIASES)
+
+
+@dataclass
+class DataConfig:
+    """Training prompts."""
+
+    mind_dataset_dir: str = config_field(
+        "", "The tokenised prompt dataset: the .mindrecord file written by rlhf_data.py (the seed's flag name). "
+        "'' = the packaged GSM8K sample.")
+
+
+@dataclass
+class ParallelConfig:
+    """Device and parallel layouts of training (policy, reference) and generation."""
+
+    use_parallel: bool = config_field(
+        False, "Run as one of several processes started by msrun (communication initialised). Required for "
+        "any layout size > 1; a single process with use_parallel false uses one device.")
+    train_dp: int = config_field(
+        1, "Training data parallel: replicas of the policy, each processing mini_batch_size / train_dp "
+        "completions per update (gradients all-reduced). Range >= 1.",
+        ge=1)
+    train_tp: int = config_field(
+        1, "Training tensor parallel: attention heads and MLP columns split over this many devices "
+        "(must divide the number of KV heads). Range >= 1.",
+        ge=1)
+    train_pp: int = config_field(
+        1, "Training pipeline parallel: the layers split into this many stages. Range >= 1.",
+        ge=1)
+    train_micro_batches: int = config_field(
+        1, "Pipeline micro-batches: each rank's micro-batch (micro_batch_size) is cut into this many pieces "
+        "that flow through the train_pp stages; >= train_pp keeps the pipeline busy. Must be 1 when "
+        "train_pp is 1.",
+        ge=1)
+    infer_dp: int = config_field(
+        1, "Generation data parallel: generator replicas, each sampling chunk_size / infer_dp prompts. "
+        "Range >= 1.",
+        ge=1)
+    infer_tp: int = config_field(
+        1, "Generation tensor parallel. infer_dp * infer_tp must equal the training world size "
+        "train_dp * train_tp * train_pp (the same processes train and generate). Range >= 1.",
+        ge=1)
+    device_target: str = config_field(
+        "CPU", "Device for all models: CPU, Ascend (NPU, production) or GPU. The entry point sets it; "
+        "library code never does.",
+        choices=DEVICE_TARGETS)
+    enable_compile_cache: bool = config_field(
+        False, "Cache compiled graphs on disk (MindSpore compile cache, under output_dir) so a restart "
+        "skips compilation.")
+    jit: bool = config_field(
+        True, "Compile the train step and the decode step with mindspore.jit (about 2x faster than "
+        "pynative on CPU); false = pynative, for debugging.")
+
+
+@dataclass
+class TrainConfig:
+    """Training loop: length, seed, outputs, checkpoints, resume, logging, experience dumps."""
+
+    max_steps: int = config_field(
+        20, "Training steps. One step = num_rollouts generation calls of chunk_size prompts, scoring, "
+        "then num_iterations passes of optimizer updates. Range >= 1.",
+        ge=1)
+    seed: int = config_field(
+        42, "Seed for data order, initialisation and sampling; same seed and config = same run "
+        "(resume restores the random state). Range >= 0.",
+        ge=0)
+    output_dir: str = config_field(
+        "output/grpo", "Directory for logs, metrics, TensorBoard events, completions dumps, the saved "
+        "config and (by default) checkpoints. Created if missing.")
+    save_ckpt_dir: str = config_field(
+        "", "Checkpoint directory (one sub-directory per saved step, written atomically). "
+        "'' = output_dir/checkpoints.")
+    save_steps: int = config_field(
+        10, "Save a checkpoint (policy, optimizer, reference if synced, data position, RNG) every N steps; "
+        "the last step is always saved. 0 = only the last step. Range >= 0.",
+        ge=0)
+    keep_last: int = config_field(
+        3, "Keep the newest N checkpoints and delete older ones. 0 = keep all. Range >= 0.",
+        ge=0)
+    resume: str = config_field(
+        "", "Resume training: '' = start fresh; 'latest' (or 'auto') = the newest complete checkpoint in the "
+        "checkpoint directory (fresh start if none); or an explicit checkpoint path. A bare --resume means "
+        "'latest'.",
+        aliases={"auto": "latest"}, cli_const="latest")
+    logging_steps: int = config_field(
+        1, "Log metrics (reward, kl, clip_ratio, lengths, step_time, ...) every N steps. Range >= 1.",
+        ge=1)
+    log_completions_steps: int = config_field(
+        10, "Write output_dir/completions_step_N.jsonl (prompt, completion, rewards, advantage) every N "
+        "steps. 0 = never. Range >= 0.",
+        ge=0)
+    tensorboard: bool = config_field(
+        True, "Also write metrics as TensorBoard event files under output_dir/tensorboard.")
+    save_data_file: str = config_field(
+        "", "Dump every step's experience (prompt and completion ids, masks, sampler log-probs, rewards per "
+        "function, advantages) as .npz files, one per step: <path without .npz>.step<N>.npz. For debugging "
+        "and replay_data_file. '' = off.")
+    replay_data_file: str = config_field(
+        "", "Replay rollouts from a save_data_file dump (the same path given there) instead of generating "
+        "(debugging; the 1-vs-N-worker parity test). The dump must come from the same batch geometry "
+        "(chunk_size, num_rollouts, num_generations). '' = off.")
+    progress_bar: bool = config_field(
+        True, "Show a tqdm progress bar over training steps (rank 0 only).")
+
+
+_PREAMBLE = """
+Every field can be set in a YAML file passed with `--config`, grouped (`algorithm: {beta: 0.04}`)
+or flat (`beta: 0.04`), and on the command line as `--<field> VALUE` (command-line flags override
+the YAML). Lists are space-separated on the command line (`--reward_funcs accuracy format`); bools
+take `true`/`false` or a bare flag (`--use_parallel`). Unknown keys are errors.
+
+**Batch geometry.** One training step reads `chunk_size * num_rollouts` prompts and samples
+`num_generations` completions for each: `N = chunk_size * num_rollouts * num_generations`
+completions. Generation: each of the `infer_dp` generator replicas samples `chunk_size / infer_dp`
+prompts per call. Training: the `N` completions are cut into `N / mini_batch_size` mini-batches (one
+optimizer update each), repeated `num_iterations` times; each of the `train_dp` ranks takes
+`mini_batch_size / train_dp` completions of a mini-batch and accumulates gradients over micro-batches
+of `micro_batch_size`, each cut into `train_micro_batches` pipeline micro-batches when `train_pp > 1`.
+"""
+
+
+@dataclass
+class GRPOConfig(GroupedConfig):
+    """All GRPO settings, one attribute per group: ``cfg.algorithm.beta``, ``cfg.train.max_steps``."""
+
+    REFERENCE_PREAMBLE = _PREAMBLE
+
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+    # ---------------------------------------------------------------- derived sizes (see _PREAMBLE)
+    @property
+    def prompts_per_step(self) -> int:
+        return self.algorithm.chunk_size * self.algorithm.num_rollouts
+
+    @property
+    def completions_per_step(self) -> int:
+        return self.prompts_per_step * self.algorithm.num_generations
+
+    @property
+    def prompts_per_infer_rank(self) -> int:
+        """Prompts each generator replica samples per generation call."""
+        return self.algorithm.chunk_size // self.parallel.infer_dp
+
+    @property
+    def mini_batch_completions(self) -> int:
+        """Completions per optimizer update (global); ``mini_batch_size`` with 0 resolved."""
+        return self.algorithm.mini_batch_size or self.completions_per_step
+
+    @property
+    def mini_batches_per_step(self) -> int:
+        return self.completions_per_step // self.mini_batch_completions
+
+    @property
+    def optimizer_steps_per_step(self) -> int:
+        """Optimizer updates per training step."""
+        return self.algorithm.num_iterations * self.mini_batches_per_step
+
+    @property
+    def micro_batch_completions(self) -> int:
+        """Completions per forward/backward on one train rank; ``micro_batch_size`` with 0 resolved."""
+        return self.algorithm.micro_batch_size or self.mini_batch_completions // self.parallel.train_dp
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Micro-batches per optimizer update on one train rank."""
+        return self.mini_batch_completions // self.parallel.train_dp // self.micro_batch_completions
+
+    @property
+    def world_size(self) -> int:
+        """Processes (devices): train_dp * train_tp * train_pp == infer_dp * infer_tp."""
+        p = self.parallel
+        return p.train_dp * p.train_tp * p.train_pp
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """True when updates are off-policy (several updates per step), so logp_old must be computed."""
+        return self.optimizer_steps_per_step > 1
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """``save_ckpt_dir`` with '' resolved to ``output_dir/checkpoints``."""
+        return self.train.save_ckpt_dir or os.path.join(self.train.output_dir, "checkpoints")
+
+    # ---------------------------------------------------------------- cross-field rules
+    def _check_combinations(self, errors: List[str]) -> None:
+        a, g, o, m, p, t = self.algorithm, self.generation, self.optimizer, self.model, self.parallel, self.train
+
+        # Rewards.
+        if not a.reward_funcs:
+            errors.append("reward_funcs is empty; give at least one reward function (e.g. accuracy)")
+        duplicates = sorted({f for f in a.reward_funcs if a.reward_funcs.count(f) > 1})
+        if duplicates:
+            errors.append(f"reward_funcs lists {duplicates} more than once; each function once (use reward_weights)")
+        if a.reward_weights is not None and len(a.reward_weights) != len(a.reward_funcs):
+            errors.append(f"reward_weights has {len(a.reward_weights)} values {a.reward_weights} but reward_funcs has "
+                          f"{len(a.reward_funcs)} {a.reward_funcs}; give one weight per function or null")
+
+        # Reference model.
+        if a.sync_ref_model and a.beta == 0:
+            errors.append("sync_ref_model = true with beta = 0: the reference model is never used; "
+                          "set beta > 0 or sync_ref_model false")
+        if a.beta > 0 and not m.load_ref_checkpoint and not m.load_sft_checkpoint_train:
+            errors.append(f"beta = {a.beta} with load_ref_checkpoint = false and load_sft_checkpoint_train = false: "
+                          "the reference would be a random model; load a checkpoint or set beta 0")
+        if m.ref_path and not m.load_ref_checkpoint:
+            errors.append(f"ref_path = {m.ref_path!r} is ignored with load_ref_checkpoint = false; "
+                          "set load_ref_checkpoint true or ref_path ''")
+        if m.sft_path_infer and not m.load_sft_checkpoint_infer:
+            errors.append(f"sft_path_infer = {m.sft_path_infer!r} is ignored with load_sft_checkpoint_infer = false; "
+                          "set load_sft_checkpoint_infer true or sft_path_infer ''")
+
+        # Tokenizer.
+        if bool(m.vocab_path) != bool(m.merges_file_path):
+            errors.append(f"vocab_path = {m.vocab_path!r} and merges_file_path = {m.merges_file_path!r}: "
+                          "give both or neither")
+        if m.vocab_path and m.tokenizer_dir:
+            errors.append(f"both vocab_path ({m.vocab_path!r}) and tokenizer_dir ({m.tokenizer_dir!r}) are set; "
+                          "give one tokenizer source")
+
+        # Generation.
+        if g.min_new_tokens > g.max_completion_length:
+            errors.append(f"min_new_tokens = {g.min_new_tokens} > max_completion_length = "
+                          f"{g.max_completion_length}; lower min_new_tokens")
+        if g.use_vllm and importlib.util.find_spec("vllm_mindspore") is None:
+            errors.append("use_vllm = true but the vllm_mindspore package is not installed (it runs on Ascend "
+                          "only); install vllm-mindspore or set use_vllm false for the built-in sampler")
+        elif g.use_vllm and p.device_target != "Ascend":
+            errors.append(f"use_vllm = true needs device_target Ascend (got {p.device_target!r}); "
+                          "set use_vllm false for the built-in sampler")
+
+        # Optimizer / schedule.
+        if o.min_lr > o.lr:
+            errors.append(f"min_lr = {o.min_lr} > lr = {o.lr}; min_lr must be <= lr")
+        if o.warmup_steps > t.max_steps:
+            errors.append(f"warmup_steps = {o.warmup_steps} > max_steps = {t.max_steps}; "
+                          "the learning rate would never reach lr")
+
+        # Outputs.
+        if not t.output_dir:
+            errors.append("output_dir is empty; give a directory for logs and checkpoints")
+        if t.save_data_file and t.save_data_file == t.replay_data_file:
+            errors.append(f"save_data_file and replay_data_file are both {t.save_data_file!r}: the dump would "
+                          "overwrite its own input; give save_data_file another path")
+
+        # Parallel layout.
+        sizes = {"train_dp": p.train_dp, "train_tp": p.train_tp, "train_pp": p.train_pp,
+                 "train_micro_batches": p.train_micro_batches, "infer_dp": p.infer_dp, "infer_tp": p.infer_tp}
+        if not p.use_parallel:
+            above_one = [f"{k} = {v}" for k, v in sizes.items() if v > 1]
+            if above_one:
+                errors.append(f"use_parallel = false but {', '.join(above_one)}; set use_parallel true "
+                              "(and launch with msrun) or set them to 1")
+        if p.train_micro_batches > 1 and p.train_pp == 1:
+            errors.append(f"train_micro_batches = {p.train_micro_batches} with train_pp = 1: pipeline "
+                          "micro-batches need train_pp > 1; use micro_batch_size for gradient accumulation")
+        infer_world = p.infer_dp * p.infer_tp
+        if self.world_size != infer_world:
+            errors.append(f"train world size train_dp*train_tp*train_pp = {p.train_dp}*{p.train_tp}*{p.train_pp} = "
+                          f"{self.world_size} != infer world size infer_dp*infer_tp = {p.infer_dp}*{p.infer_tp} = "
+                          f"{infer_world}; the same processes train and generate")
+
+        # Batch geometry.
+        if a.chunk_size % p.infer_dp:
+            errors.append(f"chunk_size = {a.chunk_size} is not divisible by infer_dp = {p.infer_dp} "
+                          "(each generator replica samples chunk_size / infer_dp prompts)")
+        n = self.completions_per_step
+        mini = self.mini_batch_completions
+        geometry = (f"chunk_size*num_rollouts*num_generations = {a.chunk_size}*{a.num_rollouts}*"
+                    f"{a.num_generations} = {n}")
+        if n % mini:
+            errors.append(f"mini_batch_size = {mini} does not divide the completions per step, {geometry}")
+            return
+        if mini % p.train_dp:
+            errors.append(f"mini_batch_size = {mini}{' (= all completions)' if not a.mini_batch_size else ''} "
+                          f"is not divisible by train_dp = {p.train_dp} (completions per rank)")
+            return
+        per_rank = mini // p.train_dp
+        micro = self.micro_batch_completions
+        if per_rank % micro:
+            errors.append(f"micro_batch_size = {micro} does not divide the completions per rank per mini-batch, "
+                          f"mini_batch_size / train_dp = {mini} / {p.train_dp} = {per_rank}")
+            return
+        if micro % p.train_micro_batches:
+            errors.append(f"micro_batch_size = {micro} is not divisible by train_micro_batches = "
+                          f"{p.train_micro_batches} (pipeline micro-batches)")
+
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> GRPOConfig:
+    """Build a ``GRPOConfig`` from ``--config PATH`` and ``--<field>`` flags, validated."""
+    return GRPOConfig.parse_args(argv, description="GRPO training for MindSpore (see docs/config_reference.md)")
+
+
+def config_reference_markdown() -> str:
+    """The text of ``docs/config_reference.md`` (one table per group)."""
+    return GRPOConfig.reference_markdown("GRPO configuration reference")
