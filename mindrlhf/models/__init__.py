@@ -1,0 +1,34 @@
+"""Qwen2 / Llama decoder models and their loading."""
+from __future__ import annotations
+
+import os
+from typing import Union
+
+from mindrlhf.models.config import DecoderConfig
+from mindrlhf.models.decoder import CausalLM, resolve_dtype
+from mindrlhf.models.weights import get_weights, set_weights
+
+__all__ = ["CausalLM", "DecoderConfig", "load_model", "build_model", "get_weights", "set_weights", "resolve_dtype"]
+
+
+def build_model(config: Union[DecoderConfig, str, os.PathLike], dtype: str = "float32") -> CausalLM:
+    """A randomly initialised model for ``config`` (a DecoderConfig, config.json or HF dir)."""
+    if not isinstance(config, DecoderConfig):
+        config = DecoderConfig.from_file(config)
+    return CausalLM(config, dtype=dtype)
+
+
+def load_model(path: Union[str, os.PathLike], dtype: str = "float32") -> CausalLM:
+    """Load a model from an HF directory (config.json + safetensors, sharded or not) or from a
+    MindSpore checkpoint written by ``convert_weight.py`` (config.json next to it).
+
+    Weights are streamed tensor by tensor into the model and cast to ``dtype``
+    (float32 | bfloat16 | float16); every tensor's shape is checked against the config.
+    """
+    from mindrlhf.checkpoint.hf_io import open_weights
+
+    resolve_dtype(dtype)  # fail on a bad dtype before reading anything
+    source = open_weights(path)
+    model = CausalLM(DecoderConfig.from_hf_dict(source.config, source=str(source.config_path)), dtype=dtype)
+    set_weights(model, source, source=str(path))
+    return model

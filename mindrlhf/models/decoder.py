@@ -195,6 +195,11 @@ class CausalLM(nn.Cell):
         super().__init__()
         self.config = config
         self.compute_dtype = resolve_dtype(dtype)
+        if self.compute_dtype == ms.bfloat16 and ms.get_context("device_target") == "CPU":
+            from mindrlhf.errors import MindRLHFError
+
+            raise MindRLHFError("dtype bfloat16: MindSpore has no CPU kernels for bf16 MatMul/Gather/Sigmoid; "
+                                "use float32 (or float16) on CPU — bfloat16 is for Ascend")
         self.model = DecoderModel(config, self.compute_dtype)
         self.tie_word_embeddings = config.tie_word_embeddings
         if not config.tie_word_embeddings:

@@ -1,0 +1,137 @@
+"""Training checkpoints: atomic, checksummed, retained, and resumable exactly.
+
+Layout: ``<dir>/step_<NNNNNNNN>/`` with ``policy.ckpt``, ``optimizer.ckpt``, ``ref.ckpt`` (only when
+the reference was re-synced), ``state.json`` (step, data position, counters), ``config.yaml`` and,
+written last, ``manifest.json`` (size and SHA-256 of every file). A step is written into a
+temporary folder and renamed into place, so a crash never leaves a half-written ``step_*``; a
+folder whose manifest is missing or whose checksums differ is reported and skipped.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import mindspore as ms
+
+from mindrlhf.errors import MindRLHFError
+
+log = logging.getLogger(__name__)
+MANIFEST = "manifest.json"
+PREFIX = "step_"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_parameters(params: Mapping[str, ms.Parameter], path: Path) -> None:
+    """Write named parameters/tensors to a MindSpore .ckpt (protobuf, no pickle)."""
+    ms.save_checkpoint([{"name": n, "data": p} for n, p in params.items()], str(path))
+
+
+def load_parameters_into(params: Mapping[str, ms.Parameter], path: Path) -> None:
+    """Load a .ckpt written by ``save_parameters`` into existing parameters (same names/shapes)."""
+    loaded = ms.load_checkpoint(str(path))
+    missing = [n for n in params if n not in loaded]
+    if missing:
+        raise MindRLHFError(f"{path}: {len(missing)} tensors missing (e.g. {missing[0]!r}); "
+                            f"the checkpoint is for another model or optimizer")
+    for name, param in params.items():
+        value = loaded[name]
+        if tuple(value.shape) != tuple(param.shape):
+            raise MindRLHFError(f"{path}: tensor {name!r} has shape {tuple(value.shape)}, expected "
+                                f"{tuple(param.shape)}; the checkpoint is for another model")
+        param.set_data(value.astype(param.dtype))
+
+
+class CheckpointManager:
+    """Saves and finds training checkpoints under one directory."""
+
+    def __init__(self, directory: str, keep_last: int = 3):
+        self.dir = Path(directory)
+        self.keep_last = keep_last
+
+    def step_dir(self, step: int) -> Path:
+        return self.dir / f"{PREFIX}{step:08d}"
+
+    def save(self, step: int, tensors: Mapping[str, Mapping[str, ms.Parameter]], state: dict,
+             config_yaml: str) -> Path:
+        """Write checkpoint ``step``: ``tensors`` maps file stem (policy, optimizer, ref) → params."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        final = self.step_dir(step)
+        tmp = self.dir / f".{final.name}.tmp-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        for stem, params in tensors.items():
+            save_parameters(params, tmp / f"{stem}.ckpt")
+        (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True), encoding="utf-8")
+        (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
+        files = sorted(p.name for p in tmp.iterdir())
+        manifest = {"step": step, "files": {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)}
+                                            for n in files}}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+        if final.exists():  # a re-run of the same step replaces the old copy
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        self._retain()
+        return final
+
+    def _retain(self) -> None:
+        if self.keep_last <= 0:
+            return
+        for old in self.list_steps()[:-self.keep_last]:
+            shutil.rmtree(self.step_dir(old), ignore_errors=True)
+
+    def list_steps(self) -> List[int]:
+        """Steps that have a checkpoint folder (complete or not), ascending."""
+        if not self.dir.is_dir():
+            return []
+        steps = []
+        for p in self.dir.iterdir():
+            if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit():
+                steps.append(int(p.name[len(PREFIX):]))
+        return sorted(steps)
+
+    @staticmethod
+    def verify(path: Path) -> Optional[str]:
+        """None if the checkpoint at ``path`` is complete and intact, else the reason it is not."""
+        manifest_path = path / MANIFEST
+        if not manifest_path.is_file():
+            return "no manifest.json (partial write)"
+        try:
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            return "manifest.json is not valid JSON"
+        for name, meta in manifest.get("files", {}).items():
+            f = path / name
+            if not f.is_file():
+                return f"{name} is missing"
+            if f.stat().st_size != meta["bytes"]:
+                return f"{name} has {f.stat().st_size} bytes, manifest says {meta['bytes']}"
+            if _sha256(f) != meta["sha256"]:
+                return f"{name} checksum mismatch"
+        return None
+
+    def latest_complete(self) -> Optional[Tuple[int, Path]]:
+        """The newest intact checkpoint; corrupt or partial newer ones are reported and skipped."""
+        for step in reversed(self.list_steps()):
+            path = self.step_dir(step)
+            problem = self.verify(path)
+            if problem is None:
+                return step, path
+            log.warning("checkpoint %s is unusable (%s); falling back to the previous one", path, problem)
+        return None
+
+    @staticmethod
+    def read_state(path: Path) -> Dict:
+        return json.loads((path / "state.json").read_text(encoding="utf-8"))

@@ -1,0 +1,93 @@
+"""Process-group facts and the few collectives the trainer needs (data parallel).
+
+On CPU (backend mccl) AllReduce-sum, AllGather and world-group Broadcast work; max-reductions,
+ReduceScatter and point-to-point do not, so everything here is built from sum and gather.
+With one process every function is the identity, so single-process runs need no launcher.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, ops
+
+_STATE = {"initialised": False, "rank": 0, "size": 1}
+
+
+def launched_by_msrun() -> bool:
+    """True when started by msrun / a MindSpore distributed launcher."""
+    return "MS_WORKER_NUM" in os.environ or int(os.environ.get("RANK_SIZE", "1")) > 1
+
+
+def init_distributed() -> None:
+    """Initialise communication once (only when launched with several workers)."""
+    if _STATE["initialised"]:
+        return
+    if launched_by_msrun():
+        from mindspore.communication import get_group_size, get_rank, init
+
+        init()
+        _STATE.update(rank=get_rank(), size=get_group_size())
+    _STATE["initialised"] = True
+
+
+def rank() -> int:
+    """This process's global rank (0 when not distributed)."""
+    return _STATE["rank"]
+
+
+def world_size() -> int:
+    """Number of processes (1 when not distributed)."""
+    return _STATE["size"]
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def all_sum(x: np.ndarray) -> np.ndarray:
+    """Element-wise sum over all ranks (sent as float32: integers stay exact below 2**24)."""
+    x = np.asarray(x)
+    if world_size() == 1:
+        return x
+    dtype = x.dtype
+    out = ops.AllReduce()(Tensor(x.astype(np.float32))).asnumpy()
+    return out.astype(dtype) if np.issubdtype(dtype, np.integer) else out
+
+
+def all_gather(x: np.ndarray) -> np.ndarray:
+    """Concatenate each rank's array along axis 0, in rank order (shapes must agree beyond axis 0)."""
+    x = np.asarray(x)
+    if world_size() == 1:
+        return x
+    # AllGather needs equal shapes: exchange lengths first, pad, gather, then trim.
+    n = np.array([x.shape[0]], np.float32)
+    lengths = ops.AllGather()(Tensor(n)).asnumpy().astype(int)
+    pad = int(lengths.max()) - x.shape[0]
+    dtype = x.dtype
+    work = x.astype(np.float32) if x.dtype != np.float32 else x
+    if pad:
+        work = np.concatenate([work, np.zeros((pad,) + work.shape[1:], np.float32)])
+    gathered = ops.AllGather()(Tensor(np.ascontiguousarray(work))).asnumpy()
+    step = int(lengths.max())
+    parts = [gathered[i * step: i * step + int(lengths[i])] for i in range(world_size())]
+    return np.concatenate(parts).astype(dtype)
+
+
+def broadcast_from_main(x: np.ndarray) -> np.ndarray:
+    """Rank 0's copy of ``x`` on every rank."""
+    x = np.asarray(x)
+    if world_size() == 1:
+        return x
+    return ops.Broadcast(0)((Tensor(x.astype(np.float32)),))[0].asnumpy().astype(x.dtype)
+
+
+def grad_reducer(parameters, enabled: Optional[bool] = None):
+    """A gradient reducer that SUMS over ranks (losses are pre-normalised by global counts)."""
+    if world_size() == 1 if enabled is None else not enabled:
+        return None
+    from mindspore import nn
+
+    return nn.DistributedGradReducer(parameters, mean=False, degree=world_size())

@@ -1,0 +1,391 @@
+"""The one-stage GRPO loop: rollout → reward → advantage → (ref/old log-probs) → update → sync.
+
+Every rank generates and scores only its own slice of each global batch of prompts; losses are
+normalised by global counts and gradients summed over ranks, so a step's update does not depend
+on the number of data-parallel workers.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import mindspore as ms
+import yaml
+from tqdm.auto import tqdm
+
+from mindrlhf.algorithms import group_advantages
+from mindrlhf.checkpoint.manager import CheckpointManager, load_parameters_into
+from mindrlhf.data import PromptDataset
+from mindrlhf.errors import MindRLHFError
+from mindrlhf.generation import NativeSampler, SamplingParams
+from mindrlhf.models import CausalLM
+from mindrlhf.models.weights import get_weights, set_weights
+from mindrlhf.parallel import comm
+from mindrlhf.rewards import RewardManager
+from mindrlhf.trainer.experience import (Experience, bucket, left_pad, load_experience, right_pad,
+                                         save_experience, step_file)
+from mindrlhf.trainer.metrics import MetricsLogger, console_line
+from mindrlhf.trainer.schedule import lr_at
+from mindrlhf.trainer.train_step import LossSettings, PolicyUpdater, sequence_logprobs
+
+log = logging.getLogger(__name__)
+PROMPT_BUCKET = 32  # prompt columns are padded to a multiple of this (fewer compiled shapes)
+
+
+class GRPOTrainer:
+    """Owns the policy, the generator, the reference, the data and the checkpoints of one run."""
+
+    def __init__(self, cfg, *, policy: CausalLM, tokenizer, dataset: PromptDataset,
+                 sampler_model: Optional[CausalLM] = None, ref_model: Optional[CausalLM] = None):
+        self.cfg = cfg
+        a, g, o, t = cfg.algorithm, cfg.generation, cfg.optimizer, cfg.train
+        self.policy, self.tokenizer, self.dataset = policy, tokenizer, dataset
+        self.rank, self.world = comm.rank(), comm.world_size()
+        self.output_dir = Path(t.output_dir)
+        self.ckpt = CheckpointManager(t.save_ckpt_dir or str(self.output_dir / "checkpoints"), t.keep_last)
+        self.sampler_model = sampler_model if sampler_model is not None else policy
+        self.sampler = NativeSampler(self.sampler_model, jit=cfg.parallel.jit)
+        self.ref_model = ref_model
+        if a.beta > 0 and ref_model is None:
+            raise MindRLHFError("beta > 0 needs a reference model; the trainer was built without one")
+        self.pad_id = tokenizer.pad_token_id
+        self.stop_ids = list(g.stop_token_ids) or list(tokenizer.stop_token_ids)
+        self.total_updates = t.max_steps * a.num_iterations * self.mini_batches_per_step
+        self.off_policy = a.num_iterations > 1 or self.mini_batches_per_step > 1
+        self.updater = PolicyUpdater(
+            policy, LossSettings(a.loss_type, a.loss_agg_mode, a.epsilon_low, a.epsilon_high, a.beta,
+                                 a.kl_estimator, g.max_completion_length, g.temperature if g.temperature > 0 else 1.0,
+                                 self.off_policy),
+            lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+            max_grad_norm=o.max_grad_norm, jit=cfg.parallel.jit)
+        self.rewards = RewardManager(a.reward_funcs, a.reward_weights)
+        self._ref_logp_fn = ms.jit(self._ref_logp) if cfg.parallel.jit else self._ref_logp
+        self._old_logp_fn = ms.jit(self._old_logp) if cfg.parallel.jit else self._old_logp
+        self.step = 0
+        self.consecutive_nonfinite = 0
+        self.skipped_updates = 0
+        self.ref_synced = False
+
+    # -- sizes ---------------------------------------------------------------------------------
+    @property
+    def samples_per_step(self) -> int:
+        a = self.cfg.algorithm
+        return a.chunk_size * a.num_rollouts * a.num_generations
+
+    @property
+    def mini_batches_per_step(self) -> int:
+        mbs = self.cfg.algorithm.mini_batch_size or self.samples_per_step
+        return self.samples_per_step // mbs
+
+    # -- rollout ----------------------------------------------------------------------------------
+    def _sampling_params(self, step: int, rollout: int) -> SamplingParams:
+        g = self.cfg.generation
+        # A seed derived from (run seed, step, rollout, rank) makes every step reproducible on its
+        # own, which is what lets a resumed run regenerate exactly what the original would have.
+        seed = (self.cfg.train.seed * 1_000_003 + step * 1009 + rollout * 101 + self.rank) % (2 ** 31)
+        return SamplingParams(n=self.cfg.algorithm.num_generations, temperature=g.temperature, top_p=g.top_p,
+                              top_k=g.top_k, min_p=g.min_p, repetition_penalty=g.repetition_penalty,
+                              max_tokens=g.max_completion_length, min_tokens=g.min_new_tokens,
+                              stop_token_ids=self.stop_ids, seed=seed)
+
+    def _prompt_batches(self, step: int):
+        """The ``num_rollouts`` dataset batches (this rank's share) consumed by GRPO step ``step``."""
+        per_epoch = len(self.dataset)
+        for r in range(self.cfg.algorithm.num_rollouts):
+            k = step * self.cfg.algorithm.num_rollouts + r
+            yield r, self.dataset.batch(k // per_epoch, k % per_epoch)
+
+    def generate(self, step: int) -> Tuple[Experience, List[str], Dict[str, list]]:
+        """Generate G completions per local prompt, score them, and build the step's arrays."""
+        g, a = self.cfg.generation, self.cfg.algorithm
+        prompts, solutions, questions, index, completions = [], [], [], [], []
+        for r, batch in self._prompt_batches(step):
+            local = [list(map(int, ids[:n])) for ids, n in zip(batch["prompt_ids"], batch["prompt_length"])]
+            completions += self.sampler.generate(local, self._sampling_params(step, r))
+            prompts += local
+            solutions += list(batch["solution"])
+            questions += list(batch["question"])
+            index += [int(i) for i in batch["index"]]
+        G = a.num_generations
+        rep = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731
+        prompts_rep, solution_rep = rep(prompts), rep(solutions)
+        P = bucket(max(len(p) for p in prompts), PROMPT_BUCKET, None)
+        C = g.max_completion_length
+        prompt_ids, prompt_mask = left_pad(prompts_rep, P, self.pad_id)
+        comp_ids = right_pad([c.token_ids for c in completions], C, self.pad_id, np.int32)
+        present = right_pad([[1] * len(c.token_ids) for c in completions], C, 0, np.int32)
+        sampler_logp = right_pad([c.logprobs for c in completions], C, 0.0, np.float32)
+        truncated = np.array([c.finish_reason == "length" for c in completions])
+        texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        t0 = time.perf_counter()
+        total, per_fn = self.rewards(texts, solution_rep, question=rep(questions))
+        reward_time = time.perf_counter() - t0
+        mask = present.astype(np.float32)
+        if a.mask_truncated_completions:
+            mask[truncated] = 0.0
+        exp = Experience(
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=comp_ids, completion_mask=mask,
+            sampler_logp=sampler_logp, truncated=truncated, rewards=total.astype(np.float32),
+            reward_per_fn=np.stack([per_fn[k] for k in self.rewards.names], axis=1).astype(np.float32),
+            advantages=np.zeros(len(completions), np.float32), prompt_index=np.array(rep(index), np.int64),
+            extras={"completion_present": present})
+        exp.advantages = self._advantages(exp.rewards)
+        return exp, texts, {"reward_time": reward_time, "solutions": solution_rep, "prompts": prompts_rep}
+
+    def _advantages(self, local_rewards: np.ndarray) -> np.ndarray:
+        """Group-relative advantages computed on the GLOBAL batch, then this rank's slice."""
+        everything = comm.all_gather(local_rewards)
+        adv = group_advantages(everything, self.cfg.algorithm.num_generations, self.cfg.algorithm.scale_rewards)
+        n = len(local_rewards)
+        return np.asarray(adv, np.float32)[self.rank * n:(self.rank + 1) * n]
+
+    def replay(self, step: int) -> Experience:
+        """This rank's slice of a step recorded with --save_data_file."""
+        exp = load_experience(step_file(self.cfg.train.replay_data_file, step))
+        n = len(exp) // self.world
+        if n * self.world != len(exp) or len(exp) != self.samples_per_step:
+            raise MindRLHFError(f"replay file for step {step} has {len(exp)} completions but this run makes "
+                                f"{self.samples_per_step} per step over {self.world} ranks; use the same "
+                                f"chunk_size/num_rollouts/num_generations as the recording run")
+        return exp.rows(np.arange(self.rank * n, (self.rank + 1) * n))
+
+    # -- log-probs ------------------------------------------------------------------------------
+    def _ref_logp(self, input_ids, attention_mask, completion_ids):
+        return sequence_logprobs(self.ref_model, input_ids, attention_mask, completion_ids, self.updater.loss.temperature)
+
+    def _old_logp(self, input_ids, attention_mask, completion_ids):
+        return sequence_logprobs(self.policy, input_ids, attention_mask, completion_ids, self.updater.loss.temperature)
+
+    def _batched_logp(self, fn, exp: Experience) -> np.ndarray:
+        inputs = exp.train_inputs()
+        size = self._micro_size()
+        out = []
+        for s in range(0, len(exp), size):
+            sl = slice(s, s + size)
+            out.append(fn(ms.Tensor(inputs["input_ids"][sl]), ms.Tensor(inputs["attention_mask"][sl]),
+                          ms.Tensor(exp.completion_ids[sl])).asnumpy())
+        return np.concatenate(out)
+
+    def _micro_size(self) -> int:
+        a = self.cfg.algorithm
+        local_mb = (a.mini_batch_size or self.samples_per_step) // self.world
+        return a.micro_batch_size or local_mb
+
+    # -- update ---------------------------------------------------------------------------------
+    def train_on(self, exp: Experience) -> Dict[str, float]:
+        """num_iterations × mini-batches of optimizer steps on this step's experience."""
+        a, o = self.cfg.algorithm, self.cfg.optimizer
+        inputs = exp.train_inputs()
+        n_mb = self.mini_batches_per_step
+        zeros = np.zeros_like(exp.completion_mask)
+        old = exp.old_logp if exp.old_logp is not None else zeros
+        ref = exp.ref_logp if exp.ref_logp is not None else zeros
+        results = []
+        for _ in range(a.num_iterations):
+            for k in range(n_mb):
+                # Mini-batch k holds local rows j ≡ k (mod n_mb): the same global rows for any
+                # number of ranks, because each rank's share is a multiple of n_mb.
+                rows = np.arange(k, len(exp), n_mb)
+                num_tokens = float(comm.all_sum(np.array([exp.completion_mask[rows].sum()], np.float32))[0])
+                num_seqs = float(len(rows) * self.world)
+                size = self._micro_size()
+                micro = []
+                for s in range(0, len(rows), size):
+                    r = rows[s:s + size]
+                    micro.append({"input_ids": inputs["input_ids"][r], "attention_mask": inputs["attention_mask"][r],
+                                  "completion_ids": exp.completion_ids[r], "completion_mask": exp.completion_mask[r],
+                                  "advantages": exp.advantages[r], "old_logp": old[r], "ref_logp": ref[r]})
+                update_index = self.step * a.num_iterations * n_mb + len(results)
+                lr = lr_at(update_index, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
+                           total_steps=self.total_updates, schedule=o.lr_schedule)
+                self.updater.set_lr(lr)
+                res = self.updater.step(micro, num_tokens, num_seqs)
+                res["learning_rate"] = lr
+                self._count_nonfinite(res)
+                results.append(res)
+        return {k: float(np.mean([r[k] for r in results])) for k in results[0]}
+
+    def _count_nonfinite(self, res: Dict[str, float]) -> None:
+        if res["skipped"]:
+            self.skipped_updates += 1
+            self.consecutive_nonfinite += 1
+            limit = self.cfg.optimizer.max_consecutive_nonfinite
+            log.warning("non-finite loss or gradient (loss=%s, grad_norm=%s): update skipped", res["loss"], res["grad_norm"])
+            if self.consecutive_nonfinite >= limit:
+                raise MindRLHFError(
+                    f"{self.consecutive_nonfinite} consecutive updates had non-finite loss/gradients "
+                    f"(max_consecutive_nonfinite={limit}); lower lr, check the data, or use float32")
+        else:
+            self.consecutive_nonfinite = 0
+
+    # -- sync -----------------------------------------------------------------------------------
+    def sync_generator(self) -> None:
+        """Push the policy's new weights into the generator (nothing to do when they are shared)."""
+        if self.sampler_model is not self.policy:
+            self.sampler.load_weights(get_weights(self.policy))
+
+    def sync_reference(self) -> None:
+        """ref ← α·policy + (1−α)·ref (α = 1 copies)."""
+        alpha = self.cfg.algorithm.ref_model_mixup_alpha
+        ref_params = dict(self.ref_model.parameters_and_names())
+        for name, p in self.policy.parameters_and_names():
+            target = ref_params[name]
+            value = p.value().astype(target.dtype)
+            target.set_data(value if alpha == 1.0 else alpha * value + (1 - alpha) * target.value())
+        self.ref_synced = True
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        if not comm.is_main():
+            return
+        tensors = {"policy": dict(self.policy.parameters_and_names()), "optimizer": self.updater.optimizer_state()}
+        if self.ref_synced:
+            tensors["ref"] = dict(self.ref_model.parameters_and_names())
+        state = {"step": self.step, "consecutive_nonfinite": self.consecutive_nonfinite,
+                 "skipped_updates": self.skipped_updates, "ref_synced": self.ref_synced,
+                 "world_size": self.world, "reward_failures": dict(self.rewards.failures)}
+        self.ckpt.save(self.step, tensors, state, yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+
+    def resume(self, spec: str) -> None:
+        """Restore from ``spec`` ("latest" or a checkpoint folder)."""
+        if spec in ("latest", "auto"):
+            found = self.ckpt.latest_complete()
+            if found is None:
+                if self.ckpt.list_steps():
+                    raise MindRLHFError(f"no intact checkpoint in {self.ckpt.dir} (all are partial or corrupt); "
+                                        f"start without --resume or restore a checkpoint")
+                log.warning("--resume: no checkpoint in %s yet; starting from step 0", self.ckpt.dir)
+                return
+            path = found[1]
+        else:
+            path = Path(spec)
+            problem = CheckpointManager.verify(path)
+            if problem:
+                raise MindRLHFError(f"checkpoint {path} is unusable ({problem}); pass another one or --resume latest")
+        state = CheckpointManager.read_state(path)
+        load_parameters_into(dict(self.policy.parameters_and_names()), path / "policy.ckpt")
+        load_parameters_into(self.updater.optimizer_state(), path / "optimizer.ckpt")
+        if state.get("ref_synced"):
+            load_parameters_into(dict(self.ref_model.parameters_and_names()), path / "ref.ckpt")
+        self.step = int(state["step"])
+        self.consecutive_nonfinite = int(state["consecutive_nonfinite"])
+        self.skipped_updates = int(state["skipped_updates"])
+        self.ref_synced = bool(state.get("ref_synced"))
+        self.rewards.failures.update(state.get("reward_failures", {}))
+        self.sync_generator()
+        log.info("resumed from %s (step %d)", path, self.step)
+
+    # -- metrics --------------------------------------------------------------------------------
+    def _reward_metrics(self, exp: Experience) -> Dict[str, float]:
+        G = self.cfg.algorithm.num_generations
+        rewards = comm.all_gather(exp.rewards)
+        per_fn = comm.all_gather(exp.reward_per_fn)
+        groups = rewards.reshape(-1, G)
+        group_std = np.nanstd(groups, axis=1, ddof=1) if G > 1 else np.zeros(len(groups))
+        m = {"reward": float(np.nanmean(rewards)), "reward_std": float(np.nanmean(group_std)),
+             "frac_reward_zero_std": float(np.mean(np.nan_to_num(group_std) < 1e-8))}
+        for i, name in enumerate(self.rewards.names):
+            m[f"rewards/{name}/mean"] = float(np.nanmean(per_fn[:, i])) if np.isfinite(per_fn[:, i]).any() else math.nan
+            m[f"rewards/{name}/std"] = float(np.nanstd(per_fn[:, i])) if np.isfinite(per_fn[:, i]).any() else math.nan
+        lengths = comm.all_gather(exp.extras["completion_present"].sum(1).astype(np.float32))
+        truncated = comm.all_gather(exp.truncated.astype(np.float32))
+        m.update({"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+                  "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.mean())})
+        return m
+
+    def _dump_completions(self, step: int, texts: List[str], info, exp: Experience) -> None:
+        path = self.output_dir / f"completions_step_{step}.jsonl"
+        prompts = self.tokenizer.batch_decode(info["prompts"], skip_special_tokens=False)
+        with open(path, "w", encoding="utf-8") as f:
+            for i, text in enumerate(texts):
+                row = {"step": step, "prompt": prompts[i], "completion": text, "solution": info["solutions"][i],
+                       "reward": float(exp.rewards[i]), "advantage": float(exp.advantages[i]),
+                       "rewards": {n: float(exp.reward_per_fn[i, j]) for j, n in enumerate(self.rewards.names)}}
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+    # -- the loop -------------------------------------------------------------------------------
+    def train_one_step(self) -> Dict[str, float]:
+        """Run GRPO step ``self.step + 1``; returns its metrics."""
+        cfg, a, t = self.cfg, self.cfg.algorithm, self.cfg.train
+        step = self.step + 1
+        times = {}
+        t0 = time.perf_counter()
+        texts, info = None, None
+        if t.replay_data_file:
+            exp = self.replay(step)
+            times["time/generate"], times["time/reward"] = 0.0, 0.0
+        else:
+            exp, texts, info = self.generate(step)
+            times["time/reward"] = info["reward_time"]
+            times["time/generate"] = time.perf_counter() - t0 - info["reward_time"]
+        if t.save_data_file:
+            gathered = Experience(**{k: comm.all_gather(getattr(exp, k)) if k != "extras" and getattr(exp, k) is not None
+                                     else getattr(exp, k) for k in ("prompt_ids", "prompt_mask", "completion_ids",
+                                                                     "completion_mask", "sampler_logp", "truncated",
+                                                                     "rewards", "reward_per_fn", "advantages",
+                                                                     "prompt_index")},
+                                  extras={"completion_present": comm.all_gather(exp.extras["completion_present"])})
+            if comm.is_main():
+                save_experience(gathered, step_file(t.save_data_file, step))
+        t1 = time.perf_counter()
+        if a.beta > 0:
+            exp.ref_logp = self._batched_logp(self._ref_logp_fn, exp)
+        times["time/ref"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        if self.off_policy:
+            exp.old_logp = self._batched_logp(self._old_logp_fn, exp)
+        times["time/old_logp"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        train_metrics = self.train_on(exp)
+        times["time/train"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        self.sync_generator()
+        if cfg.algorithm.sync_ref_model and step % a.ref_model_sync_steps == 0:
+            self.sync_reference()
+        times["time/sync"] = time.perf_counter() - t1
+        self.step = step
+        metrics = self._reward_metrics(exp)
+        metrics.update(train_metrics)
+        if a.beta <= 0:
+            metrics.pop("kl", None)
+        metrics.pop("skipped", None)
+        metrics["skipped_updates"] = float(self.skipped_updates)
+        metrics["reward_fn_failures"] = float(sum(self.rewards.failures.values()))
+        metrics.update(times)
+        metrics["step_time"] = time.perf_counter() - t0
+        tokens = float(comm.all_sum(np.array([exp.extras["completion_present"].sum()], np.float32))[0])
+        metrics["tokens_per_second"] = tokens / max(metrics["step_time"], 1e-9)
+        if texts is not None and t.log_completions_steps and step % t.log_completions_steps == 0 and comm.is_main():
+            self._dump_completions(step, texts, info, exp)
+        return metrics
+
+    def train(self) -> List[Dict[str, float]]:
+        """Run until ``max_steps``; checkpoints every ``save_steps`` and at the end."""
+        t = self.cfg.train
+        if t.resume:
+            self.resume(t.resume)
+        logger = MetricsLogger(self.output_dir, comm.is_main(), t.tensorboard, resume_step=self.step)
+        history = []
+        bar = tqdm(total=t.max_steps, initial=self.step, desc="GRPO", unit="step",
+                   disable=not (t.progress_bar and comm.is_main()), dynamic_ncols=True)
+        try:
+            while self.step < t.max_steps:
+                metrics = self.train_one_step()
+                history.append(metrics)
+                if self.step % t.logging_steps == 0 or self.step == t.max_steps:
+                    logger.log(self.step, metrics)
+                    if comm.is_main():
+                        bar.write(console_line(self.step, metrics))
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics['reward']:.3f}", refresh=False)
+                if self.step % t.save_steps == 0 or self.step == t.max_steps:
+                    self.save_checkpoint()
+        finally:
+            bar.close()
+            logger.close()
+        return history

@@ -1,0 +1,135 @@
+"""Where per-step metrics go: a jsonl file, TensorBoard event files, and a one-line console summary.
+
+The TensorBoard writer encodes the few protobuf fields of a scalar ``Event`` by hand, inside the
+TFRecord framing (length, masked CRC32C), so no TensorFlow/TensorBoard package is needed to write.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import struct
+import time
+from pathlib import Path
+from typing import Dict, Mapping, Optional
+
+# -- CRC32C (Castagnoli), as TFRecord framing requires ---------------------------------------
+_CRC_TABLE = []
+for _i in range(256):
+    _c = _i
+    for _ in range(8):
+        _c = (_c >> 1) ^ 0x82F63B78 if _c & 1 else _c >> 1
+    _CRC_TABLE.append(_c)
+
+
+def crc32c(data: bytes) -> int:
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc = _CRC_TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def _masked_crc(data: bytes) -> int:
+    crc = crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+# -- minimal protobuf encoding ---------------------------------------------------------------
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _field_bytes(num: int, payload: bytes) -> bytes:
+    return _varint(num << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _scalar_event(wall_time: float, step: int, tag: str, value: float) -> bytes:
+    # Event{1: wall_time double, 2: step int64, 5: Summary{1: Value{1: tag, 2: simple_value float}}}
+    val = _field_bytes(1, tag.encode()) + _varint(2 << 3 | 5) + struct.pack("<f", value)
+    summary = _field_bytes(1, val)
+    return _varint(1 << 3 | 1) + struct.pack("<d", wall_time) + _varint(2 << 3 | 0) + _varint(step) + \
+        _field_bytes(5, summary)
+
+
+def _version_event(wall_time: float) -> bytes:
+    return _varint(1 << 3 | 1) + struct.pack("<d", wall_time) + _field_bytes(3, b"brain.Event:2")
+
+
+class TensorBoardWriter:
+    """Appends scalar summaries to ``<logdir>/events.out.tfevents.<time>.<host>``."""
+
+    def __init__(self, logdir: Path):
+        logdir.mkdir(parents=True, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+        self.path = logdir / name
+        self._f = open(self.path, "ab")
+        self._write(_version_event(time.time()))
+
+    def _write(self, record: bytes) -> None:
+        header = struct.pack("<Q", len(record))
+        self._f.write(header + struct.pack("<I", _masked_crc(header)) + record +
+                      struct.pack("<I", _masked_crc(record)))
+
+    def add_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        now = time.time()
+        for tag, value in scalars.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._write(_scalar_event(now, step, tag, float(value)))
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+CONSOLE_KEYS = (("reward", "reward"), ("reward_std", "std"), ("kl", "kl"), ("loss", "loss"),
+                ("grad_norm", "gnorm"), ("completions/mean_length", "len"), ("step_time", "s"))
+
+
+def console_line(step: int, metrics: Mapping[str, float]) -> str:
+    """``step 3 | reward 0.250 | std 0.433 | …`` with the headline metrics."""
+    parts = [f"step {step}"]
+    for key, short in CONSOLE_KEYS:
+        if key in metrics:
+            v = metrics[key]
+            parts.append(f"{short} {v:.4g}" if isinstance(v, float) and math.isfinite(v) else f"{short} {v}")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Writes metrics on the main rank only; other ranks get a no-op logger."""
+
+    def __init__(self, output_dir: Path, enabled: bool, tensorboard: bool, resume_step: int = 0):
+        self.enabled = enabled
+        self.jsonl_path = output_dir / "metrics.jsonl"
+        self.tb: Optional[TensorBoardWriter] = None
+        if not enabled:
+            return
+        output_dir.mkdir(parents=True, exist_ok=True)
+        if self.jsonl_path.exists():
+            # On resume keep only the steps the checkpoint covers: rows after it are redone.
+            kept = [line for line in self.jsonl_path.read_text(encoding="utf-8").splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            self.jsonl_path.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+        if tensorboard:
+            self.tb = TensorBoardWriter(output_dir / "tensorboard")
+
+    def log(self, step: int, metrics: Dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
+                                for k, v in metrics.items()}}
+        with open(self.jsonl_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            self.tb.add_scalars(step, metrics)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()

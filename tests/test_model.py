@@ -1,0 +1,104 @@
+"""Logits parity of our MindSpore decoder with transformers, and load_model's error handling."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import mindspore as ms
+
+from mindrlhf.errors import MindRLHFError
+from mindrlhf.models import DecoderConfig, load_model
+
+
+def _batch(vocab: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, (3, 12))
+    mask = np.ones((3, 12), np.int64)
+    mask[1, :4] = 0   # left padding
+    mask[2, 9:] = 0   # right padding
+    return ids, mask
+
+
+def _hf_logits(hf_dir, ids, mask):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    pos = np.clip(mask.cumsum(1) - 1, 0, None)
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                     position_ids=torch.tensor(pos)).logits.numpy()
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen2_dir", "tiny_llama_dir"])
+def test_logits_match_transformers_with_padding(fixture, request):
+    hf_dir = request.getfixturevalue(fixture)
+    cfg = DecoderConfig.from_file(hf_dir)
+    ids, mask = _batch(min(cfg.vocab_size, 20000))
+    ref = _hf_logits(hf_dir, ids, mask)
+    ours = load_model(hf_dir)(ms.Tensor(ids, ms.int32), ms.Tensor(mask, ms.int32)).asnumpy()
+    valid = mask.astype(bool)
+    assert ours.shape == ref.shape
+    assert np.abs(ours - ref)[valid].max() <= 1e-4
+    # logits_to_keep returns exactly the tail of the full logits
+    tail = load_model(hf_dir)(ms.Tensor(ids, ms.int32), ms.Tensor(mask, ms.int32), None, 5).asnumpy()
+    np.testing.assert_allclose(tail, ours[:, -5:], rtol=0, atol=1e-6)
+
+
+def test_llama3_rope_scaling_matches_transformers(tmp_path):
+    from tiny_models import make_tiny_llama
+
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}
+    hf_dir = make_tiny_llama(tmp_path / "llama3", rope_scaling=rope, max_position_embeddings=512,
+                             num_hidden_layers=2, seed=3)
+    cfg = DecoderConfig.from_file(hf_dir)
+    assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "llama3"
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, cfg.vocab_size, (2, 200))
+    mask = np.ones_like(ids)
+    ref = _hf_logits(hf_dir, ids, mask)
+    ours = load_model(hf_dir)(ms.Tensor(ids, ms.int32), ms.Tensor(mask, ms.int32)).asnumpy()
+    assert np.abs(ours - ref).max() <= 1e-4
+
+
+def test_float16_model_close_to_float32(tiny_qwen2_dir):
+    ids, mask = _batch(20000)
+    f32 = load_model(tiny_qwen2_dir)(ms.Tensor(ids, ms.int32), ms.Tensor(mask, ms.int32)).asnumpy()
+    fp16_model = load_model(tiny_qwen2_dir, dtype="fp16")
+    assert fp16_model.model.embed_tokens.weight.dtype == ms.float16
+    fp16 = fp16_model(ms.Tensor(ids, ms.int32), ms.Tensor(mask, ms.int32)).asnumpy()
+    assert fp16.dtype == np.float32
+    valid = mask.astype(bool)
+    # fp16 keeps ~3 significant digits: logits agree to a few thousandths of their scale.
+    assert np.abs(fp16 - f32)[valid].max() < 0.01 * np.abs(f32[valid]).max()
+    assert (fp16.argmax(-1) == f32.argmax(-1))[valid].mean() > 0.9
+
+
+def test_bfloat16_on_cpu_is_a_clear_error(tiny_qwen2_dir):
+    # MindSpore 2.10 has no bf16 MatMul/Gather kernels on CPU; the message says what to use.
+    with pytest.raises(MindRLHFError, match=r"bfloat16.*float32"):
+        load_model(tiny_qwen2_dir, dtype="bf16")
+
+
+def test_load_model_errors_name_the_file(tmp_path, tiny_llama_dir):
+    with pytest.raises(MindRLHFError, match="config.json"):
+        load_model(tmp_path)  # empty dir
+    bad = tmp_path / "bad_type"
+    shutil.copytree(tiny_llama_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["model_type"] = "gpt_neox"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(MindRLHFError, match=r"gpt_neox.*supported"):
+        load_model(bad)
+    wrong = tmp_path / "wrong_shape"
+    shutil.copytree(tiny_llama_dir, wrong)
+    cfg = json.loads((wrong / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (wrong / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(MindRLHFError, match=r"mlp\..*shape"):
+        load_model(wrong)
+    with pytest.raises(MindRLHFError, match="unsupported dtype 'int8'"):
+        load_model(tiny_llama_dir, dtype="int8")
