@@ -125,8 +125,9 @@ class GenerationConfig:
     """Sampling of completions (the generator / rollout side)."""
 
     max_prompt_length: int = config_field(
-        256, "Prompt tokens (after the chat template), left-padded to this length in a batch; longer prompts "
-        "are truncated from the left. Prompt + completion must fit the model's context length. Range >= 1.",
+        256, "Longest prompt (tokens, after the chat template) the job accepts; the dataset must have been "
+        "built with rlhf_data.py --max_prompt_length <= this (prompts are never truncated). Prompt + "
+        "completion must fit the model's context length. Range >= 1.",
         ge=1)
     max_completion_length: int = config_field(
         128, "Maximum new tokens per completion; a completion reaching it without a stop token is "

@@ -91,3 +91,9 @@ def grad_reducer(parameters, enabled: Optional[bool] = None):
     from mindspore import nn
 
     return nn.DistributedGradReducer(parameters, mean=False, degree=world_size())
+
+
+def barrier() -> None:
+    """Wait until every rank gets here (a tiny all-reduce; no-op on one process)."""
+    if world_size() > 1:
+        all_sum(np.zeros(1, np.float32))

@@ -47,7 +47,7 @@ class GRPOTrainer:
         self.policy, self.tokenizer, self.dataset = policy, tokenizer, dataset
         self.rank, self.world = comm.rank(), comm.world_size()
         self.output_dir = Path(t.output_dir)
-        self.ckpt = CheckpointManager(t.save_ckpt_dir or str(self.output_dir / "checkpoints"), t.keep_last)
+        self.ckpt = CheckpointManager(cfg.checkpoint_dir, t.keep_last)
         self.sampler_model = sampler_model if sampler_model is not None else policy
         self.sampler = NativeSampler(self.sampler_model, jit=cfg.parallel.jit)
         self.ref_model = ref_model
@@ -55,8 +55,7 @@ class GRPOTrainer:
             raise MindRLHFError("beta > 0 needs a reference model; the trainer was built without one")
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = list(g.stop_token_ids) or list(tokenizer.stop_token_ids)
-        self.total_updates = t.max_steps * a.num_iterations * self.mini_batches_per_step
-        self.off_policy = a.num_iterations > 1 or self.mini_batches_per_step > 1
+        self.off_policy = cfg.needs_old_logprobs
         self.updater = PolicyUpdater(
             policy, LossSettings(a.loss_type, a.loss_agg_mode, a.epsilon_low, a.epsilon_high, a.beta,
                                  a.kl_estimator, g.max_completion_length, g.temperature if g.temperature > 0 else 1.0,
@@ -70,17 +69,6 @@ class GRPOTrainer:
         self.consecutive_nonfinite = 0
         self.skipped_updates = 0
         self.ref_synced = False
-
-    # -- sizes ---------------------------------------------------------------------------------
-    @property
-    def samples_per_step(self) -> int:
-        a = self.cfg.algorithm
-        return a.chunk_size * a.num_rollouts * a.num_generations
-
-    @property
-    def mini_batches_per_step(self) -> int:
-        mbs = self.cfg.algorithm.mini_batch_size or self.samples_per_step
-        return self.samples_per_step // mbs
 
     # -- rollout ----------------------------------------------------------------------------------
     def _sampling_params(self, step: int, rollout: int) -> SamplingParams:
@@ -148,9 +136,9 @@ class GRPOTrainer:
         """This rank's slice of a step recorded with --save_data_file."""
         exp = load_experience(step_file(self.cfg.train.replay_data_file, step))
         n = len(exp) // self.world
-        if n * self.world != len(exp) or len(exp) != self.samples_per_step:
+        if n * self.world != len(exp) or len(exp) != self.cfg.completions_per_step:
             raise MindRLHFError(f"replay file for step {step} has {len(exp)} completions but this run makes "
-                                f"{self.samples_per_step} per step over {self.world} ranks; use the same "
+                                f"{self.cfg.completions_per_step} per step over {self.world} ranks; use the same "
                                 f"chunk_size/num_rollouts/num_generations as the recording run")
         return exp.rows(np.arange(self.rank * n, (self.rank + 1) * n))
 
@@ -172,19 +160,22 @@ class GRPOTrainer:
         return np.concatenate(out)
 
     def _micro_size(self) -> int:
-        a = self.cfg.algorithm
-        local_mb = (a.mini_batch_size or self.samples_per_step) // self.world
-        return a.micro_batch_size or local_mb
+        """Completions per forward/backward on this rank."""
+        return self.cfg.micro_batch_completions
 
     # -- update ---------------------------------------------------------------------------------
     def train_on(self, exp: Experience) -> Dict[str, float]:
         """num_iterations × mini-batches of optimizer steps on this step's experience."""
         a, o = self.cfg.algorithm, self.cfg.optimizer
         inputs = exp.train_inputs()
-        n_mb = self.mini_batches_per_step
+        n_mb = self.cfg.mini_batches_per_step
         zeros = np.zeros_like(exp.completion_mask)
         old = exp.old_logp if exp.old_logp is not None else zeros
         ref = exp.ref_logp if exp.ref_logp is not None else zeros
+        # The schedule advances once per GRPO step (warmup_steps counts steps, not updates).
+        lr = lr_at(self.step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
+                   total_steps=self.cfg.train.max_steps, schedule=o.lr_schedule)
+        self.updater.set_lr(lr)
         results = []
         for _ in range(a.num_iterations):
             for k in range(n_mb):
@@ -200,10 +191,6 @@ class GRPOTrainer:
                     micro.append({"input_ids": inputs["input_ids"][r], "attention_mask": inputs["attention_mask"][r],
                                   "completion_ids": exp.completion_ids[r], "completion_mask": exp.completion_mask[r],
                                   "advantages": exp.advantages[r], "old_logp": old[r], "ref_logp": ref[r]})
-                update_index = self.step * a.num_iterations * n_mb + len(results)
-                lr = lr_at(update_index, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
-                           total_steps=self.total_updates, schedule=o.lr_schedule)
-                self.updater.set_lr(lr)
                 res = self.updater.step(micro, num_tokens, num_seqs)
                 res["learning_rate"] = lr
                 self._count_nonfinite(res)

@@ -62,8 +62,11 @@ class PolicyUpdater:
         self.loss = loss
         self.max_grad_norm = max_grad_norm
         self.params = model.trainable_params()
-        self.optimizer = nn.AdamWeightDecay(self.params, learning_rate=Tensor(np.float32(lr)), beta1=betas[0], beta2=betas[1],
-                                            eps=eps, weight_decay=weight_decay)
+        # Decay matrices only: biases and norm scales (1-D) are not weight-decayed.
+        groups = [{"params": [p for p in self.params if len(p.shape) >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in self.params if len(p.shape) < 2], "weight_decay": 0.0}]
+        self.optimizer = nn.AdamWeightDecay(groups, learning_rate=Tensor(np.float32(lr)), beta1=betas[0],
+                                            beta2=betas[1], eps=eps)
         self.reducer = comm.grad_reducer(self.params)
         grad_fn = ms.value_and_grad(self._loss_fn, None, self.optimizer.parameters, has_aux=True)
         self._grad_fn = ms.jit(grad_fn) if jit else grad_fn
