@@ -1,0 +1,19 @@
+"""Convert GSM8K (or another JSONL math set) into the prompt mindrecord used by GRPO training.
+
+    python examples/grpo/qwen_grpo_tutorial/rlhf_data.py --vocab_path vocab.json \\
+        --merges_file_path merges.txt --file_path gsm8k/train.jsonl --output_path gsm8k_train.mindrecord
+
+All options: ``--help``; the work is done by ``mindrlhf.data.rlhf_data``.
+"""
+import sys
+from pathlib import Path
+
+try:
+    import mindrlhf  # noqa: F401
+except ImportError:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from mindrlhf.data.rlhf_data import main
+
+if __name__ == "__main__":
+    sys.exit(main())

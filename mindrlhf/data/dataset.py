@@ -1,0 +1,127 @@
+"""Deterministic, resumable, shardable reader of the prompt mindrecord.
+
+Batch order is a pure function of ``(seed, epoch, step)``: each epoch shuffles all rows with a
+numpy Generator seeded by ``(seed, epoch)``; global batch ``k`` is ``perm[k*B:(k+1)*B]`` and data
+parallel shard ``r`` of ``N`` takes the contiguous slice ``[r*B/N, (r+1)*B/N)`` of it. So the global
+batch does not depend on ``N``, and resuming at ``(epoch, step)`` recomputes the position directly
+instead of replaying the stream.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Iterator, List, Tuple, Union
+
+import numpy as np
+
+from mindrlhf.errors import MindRLHFError
+
+
+class PromptDataset:
+    """Prompts of a mindrecord written by ``mindrlhf.data.rlhf_data``, held in memory.
+
+    ``batch_size`` is the GLOBAL number of prompts per step (all shards together); it must be
+    divisible by ``num_shards``. With ``drop_last=False`` the last, shorter batch of an epoch is
+    kept and split across shards as evenly as possible (shard sizes may then differ by one).
+    """
+
+    def __init__(
+        self,
+        path: Union[str, os.PathLike],
+        batch_size: int,
+        seed: int = 0,
+        shard_id: int = 0,
+        num_shards: int = 1,
+        drop_last: bool = True,
+    ) -> None:
+        if num_shards < 1 or not 0 <= shard_id < num_shards:
+            raise MindRLHFError(f"shard_id {shard_id} is outside [0, num_shards={num_shards}); pass 0 <= shard_id < num_shards")
+        if batch_size < 1 or batch_size % num_shards:
+            raise MindRLHFError(
+                f"global batch_size {batch_size} is not a positive multiple of num_shards {num_shards}; "
+                "choose a batch size divisible by the number of data-parallel shards"
+            )
+        self.path = str(path)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shard_id = shard_id
+        self.num_shards = num_shards
+        self.drop_last = drop_last
+        self.prompt_ids, self.prompt_length, self.solution, self.question = self._load(self.path)
+        self._perm: Tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))
+        if drop_last and self.num_rows < batch_size:
+            raise MindRLHFError(
+                f"{self.path} has {self.num_rows} rows, fewer than batch_size {batch_size}; lower the batch size"
+            )
+
+    @staticmethod
+    def _load(path: str) -> Tuple[np.ndarray, np.ndarray, List[str], List[str]]:
+        if not os.path.isfile(path):
+            raise MindRLHFError(f"prompt mindrecord not found: {path}; create it with python -m mindrlhf.data.rlhf_data")
+        if not os.path.isfile(path + ".db"):
+            raise MindRLHFError(f"{path}.db (the mindrecord index) is missing; keep it next to {path} or re-run the converter")
+        from mindspore.mindrecord import FileReader  # lazy: importing mindspore takes seconds
+
+        # One consumer keeps the rows in file order, so a row id is its position in the file.
+        reader = FileReader(path, num_consumer=1, columns=["prompt_ids", "prompt_length", "solution", "question"])
+        try:
+            rows = list(reader.get_next())
+        finally:
+            reader.close()
+        if not rows:
+            raise MindRLHFError(f"{path} holds no rows; re-run the converter on a non-empty dataset")
+        prompt_ids = np.stack([np.asarray(row["prompt_ids"], dtype=np.int32) for row in rows])
+        lengths = np.array([int(row["prompt_length"]) for row in rows], dtype=np.int32)
+        return prompt_ids, lengths, [str(row["solution"]) for row in rows], [str(row["question"]) for row in rows]
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in the file."""
+        return len(self.solution)
+
+    @property
+    def max_prompt_length(self) -> int:
+        """Padded prompt length ``L`` of ``prompt_ids``."""
+        return int(self.prompt_ids.shape[1])
+
+    def __len__(self) -> int:
+        """Steps (global batches) per epoch."""
+        full, rest = divmod(self.num_rows, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """Row order of ``epoch`` (the same on every shard)."""
+        if self._perm[0] != epoch:  # consecutive steps share the epoch: shuffle once per epoch
+            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.num_rows))
+        return self._perm[1]
+
+    def global_indices(self, epoch: int, step: int) -> np.ndarray:
+        """Row ids of global batch ``step`` of ``epoch`` (all shards)."""
+        if epoch < 0 or not 0 <= step < len(self):
+            raise MindRLHFError(f"(epoch {epoch}, step {step}) is out of range; steps per epoch are 0..{len(self) - 1}")
+        return self.permutation(epoch)[step * self.batch_size:(step + 1) * self.batch_size]
+
+    def batch(self, epoch: int, step: int) -> Dict[str, Any]:
+        """This shard's part of global batch ``step`` of ``epoch``.
+
+        Keys: ``prompt_ids`` (b, L) int32, ``prompt_length`` (b,) int32, ``solution`` / ``question``
+        (lists of str) and ``index`` (b,) int64 row ids in the file.
+        """
+        rows = self.global_indices(epoch, step)
+        size = len(rows)
+        index = rows[self.shard_id * size // self.num_shards:(self.shard_id + 1) * size // self.num_shards]
+        return {
+            "prompt_ids": self.prompt_ids[index],
+            "prompt_length": self.prompt_length[index],
+            "solution": [self.solution[i] for i in index],
+            "question": [self.question[i] for i in index],
+            "index": index.astype(np.int64),
+        }
+
+    def iter_from(self, epoch: int = 0, step: int = 0) -> Iterator[Tuple[int, int, Dict[str, Any]]]:
+        """Yield ``(epoch, step, batch)`` from the given position on, across epochs, forever."""
+        self.global_indices(epoch, step)  # validate the start before the first yield
+        while True:
+            while step < len(self):
+                yield epoch, step, self.batch(epoch, step)
+                step += 1
+            epoch, step = epoch + 1, 0

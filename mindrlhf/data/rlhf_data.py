@@ -1,0 +1,301 @@
+"""Convert a JSONL question/answer file (GSM8K, OpenR1-Math, generic) into a prompt mindrecord.
+
+    python -m mindrlhf.data.rlhf_data --vocab_path VOCAB --merges_file_path MERGES \\
+        --file_path gsm8k/train.jsonl --output_path gsm8k_train.mindrecord
+
+Each written row: ``prompt_ids`` (int32, padded with the pad id to ``max_prompt_length``),
+``prompt_length`` (int32), ``solution`` (the final answer, string) and ``question`` (string).
+Bad rows are skipped and reported with their 1-based line number and reason; a prompt that does
+not fit ``max_prompt_length`` is skipped, never truncated. Blank lines are ignored. The output
+depends only on the input, the tokenizer and the options: the same output file name gives a
+byte-identical ``.mindrecord`` and ``.mindrecord.db`` (MindRecord stores the file name, not a time).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+from tqdm import tqdm
+
+from mindrlhf.data.gsm8k import DEFAULT_SYSTEM_PROMPT, build_prompt, extract_gsm8k_solution
+from mindrlhf.errors import MindRLHFError
+from mindrlhf.tokenizer import Tokenizer
+from mindrlhf.utils.cli import run_cli
+
+# (question field, answer field) per dataset type; --question_field / --answer_field override them.
+DATASET_FIELDS: Dict[str, Tuple[str, str]] = {
+    "gsm8k": ("question", "answer"),
+    "openr1math": ("problem", "answer"),
+    "generic": ("question", "answer"),
+}
+REASONS: Dict[str, str] = {
+    "malformed_json": "malformed JSON",
+    "missing_field": "missing field",
+    "no_final_answer": "no final answer",
+    "prompt_too_long": "prompt too long",
+}
+# MindRecord's defaults (16 MB header, 32 MB pages) preallocate far more than a prompt file needs.
+_HEADER_SIZE = 1 << 18
+_PAGE_SIZE = 1 << 20
+_CHUNK = 256  # rows per tokenizer batch (and per progress-bar update)
+
+
+@dataclass
+class SkippedRow:
+    """One input line that was not written."""
+
+    line: int
+    reason: str  # a key of REASONS
+    detail: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: skipped ({REASONS[self.reason]}): {self.detail}"
+
+
+@dataclass
+class ConversionReport:
+    """What a conversion read, wrote and skipped."""
+
+    input_path: str
+    output_path: Optional[str]
+    rows_read: int = 0
+    rows_written: int = 0
+    skipped: List[SkippedRow] = field(default_factory=list)
+
+    def skipped_by_reason(self) -> Dict[str, int]:
+        """Number of skipped rows per reason key."""
+        return dict(Counter(row.reason for row in self.skipped))
+
+    def summary(self) -> str:
+        """One line: rows read, written and skipped by reason."""
+        counts = self.skipped_by_reason()
+        reasons = ", ".join(f"{REASONS[key]}: {counts[key]}" for key in REASONS if key in counts)
+        skipped = f"{len(self.skipped)} skipped" + (f" ({reasons})" if reasons else "")
+        target = self.output_path or "nothing written"
+        return f"{self.input_path}: {self.rows_read} rows read, {self.rows_written} written, {skipped} -> {target}"
+
+
+def _final_answer(value: object, dataset_type: str) -> Tuple[Optional[str], str]:
+    """(solution, why-not) for an answer value."""
+    text = str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+    if not isinstance(text, str):
+        return None, f"answer is a {type(value).__name__}, not a string"
+    if dataset_type == "gsm8k":
+        solution = extract_gsm8k_solution(text)
+        if solution is None:
+            return None, "answer has no '####' marker"
+        return (solution, "") if solution else (None, "nothing after '####'")
+    # openr1math / generic: the field already holds the final answer.
+    solution = text.strip()
+    return (solution, "") if solution else (None, "answer is empty")
+
+
+def read_rows(
+    path: Path, dataset_type: str, question_field: str, answer_field: str
+) -> Tuple[List[Tuple[int, str, str]], List[SkippedRow], int]:
+    """Parse a JSONL file into ``(line, question, solution)`` rows, skipped rows and the count of rows read."""
+    rows: List[Tuple[int, str, str]] = []
+    skipped: List[SkippedRow] = []
+    read = 0
+    with open(path, "rb") as handle:
+        for line_no, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            read += 1
+            try:
+                record = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                skipped.append(SkippedRow(line_no, "malformed_json", str(err)))
+                continue
+            if not isinstance(record, dict):
+                skipped.append(SkippedRow(line_no, "malformed_json", f"a JSON {type(record).__name__}, not an object"))
+                continue
+            question = record.get(question_field)
+            if not isinstance(question, str) or not question.strip():
+                skipped.append(SkippedRow(line_no, "missing_field", f"no non-empty string field '{question_field}'"))
+                continue
+            if record.get(answer_field) is None:
+                skipped.append(SkippedRow(line_no, "missing_field", f"no field '{answer_field}'"))
+                continue
+            solution, why = _final_answer(record[answer_field], dataset_type)
+            if solution is None:
+                skipped.append(SkippedRow(line_no, "no_final_answer", why))
+                continue
+            rows.append((line_no, question, solution))
+    return rows, skipped, read
+
+
+def _write_mindrecord(output: Path, prompt_ids: np.ndarray, lengths: List[int], solutions: List[str],
+                      questions: List[str], overwrite: bool) -> None:
+    from mindspore.mindrecord import FileWriter  # lazy: importing mindspore takes seconds
+
+    writer = FileWriter(str(output), shard_num=1, overwrite=overwrite)
+    writer.set_header_size(_HEADER_SIZE)
+    writer.set_page_size(_PAGE_SIZE)
+    schema = {
+        "prompt_ids": {"type": "int32", "shape": [prompt_ids.shape[1]]},
+        "prompt_length": {"type": "int32"},
+        "solution": {"type": "string"},
+        "question": {"type": "string"},
+    }
+    writer.add_schema(schema, "mindrlhf prompts")
+    for start in range(0, len(lengths), 1000):
+        writer.write_raw_data([
+            {"prompt_ids": prompt_ids[i], "prompt_length": np.int32(lengths[i]),
+             "solution": solutions[i], "question": questions[i]}
+            for i in range(start, min(start + 1000, len(lengths)))
+        ])
+    writer.commit()
+
+
+def convert_to_mindrecord(
+    file_path: str,
+    output_path: str,
+    tokenizer: Tokenizer,
+    max_prompt_length: int = 256,
+    dataset_type: str = "gsm8k",
+    question_field: Optional[str] = None,
+    answer_field: Optional[str] = None,
+    system_prompt: Optional[str] = DEFAULT_SYSTEM_PROMPT,
+    use_chat_template: bool = True,
+    strict: bool = False,
+    overwrite: bool = False,
+    show_progress: bool = True,
+) -> ConversionReport:
+    """Convert ``file_path`` (JSONL) into the prompt mindrecord ``output_path``; return the report.
+
+    With ``strict``, nothing is written when any row is skipped (``report.output_path`` is None).
+    Only ``output_path`` and ``output_path + ".db"`` are ever written.
+    """
+    source, output = Path(file_path), Path(output_path)
+    if dataset_type not in DATASET_FIELDS:
+        raise MindRLHFError(f"--dataset_type {dataset_type!r} is unknown; use one of {', '.join(DATASET_FIELDS)}")
+    if not source.is_file():
+        raise MindRLHFError(f"input file not found: {source}; pass a JSONL file with --file_path")
+    if max_prompt_length < 1:
+        raise MindRLHFError(f"--max_prompt_length {max_prompt_length} must be >= 1")
+    if output.resolve() == source.resolve():
+        raise MindRLHFError(f"--output_path {output} is the input file; choose another output path")
+    db_path = Path(str(output) + ".db")
+    if (output.exists() or db_path.exists()) and not overwrite:
+        raise MindRLHFError(f"output {output} already exists; pass --overwrite or choose another --output_path")
+    if output.is_dir():
+        raise MindRLHFError(f"--output_path {output} is a directory; pass a file name such as {output}/prompts.mindrecord")
+    if use_chat_template and not tokenizer.has_chat_template:
+        raise MindRLHFError(
+            f"the tokenizer from {tokenizer.source} has no chat_template; pass --tokenizer_config with the model's "
+            "tokenizer_config.json, or --no_chat_template for raw questions"
+        )
+    default_q, default_a = DATASET_FIELDS[dataset_type]
+    rows, skipped, read = read_rows(source, dataset_type, question_field or default_q, answer_field or default_a)
+
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        raise MindRLHFError(f"the tokenizer from {tokenizer.source} has neither pad_token nor eos_token; fix tokenizer_config.json")
+    kept_ids: List[List[int]] = []
+    kept: List[Tuple[int, str, str]] = []
+    with tqdm(total=len(rows), desc="tokenizing", unit="row", disable=not show_progress, file=sys.stderr) as bar:
+        for start in range(0, len(rows), _CHUNK):
+            chunk = rows[start:start + _CHUNK]
+            prompts = [build_prompt(q, tokenizer, system_prompt, use_chat_template) for _, q, _ in chunk]
+            for row, ids in zip(chunk, tokenizer.encode_batch(prompts)):
+                if len(ids) > max_prompt_length:
+                    skipped.append(SkippedRow(row[0], "prompt_too_long",
+                                              f"{len(ids)} tokens > --max_prompt_length {max_prompt_length}"))
+                else:
+                    kept_ids.append(ids)
+                    kept.append(row)
+            bar.update(len(chunk))
+    skipped.sort(key=lambda row: row.line)
+    report = ConversionReport(str(source), None, rows_read=read, skipped=skipped)
+    if strict and skipped:
+        return report
+    if not kept:
+        raise MindRLHFError(f"no usable rows in {source} ({report.summary()}); check --dataset_type and the field names")
+
+    prompt_ids = np.full((len(kept), max_prompt_length), pad_id, dtype=np.int32)
+    for i, ids in enumerate(kept_ids):
+        prompt_ids[i, :len(ids)] = ids
+    if not output.parent.exists():
+        output.parent.mkdir(parents=True)
+    _write_mindrecord(output, prompt_ids, [len(ids) for ids in kept_ids], [r[2] for r in kept], [r[1] for r in kept],
+                      overwrite)
+    report.output_path = str(output)
+    report.rows_written = len(kept)
+    return report
+
+
+def load_tokenizer(vocab_path: Optional[str], merges_file_path: Optional[str], tokenizer_config: Optional[str],
+                   tokenizer_dir: Optional[str]) -> Tokenizer:
+    """The tokenizer from a folder, or from vocab + merges (config: given, else the one next to the vocab)."""
+    if tokenizer_dir:
+        if vocab_path or merges_file_path:
+            raise MindRLHFError("pass either --tokenizer_dir or --vocab_path/--merges_file_path, not both")
+        return Tokenizer.from_dir(tokenizer_dir)
+    if not vocab_path or not merges_file_path:
+        raise MindRLHFError("no tokenizer given; pass --vocab_path and --merges_file_path, or --tokenizer_dir")
+    if tokenizer_config is None:
+        beside = Path(vocab_path).parent / "tokenizer_config.json"
+        tokenizer_config = str(beside) if beside.is_file() else None
+    return Tokenizer.from_files(vocab_path, merges_file_path, tokenizer_config)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line options of the converter."""
+    parser = argparse.ArgumentParser(description="Convert a JSONL math dataset into a prompt mindrecord for GRPO.")
+    parser.add_argument("--vocab_path", help="tokenizer vocab.json")
+    parser.add_argument("--merges_file_path", help="tokenizer merges.txt")
+    parser.add_argument("--tokenizer_config", default=None,
+                        help="tokenizer_config.json with the chat template (default: the one next to --vocab_path)")
+    parser.add_argument("--tokenizer_dir", default=None,
+                        help="Hugging Face tokenizer folder, instead of --vocab_path/--merges_file_path")
+    parser.add_argument("--file_path", required=True, help="input JSONL file, one JSON object per line")
+    parser.add_argument("--output_path", required=True, help="output .mindrecord file (a .db index is written beside it)")
+    parser.add_argument("--max_prompt_length", type=int, default=256,
+                        help="prompt ids are padded to this length; longer prompts are skipped (default: 256)")
+    parser.add_argument("--dataset_type", choices=sorted(DATASET_FIELDS), default="gsm8k",
+                        help="gsm8k: question/answer with '#### N'; openr1math: problem/answer (the final answer); "
+                             "generic: --question_field/--answer_field, the answer taken as is")
+    parser.add_argument("--question_field", default=None, help="JSON field holding the question (overrides the type's)")
+    parser.add_argument("--answer_field", default=None, help="JSON field holding the answer (overrides the type's)")
+    parser.add_argument("--system_prompt", default=DEFAULT_SYSTEM_PROMPT,
+                        help="system message of the chat prompt; '' for none (default: the <think>/<answer> format prompt)")
+    parser.add_argument("--no_chat_template", action="store_true", help="use the raw question as the prompt")
+    parser.add_argument("--strict", action="store_true", help="exit 1 without writing when any row is skipped")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    parser.add_argument("--no_progress", action="store_true", help="hide the progress bar")
+    return parser
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    args = build_parser().parse_args(argv)
+    tokenizer = load_tokenizer(args.vocab_path, args.merges_file_path, args.tokenizer_config, args.tokenizer_dir)
+    report = convert_to_mindrecord(
+        args.file_path, args.output_path, tokenizer,
+        max_prompt_length=args.max_prompt_length, dataset_type=args.dataset_type,
+        question_field=args.question_field, answer_field=args.answer_field,
+        system_prompt=args.system_prompt, use_chat_template=not args.no_chat_template,
+        strict=args.strict, overwrite=args.overwrite, show_progress=not args.no_progress,
+    )
+    for row in report.skipped:
+        print(row, file=sys.stderr)
+    print(report.summary())
+    if args.strict and report.skipped:
+        print(f"error: --strict: {len(report.skipped)} rows skipped; nothing written", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point: run the converter; user errors print ``error: ...`` and return 2."""
+    return run_cli(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
