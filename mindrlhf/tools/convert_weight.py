@@ -1,0 +1,268 @@
+"""Convert Hugging Face Qwen2 / Qwen2.5 / Llama weights to a MindSpore checkpoint, and back.
+
+HF → MindSpore::
+
+    python mindrlhf/tools/convert_weight.py --model qwen2_5 --input_path HF_DIR \\
+        --output_path OUT.ckpt|OUT.safetensors --dtype bf16 [--config_path overrides.yaml]
+
+writes the checkpoint and, next to it, ``config.json`` (the HF config with its dtype updated and
+the overrides applied), which is what ``mindrlhf.checkpoint.load_weights`` reads back.
+
+MindSpore → HF (``--reverse``)::
+
+    python mindrlhf/tools/convert_weight.py --reverse --input_path OUT.ckpt --output_path HF_OUT_DIR
+
+writes ``config.json``, ``model.safetensors`` (sharded with an index above ``--max_shard_size``)
+and copies ``generation_config.json`` and tokenizer files found next to the checkpoint.
+
+Parameter names are the HF names on both sides, so conversion is a dtype cast plus a container
+change; every tensor's shape is checked against the config first. Nothing is ever written into
+the input directory, and existing outputs are only replaced with ``--overwrite``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+if __package__ in (None, ""):  # run as a file: make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from mindrlhf.checkpoint import hf_io  # noqa: E402
+from mindrlhf.errors import MindRLHFError  # noqa: E402
+from mindrlhf.utils.cli import run_cli  # noqa: E402
+
+# --model value -> HF config model_type
+MODEL_TYPES = {"qwen2_5": "qwen2", "qwen2": "qwen2", "llama": "llama"}
+# keys a --config_path file may set even when config.json lacks them (HF defaults otherwise)
+OVERRIDABLE_EXTRA_KEYS = frozenset({
+    "head_dim", "num_key_value_heads", "attention_bias", "mlp_bias", "tie_word_embeddings",
+    "rope_theta", "rope_scaling", "rope_parameters", "rms_norm_eps", "max_position_embeddings",
+    "sliding_window", "use_sliding_window", "max_window_layers", "hidden_act",
+    "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype",
+})
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "chat_template.jinja")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface."""
+    p = argparse.ArgumentParser(
+        prog="convert_weight",
+        description="Convert Hugging Face Qwen2/Qwen2.5/Llama safetensors to a MindSpore checkpoint "
+                    "(.ckpt or .safetensors), or back with --reverse.")
+    p.add_argument("--model", default=None,
+                   help="model family: qwen2_5, qwen2 or llama; must agree with model_type in config.json "
+                        "(default: taken from config.json)")
+    p.add_argument("--input_path", required=True,
+                   help="HF model directory (config.json + *.safetensors); with --reverse a MindSpore "
+                        ".ckpt/.safetensors file with config.json (or <stem>.config.json) next to it")
+    p.add_argument("--output_path", required=True,
+                   help="MindSpore checkpoint file ending in .ckpt or .safetensors; with --reverse the HF "
+                        "output directory")
+    p.add_argument("--dtype", default=None,
+                   help="dtype of the written weights: bf16|bfloat16, fp16|float16, fp32|float32 "
+                        "(default: the torch_dtype/dtype in the config, else fp32)")
+    p.add_argument("--config_path", default=None,
+                   help="optional YAML/JSON mapping whose keys override config.json values (flat HF keys, "
+                        "e.g. rms_norm_eps: 1.0e-6); the result is written next to the output")
+    p.add_argument("--reverse", action="store_true",
+                   help="export a MindSpore checkpoint back to a Hugging Face directory")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace existing output files instead of refusing")
+    p.add_argument("--max_shard_size", default="2GB",
+                   help="--reverse only: max size of one model-XXXXX-of-YYYYY.safetensors shard, "
+                        "e.g. 2GB, 500MB (default: 2GB)")
+    p.add_argument("--no_progress", action="store_true", help="do not show the progress bar")
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+def _parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", str(text), flags=re.IGNORECASE)
+    if not m:
+        raise MindRLHFError(f"--max_shard_size {text!r} is not a size; use e.g. 2GB or 500MB")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}[unit]
+    size = int(float(m.group(1)) * scale)
+    if size <= 0:
+        raise MindRLHFError(f"--max_shard_size {text!r} must be positive; use e.g. 2GB")
+    return size
+
+
+def _human(nbytes: int) -> str:
+    size = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
+        size /= 1024
+    return f"{size:.1f} TiB"  # pragma: no cover
+
+
+def _apply_overrides(config: Dict[str, Any], config_path: Optional[str]) -> Tuple[Dict[str, Any], str]:
+    """Apply a --config_path file to ``config``; return it and a label naming the config source(s)."""
+    if not config_path:
+        return config, ""
+    import yaml
+
+    path = Path(config_path)
+    if not path.is_file():
+        raise MindRLHFError(f"--config_path {path}: file not found; pass a YAML/JSON file of config.json overrides")
+    try:
+        overrides = yaml.safe_load(path.read_text(encoding="utf-8"))  # JSON is YAML too
+    except (OSError, yaml.YAMLError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise MindRLHFError(f"--config_path {path}: cannot parse ({first}); fix the YAML/JSON syntax") from None
+    if overrides is None:
+        overrides = {}
+    if not isinstance(overrides, dict):
+        raise MindRLHFError(f"--config_path {path}: expected a mapping of config.json keys to values, "
+                            f"got {type(overrides).__name__}")
+    unknown = sorted(str(k) for k in overrides if k not in config and k not in OVERRIDABLE_EXTRA_KEYS)
+    if unknown:
+        raise MindRLHFError(f"--config_path {path}: unknown key(s) {', '.join(unknown)}; use flat Hugging Face "
+                            "config.json keys (e.g. hidden_size, rms_norm_eps, rope_theta)")
+    merged = dict(config)
+    merged.update(overrides)
+    return merged, f" (+ overrides from {path})"
+
+
+def _check_model(model: Optional[str], config: Dict[str, Any], config_label: str) -> str:
+    model_type = config.get("model_type")
+    supported = sorted(set(MODEL_TYPES.values()))
+    if model_type not in supported:
+        raise MindRLHFError(f"{config_label}: model_type {model_type!r} is not supported; "
+                            f"supported model_type values: {', '.join(supported)}")
+    if model is not None:
+        key = model.strip().lower().replace(".", "_").replace("-", "_")
+        if key not in MODEL_TYPES:
+            raise MindRLHFError(f"--model {model!r} is not supported; use one of {', '.join(MODEL_TYPES)}")
+        if MODEL_TYPES[key] != model_type:
+            fits = [m for m, t in MODEL_TYPES.items() if t == model_type]
+            raise MindRLHFError(f"--model {model} does not match model_type {model_type!r} in {config_label}; "
+                                f"pass --model {' or '.join(fits)} (or fix the config)")
+    return model_type
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    path, directory = path.resolve(), directory.resolve()
+    return path == directory or directory in path.parents
+
+
+def _tensor_progress(items, total: int, desc: str, disable: bool):
+    from tqdm import tqdm
+
+    return tqdm(items, total=total, unit="tensor", desc=desc, disable=disable, file=sys.stderr)
+
+
+def _same_json(path: Path, data: Dict[str, Any]) -> bool:
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) == data
+    except (OSError, ValueError):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+def hf_to_ms(args: argparse.Namespace) -> int:
+    """HF directory → MindSpore checkpoint + config.json next to it."""
+    in_dir, out = Path(args.input_path), Path(args.output_path)
+    if not in_dir.is_dir():
+        raise MindRLHFError(f"--input_path {in_dir}: not a directory; pass the Hugging Face model directory "
+                            "(or add --reverse to export a MindSpore checkpoint)")
+    if out.suffix.lower() not in (".ckpt", ".safetensors"):
+        raise MindRLHFError(f"--output_path {out}: must end in .ckpt or .safetensors")
+    if _inside(out.parent, in_dir):
+        raise MindRLHFError(f"--output_path {out} is inside the input directory {in_dir.resolve()}; "
+                            "write the checkpoint somewhere else (inputs are never modified)")
+    config_file = in_dir / "config.json"
+    config, extra = _apply_overrides(hf_io.read_hf_config(in_dir), args.config_path)
+    label = f"{config_file}{extra}"
+    _check_model(args.model, config, label)
+    dtype = hf_io.normalize_dtype(args.dtype, where=f"--dtype for {out}") if args.dtype else hf_io.config_dtype(config)
+    out_config = hf_io.config_with_dtype(config, dtype)
+    config_out = out.with_name("config.json")
+    if out.is_dir():
+        raise MindRLHFError(f"--output_path {out} is a directory; give a file name ending in .ckpt or .safetensors")
+    if not args.overwrite:
+        if out.exists():
+            raise MindRLHFError(f"--output_path {out} already exists; pass --overwrite to replace it")
+        if config_out.exists() and not _same_json(config_out, out_config):
+            raise MindRLHFError(f"{config_out} already exists with a different config; pass --overwrite "
+                                "or write the checkpoint to another directory")
+
+    specs = hf_io.hf_tensor_specs(in_dir)
+    skip = set(hf_io.check_tensor_specs(specs, config, source=str(in_dir), config_file=label))
+    stream = ((n, a) for n, a in hf_io.iter_hf_tensors(in_dir) if n not in skip)
+    with _tensor_progress(stream, len(specs) - len(skip), f"to {dtype}", args.no_progress) as bar:
+        summary = hf_io.save_ms_checkpoint(bar, out, dtype)
+    hf_io.write_json_atomic(config_out, out_config)
+    print(f"converted {summary.num_tensors} tensors ({summary.num_params:,} parameters) to {dtype}, "
+          f"{_human(summary.nbytes)} -> {out} (config: {config_out})")
+    return 0
+
+
+def ms_to_hf(args: argparse.Namespace) -> int:
+    """MindSpore checkpoint (+ config next to it) → HF directory."""
+    ckpt, out_dir = Path(args.input_path), Path(args.output_path)
+    if ckpt.is_dir():
+        raise MindRLHFError(f"--input_path {ckpt}: --reverse expects a MindSpore .ckpt/.safetensors file, "
+                            "not a directory")
+    if not ckpt.is_file():
+        raise MindRLHFError(f"--input_path {ckpt}: file not found; pass the MindSpore checkpoint to export")
+    if ckpt.suffix.lower() not in (".ckpt", ".safetensors"):
+        raise MindRLHFError(f"--input_path {ckpt}: must end in .ckpt or .safetensors")
+    if _inside(out_dir, ckpt.parent):
+        raise MindRLHFError(f"--output_path {out_dir} is inside the input directory {ckpt.resolve().parent}; "
+                            "export to a directory outside it (inputs are never modified)")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise MindRLHFError(f"--output_path {out_dir} is a file; --reverse writes a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not args.overwrite:
+        raise MindRLHFError(f"--output_path {out_dir} exists and is not empty; pass --overwrite to replace "
+                            "its model files")
+    max_shard = _parse_size(args.max_shard_size)
+    config_file = hf_io.ms_config_path(ckpt)
+    config, extra = _apply_overrides(hf_io.read_json(config_file), args.config_path)
+    label = f"{config_file}{extra}"
+    _check_model(args.model, config, label)
+    dtype = (hf_io.normalize_dtype(args.dtype, where=f"--dtype for {out_dir}") if args.dtype
+             else hf_io.config_dtype(config))
+
+    source = hf_io.open_weights(ckpt)
+    skip = set(hf_io.check_tensor_specs(source.specs, config, source=str(ckpt), config_file=label))
+    gen_cfg = None
+    for name in (ckpt.stem + ".generation_config.json", "generation_config.json"):
+        if (ckpt.parent / name).is_file():
+            gen_cfg = hf_io.read_json(ckpt.parent / name)
+            break
+    stream = ((n, a) for n, a in source if n not in skip)
+    with _tensor_progress(stream, len(source.specs) - len(skip), f"to HF {dtype}", args.no_progress) as bar:
+        summary = hf_io.save_hf_dir(bar, config, out_dir, dtype, generation_config=gen_cfg,
+                                    max_shard_bytes=max_shard)
+    copied: List[str] = []
+    for name in TOKENIZER_FILES:
+        if (ckpt.parent / name).is_file():
+            shutil.copyfile(ckpt.parent / name, out_dir / name)
+            copied.append(name)
+    shards = sum(1 for p in summary.paths if p.suffix == ".safetensors")
+    tok = f", copied {', '.join(copied)}" if copied else ""
+    print(f"exported {summary.num_tensors} tensors ({summary.num_params:,} parameters) as {dtype}, "
+          f"{_human(summary.nbytes)} in {shards} shard(s) -> {out_dir}{tok}")
+    return 0
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return ms_to_hf(args) if args.reverse else hf_to_ms(args)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console entry point (``mindrlhf-convert-weight``); errors print ``error: ...`` and return 2."""
+    return run_cli(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
