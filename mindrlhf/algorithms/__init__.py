@@ -1,0 +1,55 @@
+"""GRPO-family algorithm pieces: advantage estimators, KL estimators, policy losses, aggregation.
+
+Data flows reward → ``group_advantages`` / ``get_advantage_estimator`` → ``policy_loss`` (which
+uses ``kl_penalty`` and ``aggregate_loss``). Everything is registered by name so configs select it.
+"""
+from mindrlhf.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    SCALE_REWARDS,
+    batch_std_advantages,
+    dr_grpo_advantages,
+    get_advantage_estimator,
+    group_advantages,
+    grpo_advantages,
+    register_advantage_estimator,
+)
+from mindrlhf.algorithms.kl import KL_ESTIMATORS, get_kl_estimator, kl_penalty, register_kl_estimator
+from mindrlhf.algorithms.losses import (
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    aggregate_loss,
+    get_policy_loss,
+    gspo_loss,
+    gspo_token_loss,
+    grpo_loss,
+    loss_denominators,
+    masked_mean,
+    policy_loss,
+    register_policy_loss,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "SCALE_REWARDS",
+    "aggregate_loss",
+    "batch_std_advantages",
+    "dr_grpo_advantages",
+    "get_advantage_estimator",
+    "get_kl_estimator",
+    "get_policy_loss",
+    "group_advantages",
+    "grpo_advantages",
+    "grpo_loss",
+    "gspo_loss",
+    "gspo_token_loss",
+    "kl_penalty",
+    "loss_denominators",
+    "masked_mean",
+    "policy_loss",
+    "register_advantage_estimator",
+    "register_kl_estimator",
+    "register_policy_loss",
+]

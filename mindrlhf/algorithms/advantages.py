@@ -1,0 +1,117 @@
+"""Group-relative advantage estimators (GRPO, Dr.GRPO, LitePPO batch-std).
+
+Rewards arrive flat, shape ``(B,)`` with ``B = prompts × G``: the G completions of one prompt are
+consecutive. A NaN reward means "every reward function failed / was not applicable" for that
+sample: it is left out of its group's statistics and gets advantage 0, so it neither pushes nor
+pulls the policy.
+
+Standard deviations are the *unbiased* sample std (ddof=1, as ``torch.std`` in TRL and verl), so
+numbers match those references. With fewer than two valid rewards the std is defined as 0 (the
+numerator is then 0 as well, so the advantage is 0, never NaN).
+
+Advantages are computed on the host in float64 (rewards come from Python reward functions, so
+there is no device round trip to save) and returned in the input's dtype and container.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+import mindspore as ms
+import numpy as np
+
+from mindrlhf.algorithms.registry import check_registered, new_registry, registrar
+from mindrlhf.errors import MindRLHFError
+
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def _to_numpy(rewards):
+    """``(array, back)``: the rewards as float64 and a function restoring the container and float dtype."""
+    if isinstance(rewards, ms.Tensor):
+        dtype = rewards.dtype if rewards.is_floating_point() else ms.float32
+        host = rewards.astype(ms.float32) if rewards.dtype == ms.bfloat16 else rewards  # numpy has no bf16
+        return host.asnumpy().astype(np.float64), lambda out: ms.Tensor(out, dtype=dtype)
+    arr = np.asarray(rewards)
+    dtype = arr.dtype if np.issubdtype(arr.dtype, np.floating) else np.dtype(np.float32)
+    return arr.astype(np.float64), lambda out: out.astype(dtype)
+
+
+def _group_std(dev: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Unbiased std per row from deviations ``dev`` over valid entries; 0 when fewer than 2 are valid."""
+    count = valid.sum(axis=1)
+    sq = np.where(valid, dev * dev, 0.0).sum(axis=1)
+    return np.where(count >= 2, np.sqrt(sq / np.maximum(count - 1, 1)), 0.0)
+
+
+def group_advantages(rewards, num_generations: int, scale_rewards: str = "group", eps: float = 1e-6):
+    """Per-sample advantages from per-group reward statistics.
+
+    Args:
+        rewards: ``(B,)`` numpy array or MindSpore Tensor, groups of ``num_generations`` consecutive
+            samples; NaN = failed reward (excluded from statistics, advantage 0).
+        num_generations: group size G; ``B`` must be a multiple of it.
+        scale_rewards: ``"group"``: ``(r − group mean) / (group std + eps)`` (GRPO);
+            ``"batch"``: ``(r − group mean) / (std of the whole batch + eps)`` (LitePPO);
+            ``"none"``: ``r − group mean`` (Dr.GRPO). Stds are unbiased (ddof=1), over valid rewards.
+        eps: added to the std, so a group of identical rewards gives 0, not NaN.
+
+    Returns:
+        Advantages, same shape, dtype and container (numpy in → numpy out, Tensor in → Tensor out).
+    """
+    if scale_rewards not in SCALE_REWARDS:
+        raise MindRLHFError(f"scale_rewards={scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}")
+    arr, back = _to_numpy(rewards)
+    if arr.ndim != 1:
+        raise MindRLHFError(f"rewards must have shape (B,), got {arr.shape}")
+    if num_generations < 1 or arr.shape[0] % num_generations:
+        raise MindRLHFError(
+            f"num_generations={num_generations} must be >= 1 and divide the number of rewards ({arr.shape[0]})"
+        )
+    grouped = arr.reshape(-1, num_generations)
+    valid = ~np.isnan(grouped)
+    count = valid.sum(axis=1, keepdims=True)
+    mean = np.where(valid, grouped, 0.0).sum(axis=1, keepdims=True) / np.maximum(count, 1)
+    dev = np.where(valid, grouped - mean, 0.0)
+    if scale_rewards == "group":
+        scale = _group_std(dev, valid)[:, None] + eps
+    elif scale_rewards == "batch":
+        flat = arr[~np.isnan(arr)]
+        scale = np.full((1, 1), (flat.std(ddof=1) if flat.size >= 2 else 0.0) + eps)
+    else:
+        scale = np.ones((1, 1))
+    # 0/0 (identical rewards with eps=0) is an advantage of 0, not NaN.
+    scale = np.broadcast_to(scale, dev.shape)
+    adv = np.divide(dev, scale, out=np.zeros_like(dev), where=scale > 0)
+    return back(adv.reshape(-1))
+
+
+# --- registry ------------------------------------------------------------------------------------
+AdvantageEstimator = Callable[..., object]
+ADVANTAGE_ESTIMATORS: Dict[str, AdvantageEstimator] = new_registry("advantage estimator")
+register_advantage_estimator = registrar(
+    "advantage estimator", "Decorator: register ``fn(rewards, num_generations, eps=1e-6)`` under ``name``."
+)
+
+
+def get_advantage_estimator(name: str) -> AdvantageEstimator:
+    """The registered estimator ``name``; a clear error listing the known names otherwise."""
+    check_registered("advantage estimator", name)
+    return ADVANTAGE_ESTIMATORS[name]
+
+
+@register_advantage_estimator("grpo")
+def grpo_advantages(rewards, num_generations: int, eps: float = 1e-6):
+    """GRPO: rewards normalised by their group's mean and std."""
+    return group_advantages(rewards, num_generations, "group", eps)
+
+
+@register_advantage_estimator("dr_grpo")
+def dr_grpo_advantages(rewards, num_generations: int, eps: float = 1e-6):
+    """Dr.GRPO: group mean subtracted, no std scaling (removes the difficulty bias)."""
+    return group_advantages(rewards, num_generations, "none", eps)
+
+
+@register_advantage_estimator("batch_std")
+def batch_std_advantages(rewards, num_generations: int, eps: float = 1e-6):
+    """LitePPO: group mean subtracted, scaled by the std of the whole batch."""
+    return group_advantages(rewards, num_generations, "batch", eps)

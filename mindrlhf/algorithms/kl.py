@@ -1,0 +1,49 @@
+"""KL(π‖π_ref) estimators from per-token log-probs (Schulman, "Approximating KL divergence").
+
+With ``d = logp − ref_logp`` (log π/π_ref of the sampled token, sampled from π):
+``k1 = d`` (unbiased, high variance, can be negative), ``k2 = ½ d²`` (low variance, biased),
+``k3 = exp(−d) + d − 1 = exp(ref − logp) − (ref − logp) − 1`` (unbiased, always ≥ 0; GRPO's choice).
+Each estimator is a small function of ``d`` so the loss can mask ``d`` before it is used.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+from mindspore import Tensor, ops
+
+from mindrlhf.algorithms.registry import check_registered, new_registry, registrar
+
+KLEstimator = Callable[[Tensor], Tensor]
+KL_ESTIMATORS: Dict[str, KLEstimator] = new_registry("KL estimator")
+register_kl_estimator = registrar(
+    "KL estimator", "Decorator: register ``fn(log_ratio) -> per-token KL`` under ``name``."
+)
+
+
+def get_kl_estimator(name: str) -> KLEstimator:
+    """The registered KL estimator ``name`` (a function of ``logp − ref_logp``)."""
+    check_registered("KL estimator", name)
+    return KL_ESTIMATORS[name]
+
+
+@register_kl_estimator("k1")
+def kl_k1(log_ratio: Tensor) -> Tensor:
+    """k1 = logp − ref."""
+    return log_ratio
+
+
+@register_kl_estimator("k2")
+def kl_k2(log_ratio: Tensor) -> Tensor:
+    """k2 = ½ (logp − ref)²."""
+    return 0.5 * log_ratio * log_ratio
+
+
+@register_kl_estimator("k3")
+def kl_k3(log_ratio: Tensor) -> Tensor:
+    """k3 = exp(ref − logp) − (ref − logp) − 1."""
+    return ops.exp(-log_ratio) + log_ratio - 1.0
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-token KL estimate between the policy and the reference (Tensors, same shape)."""
+    return get_kl_estimator(estimator)(logp - ref_logp)

@@ -1,0 +1,251 @@
+"""Policy losses (GRPO, GSPO, GSPO-token) and the one loss-aggregation helper.
+
+Every policy loss is a small registered function ``fn(log_ratio, advantages, mask, epsilon_low,
+epsilon_high) -> (per_token_loss, ratio)`` of the masked, detached-old log-ratio
+``logp − sg(old_logp)``; ``ratio`` is the importance ratio that was clipped (per token, or per
+sequence as ``(B, 1)``) and feeds the clip metrics. ``policy_loss`` adds the KL term, aggregates
+with ``aggregate_loss`` and computes the metrics.
+
+All functions are written with MindSpore ops and no Python branching on tensor values, so they
+differentiate with ``mindspore.grad`` and compile inside ``mindspore.jit``. Python values
+(``loss_type``, ``beta``, ``loss_agg_mode``, counts given as ints) are compile-time constants there:
+pass ``global_num_tokens``/``global_num_seqs`` as 0-d Tensors to avoid a recompile per value.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple, Union
+
+from mindspore import Tensor, ops
+
+from mindrlhf.algorithms.kl import get_kl_estimator
+from mindrlhf.algorithms.registry import check_registered, new_registry, registrar
+from mindrlhf.errors import MindRLHFError
+
+LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+Count = Union[int, float, Tensor]
+
+
+# --- argument checks: constexpr, so they raise MindRLHFError inside mindspore.jit as well ---------
+@ops.constexpr
+def _check_agg_args(loss_agg_mode: str, max_completion_length) -> bool:
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise MindRLHFError(f"loss_agg_mode={loss_agg_mode!r} is not one of {', '.join(LOSS_AGG_MODES)}")
+    if loss_agg_mode == "seq-mean-token-sum-norm" and not (max_completion_length or 0) > 0:
+        raise MindRLHFError(
+            "loss_agg_mode='seq-mean-token-sum-norm' needs max_completion_length > 0 "
+            f"(got {max_completion_length!r}); pass the generation's max new tokens"
+        )
+    return True
+
+
+@ops.constexpr
+def _check_beta(beta: float, has_ref_logp: bool) -> bool:
+    if beta > 0 and not has_ref_logp:
+        raise MindRLHFError(f"beta={beta} > 0 needs ref_logp (reference log-probs); pass them or set beta=0")
+    return True
+
+
+@ops.constexpr
+def _check_seq_advantages(loss_type: str, shape) -> bool:
+    if shape[-1] != 1:
+        raise MindRLHFError(f"loss_type={loss_type!r} needs one advantage per sequence, shape (B,); got {shape}")
+    return True
+
+
+# --- aggregation ---------------------------------------------------------------------------------
+def _at_least_one(count, dtype):
+    """``max(count, 1)`` as a Tensor of ``dtype``: an empty batch/sequence divides by 1, not 0."""
+    if isinstance(count, Tensor):
+        return ops.maximum(count.astype(dtype), 1.0)
+    return Tensor(max(float(count), 1.0), dtype)
+
+
+def loss_denominators(mask: Tensor) -> Tuple[Tensor, Tensor]:
+    """Local ``(num_tokens, num_seqs)`` of a ``(B, T)`` mask, as ``aggregate_loss`` counts them.
+
+    ``num_seqs`` counts sequences with at least one valid token. Sum (all-reduce) these over
+    micro-batches and ranks to get ``global_num_tokens`` / ``global_num_seqs``.
+    """
+    tokens_per_seq = (mask > 0).astype(mask.dtype).sum(axis=-1)
+    return tokens_per_seq.sum(), (tokens_per_seq > 0).astype(mask.dtype).sum()
+
+
+def aggregate_loss(
+    per_token_loss: Tensor,
+    mask: Tensor,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    *,
+    max_completion_length: Optional[int] = None,
+    global_num_tokens: Optional[Count] = None,
+    global_num_seqs: Optional[Count] = None,
+) -> Tensor:
+    """Reduce a ``(B, T)`` per-token loss to a scalar over the valid (``mask > 0``) tokens.
+
+    Modes:
+        ``"seq-mean-token-mean"``: mean over each sequence's valid tokens, then mean over sequences
+        (GRPO paper). ``"token-mean"``: sum over all valid tokens / number of valid tokens (DAPO).
+        ``"seq-mean-token-sum-norm"``: each sequence's token sum / ``max_completion_length``, then
+        mean over sequences (Dr.GRPO; a constant length, so no length bias).
+
+    Sequences with no valid token contribute 0 and are not counted as sequences (so fully
+    masked-out samples do not dilute the rest; no NaN). ``global_num_tokens`` / ``global_num_seqs``
+    replace the local counts (see ``loss_denominators``): with them, the losses of the
+    micro-batches/ranks of one global batch sum exactly to the unsplit loss.
+    """
+    _check_agg_args(loss_agg_mode, max_completion_length)
+    dtype = per_token_loss.dtype
+    valid = mask > 0
+    token_sums = ops.where(valid, per_token_loss, 0.0).sum(axis=-1)
+    tokens_per_seq = valid.astype(dtype).sum(axis=-1)
+    if loss_agg_mode == "token-mean":
+        denom = tokens_per_seq.sum() if global_num_tokens is None else global_num_tokens
+        return token_sums.sum() / _at_least_one(denom, dtype)
+    if loss_agg_mode == "seq-mean-token-mean":
+        seq_loss = token_sums / ops.maximum(tokens_per_seq, 1.0)
+    else:  # seq-mean-token-sum-norm
+        seq_loss = token_sums / float(max_completion_length)
+    if global_num_seqs is None:
+        denom = (tokens_per_seq > 0).astype(dtype).sum()
+    else:
+        denom = global_num_seqs
+    return seq_loss.sum() / _at_least_one(denom, dtype)
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``values`` (broadcast to the mask's shape) over ``mask > 0``; 0 for an empty mask."""
+    valid = mask > 0
+    values = ops.broadcast_to(values, mask.shape)
+    return ops.where(valid, values, 0.0).sum() / _at_least_one(valid.astype(values.dtype).sum(), values.dtype)
+
+
+# --- policy losses -------------------------------------------------------------------------------
+PolicyLoss = Callable[[Tensor, Tensor, Tensor, float, float], Tuple[Tensor, Tensor]]
+POLICY_LOSSES: Dict[str, PolicyLoss] = new_registry(
+    "policy loss",
+    hints={"dapo": "DAPO is loss_type='grpo' with epsilon_high > epsilon_low and loss_agg_mode='token-mean'"},
+)
+register_policy_loss = registrar(
+    "policy loss", "Decorator: register ``fn(log_ratio, advantages, mask, eps_low, eps_high) -> (loss, ratio)``."
+)
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    """The registered policy loss ``name``; a clear error listing the known names otherwise."""
+    check_registered("policy loss", name)
+    return POLICY_LOSSES[name]
+
+
+def _clipped_surrogate(ratio: Tensor, advantages: Tensor, epsilon_low: float, epsilon_high: float) -> Tensor:
+    """PPO's pessimistic objective, negated: −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A)."""
+    clipped = ops.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    return -ops.minimum(ratio * advantages, clipped * advantages)
+
+
+def _seq_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Masked mean over the last axis, keepdims: ``(B, T) -> (B, 1)``; 0 for an empty sequence."""
+    return (x * mask).sum(axis=-1, keepdims=True) / ops.maximum(mask.sum(axis=-1, keepdims=True), 1.0)
+
+
+@register_policy_loss("grpo")
+def grpo_loss(log_ratio, advantages, mask, epsilon_low, epsilon_high):
+    """GRPO/PPO token-level clipped surrogate with ratio r_t = exp(logp_t − old_logp_t)."""
+    ratio = ops.exp(log_ratio)
+    return _clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high), ratio
+
+
+@register_policy_loss("gspo")
+def gspo_loss(log_ratio, advantages, mask, epsilon_low, epsilon_high):
+    """GSPO: one ratio per sequence, s_i = exp(mean_t log_ratio), clipped with the sequence advantage."""
+    _check_seq_advantages("gspo", advantages.shape)
+    ratio = ops.exp(_seq_mean(log_ratio, mask))
+    seq_loss = _clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high)
+    return ops.broadcast_to(seq_loss, log_ratio.shape), ratio
+
+
+@register_policy_loss("gspo-token")
+def gspo_token_loss(log_ratio, advantages, mask, epsilon_low, epsilon_high):
+    """GSPO-token: log s_{i,t} = logp − sg(logp) + sg(mean_t log_ratio); value s_i, gradient per token."""
+    seq_log_ratio = ops.stop_gradient(_seq_mean(log_ratio, mask))
+    ratio = ops.exp(log_ratio - ops.stop_gradient(log_ratio) + seq_log_ratio)
+    return _clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high), ratio
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    ref_logp: Optional[Tensor] = None,
+    loss_type: str = "grpo",
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    loss_agg_mode: str = "seq-mean-token-mean",
+    max_completion_length: Optional[int] = None,
+    global_num_tokens: Optional[Count] = None,
+    global_num_seqs: Optional[Count] = None,
+) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """Clipped policy-gradient loss plus an optional KL penalty, aggregated to a scalar.
+
+    ``logp``/``old_logp``/``ref_logp``/``mask``: ``(B, T)`` float Tensors (log-probs of the sampled
+    completion tokens; ``mask`` 1 on completion tokens). ``advantages``: ``(B,)`` (or ``(B, T)``
+    per-token for "grpo"/"gspo-token"). Per token: ``ℓ = policy_loss + beta·KL`` where the KL term
+    is used only when ``beta > 0`` (then ``ref_logp`` is required), then
+    ``aggregate_loss(ℓ, mask, loss_agg_mode, ...)``. ``old_logp`` and ``ref_logp`` get no gradient.
+
+    Loss types (``POLICY_LOSSES``): "grpo" (token ratio), "gspo" (sequence ratio), "gspo-token".
+    Recipes: DAPO = ``loss_type="grpo"``, ``epsilon_high > epsilon_low`` (clip-higher, e.g. 0.2/0.28)
+    and ``loss_agg_mode="token-mean"``; there is no "dapo" loss type, because the rest of DAPO
+    (dynamic sampling, overlong shaping) lives in the trainer and rewards, not in the loss.
+    Dr.GRPO = "grpo" with ``loss_agg_mode="seq-mean-token-sum-norm"`` and "dr_grpo" advantages.
+
+    Returns ``(loss, metrics)``; metrics are detached masked means with TRL's names and definitions:
+    ``kl`` (over tokens; 0 when beta == 0), ``clip_ratio/low_mean`` (r < 1−ε_low and A < 0),
+    ``clip_ratio/high_mean`` (r > 1+ε_high and A > 0), ``clip_ratio/region_mean`` (either); the clip
+    fractions are over valid tokens, or over non-empty sequences for "gspo"'s sequence ratio.
+    """
+    loss_fn = get_policy_loss(loss_type)
+    check_registered("KL estimator", kl_estimator)  # validate even when beta == 0
+    _check_beta(beta, ref_logp is not None)
+    dtype = logp.dtype
+    valid = mask > 0
+    mask = valid.astype(dtype)
+    if advantages.ndim == 1:
+        advantages = advantages.reshape(-1, 1)
+    advantages = ops.stop_gradient(advantages.astype(dtype))
+    # Mask before exp: padding positions may hold garbage (even -inf) log-probs.
+    log_ratio = ops.where(valid, logp - ops.stop_gradient(old_logp), 0.0)
+    per_token, ratio = loss_fn(log_ratio, advantages, mask, epsilon_low, epsilon_high)
+
+    if beta > 0:
+        kl = get_kl_estimator(kl_estimator)(ops.where(valid, logp - ops.stop_gradient(ref_logp), 0.0))
+        per_token = per_token + beta * kl
+        kl_mean = masked_mean(ops.stop_gradient(kl), mask)
+    else:
+        kl_mean = ops.zeros((), dtype)
+
+    loss = aggregate_loss(
+        per_token,
+        mask,
+        loss_agg_mode,
+        max_completion_length=max_completion_length,
+        global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs,
+    )
+
+    ratio = ops.stop_gradient(ratio)
+    is_low = ops.logical_and(ratio < 1.0 - epsilon_low, advantages < 0)
+    is_high = ops.logical_and(ratio > 1.0 + epsilon_high, advantages > 0)
+    # Token ratios: fraction of valid tokens. A sequence ratio (B, 1): fraction of non-empty sequences.
+    # Both as TRL (whose masked mean of a (B, 1) tensor is a plain mean over sequences).
+    if ratio.shape[-1] == 1:
+        mask = (mask.sum(axis=-1, keepdims=True) > 0).astype(dtype)
+    metrics = {
+        "kl": kl_mean,
+        "clip_ratio/low_mean": masked_mean(is_low.astype(dtype), mask),
+        "clip_ratio/high_mean": masked_mean(is_high.astype(dtype), mask),
+        "clip_ratio/region_mean": masked_mean(ops.logical_or(is_low, is_high).astype(dtype), mask),
+    }
+    return loss, metrics

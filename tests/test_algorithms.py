@@ -1,0 +1,456 @@
+"""Advantages, KL estimators, policy losses and loss aggregation against hand-computed numbers.
+
+Expected values come from a small float64 numpy re-implementation of the formulas in DESIGN.md
+(written independently of the MindSpore code) or literally by hand; gradients are checked against
+central finite differences of that numpy loss, or against the analytic derivative.
+"""
+from __future__ import annotations
+
+import math
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Tensor
+
+from mindrlhf.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    aggregate_loss,
+    get_advantage_estimator,
+    get_policy_loss,
+    group_advantages,
+    kl_penalty,
+    loss_denominators,
+    policy_loss,
+)
+from mindrlhf.errors import MindRLHFError
+
+MAX_LEN = 6  # max_completion_length for seq-mean-token-sum-norm
+
+
+# --- numpy reference (float64) -------------------------------------------------------------------
+def np_kl(logp, ref, estimator):
+    d = logp - ref
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d**2
+    return np.exp(ref - logp) - (ref - logp) - 1.0
+
+
+def np_ratio(logp, old, mask, loss_type):
+    """Token ratios (B, T) for grpo; the sequence ratio broadcast to (B, T) for gspo/gspo-token."""
+    lr = np.where(mask > 0, logp - old, 0.0)
+    if loss_type == "grpo":
+        return np.exp(lr)
+    n = mask.sum(-1, keepdims=True)
+    seq = np.where(n > 0, lr.sum(-1, keepdims=True) / np.maximum(n, 1), 0.0)
+    return np.broadcast_to(np.exp(seq), logp.shape)
+
+
+def np_per_token(logp, old, adv, mask, loss_type, el, eh):
+    r = np_ratio(logp, old, mask, loss_type)
+    a = adv[:, None] if adv.ndim == 1 else adv
+    return -np.minimum(r * a, np.clip(r, 1 - el, 1 + eh) * a)
+
+
+def np_aggregate(loss, mask, mode, max_len=None, n_tokens=None, n_seqs=None):
+    m = mask > 0
+    loss = np.where(m, loss, 0.0)
+    if mode == "token-mean":
+        return loss.sum() / (m.sum() if n_tokens is None else n_tokens)
+    per_seq_tokens = m.sum(-1)
+    nonempty = per_seq_tokens > 0
+    if mode == "seq-mean-token-mean":
+        seq = np.array([loss[i].sum() / per_seq_tokens[i] if nonempty[i] else 0.0 for i in range(len(m))])
+    else:
+        seq = loss.sum(-1) / max_len
+    return seq.sum() / (nonempty.sum() if n_seqs is None else n_seqs)
+
+
+def np_loss(logp, old, adv, mask, loss_type, mode, beta=0.0, ref=None, kl="k3", el=0.2, eh=0.2):
+    per_token = np_per_token(logp, old, adv, mask, loss_type, el, eh)
+    if beta > 0:
+        per_token = per_token + beta * np_kl(logp, ref, kl)
+    return np_aggregate(per_token, mask, mode, MAX_LEN)
+
+
+def finite_diff(fn, x, h=1e-6):
+    g = np.zeros_like(x)
+    for idx in np.ndindex(x.shape):
+        xp, xm = x.copy(), x.copy()
+        xp[idx] += h
+        xm[idx] -= h
+        g[idx] = (fn(xp) - fn(xm)) / (2 * h)
+    return g
+
+
+# --- MindSpore helpers ---------------------------------------------------------------------------
+def t(x):
+    return Tensor(np.asarray(x, dtype=np.float32))
+
+
+def ms_loss_grad(logp, old, adv, mask, **kw):
+    """(loss, metrics, d loss / d logp) with mindspore.grad."""
+    old_t, adv_t, mask_t = t(old), t(adv), t(mask)
+    ref_t = t(kw.pop("ref_logp")) if kw.get("ref_logp") is not None else None
+    kw.pop("ref_logp", None)
+
+    def f(lp):
+        return policy_loss(lp, old_t, adv_t, mask_t, ref_logp=ref_t, **kw)[0]
+
+    loss, metrics = policy_loss(t(logp), old_t, adv_t, mask_t, ref_logp=ref_t, **kw)
+    grad = ms.grad(f)(t(logp))
+    return float(loss), {k: float(v) for k, v in metrics.items()}, grad.asnumpy()
+
+
+@pytest.fixture(scope="module")
+def batch():
+    """4 sequences (one empty), ratios spread over the clip boundaries but away from the kinks."""
+    rng = np.random.default_rng(7)
+    b, T = 4, 5
+    mask = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], np.float64)
+    old = rng.uniform(-3.0, -0.2, (b, T))
+    logp = old + rng.uniform(-0.45, 0.45, (b, T))
+    ref = old + rng.uniform(-0.6, 0.6, (b, T))
+    adv = np.array([-0.9, 1.3, 0.6, 0.4])
+    # Round to float32 so numpy and MindSpore see the same inputs.
+    logp, old, ref = (x.astype(np.float32).astype(np.float64) for x in (logp, old, ref))
+    for loss_type in ("grpo", "gspo"):  # finite differences need every ratio away from 1±ε
+        r = np_ratio(logp, old, mask, loss_type)[mask > 0]
+        assert np.abs(r - 0.8).min() > 1e-3 and np.abs(r - 1.2).min() > 1e-3
+    a = np.broadcast_to(adv[:, None], mask.shape)[mask > 0]
+    r = np_ratio(logp, old, mask, "grpo")[mask > 0]
+    assert ((r > 1.2) & (a > 0)).any() and ((r < 0.8) & (a < 0)).any()  # both clip sides are exercised
+    r = np_ratio(logp, old, mask, "gspo")[mask > 0]
+    assert ((r < 0.8) & (a < 0)).any()
+    return dict(logp=logp, old=old, ref=ref, adv=adv, mask=mask)
+
+
+# --- advantages ----------------------------------------------------------------------------------
+def test_group_advantages_hand_cases():
+    r = np.array([1, 0, 0, 1, 2, 2, 2, 2], np.float32)
+    # group 1: mean 0.5, unbiased std sqrt(4·0.25/3) = 0.57735; group 2 identical → 0
+    np.testing.assert_allclose(
+        group_advantages(r, 4, "group"), [0.866025, -0.866025, -0.866025, 0.866025, 0, 0, 0, 0], atol=2e-6
+    )
+    # batch: mean 1.25, unbiased std sqrt(5.5/7) = 0.886405 → ±0.5/0.886405
+    np.testing.assert_allclose(
+        group_advantages(r, 4, "batch"), [0.564076, -0.564076, -0.564076, 0.564076, 0, 0, 0, 0], atol=2e-6
+    )
+    np.testing.assert_allclose(group_advantages(r, 4, "none"), [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
+    assert group_advantages(r, 4).dtype == np.float32
+
+
+def test_group_advantages_registry():
+    r = np.array([3.0, 1.0, 0.0, 2.0, 5.0, 1.0])
+    assert set(ADVANTAGE_ESTIMATORS) >= {"grpo", "dr_grpo", "batch_std"}
+    for name, mode in [("grpo", "group"), ("dr_grpo", "none"), ("batch_std", "batch")]:
+        np.testing.assert_allclose(get_advantage_estimator(name)(r, 3), group_advantages(r, 3, mode))
+    with pytest.raises(MindRLHFError, match=r"unknown advantage estimator 'ppo'.*batch_std, dr_grpo, grpo"):
+        get_advantage_estimator("ppo")
+
+
+def test_group_advantages_nan_rewards_are_excluded():
+    r = np.array([1.0, np.nan, 0.0, 1.0, np.nan, np.nan, np.nan, np.nan, 3.0, np.nan, np.nan, np.nan])
+    # group 1 valid [1, 0, 1]: mean 2/3, unbiased std sqrt((1/9 + 4/9 + 1/9)/2) = sqrt(1/3)
+    s = math.sqrt(1 / 3) + 1e-6
+    expected = [(1 / 3) / s, 0.0, (-2 / 3) / s, (1 / 3) / s] + [0.0] * 8
+    for mode in ("group", "batch", "none"):
+        adv = group_advantages(r, 4, mode)
+        assert not np.isnan(adv).any()
+        assert adv[1] == 0 and (adv[4:] == 0).all()
+    np.testing.assert_allclose(group_advantages(r, 4, "group"), expected, rtol=1e-9)
+    np.testing.assert_allclose(group_advantages(r, 4, "none")[:4], [1 / 3, 0, -2 / 3, 1 / 3])
+    # batch std over all valid rewards [1, 0, 1, 3]: mean 1.25, unbiased var (0.0625+1.5625+0.0625+3.0625)/3
+    bs = math.sqrt(4.75 / 3) + 1e-6
+    np.testing.assert_allclose(group_advantages(r, 4, "batch")[:4], [(1 / 3) / bs, 0, (-2 / 3) / bs, (1 / 3) / bs])
+
+
+@pytest.mark.parametrize("mode", ["group", "batch", "none"])
+@pytest.mark.parametrize("eps", [1e-6, 0.0])
+def test_group_advantages_identical_rewards_are_zero(mode, eps):
+    adv = group_advantages(np.full(6, 0.7, np.float32), 3, mode, eps=eps)
+    assert not np.isnan(adv).any() and (adv == 0).all()
+
+
+def test_group_advantages_numpy_and_tensor_agree():
+    r = np.array([0.5, 1.0, np.nan, 0.0, 2.0, 1.5], np.float32)
+    for mode in ("group", "batch", "none"):
+        out_np = group_advantages(r, 3, mode)
+        out_ms = group_advantages(Tensor(r), 3, mode)
+        assert isinstance(out_np, np.ndarray) and isinstance(out_ms, Tensor)
+        assert out_ms.dtype == ms.float32 and out_ms.shape == (6,)
+        np.testing.assert_array_equal(out_ms.asnumpy(), out_np)
+    ints = np.array([1, 0, 0, 1])
+    assert group_advantages(ints, 2, "none").dtype == np.float32
+    out = group_advantages(Tensor(ints), 2, "none")
+    assert out.dtype == ms.float32 and out.asnumpy().tolist() == [0.5, -0.5, -0.5, 0.5]
+    out = group_advantages(Tensor(np.array([1.0, 0.0]), ms.bfloat16), 2, "none")
+    assert out.dtype == ms.bfloat16 and out.astype(ms.float32).asnumpy().tolist() == [0.5, -0.5]
+
+
+def test_group_advantages_bad_inputs():
+    with pytest.raises(MindRLHFError, match="num_generations=4"):
+        group_advantages(np.zeros(6), 4)
+    with pytest.raises(MindRLHFError, match="scale_rewards='std'"):
+        group_advantages(np.zeros(6), 3, "std")
+
+
+# --- KL ------------------------------------------------------------------------------------------
+def test_kl_estimators_hand_values():
+    logp = t([-1.0, -2.0, -0.5])
+    ref = t([-1.5, -1.0, -0.5])
+    # d = logp - ref = [0.5, -1, 0]
+    np.testing.assert_allclose(kl_penalty(logp, ref, "k1").asnumpy(), [0.5, -1.0, 0.0], atol=1e-7)
+    np.testing.assert_allclose(kl_penalty(logp, ref, "k2").asnumpy(), [0.125, 0.5, 0.0], atol=1e-7)
+    # k3 = exp(-d) + d - 1: exp(-0.5) - 0.5 = 0.1065307; e - 2 = 0.7182818
+    np.testing.assert_allclose(kl_penalty(logp, ref, "k3").asnumpy(), [0.1065307, 0.7182818, 0.0], rtol=1e-5, atol=1e-7)
+    assert set(KL_ESTIMATORS) == {"k1", "k2", "k3"}
+    with pytest.raises(MindRLHFError, match="unknown KL estimator 'k4'; choose one of k1, k2, k3"):
+        kl_penalty(logp, ref, "k4")
+
+
+# --- aggregation ---------------------------------------------------------------------------------
+def test_aggregate_loss_hand_values():
+    loss = t([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    mask = t([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # the empty third sequence is not counted
+    assert float(aggregate_loss(loss, mask, "token-mean")) == pytest.approx(7 / 3)
+    assert float(aggregate_loss(loss, mask, "seq-mean-token-mean")) == pytest.approx((1.5 + 4) / 2)
+    got = aggregate_loss(loss, mask, "seq-mean-token-sum-norm", max_completion_length=4)
+    assert float(got) == pytest.approx((3 / 4 + 4 / 4) / 2)
+    assert float(aggregate_loss(loss, mask, "token-mean", global_num_tokens=7)) == pytest.approx(1.0)
+    assert float(aggregate_loss(loss, mask, "seq-mean-token-mean", global_num_seqs=Tensor(11.0))) == pytest.approx(
+        0.5
+    )
+    n_tok, n_seq = loss_denominators(mask)
+    assert (float(n_tok), float(n_seq)) == (3.0, 2.0)
+
+
+def test_aggregate_loss_empty_mask_is_zero_not_nan():
+    loss = t([[1.0, 2.0], [3.0, 4.0]])
+    mask = t([[0, 0], [0, 0]])
+    for mode in LOSS_AGG_MODES:
+        assert float(aggregate_loss(loss, mask, mode, max_completion_length=2)) == 0.0
+
+
+def test_aggregate_loss_bad_args():
+    loss, mask = t([[1.0]]), t([[1.0]])
+    with pytest.raises(MindRLHFError, match="loss_agg_mode='sum'"):
+        aggregate_loss(loss, mask, "sum")
+    with pytest.raises(MindRLHFError, match="needs max_completion_length"):
+        aggregate_loss(loss, mask, "seq-mean-token-sum-norm")
+
+
+# --- policy loss: value and gradient grid --------------------------------------------------------
+@pytest.mark.parametrize("kl", [None, "k1", "k2", "k3"])
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("loss_type", ["grpo", "gspo", "gspo-token"])
+def test_policy_loss_value_grad_metrics(batch, loss_type, mode, kl):
+    beta = 0.0 if kl is None else 0.05
+    b = batch
+    loss, metrics, grad = ms_loss_grad(
+        b["logp"],
+        b["old"],
+        b["adv"],
+        b["mask"],
+        ref_logp=b["ref"] if kl else None,
+        loss_type=loss_type,
+        beta=beta,
+        kl_estimator=kl or "k3",
+        loss_agg_mode=mode,
+        max_completion_length=MAX_LEN,
+    )
+    # gspo-token has gspo's value and gradient (per-sequence advantages), so gspo is its reference.
+    ref_type = "grpo" if loss_type == "grpo" else "gspo"
+
+    def fn(lp):
+        return np_loss(lp, b["old"], b["adv"], b["mask"], ref_type, mode, beta, b["ref"], kl or "k3")
+
+    assert loss == pytest.approx(fn(b["logp"]), rel=1e-5, abs=1e-6)
+    np.testing.assert_allclose(grad, finite_diff(fn, b["logp"]), rtol=1e-4, atol=1e-6)
+    assert (grad[b["mask"] == 0] == 0).all()
+
+    m = b["mask"] > 0
+    r = np_ratio(b["logp"], b["old"], b["mask"], ref_type)
+    a = np.broadcast_to(b["adv"][:, None], r.shape)
+    low, high = (r < 0.8) & (a < 0), (r > 1.2) & (a > 0)
+    clip_m = m
+    if loss_type == "gspo":  # one ratio per sequence: TRL reports the fraction of sequences
+        clip_m, low, high = m.any(-1), low[:, 0], high[:, 0]
+    assert metrics["clip_ratio/low_mean"] == pytest.approx(low[clip_m].mean())
+    assert metrics["clip_ratio/high_mean"] == pytest.approx(high[clip_m].mean())
+    assert metrics["clip_ratio/region_mean"] == pytest.approx((low | high)[clip_m].mean())
+    expected_kl = np_kl(b["logp"], b["ref"], kl)[m].mean() if kl else 0.0
+    assert metrics["kl"] == pytest.approx(expected_kl, rel=1e-5, abs=1e-7)
+
+
+def test_clipping_stops_gradient_exactly_where_it_should():
+    # One token per sequence, old_logp = 0 so r = exp(logp); ε = 0.2; token-mean over 5 tokens.
+    logp = np.log([1.5, 1.5, 0.7, 0.7, 1.1])
+    adv = np.array([1.0, -1.0, -1.0, 1.0, 1.0])
+    loss, metrics, grad = ms_loss_grad(
+        logp[:, None], np.zeros((5, 1)), adv, np.ones((5, 1)), loss_type="grpo", loss_agg_mode="token-mean"
+    )
+    # per token ℓ = -min(rA, clip(r)A):
+    #   r=1.5, A=+1 → -1.2 (clipped, grad 0)      r=1.5, A=-1 → +1.5 (unclipped, dℓ/dlogp = -rA = 1.5)
+    #   r=0.7, A=-1 → +0.8 (clipped, grad 0)      r=0.7, A=+1 → -0.7 (unclipped, grad -0.7)
+    #   r=1.1, A=+1 → -1.1 (inside the trust region, grad -1.1)
+    assert loss == pytest.approx((-1.2 + 1.5 + 0.8 - 0.7 - 1.1) / 5, abs=1e-6)
+    np.testing.assert_allclose(grad[:, 0], np.array([0.0, 1.5, 0.0, -0.7, -1.1]) / 5, atol=1e-6)
+    assert grad[0, 0] == 0.0 and grad[2, 0] == 0.0
+    assert metrics["clip_ratio/high_mean"] == pytest.approx(1 / 5)
+    assert metrics["clip_ratio/low_mean"] == pytest.approx(1 / 5)
+    assert metrics["clip_ratio/region_mean"] == pytest.approx(2 / 5)
+
+
+def test_dapo_clip_higher():
+    # DAPO = grpo with ε_high > ε_low: r = 1.25 is clipped at ε_high = 0.2 but not at 0.28.
+    logp = np.log([[1.25]])
+    kw = dict(loss_type="grpo", loss_agg_mode="token-mean", epsilon_low=0.2)
+    loss, metrics, grad = ms_loss_grad(logp, np.zeros((1, 1)), np.array([1.0]), np.ones((1, 1)), **kw)
+    assert (loss, float(grad[0, 0]), metrics["clip_ratio/high_mean"]) == pytest.approx((-1.2, 0.0, 1.0))
+    loss, metrics, grad = ms_loss_grad(
+        logp, np.zeros((1, 1)), np.array([1.0]), np.ones((1, 1)), epsilon_high=0.28, **kw
+    )
+    assert (loss, float(grad[0, 0]), metrics["clip_ratio/high_mean"]) == pytest.approx((-1.25, -1.25, 0.0))
+    with pytest.raises(MindRLHFError, match="DAPO is loss_type='grpo'"):
+        get_policy_loss("dapo")
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_gspo_token_equals_gspo(batch, mode):
+    b = batch
+    common = dict(loss_agg_mode=mode, max_completion_length=MAX_LEN, beta=0.02, ref_logp=b["ref"])
+    seq = ms_loss_grad(b["logp"], b["old"], b["adv"], b["mask"], loss_type="gspo", **dict(common))
+    tok = ms_loss_grad(b["logp"], b["old"], b["adv"], b["mask"], loss_type="gspo-token", **dict(common))
+    assert tok[0] == pytest.approx(seq[0], rel=1e-6)
+    assert tok[1]["kl"] == pytest.approx(seq[1]["kl"])
+    np.testing.assert_allclose(tok[2], seq[2], rtol=1e-5, atol=1e-7)
+
+
+def test_gspo_token_with_token_advantages_hand_gradient():
+    # One sequence of 3 tokens, mean log-ratio 0.05 → s = e^0.05 = 1.05127 (inside [0.8, 1.2]).
+    # ℓ_t = -s·A_t with gradient dℓ_t/dlogp_t = -s·A_t on its own token only; seq-mean over 3 tokens.
+    logp = np.array([[0.1, 0.0, 0.05]])
+    adv = np.array([[1.0, -2.0, 0.5]])
+    s = math.exp(0.05)
+    loss, _, grad = ms_loss_grad(logp, np.zeros((1, 3)), adv, np.ones((1, 3)), loss_type="gspo-token")
+    assert loss == pytest.approx(-s * (1.0 - 2.0 + 0.5) / 3, rel=1e-6)
+    np.testing.assert_allclose(grad, -s * adv / 3, rtol=1e-6)
+    with pytest.raises(MindRLHFError, match="loss_type='gspo' needs one advantage per sequence"):
+        ms_loss_grad(logp, np.zeros((1, 3)), adv, np.ones((1, 3)), loss_type="gspo")
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "gspo", "gspo-token"])
+def test_on_policy_has_no_clipping(batch, loss_type):
+    b = batch
+    loss, metrics, grad = ms_loss_grad(b["logp"], b["logp"], b["adv"], b["mask"], loss_type=loss_type)
+    assert metrics["clip_ratio/low_mean"] == 0.0
+    assert metrics["clip_ratio/high_mean"] == 0.0
+    assert metrics["clip_ratio/region_mean"] == 0.0
+    assert metrics["kl"] == 0.0
+    # r = 1: the loss is -mean over non-empty sequences of A; d/dlogp_t = -A_i / |y_i| / n_seqs.
+    n = b["mask"].sum(-1)
+    nonempty = n > 0
+    assert loss == pytest.approx(-b["adv"][nonempty].mean(), rel=1e-6)
+    expected = np.where(b["mask"] > 0, -b["adv"][:, None] / np.maximum(n, 1)[:, None] / nonempty.sum(), 0.0)
+    np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "gspo-token"])
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_micro_batches_sum_to_the_unsplit_loss(mode, loss_type):
+    rng = np.random.default_rng(3)
+    b, T = 7, 6
+    lengths = np.array([6, 1, 0, 4, 3, 6, 2])
+    mask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.float32)
+    old = rng.uniform(-2.0, -0.5, (b, T)).astype(np.float32)
+    logp = (old + rng.uniform(-0.4, 0.4, (b, T))).astype(np.float32)
+    ref = (old + rng.uniform(-0.3, 0.3, (b, T))).astype(np.float32)
+    adv = rng.normal(size=b).astype(np.float32)
+    kw = dict(loss_type=loss_type, loss_agg_mode=mode, max_completion_length=MAX_LEN, beta=0.04)
+    full_loss, _, full_grad = ms_loss_grad(logp, old, adv, mask, ref_logp=ref, **kw)
+
+    # Global counts = sums of the micro-batches' loss_denominators (an all-reduce across ranks).
+    counts = [loss_denominators(t(mask[lo:hi])) for lo, hi in ((0, 2), (2, 5), (5, 7))]
+    n_tok, n_seq = sum(c[0] for c in counts), sum(c[1] for c in counts)  # 0-d Tensors
+    assert (float(n_tok), float(n_seq)) == (22.0, 6.0)  # the empty sequence is not counted
+    # Uneven splits into 2 micro-batches (counts as Python ints) and 3 (counts as Tensors).
+    for bounds, as_int in (([0, 3, 7], True), ([0, 2, 5, 7], False)):
+        if as_int:
+            n_tok, n_seq = int(n_tok), int(n_seq)
+        else:
+            n_tok, n_seq = Tensor(float(n_tok)), Tensor(float(n_seq))
+        total, grads = 0.0, []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            part, _, g = ms_loss_grad(
+                logp[lo:hi], old[lo:hi], adv[lo:hi], mask[lo:hi], ref_logp=ref[lo:hi],
+                global_num_tokens=n_tok, global_num_seqs=n_seq, **kw,
+            )
+            total += part
+            grads.append(g)
+        assert total == pytest.approx(full_loss, rel=1e-5, abs=1e-7)
+        np.testing.assert_allclose(np.concatenate(grads), full_grad, rtol=1e-5, atol=1e-8)
+
+
+def test_padding_garbage_does_not_leak():
+    # Padded positions holding -inf/NaN log-probs must not turn the loss or gradient into NaN.
+    logp = np.array([[-1.0, -np.inf, np.nan], [-0.5, -0.7, -np.inf]])
+    old = np.array([[-1.1, np.nan, -np.inf], [-0.6, -0.6, np.nan]])
+    mask = np.array([[1, 0, 0], [1, 1, 0]])
+    for mode in LOSS_AGG_MODES:
+        loss, metrics, grad = ms_loss_grad(
+            logp, old, np.array([1.0, -1.0]), mask, ref_logp=old, beta=0.1,
+            loss_agg_mode=mode, max_completion_length=3,
+        )
+        assert np.isfinite(loss) and all(np.isfinite(v) for v in metrics.values())
+        assert np.isfinite(grad).all() and (grad[mask == 0] == 0).all()
+
+
+def test_policy_loss_in_jit_matches_pynative(batch, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a failed graph compile writes rank_0/om/analyze_fail.ir into the cwd
+    b = batch
+    old, adv, mask, ref = t(b["old"]), t(b["adv"]), t(b["mask"]), t(b["ref"])
+
+    def f(lp, n_tok):
+        return policy_loss(
+            lp, old, adv, mask, ref_logp=ref, beta=0.1, epsilon_high=0.28,
+            loss_agg_mode="token-mean", global_num_tokens=n_tok,
+        )
+
+    def loss_only(lp, n_tok):
+        return f(lp, n_tok)[0]
+
+    n_tok = Tensor(9.0)
+    eager_loss, eager_metrics = f(t(b["logp"]), n_tok)
+    jit_loss, jit_metrics = ms.jit(f)(t(b["logp"]), n_tok)
+    eager_grad = ms.grad(loss_only)(t(b["logp"]), n_tok)
+    jit_grad = ms.jit(ms.grad(loss_only))(t(b["logp"]), n_tok)
+    assert float(jit_loss) == pytest.approx(float(eager_loss), rel=1e-6)
+    for k in eager_metrics:
+        assert float(jit_metrics[k]) == pytest.approx(float(eager_metrics[k]), rel=1e-6)
+    np.testing.assert_allclose(jit_grad.asnumpy(), eager_grad.asnumpy(), rtol=1e-6, atol=1e-9)
+
+    def needs_ref(lp):
+        return policy_loss(lp, old, adv, mask, beta=0.1)[0]
+
+    with pytest.raises(MindRLHFError, match="needs ref_logp"):
+        ms.jit(needs_ref)(t(b["logp"]))
+
+
+def test_policy_loss_argument_errors(batch):
+    b = batch
+    args = (t(b["logp"]), t(b["old"]), t(b["adv"]), t(b["mask"]))
+    assert set(POLICY_LOSSES) == {"grpo", "gspo", "gspo-token"}
+    with pytest.raises(MindRLHFError, match="beta=0.1 > 0 needs ref_logp"):
+        policy_loss(*args, beta=0.1)
+    with pytest.raises(MindRLHFError, match="unknown policy loss 'ppo'; choose one of grpo, gspo, gspo-token"):
+        policy_loss(*args, loss_type="ppo")
+    with pytest.raises(MindRLHFError, match="unknown KL estimator 'kl'"):
+        policy_loss(*args, kl_estimator="kl")
+    with pytest.raises(MindRLHFError, match="needs max_completion_length"):
+        policy_loss(*args, loss_agg_mode="seq-mean-token-sum-norm")
