@@ -1,0 +1,22 @@
+"""Reward functions: a registry of built-ins (accuracy, format, boxed), user functions by dotted
+path, and ``RewardManager`` for the weighted sum."""
+from mindrlhf.rewards.answers import extract_answer, locate_answer, numbers_match, parse_number
+from mindrlhf.rewards.registry import REWARD_FUNCS, RewardFn, get_reward_fn, register_reward
+from mindrlhf.rewards.builtin import accuracy_reward, boxed_reward, completion_text, format_reward  # registers
+from mindrlhf.rewards.manager import RewardManager
+
+__all__ = [
+    "REWARD_FUNCS",
+    "RewardFn",
+    "RewardManager",
+    "accuracy_reward",
+    "boxed_reward",
+    "completion_text",
+    "extract_answer",
+    "format_reward",
+    "get_reward_fn",
+    "locate_answer",
+    "numbers_match",
+    "parse_number",
+    "register_reward",
+]

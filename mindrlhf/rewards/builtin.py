@@ -1,0 +1,75 @@
+"""Built-in reward functions: ``accuracy``, ``format``, ``boxed`` (TRL-compatible signatures)."""
+from __future__ import annotations
+
+import re
+from typing import List, Optional, Sequence
+
+from mindrlhf.rewards.answers import extract_answer, locate_answer, numbers_match, parse_number
+from mindrlhf.rewards.registry import register_reward
+
+# <think>…</think> then <answer>…</answer>, only whitespace around; no nested/repeated tags.
+_NO_TAG = r"(?:(?!</?(?:think|answer)>).)*"
+_FORMAT = re.compile(rf"\s*<think>{_NO_TAG}</think>\s*<answer>{_NO_TAG}</answer>\s*", re.DOTALL)
+
+
+def completion_text(completion) -> str:
+    """The text of a completion: a string, or TRL's conversational form (messages; last content)."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, dict):
+        return str(completion.get("content", ""))
+    if isinstance(completion, (list, tuple)) and completion:
+        return completion_text(completion[-1])
+    return ""
+
+
+def _gold(solution) -> Optional[float]:
+    """The reference number: the solution itself if numeric, else its extracted final answer."""
+    value = parse_number(solution) if isinstance(solution, (str, int, float)) else None
+    if value is None and isinstance(solution, str):
+        value = parse_number(extract_answer(solution))
+    return value
+
+
+def _normalise_text(s: str) -> str:
+    return " ".join(s.split()).lower()
+
+
+@register_reward("accuracy")
+def accuracy_reward(completions: Sequence, solution: Sequence, **kwargs) -> List[Optional[float]]:
+    """1.0 when the completion's final answer equals the solution (numerically, rel. tol 1e-6), else 0.0.
+
+    ``solution`` may be a number (``"18"``) or a full GSM8K answer (``"…#### 18"``). A solution that
+    is not a number is compared as normalised text; an empty/missing solution gives None.
+    """
+    rewards: List[Optional[float]] = []
+    for completion, sol in zip(completions, solution):
+        if sol is None or (isinstance(sol, str) and not sol.strip()):
+            rewards.append(None)
+            continue
+        predicted = extract_answer(completion_text(completion))
+        gold = _gold(sol)
+        if gold is None:  # non-numeric reference: exact text match of the final answers
+            gold_text = extract_answer(str(sol)) or str(sol)
+            ok = predicted is not None and _normalise_text(predicted) == _normalise_text(gold_text)
+        else:
+            value = parse_number(predicted)
+            ok = value is not None and numbers_match(value, gold)
+        rewards.append(1.0 if ok else 0.0)
+    return rewards
+
+
+@register_reward("format")
+def format_reward(completions: Sequence, **kwargs) -> List[Optional[float]]:
+    """1.0 iff the completion is ``<think>…</think>`` then ``<answer>…</answer>``, nothing else but whitespace."""
+    return [1.0 if _FORMAT.fullmatch(completion_text(c)) else 0.0 for c in completions]
+
+
+@register_reward("boxed")
+def boxed_reward(completions: Sequence, **kwargs) -> List[Optional[float]]:
+    """1.0 iff the final answer is inside a non-empty ``\\boxed{}``."""
+    rewards = []
+    for c in completions:
+        answer, source = locate_answer(completion_text(c))
+        rewards.append(1.0 if source == "boxed" and answer else 0.0)
+    return rewards

@@ -1,0 +1,104 @@
+"""Weighted sum of reward functions, robust to functions that fail."""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from mindrlhf.errors import MindRLHFError
+from mindrlhf.rewards.registry import RewardFn, get_reward_fn
+
+logger = logging.getLogger(__name__)
+
+
+class RewardManager:
+    """Scores completions with several reward functions and combines them with weights.
+
+    ``funcs``: built-in names, ``"package.module:function"`` paths, or callables. ``weights``: one
+    per function (default all 1.0). A function that raises does not stop training: every sample of
+    that call scores None, ``failures[name]`` counts the failed calls, and the first failure of each
+    function is logged (warning, with traceback).
+    """
+
+    def __init__(self, funcs: Sequence[Union[str, RewardFn]], weights: Optional[Sequence[float]] = None):
+        if isinstance(funcs, str) or not funcs:
+            raise MindRLHFError(f"reward funcs must be a non-empty list, e.g. ['accuracy', 'format']; got {funcs!r}")
+        self.names: List[str] = []
+        self.funcs: List[RewardFn] = []
+        for spec in funcs:
+            fn = spec if callable(spec) else get_reward_fn(spec)
+            name = getattr(spec, "__name__", repr(spec)) if callable(spec) else spec
+            if name in self.names:
+                raise MindRLHFError(f"reward function {name!r} is listed twice in reward funcs")
+            self.names.append(name)
+            self.funcs.append(fn)
+        if weights is None:
+            weights = [1.0] * len(self.funcs)
+        if len(weights) != len(self.funcs):
+            raise MindRLHFError(
+                f"reward weights has {len(weights)} values for {len(self.funcs)} reward funcs {self.names}; "
+                "give one per function"
+            )
+        if not all(isinstance(w, (int, float)) and math.isfinite(w) for w in weights):
+            raise MindRLHFError(f"reward weights must be finite numbers, got {list(weights)}")
+        self.weights = np.asarray(weights, dtype=np.float64)
+        self.failures: Dict[str, int] = {name: 0 for name in self.names}
+        self._logged: set = set()
+
+    def __call__(
+        self, completions: Sequence[str], solution: Sequence[str], **columns
+    ) -> Tuple[np.ndarray, Dict[str, np.ndarray]]:
+        """``(total (B,) float32, {name: (B,) float32})``; None scores are NaN in ``per_fn``.
+
+        ``total`` is the weighted sum over the functions that scored a sample (NaN terms are
+        skipped); it is NaN only when no function scored it, which the advantage code excludes.
+        """
+        n = len(completions)
+        if len(solution) != n:
+            raise MindRLHFError(f"reward inputs: {len(solution)} solutions for {n} completions")
+        per_fn = {
+            name: self._score(name, fn, completions, solution, columns) for name, fn in zip(self.names, self.funcs)
+        }
+        scores = np.stack([per_fn[name] for name in self.names]).astype(np.float64)  # (F, B)
+        weighted = np.where(np.isnan(scores), 0.0, scores * self.weights[:, None])
+        total = np.where(np.isnan(scores).all(axis=0), np.nan, weighted.sum(axis=0))
+        return total.astype(np.float32), per_fn
+
+    def _score(self, name: str, fn: Callable, completions, solution, columns) -> np.ndarray:
+        n = len(completions)
+        try:
+            out = fn(completions=completions, solution=solution, **columns)
+        except Exception:  # a user reward bug must not kill a long run: score None, count, log once
+            self.failures[name] += 1
+            if name not in self._logged:
+                self._logged.add(name)
+                logger.warning(
+                    "reward function %r raised; its scores for this batch are None (later failures are "
+                    "only counted in RewardManager.failures)",
+                    name,
+                    exc_info=True,
+                )
+            return np.full(n, np.nan, dtype=np.float32)
+        try:
+            length = len(out)
+        except TypeError:
+            length = None
+        if length != n:
+            raise MindRLHFError(
+                f"reward function {name!r} returned {length if length is not None else type(out).__name__} "
+                f"values for {n} completions; it must return one float or None per completion"
+            )
+        values = np.empty(n, dtype=np.float32)
+        for i, v in enumerate(out):
+            if v is None:
+                values[i] = np.nan
+                continue
+            try:
+                values[i] = float(v)
+            except (TypeError, ValueError):
+                raise MindRLHFError(
+                    f"reward function {name!r} returned {v!r} for completion {i}; expected a float or None"
+                ) from None
+        return values

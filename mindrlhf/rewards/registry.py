@@ -1,0 +1,59 @@
+"""Reward-function registry: built-ins by name, user functions by dotted path.
+
+A reward function has TRL's signature ``fn(completions: list[str], solution: list[str], **columns)
+-> list[float | None]``: one score per completion, None meaning "not applicable". Extra dataset
+columns arrive as keyword arguments, so functions should accept ``**kwargs``.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Dict, List, Optional
+
+from mindrlhf.errors import MindRLHFError
+
+RewardFn = Callable[..., List[Optional[float]]]
+REWARD_FUNCS: Dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: make ``fn`` available as the built-in reward ``name``."""
+
+    def wrap(fn: RewardFn) -> RewardFn:
+        if name in REWARD_FUNCS and REWARD_FUNCS[name] is not fn:
+            previous = REWARD_FUNCS[name].__qualname__
+            raise MindRLHFError(f"reward function {name!r} is already registered (by {previous})")
+        REWARD_FUNCS[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_reward_fn(name: str) -> RewardFn:
+    """A built-in reward by name, or a user function given as ``"package.module:function"``
+    (``"package.module.function"`` also works)."""
+    if not isinstance(name, str) or not name.strip():
+        raise MindRLHFError(f"reward function name must be a non-empty string, got {name!r}")
+    if name in REWARD_FUNCS:
+        return REWARD_FUNCS[name]
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+    elif "." in name:
+        module_name, _, attr = name.rpartition(".")
+    else:
+        raise MindRLHFError(
+            f"unknown reward function {name!r}; built-ins: {', '.join(sorted(REWARD_FUNCS))}; "
+            "or give a user function as 'package.module:function'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # ImportError, or any error raised while the user module runs
+        raise MindRLHFError(
+            f"reward function {name!r}: cannot import module {module_name!r} ({type(err).__name__}: {err}); "
+            f"check the path and PYTHONPATH (built-ins: {', '.join(sorted(REWARD_FUNCS))})"
+        ) from err
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise MindRLHFError(
+            f"reward function {name!r}: module {module_name!r} has no callable {attr!r}"
+        )
+    return fn

@@ -1,0 +1,299 @@
+"""Reward functions, answer extraction, the registry and RewardManager."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import numpy as np
+import pytest
+
+from mindrlhf.errors import MindRLHFError
+from mindrlhf.rewards import (
+    REWARD_FUNCS,
+    RewardManager,
+    accuracy_reward,
+    boxed_reward,
+    extract_answer,
+    format_reward,
+    get_reward_fn,
+    parse_number,
+    register_reward,
+)
+
+
+# --- accuracy on GSM8K ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gsm8k_answers(shared_data):
+    with open(shared_data / "gsm8k" / "test.jsonl", encoding="utf-8") as f:
+        return [json.loads(line)["answer"] for line in f]
+
+
+def test_accuracy_is_one_on_every_gsm8k_reference(gsm8k_answers):
+    numbers = [a.split("####")[-1].strip() for a in gsm8k_answers]
+    assert len(gsm8k_answers) == 1319
+    # The solution column may be the full answer text or just the number.
+    assert accuracy_reward(gsm8k_answers, gsm8k_answers) == [1.0] * len(gsm8k_answers)
+    assert accuracy_reward(gsm8k_answers, numbers) == [1.0] * len(gsm8k_answers)
+
+
+def test_accuracy_is_zero_when_the_final_number_changes(gsm8k_answers):
+    wrong = []
+    for answer in gsm8k_answers:
+        body, final = answer.rsplit("####", 1)
+        wrong.append(f"{body}#### {int(parse_number(final)) + 1}")
+    # Includes 1,450,000 → 1450001: integers compare exactly, not within the relative tolerance.
+    assert accuracy_reward(wrong, gsm8k_answers) == [0.0] * len(gsm8k_answers)
+
+
+@pytest.mark.parametrize(
+    "completion, solution, expected",
+    [
+        ("So she makes 18.", "18", 1.0),
+        ("The total is $1,000", "1000", 1.0),
+        ("The total is $1,000.", "#### 1,000", 1.0),
+        ("The temperature drops to -3", "-3", 1.0),
+        ("The temperature drops to -3", "3", 0.0),
+        ("16-3-4=9 eggs", "9", 1.0),  # "-4" here is a subtraction, not a negative number
+        ("The answer is \\boxed{42}.", "42", 1.0),
+        ("<answer>7</answer>", "7", 1.0),
+        ("18.0", "18", 1.0),
+        ("3/4", "0.75", 1.0),
+        ("\\boxed{\\frac{3}{4}}", "0.75", 1.0),
+        ("\\boxed{\\dfrac{3}{4}}", "3/4", 1.0),
+        ("50%", "50", 1.0),
+        ("\\boxed{50\\%}", "50", 1.0),
+        ("It took 18 minutes", "17", 0.0),
+        ("No number at all", "17", 0.0),
+        # precedence: <answer> over numbers in the reasoning; \boxed over "####"; "####" over the last number
+        ("<think>maybe 99</think><answer>7</answer>", "7", 1.0),
+        ("<think>maybe 99</think><answer>The answer is 7 dollars</answer>", "7", 1.0),
+        ("<think>7</think><answer>99</answer>", "7", 0.0),
+        ("\\boxed{5}\n#### 6", "5", 1.0),
+        ("#### 5\nchecked against 6 other ways", "5", 1.0),
+        ("\\boxed{x = 12}", "12", 1.0),
+        ("\\boxed{12\\text{ apples}}", "12", 1.0),
+    ],
+)
+def test_accuracy_cases(completion, solution, expected):
+    assert accuracy_reward([completion], [solution]) == [expected]
+
+
+def test_accuracy_without_a_solution_is_not_applicable():
+    assert accuracy_reward(["42", "42"], [None, "  "]) == [None, None]
+
+
+def test_accuracy_conversational_completion():
+    completion = [{"role": "assistant", "content": "<think>6*7</think><answer>42</answer>"}]
+    assert accuracy_reward([completion], ["42"]) == [1.0]
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("<answer>7</answer>", "7"),
+        ("\\boxed{\\frac{1}{2}} and more text 9", "\\frac{1}{2}"),
+        ("\\boxed{{3}+{4}} and \\boxed{x}", "x"),
+        ("x \\boxed{7", "7"),  # unbalanced box: fall back to the last number
+        ("The answer:\n#### 1,234", "1,234"),
+        ("It is 5, no, 6.", "6"),
+        ("nothing here", None),
+    ],
+)
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    "s, expected",
+    [
+        ("18.", 18.0),
+        ("$1,000", 1000.0),
+        ("\\$1{,}000", 1000.0),
+        ("-3", -3.0),
+        ("\u22123", -3.0),
+        ("18.0", 18.0),
+        ("3/4", 0.75),
+        ("\\frac{3}{4}", 0.75),
+        ("-\\frac{3}{4}", -0.75),
+        ("50%", 50.0),
+        ("{42}", 42.0),
+        (".5", 0.5),
+        ("1,234,567.25", 1234567.25),
+        ("1,00", None),  # not a thousands grouping
+        ("1/0", None),
+        ("abc", None),
+        ("", None),
+        (None, None),
+        ("inf", None),
+    ],
+)
+def test_parse_number(s, expected):
+    assert parse_number(s) == expected
+
+
+# --- format and boxed ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("<think>6*7=42</think><answer>42</answer>", 1.0),
+        ("  <think>\nreasoning\n</think>\n\n<answer>\n42\n</answer>\n", 1.0),
+        ("<answer>42</answer>", 0.0),  # no think block
+        ("<think>x</think>", 0.0),  # no answer block
+        ("<think>x</think><answer>42</answer> Hope this helps!", 0.0),  # trailing text
+        ("Sure! <think>x</think><answer>42</answer>", 0.0),  # leading text
+        ("<think>x</think> so <answer>42</answer>", 0.0),  # text between
+        ("<answer>42</answer><think>x</think>", 0.0),  # wrong order
+        ("<think>x</think><answer>4</answer><answer>2</answer>", 0.0),  # two answers
+        ("<think>a<think>b</think></think><answer>42</answer>", 0.0),  # nested think
+    ],
+)
+def test_format_reward(completion, expected):
+    assert format_reward([completion], solution=["42"]) == [expected]
+
+
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("so the answer is \\boxed{42}", 1.0),
+        ("<think>x</think><answer>\\boxed{42}</answer>", 1.0),
+        ("\\boxed{\\frac{1}{2}}", 1.0),
+        ("<think>\\boxed{1}</think><answer>42</answer>", 0.0),  # final answer is not the boxed one
+        ("the answer is 42", 0.0),
+        ("\\boxed{}", 0.0),
+        ("\\boxed{42", 0.0),
+    ],
+)
+def test_boxed_reward(completion, expected):
+    assert boxed_reward([completion], solution=["42"]) == [expected]
+
+
+# --- registry ------------------------------------------------------------------------------------
+def test_registry_builtins_and_unknown_name():
+    assert get_reward_fn("accuracy") is accuracy_reward
+    assert get_reward_fn("format") is format_reward
+    assert get_reward_fn("boxed") is boxed_reward
+    with pytest.raises(MindRLHFError, match=r"unknown reward function 'acurracy'; built-ins: accuracy, boxed, format"):
+        get_reward_fn("acurracy")
+
+
+def test_registry_user_function_by_dotted_path(tmp_path, monkeypatch):
+    (tmp_path / "mindrlhf_test_user_rewards.py").write_text(
+        "def length_penalty(completions, solution, **columns):\n"
+        "    return [-0.01 * len(c) for c in completions]\n"
+        "NOT_A_FUNCTION = 3\n",
+        encoding="utf-8",
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = get_reward_fn("mindrlhf_test_user_rewards:length_penalty")
+    assert fn(["abcd"], ["1"]) == [pytest.approx(-0.04)]
+    assert get_reward_fn("mindrlhf_test_user_rewards.length_penalty") is fn
+    total, per_fn = RewardManager(["mindrlhf_test_user_rewards:length_penalty"])(["ab", "abcdef"], ["1", "2"])
+    np.testing.assert_allclose(total, [-0.02, -0.06], rtol=1e-6)
+    assert list(per_fn) == ["mindrlhf_test_user_rewards:length_penalty"]
+    with pytest.raises(MindRLHFError, match="no callable 'missing'"):
+        get_reward_fn("mindrlhf_test_user_rewards:missing")
+    with pytest.raises(MindRLHFError, match="no callable 'NOT_A_FUNCTION'"):
+        get_reward_fn("mindrlhf_test_user_rewards:NOT_A_FUNCTION")
+    with pytest.raises(MindRLHFError, match="cannot import module 'no_such_pkg_xyz.rewards'.*built-ins: accuracy"):
+        get_reward_fn("no_such_pkg_xyz.rewards:fn")
+
+
+def test_register_reward_decorator():
+    try:
+
+        @register_reward("test_always_half")
+        def always_half(completions, **kwargs):
+            return [0.5] * len(completions)
+
+        assert get_reward_fn("test_always_half") is always_half
+        with pytest.raises(MindRLHFError, match="already registered"):
+            register_reward("test_always_half")(lambda completions, **kw: [])
+    finally:
+        REWARD_FUNCS.pop("test_always_half", None)
+
+
+# --- RewardManager -------------------------------------------------------------------------------
+def test_manager_weights():
+    completions = [
+        "<think>6*7</think><answer>42</answer>",  # accuracy 1, format 1
+        "<think>6*7</think><answer>41</answer>",  # accuracy 0, format 1
+        "42",  # accuracy 1, format 0
+    ]
+    manager = RewardManager(["accuracy", "format"], weights=[1.0, 0.25])
+    total, per_fn = manager(completions, ["42", "42", "42"])
+    assert total.dtype == np.float32 and total.shape == (3,)
+    np.testing.assert_array_equal(per_fn["accuracy"], np.array([1, 0, 1], np.float32))
+    np.testing.assert_array_equal(per_fn["format"], np.array([1, 1, 0], np.float32))
+    np.testing.assert_allclose(total, [1.25, 0.25, 1.0])
+    total, _ = RewardManager(["accuracy", "format"])(completions, ["42"] * 3)  # default weights 1
+    np.testing.assert_allclose(total, [2.0, 1.0, 1.0])
+
+
+def test_manager_none_is_nan_and_all_none_total_is_nan():
+    def sometimes(completions, solution, **kw):
+        return [None, 1.0, None]
+
+    def never(completions, solution, **kw):
+        return [None, None, None]
+
+    manager = RewardManager([sometimes, never], weights=[2.0, 1.0])
+    total, per_fn = manager(["a", "b", "c"], ["1", "2", "3"])
+    assert np.isnan(per_fn["never"]).all()
+    assert np.isnan(per_fn["sometimes"][[0, 2]]).all() and per_fn["sometimes"][1] == 1.0
+    assert np.isnan(total[0]) and np.isnan(total[2])
+    assert total[1] == 2.0  # NaN terms are skipped, not propagated
+
+
+def test_manager_failing_function_scores_none_counts_and_logs_once(caplog):
+    def broken(completions, solution, **kw):
+        raise ZeroDivisionError("oops")
+
+    manager = RewardManager(["accuracy", broken], weights=[1.0, 3.0])
+    with caplog.at_level(logging.WARNING, logger="mindrlhf.rewards"):
+        for _ in range(3):
+            total, per_fn = manager(["42", "7"], ["42", "42"])
+    assert np.isnan(per_fn["broken"]).all()
+    np.testing.assert_array_equal(total, [1.0, 0.0])
+    assert manager.failures == {"accuracy": 0, "broken": 3}
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "broken" in warnings[0].getMessage()
+    assert warnings[0].exc_info is not None and warnings[0].exc_info[0] is ZeroDivisionError
+
+
+def test_manager_wrong_length_and_bad_values_are_errors():
+    def too_short(completions, solution, **kw):
+        return [1.0]
+
+    def not_a_number(completions, solution, **kw):
+        return ["high"] * len(completions)
+
+    with pytest.raises(MindRLHFError, match="reward function 'too_short' returned 1 values for 2 completions"):
+        RewardManager([too_short])(["a", "b"], ["1", "2"])
+    with pytest.raises(MindRLHFError, match="reward function 'not_a_number' returned 'high'"):
+        RewardManager([not_a_number])(["a", "b"], ["1", "2"])
+
+
+def test_manager_passes_extra_columns():
+    seen = {}
+
+    def uses_columns(completions, solution, question, **kw):
+        seen["question"] = question
+        return [float(len(q)) for q in question]
+
+    total, _ = RewardManager([uses_columns])(["a", "b"], ["1", "2"], question=["why", "how so"])
+    assert seen["question"] == ["why", "how so"]
+    np.testing.assert_array_equal(total, [3.0, 6.0])
+
+
+def test_manager_config_errors():
+    with pytest.raises(MindRLHFError, match="2 values for 1 reward funcs"):
+        RewardManager(["accuracy"], weights=[1.0, 2.0])
+    with pytest.raises(MindRLHFError, match="non-empty list"):
+        RewardManager([])
+    with pytest.raises(MindRLHFError, match="listed twice"):
+        RewardManager(["accuracy", "accuracy"])
+    with pytest.raises(MindRLHFError, match="finite"):
+        RewardManager(["accuracy"], weights=[math.nan])
+    with pytest.raises(MindRLHFError, match="unknown reward function 'nope'"):
+        RewardManager(["nope"])
