@@ -47,6 +47,8 @@ class GRPOTrainer:
         self.policy, self.tokenizer, self.dataset = policy, tokenizer, dataset
         self.rank, self.world = comm.rank(), comm.world_size()
         self.output_dir = Path(t.output_dir)
+        if comm.is_main():
+            self.output_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt = CheckpointManager(cfg.checkpoint_dir, t.keep_last)
         self.sampler_model = sampler_model if sampler_model is not None else policy
         self.sampler = NativeSampler(self.sampler_model, jit=cfg.parallel.jit)
@@ -182,8 +184,10 @@ class GRPOTrainer:
                 # Mini-batch k holds local rows j ≡ k (mod n_mb): the same global rows for any
                 # number of ranks, because each rank's share is a multiple of n_mb.
                 rows = np.arange(k, len(exp), n_mb)
-                num_tokens = float(comm.all_sum(np.array([exp.completion_mask[rows].sum()], np.float32))[0])
-                num_seqs = float(len(rows) * self.world)
+                # Global denominators (as algorithms.loss_denominators defines them: sequences with
+                # no loss tokens do not count), summed over ranks.
+                sub = exp.completion_mask[rows]
+                num_tokens, num_seqs = comm.all_sum(np.array([sub.sum(), (sub.sum(1) > 0).sum()], np.float32))
                 size = self._micro_size()
                 micro = []
                 for s in range(0, len(rows), size):
@@ -191,7 +195,7 @@ class GRPOTrainer:
                     micro.append({"input_ids": inputs["input_ids"][r], "attention_mask": inputs["attention_mask"][r],
                                   "completion_ids": exp.completion_ids[r], "completion_mask": exp.completion_mask[r],
                                   "advantages": exp.advantages[r], "old_logp": old[r], "ref_logp": ref[r]})
-                res = self.updater.step(micro, num_tokens, num_seqs)
+                res = self.updater.step(micro, float(num_tokens), float(num_seqs))
                 res["learning_rate"] = lr
                 self._count_nonfinite(res)
                 results.append(res)
