@@ -1,0 +1,371 @@
+"""Native MindSpore rollout engine: static-shape KV cache, jit-compiled prefill/decode steps.
+
+Data flow of one ``generate`` call:
+1. prompts are tiled ``n`` times and split into chunks of at most ``max_batch_size`` rows;
+2. a chunk is LEFT-padded to a multiple of ``length_bucket`` (P) and prefilled in one call; positions
+   are ``cumsum(mask) - 1``, exactly as ``CausalLM.construct`` numbers a left-padded batch, so the
+   trainer's full-forward log-probs equal the sampler's;
+3. each decode step feeds one token per row, writing K/V at cache column P + step; the cache holds
+   S = P + (max_tokens rounded up to ``length_bucket``) columns, so one compiled graph serves every
+   step of every request with the same (batch, P, S);
+4. the float32 logits go to ``selection.select_tokens`` (numpy: faster than MindSpore's CPU kernels
+   for vocabulary-wide work) which samples and computes the log-probs;
+5. rows that finished drop out of sampling; when at most half the rows are left, the batch (and
+   its cache) shrinks to the next power of two, and the loop ends when every row has finished.
+
+The KV cache lives in ``Parameter``s owned by a per-shape cell and is written in place with
+``ScatterNdUpdate``; the step graphs take only small tensors as inputs (token ids, positions, the
+additive mask row and the cache index as a 0-d int64 tensor), so nothing recompiles per token.
+``load_weights`` writes into the model's existing ``Parameter`` objects, which the compiled graphs
+read directly, so new policy weights never trigger a recompilation.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+
+from mindrlhf.errors import MindRLHFError
+from mindrlhf.generation.base import Sampler
+from mindrlhf.generation.params import Completion, SamplingParams
+from mindrlhf.generation.selection import select_tokens
+from mindrlhf.models.decoder import MASK_VALUE, CausalLM, rotate_half
+from mindrlhf.models.weights import DERIVED_SUFFIXES, NamedArrays
+
+
+def _bucket(n: int, size: int) -> int:
+    return -(-n // size) * size
+
+
+class _KV(nn.Cell):
+    """One layer's K and V cache, (batch, kv_heads, cache_len, head_dim) each."""
+
+    def __init__(self, layer: int, shape: Tuple[int, ...], dtype: ms.Type):
+        super().__init__()
+        self.k = Parameter(ops.zeros(shape, dtype), name=f"kv_cache.{layer}.k", requires_grad=False)
+        self.v = Parameter(ops.zeros(shape, dtype), name=f"kv_cache.{layer}.v", requires_grad=False)
+
+
+class CachedDecoder(nn.Cell):
+    """The layers of a ``CausalLM`` run against a KV cache held in this cell's Parameters.
+
+    The model's own ``forward_with_cache`` writes the cache with slice assignment, which MindSpore
+    2.10 cannot compile more than once per graph (every layer writes K and V); here the write is
+    an in-place ``ScatterNdUpdate`` on Parameters, so the cache is never copied either. The
+    arithmetic is the model's (same sub-cells, same weights); tests pin it to the full forward.
+    """
+
+    def __init__(self, model: CausalLM, batch_size: int, cache_len: int):
+        # auto_prefix=False: holding the model here must not rename its parameters.
+        super().__init__(auto_prefix=False)
+        self.model = model
+        c = model.config
+        self.num_layers = c.num_hidden_layers
+        self.batch_size, self.cache_len = batch_size, cache_len
+        shape = (batch_size, c.num_key_value_heads, cache_len, c.head_dim)
+        self.kv = nn.CellList([_KV(i, shape, model.compute_dtype) for i in range(self.num_layers)])
+        self.scatter = ops.ScatterNdUpdate()
+
+    def _attention(self, attn, x, cos, sin, bias, k_cache, v_cache, index):
+        b, t, _ = x.shape
+        hk, g, d = attn.num_kv_heads, attn.group, attn.head_dim
+        q = attn.q_proj(x).reshape(b, t, attn.num_heads, d)
+        k = attn.k_proj(x).reshape(b, t, hk, d)
+        v = attn.v_proj(x).reshape(b, t, hk, d)
+        cos, sin = cos.expand_dims(2).astype(q.dtype), sin.expand_dims(2).astype(q.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        q = q.reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, g * t, d)
+        self.scatter(k_cache, index, k.transpose(0, 2, 1, 3))
+        self.scatter(v_cache, index, v.transpose(0, 2, 1, 3))
+        s = k_cache.shape[2]
+        scores = attn.bmm_qk(q, k_cache).astype(ms.float32) * attn.scale
+        scores = scores.reshape(b, hk, g, t, s) + bias
+        probs = ops.softmax(scores, axis=-1).astype(v_cache.dtype).reshape(b, hk, g * t, s)
+        out = attn.bmm_pv(probs, v_cache).reshape(b, hk, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, -1)
+        return attn.o_proj(out)
+
+    def construct(self, input_ids: Tensor, position_ids: Tensor, attn_bias: Tensor, cache_index: Tensor) -> Tensor:
+        """Logits (B, 1, V) of the last position of ``input_ids`` (B, t), whose K/V are written at
+        cache columns [cache_index, cache_index + t); ``attn_bias`` (B, t, S) is additive."""
+        model = self.model
+        b, t = input_ids.shape
+        hk = model.config.num_key_value_heads
+        # ScatterNdUpdate index (b, hk, t, 3): [row, kv head, cache column] for every new K/V row.
+        rows = ops.broadcast_to(ops.arange(b, dtype=ms.int64).reshape(b, 1, 1, 1), (b, hk, t, 1))
+        heads = ops.broadcast_to(ops.arange(hk, dtype=ms.int64).reshape(1, hk, 1, 1), (b, hk, t, 1))
+        cols = ops.broadcast_to((ops.arange(t, dtype=ms.int64) + cache_index).reshape(1, 1, t, 1), (b, hk, t, 1))
+        index = ops.concat((rows, heads, cols), axis=-1)
+        cos, sin = model.rope(position_ids)
+        bias = attn_bias.expand_dims(1).expand_dims(1)  # (B, 1, 1, t, S): broadcast over kv heads, groups
+        x = model.model.embed_tokens(input_ids)
+        for i in range(self.num_layers):
+            layer = model.model.layers[i]
+            kv = self.kv[i]
+            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, bias, kv.k, kv.v, index)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = model.model.norm(x[:, t - 1:])
+        return model.logits(x)
+
+
+class NativeSampler(Sampler):
+    """KV-cache sampler for a ``CausalLM`` (see the module docstring for the data flow).
+
+    ``max_batch_size`` caps the rows run together (larger requests are split into chunks);
+    ``length_bucket`` rounds prompt and generation lengths so that compiled graphs are reused;
+    ``jit`` compiles the model step with ``mindspore.jit`` (else it runs eagerly); ``shrink_batch``
+    lets the decode batch shrink as rows finish; ``max_len`` caps prompt + max_tokens (default: the
+    model's ``max_position_embeddings``); ``max_cached_graphs`` bounds how many (batch, cache length)
+    KV caches and their graphs stay allocated.
+    """
+
+    def __init__(self, model: CausalLM, *, max_batch_size: Optional[int] = None, length_bucket: int = 32,
+                 jit: bool = True, jit_level: str = "O0", shrink_batch: bool = True,
+                 max_len: Optional[int] = None, max_cached_graphs: int = 8):
+        if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
+            raise MindRLHFError(f"NativeSampler max_batch_size={max_batch_size!r} is invalid: use an integer >= 1 "
+                                f"or None (no limit)")
+        if not isinstance(length_bucket, int) or length_bucket < 1:
+            raise MindRLHFError(f"NativeSampler length_bucket={length_bucket!r} is invalid: use an integer >= 1")
+        self.model = model
+        self.config = model.config
+        self.vocab_size = model.config.vocab_size
+        self.max_len = int(max_len or model.config.max_position_embeddings)
+        self.max_batch_size = max_batch_size
+        self.length_bucket = length_bucket
+        self.jit = jit
+        self.jit_level = jit_level
+        self.shrink_batch = shrink_batch
+        self.max_cached_graphs = max_cached_graphs
+        self._graphs: "OrderedDict[Tuple[int, int], Tuple[CachedDecoder, Any]]" = OrderedDict()
+        self._seen_shapes: set = set()
+        self._storage: Optional[Tuple[int, ...]] = None
+        #: How often compiled graphs were dropped because the model's Parameters were replaced
+        #: with ``set_data`` (e.g. ``models.set_weights``) instead of ``load_weights``.
+        self.graph_resets = 0
+        self.tokens_generated = 0
+        self.last_stats: Dict[str, Any] = {}
+
+    # -- weights ----------------------------------------------------------------------------------
+    def load_weights(self, named_arrays: NamedArrays, strict: bool = True) -> int:
+        """Copy new weights (HF names → arrays) into the model's existing Parameters; returns how
+        many were set. With ``strict`` every parameter must be given and no unknown name may appear.
+
+        The copy is in place (``Parameter.copy_``): a compiled graph is bound to the storage its
+        Parameters had when it compiled, and ``Parameter.set_data`` (what ``models.set_weights``
+        uses) swaps that storage, leaving compiled graphs reading the old weights.
+        """
+        params = dict(self.model.parameters_and_names())
+        seen = set()
+        items = named_arrays.items() if isinstance(named_arrays, Mapping) else named_arrays
+        for name, array in items:
+            if name.endswith(DERIVED_SUFFIXES):
+                continue
+            if name not in params:
+                if strict:
+                    raise MindRLHFError(f"NativeSampler.load_weights: unexpected tensor {name!r}; the weights do "
+                                        f"not match the sampler's model architecture")
+                continue
+            param = params[name]
+            if tuple(array.shape) != tuple(param.shape):
+                raise MindRLHFError(f"NativeSampler.load_weights: tensor {name!r} has shape {tuple(array.shape)} "
+                                    f"but the model expects {tuple(param.shape)}")
+            value = (Tensor(np.ascontiguousarray(array), dtype=param.dtype) if isinstance(array, np.ndarray)
+                     else array.astype(param.dtype))
+            param.copy_(value)
+            seen.add(name)
+        if strict and len(seen) != len(params):
+            missing = sorted(set(params) - seen)
+            raise MindRLHFError(f"NativeSampler.load_weights: {len(missing)} model tensors are missing "
+                                f"({', '.join(missing[:5])}{' …' if len(missing) > 5 else ''})")
+        return len(seen)
+
+    def _storage_key(self) -> Tuple[int, ...]:
+        """Where every model Parameter's data lives; it changes when someone calls ``set_data``."""
+        return tuple(p.data_ptr() for p in self.model.get_parameters())
+
+    # -- compiled steps ---------------------------------------------------------------------------
+    def _check_storage(self) -> None:
+        """Drop compiled graphs bound to replaced Parameter storage (see ``load_weights``)."""
+        key = self._storage_key()
+        if key != self._storage:
+            if self._storage is not None and self._graphs:
+                self.graph_resets += 1
+            self._graphs.clear()
+            self._seen_shapes.clear()
+            self._storage = key
+
+    def _graph(self, batch: int, cache_len: int) -> Tuple[CachedDecoder, Any]:
+        key = (batch, cache_len)
+        if key in self._graphs:
+            self._graphs.move_to_end(key)
+            return self._graphs[key]
+        cell = CachedDecoder(self.model, batch, cache_len)
+        fn = ms.jit(cell.construct, jit_level=self.jit_level) if self.jit else cell.construct
+        self._graphs[key] = (cell, fn)
+        while len(self._graphs) > self.max_cached_graphs:
+            self._graphs.popitem(last=False)
+        return cell, fn
+
+    def _run(self, fn, stats: Dict[str, float], kind: str, ids: np.ndarray, pos: np.ndarray,
+             bias: np.ndarray, index: int, cache_len: int) -> np.ndarray:
+        """One prefill/decode call; returns float32 logits (B, V). The first call per shape is
+        timed as compile time (it includes one execution)."""
+        shape = (kind, ids.shape, cache_len)
+        t0 = time.perf_counter()
+        out = fn(Tensor(ids, ms.int32), Tensor(pos, ms.int64), Tensor(bias, ms.float32), Tensor(index, ms.int64))
+        logits = out.asnumpy().reshape(ids.shape[0], -1)
+        dt = time.perf_counter() - t0
+        if shape not in self._seen_shapes:
+            self._seen_shapes.add(shape)
+            stats["compile_s"] += dt
+        else:
+            stats[f"{kind}_s"] += dt
+        return logits
+
+    # -- generation -------------------------------------------------------------------------------
+    def _check_prompts(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> List[np.ndarray]:
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise MindRLHFError("generate: prompts must be a non-empty list of token-id lists")
+        out = []
+        for i, p in enumerate(prompts):
+            arr = np.asarray(p)
+            if arr.ndim != 1 or arr.size == 0:
+                raise MindRLHFError(f"generate: prompt {i} is empty (or not a flat list of token ids); every "
+                                    f"prompt needs at least one token")
+            if not np.issubdtype(arr.dtype, np.integer):
+                raise MindRLHFError(f"generate: prompt {i} holds non-integer values ({arr.dtype}); pass token ids")
+            if arr.min() < 0 or arr.max() >= self.vocab_size:
+                raise MindRLHFError(f"generate: prompt {i} has token id {int(arr.max() if arr.max() >= 0 else arr.min())} "
+                                    f"outside the vocabulary [0, {self.vocab_size})")
+            if arr.size + params.max_tokens > self.max_len:
+                raise MindRLHFError(f"generate: prompt {i} has {arr.size} tokens + max_tokens={params.max_tokens} "
+                                    f"= {arr.size + params.max_tokens} > max length {self.max_len} (the model's "
+                                    f"max_position_embeddings); shorten the prompt or lower max_tokens")
+            out.append(arr.astype(np.int64))
+        return out
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> List[Completion]:
+        """``params.n`` completions per prompt, prompt-major (see ``Sampler.generate``)."""
+        if not isinstance(params, SamplingParams):
+            raise MindRLHFError(f"generate: params must be a SamplingParams, got {type(params).__name__}")
+        params.validate(self.vocab_size)
+        arrays = self._check_prompts(prompts, params)
+        self._check_storage()
+        owners = [i for i in range(len(arrays)) for _ in range(params.n)]
+        # All randomness of the call comes from this seed: one uniform number per (row, step), drawn
+        # up front, so a row's samples do not depend on how the rows are chunked or shrunk.
+        rng = np.random.default_rng(np.random.SeedSequence(params.seed % (1 << 64)))
+        uniforms = rng.random((len(owners), params.max_tokens), dtype=np.float32)
+        chunk = self.max_batch_size or len(owners)
+        stats = dict(prefill_s=0.0, decode_s=0.0, sample_s=0.0, compile_s=0.0)
+        t0 = time.perf_counter()
+        steps = 0
+        results: List[Completion] = []
+        for s in range(0, len(owners), chunk):
+            rows = owners[s:s + chunk]
+            done, n_steps = self._generate_chunk([arrays[i] for i in rows], uniforms[s:s + chunk], params, stats)
+            steps += n_steps
+            results += [Completion(prompt_index=o, token_ids=t, logprobs=lp, finish_reason=r)
+                        for o, (t, lp, r) in zip(rows, done)]
+        total = time.perf_counter() - t0
+        tokens = sum(len(c.token_ids) for c in results)
+        self.tokens_generated += tokens
+        self.last_stats = dict(stats, total_s=total, tokens=tokens, sequences=len(results), steps=steps,
+                               tokens_per_s=tokens / total if total > 0 else 0.0)
+        return results
+
+    def _generate_chunk(self, prompts: List[np.ndarray], uniforms: np.ndarray, params: SamplingParams,
+                        stats: Dict[str, float]):
+        V = self.vocab_size
+        B = len(prompts)
+        T = params.max_tokens
+        lens = np.array([p.size for p in prompts], np.int64)
+        P = _bucket(int(lens.max()), self.length_bucket)
+        S = P + _bucket(T, self.length_bucket)
+        ids = np.zeros((B, P), np.int32)
+        mask = np.zeros((B, P), bool)
+        for r, p in enumerate(prompts):
+            ids[r, P - p.size:] = p
+            mask[r, P - p.size:] = True
+        pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int64)
+        key_ok = np.zeros((B, S), bool)
+        key_ok[:, :P] = mask
+        causal = np.arange(S)[None, :] <= np.arange(P)[:, None]  # (P, S)
+        bias = np.where(key_ok[:, None, :] & causal[None], 0.0, MASK_VALUE).astype(np.float32)
+        key_bias = np.where(key_ok, 0.0, MASK_VALUE).astype(np.float32)  # decode mask row, grows per step
+
+        cell, fn = self._graph(B, S)
+        logits = self._run(fn, stats, "prefill", ids, pos, bias, 0, S)
+
+        stop = np.array(sorted(set(params.stop_token_ids)), np.int64)
+        penalty = params.repetition_penalty != 1.0
+        present_sets = [set(map(int, p)) for p in prompts] if penalty else None
+        present_lists = [np.array(sorted(s), np.int64) for s in present_sets] if penalty else None
+        tokens: List[List[int]] = [[] for _ in range(B)]
+        logps: List[List[float]] = [[] for _ in range(B)]
+        reasons: List[str] = ["length"] * B
+        last = np.zeros(B, np.int64)
+        active = np.arange(B)          # chunk rows still generating
+        slot_of = np.arange(B)         # chunk row -> its row in the device batch
+        slot_rows = np.arange(B)       # device-batch row -> chunk row (padding rows repeat one)
+        steps = 0
+        for step in range(T):
+            steps += 1
+            t1 = time.perf_counter()
+            sl = slot_of[active]
+            lg = logits if np.array_equal(sl, np.arange(logits.shape[0])) else logits[sl]
+            present = None
+            if penalty:
+                counts = [present_lists[r].size for r in active]
+                present = (np.repeat(np.arange(active.size), counts),
+                           np.concatenate([present_lists[r] for r in active]))
+            tok, lp = select_tokens(
+                lg, uniforms[active, step], temperature=params.temperature, top_k=params.top_k,
+                top_p=params.top_p, min_p=params.min_p, repetition_penalty=params.repetition_penalty,
+                present=present, banned=stop if step < params.min_tokens and stop.size else None)
+            for i, r in enumerate(active):
+                t = int(tok[i])
+                tokens[r].append(t)
+                logps[r].append(float(lp[i]))
+                if penalty and t not in present_sets[r]:
+                    present_sets[r].add(t)
+                    present_lists[r] = np.append(present_lists[r], t)
+            last[active] = tok
+            finished = np.isin(tok, stop) if stop.size else np.zeros(active.size, bool)
+            for r in active[finished]:
+                reasons[r] = "stop"
+            active = active[~finished]
+            stats["sample_s"] += time.perf_counter() - t1
+            if active.size == 0 or step + 1 == T:
+                break
+            nb = slot_rows.size
+            if self.shrink_batch and active.size * 2 <= nb:
+                # At most half the device batch is still running: move those rows (cache included)
+                # into a batch of the next power of two; finished rows stop costing compute.
+                new_b = 1 << int(np.ceil(np.log2(active.size)))
+                keep = np.concatenate([slot_of[active], np.full(new_b - active.size, slot_of[active[0]])])
+                cell, fn = self._shrink(cell, keep, new_b, S)
+                key_bias = key_bias[keep]
+                slot_rows = np.concatenate([active, np.full(new_b - active.size, active[0])])
+                slot_of[active] = np.arange(active.size)
+                nb = new_b
+            key_bias[:, P + step] = 0.0
+            logits = self._run(fn, stats, "decode", last[slot_rows].reshape(nb, 1).astype(np.int32),
+                               (lens[slot_rows] + step).reshape(nb, 1), key_bias[:, None, :], P + step, S)
+        return [(tokens[r], logps[r], reasons[r]) for r in range(B)], steps
+
+    def _shrink(self, cell: CachedDecoder, keep: np.ndarray, new_b: int, cache_len: int):
+        """Copy cache rows ``keep`` (new_b of them) into the (new_b, cache_len) cell; return it and
+        its step function."""
+        index = Tensor(keep.astype(np.int64), ms.int64)
+        new_cell, fn = self._graph(new_b, cache_len)
+        for old, new in zip(cell.kv, new_cell.kv):
+            # copy_ (in place), not set_data: the compiled graph is bound to this storage.
+            new.k.copy_(ops.gather(old.k.value(), index, 0))
+            new.v.copy_(ops.gather(old.v.value(), index, 0))
+        return new_cell, fn
