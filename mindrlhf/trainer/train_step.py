@@ -122,7 +122,8 @@ class PolicyUpdater:
             grads = self.reducer(grads)
         loss_sum = float(comm.all_sum(np.array([loss_sum], np.float32))[0])
         metric_sums = comm.all_sum(metric_sums.astype(np.float32)).astype(np.float64)
-        norm = float(self._norm_fn(grads).asnumpy())
+        # A plain tuple of tensors is a jit constant (recompiles each call); mutable makes it an input.
+        norm = float(self._norm_fn(ms.mutable(tuple(grads))).asnumpy())
         finite = bool(np.isfinite(loss_sum) and np.isfinite(norm))
         if finite:
             if self.max_grad_norm > 0 and norm > self.max_grad_norm:
