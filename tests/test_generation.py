@@ -10,7 +10,7 @@ from mindspore import Tensor
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.generation import (Completion, NativeSampler, SamplingParams, apply_repetition_penalty,
                                  filter_weights, select_tokens)
-from mindrlhf.generation.selection import _inverse_cdf, descending_threshold
+from mindrlhf.generation.selection import _inverse_cdf, top_values
 from mindrlhf.models import get_weights, load_model, set_weights
 
 # Multiplying the (tied) embedding sharpens a random model's next-token distributions, so greedy
@@ -331,19 +331,19 @@ def test_min_p_hand_case():
     np.testing.assert_allclose(filter_weights(p.astype(np.float32).copy(), top_k=2), [[0.5, 0.3, 0, 0]], rtol=1e-6)
 
 
-def test_descending_threshold_on_a_wide_vocabulary():
+def test_top_values_and_filters_on_a_wide_vocabulary():
     rng = np.random.default_rng(5)
     w = rng.random((3, 151936)).astype(np.float32) ** 8
-    for k in (1, 7, 1000, 151936):
-        tau = descending_threshold(w, np.full(3, k), by_mass=False)
-        np.testing.assert_array_equal(tau, -np.sort(-w, axis=1)[:, k - 1])
-    for p in (0.01, 0.5, 0.99):
-        s = -np.sort(-w.astype(np.float64), axis=1)
-        cum = np.cumsum(s, axis=1)
-        target = p * cum[:, -1]
-        idx = (cum < target[:, None]).sum(1)
-        tau = descending_threshold(w, target, by_mass=True)
-        np.testing.assert_array_equal(tau, s[np.arange(3), idx].astype(np.float32))
+    for k in (1, 7, 256, 1000, 151936):
+        np.testing.assert_array_equal(top_values(w, k), -np.sort(-w, axis=1)[:, :k])
+    # peaked rows (threshold among the top candidates) and a flat row (full-sort fallback)
+    logits = (rng.standard_normal((3, 151936)) * np.array([[4.0], [3.0], [0.1]])).astype(np.float32)
+    for top_k, top_p in ((0, 0.9), (40, 1.0), (1000, 0.5), (0, 0.2)):
+        _, _, w = select_tokens(logits, rng.random(3), temperature=1.0, top_k=top_k, top_p=top_p,
+                                return_weights=True)
+        ref = _np_filter(logits.astype(np.float64), 1.0, top_k, top_p, 0.0)
+        np.testing.assert_array_equal(w > 0, ref > 0)
+        np.testing.assert_allclose(w / w.sum(-1, keepdims=True), ref, atol=1e-7)
 
 
 def test_repetition_penalty_matches_hugging_face():
