@@ -21,6 +21,7 @@ read directly, so new policy weights never trigger a recompilation.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -33,7 +34,7 @@ from mindrlhf.errors import MindRLHFError
 from mindrlhf.generation.base import Sampler
 from mindrlhf.generation.params import Completion, SamplingParams
 from mindrlhf.generation.selection import select_tokens
-from mindrlhf.models.decoder import MASK_VALUE, CausalLM, rotate_half
+from mindrlhf.models.decoder import MASK_VALUE, CausalLM
 from mindrlhf.models.weights import DERIVED_SUFFIXES, NamedArrays
 
 
@@ -69,28 +70,44 @@ class CachedDecoder(nn.Cell):
         shape = (batch_size, c.num_key_value_heads, cache_len, c.head_dim)
         self.kv = nn.CellList([_KV(i, shape, model.compute_dtype) for i in range(self.num_layers)])
         self.scatter = ops.ScatterNdUpdate()
+        self.dtype = model.compute_dtype
+        self.cast = model.compute_dtype != ms.float32  # skip no-op casts (each is a kernel launch)
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+        # rotate_half(x) == x @ rotation: out[:h] = -x[h:], out[h:] = x[:h]
+        d, h = c.head_dim, c.head_dim // 2
+        rot = np.zeros((d, d), np.float32)
+        rot[np.arange(h) + h, np.arange(h)] = -1.0
+        rot[np.arange(h), np.arange(h) + h] = 1.0
+        self.rotation = Tensor(rot, model.compute_dtype)
+        self.rot = ops.MatMul()
 
-    def _attention(self, attn, x, cos, sin, bias, k_cache, v_cache, index):
+    def _attention(self, attn, x, rope, bias, k_cache, v_cache, index):
         b, t, _ = x.shape
         hk, g, d = attn.num_kv_heads, attn.group, attn.head_dim
+        cos_q, sin_q, cos_k, sin_k = rope
         q = attn.q_proj(x).reshape(b, t, attn.num_heads, d)
         k = attn.k_proj(x).reshape(b, t, hk, d)
         v = attn.v_proj(x).reshape(b, t, hk, d)
-        cos, sin = cos.expand_dims(2).astype(q.dtype), sin.expand_dims(2).astype(q.dtype)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        # RoPE (q already carries the 1/sqrt(d) score scale); rotate_half as one small matmul
+        q = q * cos_q + self.rot(q.reshape(-1, d), self.rotation).reshape(q.shape) * sin_q
+        k = k * cos_k + self.rot(k.reshape(-1, d), self.rotation).reshape(k.shape) * sin_k
         q = q.reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, g * t, d)
         self.scatter(k_cache, index, k.transpose(0, 2, 1, 3))
         self.scatter(v_cache, index, v.transpose(0, 2, 1, 3))
         s = k_cache.shape[2]
-        scores = attn.bmm_qk(q, k_cache).astype(ms.float32) * attn.scale
+        scores = attn.bmm_qk(q, k_cache)
+        if self.cast:
+            scores = scores.astype(ms.float32)
         scores = scores.reshape(b, hk, g, t, s) + bias
-        probs = ops.softmax(scores, axis=-1).astype(v_cache.dtype).reshape(b, hk, g * t, s)
-        out = attn.bmm_pv(probs, v_cache).reshape(b, hk, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, -1)
+        probs = ops.softmax(scores, axis=-1)
+        if self.cast:
+            probs = probs.astype(v_cache.dtype)
+        out = attn.bmm_pv(probs.reshape(b, hk, g * t, s), v_cache)
+        out = out.reshape(b, hk, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, -1)
         return attn.o_proj(out)
 
     def construct(self, input_ids: Tensor, position_ids: Tensor, attn_bias: Tensor, cache_index: Tensor) -> Tensor:
-        """Logits (B, 1, V) of the last position of ``input_ids`` (B, t), whose K/V are written at
+        """Float32 logits (B, V) of the last position of ``input_ids`` (B, t), whose K/V are written at
         cache columns [cache_index, cache_index + t); ``attn_bias`` (B, t, S) is additive."""
         model = self.model
         b, t = input_ids.shape
@@ -100,16 +117,26 @@ class CachedDecoder(nn.Cell):
         heads = ops.broadcast_to(ops.arange(hk, dtype=ms.int64).reshape(1, hk, 1, 1), (b, hk, t, 1))
         cols = ops.broadcast_to((ops.arange(t, dtype=ms.int64) + cache_index).reshape(1, 1, t, 1), (b, hk, t, 1))
         index = ops.concat((rows, heads, cols), axis=-1)
+        # cos/sin once per step for all layers, (B, t, 1, D); the score scale folded into q's
         cos, sin = model.rope(position_ids)
+        cos = cos.expand_dims(2).astype(self.dtype)
+        sin = sin.expand_dims(2).astype(self.dtype)
+        rope = (cos * self.scale, sin * self.scale, cos, sin)
         bias = attn_bias.expand_dims(1).expand_dims(1)  # (B, 1, 1, t, S): broadcast over kv heads, groups
         x = model.model.embed_tokens(input_ids)
         for i in range(self.num_layers):
             layer = model.model.layers[i]
             kv = self.kv[i]
-            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, bias, kv.k, kv.v, index)
+            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), rope, bias, kv.k, kv.v, index)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        x = model.model.norm(x[:, t - 1:])
-        return model.logits(x)
+        x = model.model.norm(x[:, t - 1])  # (B, H): the last position only
+        # The model's ``logits`` casts to float32 unconditionally; for a float32 model that cast
+        # is a full copy of the (B, V) logits, a sizeable part of a decode step.
+        table = model.model.embed_tokens.weight if model.tie_word_embeddings else model.lm_head.weight
+        logits = model.head_matmul(x, table)
+        if self.cast:
+            logits = logits.astype(ms.float32)
+        return logits
 
 
 class NativeSampler(Sampler):
