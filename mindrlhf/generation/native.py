@@ -11,7 +11,7 @@ Data flow of one ``generate`` call:
 4. the float32 logits go to ``selection.select_tokens`` (numpy: faster than MindSpore's CPU kernels
    for vocabulary-wide work) which samples and computes the log-probs;
 5. rows that finished drop out of sampling; when at most half the rows are left, the batch (and
-   its cache) shrinks to the next power of two, and the loop ends when every row has finished.
+   its cache) shrinks to B/2, B/4 or B/8, and the loop ends when every row has finished.
 
 The KV cache lives in ``Parameter``s owned by a per-shape cell and is written in place with
 ``ScatterNdUpdate``; the step graphs take only small tensors as inputs (token ids, positions, the
@@ -144,15 +144,17 @@ class NativeSampler(Sampler):
 
     ``max_batch_size`` caps the rows run together (larger requests are split into chunks);
     ``length_bucket`` rounds prompt and generation lengths so that compiled graphs are reused;
-    ``jit`` compiles the model step with ``mindspore.jit`` (else it runs eagerly); ``shrink_batch``
-    lets the decode batch shrink as rows finish; ``max_len`` caps prompt + max_tokens (default: the
-    model's ``max_position_embeddings``); ``max_cached_graphs`` bounds how many (batch, cache length)
-    KV caches and their graphs stay allocated.
+    ``jit`` compiles the model step with ``mindspore.jit`` (else it runs eagerly); ``jit_level``
+    is passed to it; ``shrink_batch`` lets the decode batch shrink to B/2, B/4, … (``max_shrinks``
+    levels) as rows finish; ``max_len`` caps prompt + max_tokens (default: the model's
+    ``max_position_embeddings``); ``max_cached_graphs`` bounds how many (batch, cache length) KV
+    caches and their compiled graphs stay allocated (each holds 2 × layers × B × kv_heads × S ×
+    head_dim values).
     """
 
     def __init__(self, model: CausalLM, *, max_batch_size: Optional[int] = None, length_bucket: int = 32,
-                 jit: bool = True, jit_level: str = "O0", shrink_batch: bool = True,
-                 max_len: Optional[int] = None, max_cached_graphs: int = 8):
+                 jit: bool = True, jit_level: str = "O0", shrink_batch: bool = True, max_shrinks: int = 3,
+                 max_len: Optional[int] = None, max_cached_graphs: int = 12):
         if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
             raise MindRLHFError(f"NativeSampler max_batch_size={max_batch_size!r} is invalid: use an integer >= 1 "
                                 f"or None (no limit)")
@@ -167,6 +169,7 @@ class NativeSampler(Sampler):
         self.jit = jit
         self.jit_level = jit_level
         self.shrink_batch = shrink_batch
+        self.max_shrinks = max_shrinks
         self.max_cached_graphs = max_cached_graphs
         self._graphs: "OrderedDict[Tuple[int, int], Tuple[CachedDecoder, Any]]" = OrderedDict()
         self._seen_shapes: set = set()
@@ -340,6 +343,7 @@ class NativeSampler(Sampler):
         active = np.arange(B)          # chunk rows still generating
         slot_of = np.arange(B)         # chunk row -> its row in the device batch
         slot_rows = np.arange(B)       # device-batch row -> chunk row (padding rows repeat one)
+        ladder = [-(-B // (1 << k)) for k in range(1, self.max_shrinks + 1)] if self.shrink_batch else []
         steps = 0
         for step in range(T):
             steps += 1
@@ -371,10 +375,12 @@ class NativeSampler(Sampler):
             if active.size == 0 or step + 1 == T:
                 break
             nb = slot_rows.size
-            if self.shrink_batch and active.size * 2 <= nb:
+            fits = [size for size in ladder if active.size <= size < nb]
+            if fits:
                 # At most half the device batch is still running: move those rows (cache included)
-                # into a batch of the next power of two; finished rows stop costing compute.
-                new_b = 1 << int(np.ceil(np.log2(active.size)))
+                # into the smallest batch of the ladder B/2, B/4, … that holds them; finished rows
+                # stop costing compute. (A short ladder bounds the number of compiled graphs.)
+                new_b = min(fits)
                 keep = np.concatenate([slot_of[active], np.full(new_b - active.size, slot_of[active[0]])])
                 cell, fn = self._shrink(cell, keep, new_b, S)
                 key_bias = key_bias[keep]
