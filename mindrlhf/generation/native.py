@@ -270,12 +270,14 @@ class NativeSampler(Sampler):
             if not np.issubdtype(arr.dtype, np.integer):
                 raise MindRLHFError(f"generate: prompt {i} holds non-integer values ({arr.dtype}); pass token ids")
             if arr.min() < 0 or arr.max() >= self.vocab_size:
-                raise MindRLHFError(f"generate: prompt {i} has token id {int(arr.max() if arr.max() >= 0 else arr.min())} "
-                                    f"outside the vocabulary [0, {self.vocab_size})")
+                bad = int(arr.min() if arr.min() < 0 else arr.max())
+                raise MindRLHFError(f"generate: prompt {i} has token id {bad} outside the vocabulary "
+                                    f"[0, {self.vocab_size})")
             if arr.size + params.max_tokens > self.max_len:
                 raise MindRLHFError(f"generate: prompt {i} has {arr.size} tokens + max_tokens={params.max_tokens} "
-                                    f"= {arr.size + params.max_tokens} > max length {self.max_len} (the model's "
-                                    f"max_position_embeddings); shorten the prompt or lower max_tokens")
+                                    f"= {arr.size + params.max_tokens} > max length {self.max_len} (the sampler's "
+                                    f"max_len, by default the model's max_position_embeddings); shorten the prompt "
+                                    f"or lower max_tokens")
             out.append(arr.astype(np.int64))
         return out
 
@@ -290,7 +292,7 @@ class NativeSampler(Sampler):
         # All randomness of the call comes from this seed: one uniform number per (row, step), drawn
         # up front, so a row's samples do not depend on how the rows are chunked or shrunk.
         rng = np.random.default_rng(np.random.SeedSequence(params.seed % (1 << 64)))
-        uniforms = rng.random((len(owners), params.max_tokens), dtype=np.float32)
+        uniforms = rng.random((len(owners), params.max_tokens))
         chunk = self.max_batch_size or len(owners)
         stats = dict(prefill_s=0.0, decode_s=0.0, sample_s=0.0, compile_s=0.0)
         t0 = time.perf_counter()
