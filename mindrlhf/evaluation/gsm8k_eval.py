@@ -1,0 +1,487 @@
+"""GSM8K evaluation: greedy pass@1 or sampled majority vote (maj@k) with the native sampler.
+
+    mindrlhf-eval [--model PATH] [--limit 64] [--mode greedy|maj --k 8] [--output results.jsonl]
+    python -m mindrlhf.evaluation.gsm8k_eval ...
+
+Prompts are built exactly as for training (``mindrlhf.data.gsm8k.build_prompt`` with the training
+system prompt and the tokenizer's chat template), completions are decoded as the trainer decodes
+them (special tokens skipped) and a question is correct when the built-in ``accuracy`` reward gives
+its predicted completion 1.0. Greedy: the one completion is the prediction. maj@k: ``k`` sampled
+completions vote with their extracted answers, compared numerically (``parse_number`` +
+``numbers_match``); the answer with most votes wins, ties going to the one that appeared first, and
+the first completion giving that answer is scored.
+
+``evaluate(...)`` returns the summary as a dict, for scripts and training hooks; it takes a model
+path, a loaded ``CausalLM`` or a ready ``Sampler`` (so a trainer can reuse its compiled graphs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+from mindrlhf.data.gsm8k import DEFAULT_SYSTEM_PROMPT, build_prompt, extract_gsm8k_solution
+from mindrlhf.errors import MindRLHFError
+from mindrlhf.rewards import accuracy_reward, extract_answer, format_reward, numbers_match, parse_number
+from mindrlhf.utils.cli import run_cli
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DATA = Path(__file__).resolve().parents[1] / "resources" / "gsm8k_test_sample.jsonl"
+MODES = ("greedy", "maj")
+DEVICE_TARGETS = ("CPU", "Ascend", "GPU")
+
+PathLike = Union[str, os.PathLike]
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Question:
+    """One GSM8K question: ``index`` counts the file's non-blank rows from 0 (the dataset index),
+    ``line`` is the 1-based line number, ``solution`` the final answer after ``####``."""
+
+    index: int
+    line: int
+    question: str
+    solution: str
+
+
+def load_questions(path: PathLike, limit: int = 0, offset: int = 0) -> Tuple[List[Question], int]:
+    """``(questions, skipped)`` from a GSM8K-style JSONL file (``question`` and ``answer`` fields).
+
+    Rows whose answer has no ``#### N`` final answer are skipped and counted; ``offset`` and
+    ``limit`` (0 = all) select among the usable questions, in file order, and reading stops once
+    enough were found. Malformed JSON or a missing/empty field raises ``MindRLHFError`` naming the line.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise MindRLHFError(f"data file not found: {path}; pass --data_path with a GSM8K jsonl file "
+                            f"(question/answer fields)")
+    _check_count("limit", limit, 0)
+    _check_count("offset", offset, 0)
+    wanted = offset + limit if limit else None
+    found: List[Question] = []
+    skipped = 0
+    index = 0
+    with open(path, "rb") as handle:
+        for line_no, raw in enumerate(handle, start=1):
+            if wanted is not None and len(found) >= wanted:
+                break
+            if not raw.strip():
+                continue
+            where = f"{path} line {line_no}"
+            try:
+                record = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise MindRLHFError(f"{where}: malformed JSON ({err}); fix or remove that line") from None
+            if not isinstance(record, dict):
+                raise MindRLHFError(f"{where}: a JSON {type(record).__name__}, not an object with "
+                                    f"'question' and 'answer'; fix or remove that line")
+            question, answer = record.get("question"), record.get("answer")
+            if not isinstance(question, str) or not question.strip():
+                raise MindRLHFError(f"{where}: no non-empty string field 'question'; fix or remove that line")
+            if not isinstance(answer, str):
+                raise MindRLHFError(f"{where}: no string field 'answer' (GSM8K's worked answer ending in "
+                                    f"'#### N'); fix or remove that line")
+            solution = extract_gsm8k_solution(answer)
+            if solution:
+                found.append(Question(index, line_no, question, solution))
+            else:
+                skipped += 1
+            index += 1
+    return found[offset:], skipped
+
+
+def _check_count(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise MindRLHFError(f"--{name} {value!r} is invalid: use an integer >= {minimum}")
+
+
+# ---------------------------------------------------------------------------------------------
+# scoring
+# ---------------------------------------------------------------------------------------------
+def majority_vote(answers: Sequence[Optional[str]]) -> Tuple[Optional[int], int]:
+    """``(position, votes)`` of the winning answer among extracted answers (None = no answer).
+
+    Answers are equal when both parse as numbers that ``numbers_match`` (``"18"``, ``"18.0"``,
+    ``"$18"``), else when their whitespace/case-normalised text is equal. ``position`` is the first
+    completion giving the winner: the most votes wins, and a tie goes to the answer seen first.
+    ``(None, 0)`` when no completion has an answer.
+    """
+    groups: List[Tuple[Optional[float], str, List[int]]] = []  # (number, normalised text, members)
+    for i, answer in enumerate(answers):
+        if answer is None:
+            continue
+        value, text = parse_number(answer), " ".join(answer.split()).lower()
+        for number, norm, members in groups:
+            same = (numbers_match(value, number) if value is not None and number is not None
+                    else value is None and number is None and text == norm)
+            if same:
+                members.append(i)
+                break
+        else:
+            groups.append((value, text, [i]))
+    if not groups:
+        return None, 0
+    # max() returns the first maximal group, and groups are in order of first appearance.
+    best = max(groups, key=lambda g: len(g[2]))[2]
+    return best[0], len(best)
+
+
+@dataclass
+class QuestionScore:
+    """Scores of one question's completions."""
+
+    extracted_answers: List[Optional[str]]
+    predicted_answer: Optional[str]
+    votes: int
+    correct: bool
+    format_ok: List[bool]
+    sample_correct: List[bool] = field(default_factory=list)
+
+
+def score_question(completions: Sequence[str], solution: str) -> QuestionScore:
+    """Extract answers, vote (one completion: it wins if it has an answer) and score with the
+    training rewards: ``correct`` is the ``accuracy`` reward of the winning completion."""
+    texts = list(completions)
+    answers = [extract_answer(t) for t in texts]
+    sample_correct = [r == 1.0 for r in accuracy_reward(texts, [solution] * len(texts))]
+    fmt = [r == 1.0 for r in format_reward(texts)]
+    winner, votes = majority_vote(answers)
+    correct = winner is not None and sample_correct[winner]
+    return QuestionScore(answers, answers[winner] if winner is not None else None, votes, bool(correct),
+                         fmt, sample_correct)
+
+
+def binomial_stderr(p: float, n: int) -> float:
+    """Standard error ``sqrt(p (1 - p) / n)`` of an accuracy ``p`` measured on ``n`` questions."""
+    return math.sqrt(p * (1.0 - p) / n) if n > 0 else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------
+# model / tokenizer resolution
+# ---------------------------------------------------------------------------------------------
+def resolve_model_path(model: Optional[PathLike], progress: bool = False) -> Path:
+    """The given model path (checked to exist), or the embedded SmolLM2-135M-Instruct."""
+    if model is None or str(model) == "":
+        from mindrlhf.models.smollm2 import prepare_smollm2
+
+        return Path(prepare_smollm2(progress=progress))
+    path = Path(model)
+    if not path.exists():
+        raise MindRLHFError(f"--model {path} not found; pass a Hugging Face model directory or a MindSpore "
+                            f".ckpt/.safetensors file with config.json next to it (or omit --model for SmolLM2)")
+    return path
+
+
+def resolve_tokenizer(model_path: Optional[PathLike], tokenizer_dir: Optional[PathLike] = None,
+                      vocab_path: Optional[PathLike] = None, merges_file_path: Optional[PathLike] = None):
+    """From ``tokenizer_dir``, ``vocab_path`` + ``merges_file_path`` (tokenizer_config.json beside the
+    vocab is used when present), or the files next to the model."""
+    from mindrlhf.tokenizer import Tokenizer
+
+    if tokenizer_dir and (vocab_path or merges_file_path):
+        raise MindRLHFError("pass either --tokenizer_dir or --vocab_path/--merges_file_path, not both")
+    if tokenizer_dir:
+        return Tokenizer.from_dir(tokenizer_dir)
+    if vocab_path or merges_file_path:
+        if not (vocab_path and merges_file_path):
+            raise MindRLHFError("--vocab_path and --merges_file_path go together; pass both (or --tokenizer_dir)")
+        beside = Path(vocab_path).parent / "tokenizer_config.json"
+        return Tokenizer.from_files(vocab_path, merges_file_path, str(beside) if beside.is_file() else None)
+    if model_path is None:
+        raise MindRLHFError("no tokenizer given; pass a tokenizer, --tokenizer_dir or --vocab_path/--merges_file_path")
+    folder = Path(model_path) if Path(model_path).is_dir() else Path(model_path).parent
+    if not ((folder / "tokenizer.json").is_file() or (folder / "vocab.json").is_file()):
+        raise MindRLHFError(f"no tokenizer files next to the model in {folder}; pass --tokenizer_dir or "
+                            f"--vocab_path/--merges_file_path")
+    return Tokenizer.from_dir(folder)
+
+
+def _load(model, tokenizer, batch_rows: int, progress: bool, dtype: str, jit: bool, tokenizer_args: tuple,
+          use_chat_template: bool):
+    """``(sampler, tokenizer, model_path)`` from a Sampler, a CausalLM, a path or None (SmolLM2);
+    the tokenizer is resolved before any weights are read, so a missing one fails fast."""
+    from mindrlhf.generation import NativeSampler, Sampler
+    from mindrlhf.models import CausalLM, load_model
+
+    if isinstance(model, (Sampler, CausalLM)):
+        if tokenizer is None:
+            tokenizer = resolve_tokenizer(None, *tokenizer_args)
+        _check_template(tokenizer, use_chat_template)
+        if isinstance(model, Sampler):
+            return model, tokenizer, None
+        return NativeSampler(model, max_batch_size=batch_rows, jit=jit), tokenizer, None
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise MindRLHFError(f"evaluate: model must be a path, a CausalLM or a Sampler, got {type(model).__name__}")
+    path = resolve_model_path(model, progress=progress)
+    if tokenizer is None:
+        tokenizer = resolve_tokenizer(path, *tokenizer_args)
+    _check_template(tokenizer, use_chat_template)
+    return NativeSampler(load_model(path, dtype=dtype), max_batch_size=batch_rows, jit=jit), tokenizer, path
+
+
+def _check_template(tokenizer, use_chat_template: bool) -> None:
+    if use_chat_template and not tokenizer.has_chat_template:
+        raise MindRLHFError(f"the tokenizer from {tokenizer.source} has no chat_template; use the model's "
+                            f"tokenizer_config.json, or --no_chat_template for raw questions")
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluation
+# ---------------------------------------------------------------------------------------------
+def evaluate(
+    model: Any = None,
+    tokenizer: Any = None,
+    *,
+    data_path: Optional[PathLike] = None,
+    limit: int = 0,
+    offset: int = 0,
+    batch_size: int = 16,
+    max_new_tokens: int = 256,
+    mode: str = "greedy",
+    k: int = 8,
+    temperature: float = 0.7,
+    top_p: float = 1.0,
+    seed: int = 0,
+    system_prompt: Optional[str] = DEFAULT_SYSTEM_PROMPT,
+    use_chat_template: bool = True,
+    dtype: str = "float32",
+    output: Optional[PathLike] = None,
+    progress: bool = True,
+    tokenizer_dir: Optional[PathLike] = None,
+    vocab_path: Optional[PathLike] = None,
+    merges_file_path: Optional[PathLike] = None,
+    stop_token_ids: Optional[Sequence[int]] = None,
+    jit: bool = True,
+) -> Dict[str, Any]:
+    """Evaluate a model on GSM8K; return the summary as a dict.
+
+    Keys: ``metric`` ("pass@1" | "maj@k"), ``accuracy`` (fraction of questions correct) and
+    ``accuracy_stderr`` (binomial, ``sqrt(p(1-p)/n)``), ``correct``, ``num_questions``,
+    ``sample_accuracy`` (mean accuracy reward over all completions), ``format_rate`` (fraction of
+    completions the ``format`` reward scores 1), ``mean_completion_tokens``, ``truncated_rate``,
+    ``wall_time_s`` (generation + scoring), ``load_time_s``, ``compile_time_s``, ``tokens_per_s``,
+    ``skipped_rows`` and the settings used.
+
+    ``model``: an HF dir / MindSpore checkpoint path (None = the embedded SmolLM2), a ``CausalLM``
+    or a ``Sampler``. ``tokenizer``: a ``Tokenizer``, else from ``tokenizer_dir``/``vocab_path`` or the
+    model's folder. ``mode``: ``"greedy"`` (pass@1, temperature 0) or ``"maj"`` (``k`` samples at
+    ``temperature``/``top_p``, majority vote). Stop tokens default to the tokenizer's, as in
+    training. ``batch_size`` questions go to the sampler per call; with sampling, call ``i`` uses
+    seed ``seed`` mixed with its first question's index, so results depend on (seed, batch_size, offset).
+    ``output``: per-question JSONL (written to ``<output>.tmp`` per batch, renamed when done).
+    The device must be set up by the caller (the CLI does it).
+    """
+    from tqdm import tqdm
+
+    from mindrlhf.generation import SamplingParams
+
+    if mode not in MODES:
+        raise MindRLHFError(f"--mode {mode!r} is invalid: use one of {', '.join(MODES)}")
+    _check_count("batch_size", batch_size, 1)
+    _check_count("max_new_tokens", max_new_tokens, 1)
+    _check_count("k", k, 1)
+    if mode == "maj" and not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise MindRLHFError(f"--temperature {temperature!r} with --mode maj: majority voting needs sampling, use "
+                            f"a temperature > 0 (or --mode greedy)")
+    if mode == "maj" and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise MindRLHFError(f"--top_p {top_p!r} is invalid: use a value in (0, 1] (1 = off)")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise MindRLHFError(f"--seed {seed!r} is invalid: use an integer")
+    n = k if mode == "maj" else 1
+    data = Path(data_path) if data_path is not None else DEFAULT_DATA
+    questions, skipped = load_questions(data, limit=limit, offset=offset)
+    out_path = _check_output(output, data) if output is not None else None
+    if skipped:
+        log.warning("%s: skipped %d rows without a '#### N' final answer", data, skipped)
+    if not questions:
+        raise MindRLHFError(f"{data}: no questions to evaluate (offset {offset}, {skipped} rows skipped); "
+                            f"check --data_path/--offset")
+
+    t_load = time.perf_counter()
+    sampler, tokenizer, model_path = _load(model, tokenizer, batch_size * n, progress, dtype, jit,
+                                           (tokenizer_dir, vocab_path, merges_file_path), use_chat_template)
+    stops = list(stop_token_ids) if stop_token_ids is not None else list(tokenizer.stop_token_ids)
+    prompts = tokenizer.encode_batch([build_prompt(q.question, tokenizer, system_prompt, use_chat_template)
+                                      for q in questions])
+    load_s = time.perf_counter() - t_load
+
+    correct = sample_correct = format_ok = completions_total = tokens_total = truncated = 0
+    compile_s = 0.0
+    tmp = out_path.with_name(out_path.name + ".tmp") if out_path is not None else None
+    sink = open(tmp, "w", encoding="utf-8") if tmp is not None else None
+    t0 = time.perf_counter()
+    try:
+        with tqdm(total=len(questions), desc=f"gsm8k {mode}", unit="q", disable=not progress,
+                  file=sys.stderr) as bar:
+            for start in range(0, len(questions), batch_size):
+                batch = questions[start:start + batch_size]
+                params = SamplingParams(
+                    n=n, temperature=0.0 if mode == "greedy" else float(temperature),
+                    top_p=1.0 if mode == "greedy" else top_p, max_tokens=max_new_tokens,
+                    stop_token_ids=stops, seed=(seed * 1_000_003 + batch[0].index) % (2 ** 63))
+                done = sampler.generate(prompts[start:start + len(batch)], params)
+                compile_s += float(getattr(sampler, "last_stats", {}).get("compile_s", 0.0))
+                texts = tokenizer.batch_decode([c.token_ids for c in done], skip_special_tokens=True)
+                for j, q in enumerate(batch):
+                    mine = done[j * n:(j + 1) * n]
+                    score = score_question(texts[j * n:(j + 1) * n], q.solution)
+                    correct += score.correct
+                    sample_correct += sum(score.sample_correct)
+                    format_ok += sum(score.format_ok)
+                    completions_total += n
+                    tokens_total += sum(len(c.token_ids) for c in mine)
+                    truncated += sum(c.finish_reason == "length" for c in mine)
+                    if sink is not None:
+                        sink.write(json.dumps({
+                            "index": q.index, "line": q.line, "question": q.question, "solution": q.solution,
+                            "completions": texts[j * n:(j + 1) * n],
+                            "extracted_answers": score.extracted_answers,
+                            "predicted_answer": score.predicted_answer, "votes": score.votes,
+                            "correct": score.correct, "format_ok": score.format_ok,
+                            "sample_correct": score.sample_correct,
+                            "completion_tokens": [len(c.token_ids) for c in mine],
+                            "finish_reasons": [c.finish_reason for c in mine],
+                        }, ensure_ascii=False) + "\n")
+                if sink is not None:
+                    sink.flush()
+                bar.update(len(batch))
+                bar.set_postfix(acc=f"{correct / (start + len(batch)):.3f}")
+    except BaseException:
+        if sink is not None:
+            sink.close()
+        raise
+    if sink is not None:
+        sink.close()
+        os.replace(tmp, out_path)
+    wall = time.perf_counter() - t0
+
+    total = len(questions)
+    acc = correct / total
+    return {
+        "mode": mode, "k": n, "metric": "pass@1" if mode == "greedy" else f"maj@{n}",
+        "num_questions": total, "correct": correct, "accuracy": acc,
+        "accuracy_stderr": binomial_stderr(acc, total),
+        "sample_accuracy": sample_correct / completions_total,
+        "format_rate": format_ok / completions_total,
+        "mean_completion_tokens": tokens_total / completions_total,
+        "truncated_rate": truncated / completions_total,
+        "num_completions": completions_total, "skipped_rows": skipped,
+        "wall_time_s": wall, "load_time_s": load_s, "compile_time_s": compile_s,
+        "tokens_per_s": tokens_total / wall if wall > 0 else 0.0,
+        "model": str(model_path) if model_path is not None else type(model).__name__,
+        "data_path": str(data), "offset": offset,
+        "max_new_tokens": max_new_tokens, "temperature": 0.0 if mode == "greedy" else float(temperature),
+        "top_p": 1.0 if mode == "greedy" else top_p, "seed": seed,
+        "output": str(out_path) if out_path is not None else None,
+    }
+
+
+def _check_output(output: PathLike, data: Path) -> Path:
+    path = Path(output)
+    if path.is_dir():
+        raise MindRLHFError(f"--output {path} is a directory; pass a file path such as {path / 'eval.jsonl'}")
+    if data.exists() and path.exists() and path.resolve() == data.resolve():
+        raise MindRLHFError(f"--output {path} is the input data file; write the results elsewhere")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def format_summary(result: Dict[str, Any]) -> str:
+    """The end-of-run summary lines of ``evaluate``'s result."""
+    lines = [
+        f"GSM8K {result['metric']} on {result['num_questions']} questions ({result['data_path']}, model {result['model']})",
+        f"  accuracy       {result['accuracy']:.4f} ± {result['accuracy_stderr']:.4f} "
+        f"({result['correct']}/{result['num_questions']})",
+    ]
+    if result["mode"] == "maj":
+        lines.append(f"  sample acc.    {result['sample_accuracy']:.4f} (mean over {result['num_completions']} completions)")
+    lines += [
+        f"  format rate    {result['format_rate']:.4f} (completions the 'format' reward scores 1)",
+        f"  mean length    {result['mean_completion_tokens']:.1f} tokens "
+        f"({result['truncated_rate']:.1%} hit max_new_tokens={result['max_new_tokens']})",
+        f"  wall time      {result['wall_time_s']:.1f} s generation+scoring ({result['tokens_per_s']:.1f} tokens/s), "
+        f"{result['load_time_s']:.1f} s loading (of the generation time, {result['compile_time_s']:.1f} s was "
+        f"graph compilation)",
+    ]
+    if result["skipped_rows"]:
+        lines.append(f"  skipped        {result['skipped_rows']} rows without a '#### N' final answer")
+    if result["output"]:
+        lines.append(f"  per-question results: {result['output']}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line options of ``mindrlhf-eval``."""
+    p = argparse.ArgumentParser(prog="mindrlhf-eval",
+                                description="Evaluate a model on GSM8K (greedy pass@1 or sampled maj@k) with "
+                                            "the training prompt and the training accuracy reward.")
+    p.add_argument("--model", default=None,
+                   help="Hugging Face model directory or MindSpore .ckpt/.safetensors (config.json next to it); "
+                        "default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--tokenizer_dir", default=None, help="tokenizer folder (default: the files next to the model)")
+    p.add_argument("--vocab_path", default=None, help="tokenizer vocab.json (with --merges_file_path)")
+    p.add_argument("--merges_file_path", default=None, help="tokenizer merges.txt (with --vocab_path)")
+    p.add_argument("--data_path", default=None,
+                   help=f"GSM8K jsonl with question/answer fields (default: the packaged {DEFAULT_DATA.name})")
+    p.add_argument("--limit", type=int, default=0, help="evaluate the first N questions after --offset (0 = all)")
+    p.add_argument("--offset", type=int, default=0, help="skip this many questions first (default 0)")
+    p.add_argument("--batch_size", type=int, default=16,
+                   help="questions per generate call (default 16); on CPU each compiled prefill shape keeps memory "
+                        "that grows with batch x prompt length x cache length, so lower it when memory is short")
+    p.add_argument("--max_new_tokens", type=int, default=256, help="completion length limit in tokens (default 256)")
+    p.add_argument("--mode", choices=MODES, default="greedy",
+                   help="greedy: one argmax completion (pass@1); maj: --k samples, majority vote (maj@k)")
+    p.add_argument("--k", type=int, default=8, help="completions per question for --mode maj (default 8)")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature for --mode maj (default 0.7)")
+    p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling for --mode maj (default 1 = off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed for --mode maj (default 0)")
+    p.add_argument("--system_prompt", default=DEFAULT_SYSTEM_PROMPT,
+                   help="system message; '' for none (default: the training <think>/<answer> prompt)")
+    p.add_argument("--no_chat_template", action="store_true", help="use the raw question as the prompt")
+    p.add_argument("--dtype", default="float32", help="model dtype: float32 | bfloat16 | float16 (default float32)")
+    p.add_argument("--output", default=None,
+                   help="write per-question results (completions, answers, correctness) to this .jsonl")
+    p.add_argument("--device_target", default="CPU", choices=DEVICE_TARGETS, help="MindSpore device (default CPU)")
+    p.add_argument("--no_progress", action="store_true", help="hide the progress bar")
+    return p
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import mindspore as ms
+
+    ms.set_device(args.device_target)
+    ms.set_context(mode=ms.PYNATIVE_MODE)  # the sampler compiles its steps with mindspore.jit
+    result = evaluate(
+        args.model, data_path=args.data_path, limit=args.limit, offset=args.offset, batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens, mode=args.mode, k=args.k, temperature=args.temperature,
+        top_p=args.top_p, seed=args.seed, system_prompt=args.system_prompt,
+        use_chat_template=not args.no_chat_template, dtype=args.dtype, output=args.output,
+        progress=not args.no_progress, tokenizer_dir=args.tokenizer_dir, vocab_path=args.vocab_path,
+        merges_file_path=args.merges_file_path)
+    print(format_summary(result))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console entry point (``mindrlhf-eval``): user errors print ``error: ...`` and return 2."""
+    return run_cli(_main, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
