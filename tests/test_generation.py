@@ -178,6 +178,15 @@ def test_rows_that_stop_early_leave_the_others_unchanged(qwen):
     assert sum(x.finish_reason == "stop" for x in a) >= 1
 
 
+def test_long_prompts_prefilled_in_pieces_give_the_same_results(llama, llama_sampler):
+    prompts = _prompts(llama.config.vocab_size, (3, 19, 11), seed=2)
+    p = SamplingParams(n=2, temperature=0.9, max_tokens=5, seed=8)
+    pieces = NativeSampler(llama, length_bucket=8, prefill_chunk=8).generate(prompts, p)
+    whole = llama_sampler.generate(prompts, p)
+    assert [c.token_ids for c in pieces] == [c.token_ids for c in whole]
+    np.testing.assert_allclose([c.logprobs for c in pieces], [c.logprobs for c in whole], atol=1e-5)
+
+
 def test_top_k_1_equals_greedy(llama_sampler, llama):
     prompts = _prompts(llama.config.vocab_size, (5, 3))
     greedy = llama_sampler.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))

@@ -38,6 +38,16 @@ from mindrlhf.models.decoder import MASK_VALUE, CausalLM
 from mindrlhf.models.weights import DERIVED_SUFFIXES, NamedArrays
 
 
+def _compiled_phases():
+    """MindSpore's registry of compiled graph phases (private; empty if it moved)."""
+    try:
+        from mindspore.graph import api
+
+        return api.ms_compile_cache
+    except Exception:  # pragma: no cover
+        return ()
+
+
 def _bucket(n: int, size: int) -> int:
     return -(-n // size) * size
 
@@ -70,6 +80,8 @@ class CachedDecoder(nn.Cell):
         shape = (batch_size, c.num_key_value_heads, cache_len, c.head_dim)
         self.kv = nn.CellList([_KV(i, shape, model.compute_dtype) for i in range(self.num_layers)])
         self.scatter = ops.ScatterNdUpdate()
+        self.seen_shapes: set = set()  # (kind, input shape) already run: the first run compiles
+        self.phases: set = set()       # MindSpore compile phases of this cell's graphs
         self.dtype = model.compute_dtype
         self.cast = model.compute_dtype != ms.float32  # skip no-op casts (each is a kernel launch)
         self.scale = 1.0 / math.sqrt(c.head_dim)
@@ -149,12 +161,13 @@ class NativeSampler(Sampler):
     levels) as rows finish; ``max_len`` caps prompt + max_tokens (default: the model's
     ``max_position_embeddings``); ``max_cached_graphs`` bounds how many (batch, cache length) KV
     caches and their compiled graphs stay allocated (each holds 2 × layers × B × kv_heads × S ×
-    head_dim values).
+    head_dim values); prompts longer than ``prefill_chunk`` tokens are prefilled in pieces of that
+    many tokens, which bounds the prefill graph's activation memory.
     """
 
     def __init__(self, model: CausalLM, *, max_batch_size: Optional[int] = None, length_bucket: int = 32,
                  jit: bool = True, jit_level: str = "O0", shrink_batch: bool = True, max_shrinks: int = 3,
-                 max_len: Optional[int] = None, max_cached_graphs: int = 12):
+                 max_len: Optional[int] = None, max_cached_graphs: int = 12, prefill_chunk: int = 128):
         if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
             raise MindRLHFError(f"NativeSampler max_batch_size={max_batch_size!r} is invalid: use an integer >= 1 "
                                 f"or None (no limit)")
@@ -171,8 +184,8 @@ class NativeSampler(Sampler):
         self.shrink_batch = shrink_batch
         self.max_shrinks = max_shrinks
         self.max_cached_graphs = max_cached_graphs
+        self.prefill_chunk = _bucket(max(1, prefill_chunk), length_bucket)
         self._graphs: "OrderedDict[Tuple[int, int], Tuple[CachedDecoder, Any]]" = OrderedDict()
-        self._seen_shapes: set = set()
         self._storage: Optional[Tuple[int, ...]] = None
         #: How often compiled graphs were dropped because the model's Parameters were replaced
         #: with ``set_data`` (e.g. ``models.set_weights``) instead of ``load_weights``.
@@ -225,8 +238,9 @@ class NativeSampler(Sampler):
         if key != self._storage:
             if self._storage is not None and self._graphs:
                 self.graph_resets += 1
+            for cell, _ in self._graphs.values():
+                self._release(cell)
             self._graphs.clear()
-            self._seen_shapes.clear()
             self._storage = key
 
     def _graph(self, batch: int, cache_len: int) -> Tuple[CachedDecoder, Any]:
@@ -238,21 +252,42 @@ class NativeSampler(Sampler):
         fn = ms.jit(cell.construct, jit_level=self.jit_level) if self.jit else cell.construct
         self._graphs[key] = (cell, fn)
         while len(self._graphs) > self.max_cached_graphs:
-            self._graphs.popitem(last=False)
+            self._release(self._graphs.popitem(last=False)[1][0])
         return cell, fn
 
-    def _run(self, fn, stats: Dict[str, float], kind: str, ids: np.ndarray, pos: np.ndarray,
+    def _release(self, cell: CachedDecoder) -> None:
+        """Free the compiled graphs of a dropped cell. MindSpore keeps every compiled graph, with
+        its activation memory (the prefill's scores are B × heads × P × S floats), for the life of
+        the process; without this, dropped shapes would leak gigabytes."""
+        phases, cell.phases = cell.phases, set()
+        if not phases:
+            return
+        try:
+            from mindspore._c_expression import JitExecutor_
+            from mindspore.graph import api
+
+            JitExecutor_.get_instance().del_net_res(None, phases)
+            api.ms_compile_cache.difference_update(phases)
+        except Exception:  # pragma: no cover - private API of MindSpore 2.10; a leak is not fatal
+            pass
+
+    def _run(self, cell: CachedDecoder, fn, stats: Dict[str, float], kind: str, ids: np.ndarray, pos: np.ndarray,
              bias: np.ndarray, index: int, cache_len: int) -> np.ndarray:
         """One prefill/decode call; returns float32 logits (B, V). The first call per shape is
         timed as compile time (it includes one execution)."""
-        shape = (kind, ids.shape, cache_len)
+        shape = (kind, ids.shape)
+        first = shape not in cell.seen_shapes
+        before = set(_compiled_phases()) if first and self.jit else None
         t0 = time.perf_counter()
-        out = fn(Tensor(ids, ms.int32), Tensor(pos, ms.int64), Tensor(bias, ms.float32), Tensor(index, ms.int64))
-        logits = out.asnumpy().reshape(ids.shape[0], -1)
+        out = fn(Tensor(np.ascontiguousarray(ids), ms.int32), Tensor(np.ascontiguousarray(pos), ms.int64),
+                 Tensor(np.ascontiguousarray(bias), ms.float32), Tensor(index, ms.int64))
+        logits = out.asnumpy()
         dt = time.perf_counter() - t0
-        if shape not in self._seen_shapes:
-            self._seen_shapes.add(shape)
+        if first:
+            cell.seen_shapes.add(shape)
             stats["compile_s"] += dt
+            if before is not None:
+                cell.phases.update(set(_compiled_phases()) - before)
         else:
             stats[f"{kind}_s"] += dt
         return logits
@@ -313,11 +348,15 @@ class NativeSampler(Sampler):
 
     def _generate_chunk(self, prompts: List[np.ndarray], uniforms: np.ndarray, params: SamplingParams,
                         stats: Dict[str, float]):
-        V = self.vocab_size
         B = len(prompts)
         T = params.max_tokens
         lens = np.array([p.size for p in prompts], np.int64)
         P = _bucket(int(lens.max()), self.length_bucket)
+        # Long prompts are prefilled in pieces of ``prefill_chunk`` tokens (one compiled graph for
+        # all pieces): a graph's activations (B × heads × t × S attention scores per layer) stay
+        # allocated for the life of the process, so t is kept bounded.
+        piece = P if P <= self.prefill_chunk else self.prefill_chunk
+        P = _bucket(P, piece)
         S = P + _bucket(T, self.length_bucket)
         ids = np.zeros((B, P), np.int32)
         mask = np.zeros((B, P), bool)
@@ -332,7 +371,9 @@ class NativeSampler(Sampler):
         key_bias = np.where(key_ok, 0.0, MASK_VALUE).astype(np.float32)  # decode mask row, grows per step
 
         cell, fn = self._graph(B, S)
-        logits = self._run(fn, stats, "prefill", ids, pos, bias, 0, S)
+        for c0 in range(0, P, piece):
+            logits = self._run(cell, fn, stats, "prefill", ids[:, c0:c0 + piece], pos[:, c0:c0 + piece],
+                               bias[:, c0:c0 + piece], c0, S)
 
         stop = np.array(sorted(set(params.stop_token_ids)), np.int64)
         penalty = params.repetition_penalty != 1.0
@@ -390,7 +431,7 @@ class NativeSampler(Sampler):
                 slot_of[active] = np.arange(active.size)
                 nb = new_b
             key_bias[:, P + step] = 0.0
-            logits = self._run(fn, stats, "decode", last[slot_rows].reshape(nb, 1).astype(np.int32),
+            logits = self._run(cell, fn, stats, "decode", last[slot_rows].reshape(nb, 1).astype(np.int32),
                                (lens[slot_rows] + step).reshape(nb, 1), key_bias[:, None, :], P + step, S)
         return [(tokens[r], logps[r], reasons[r]) for r in range(B)], steps
 

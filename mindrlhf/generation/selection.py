@@ -12,6 +12,7 @@ most likely tokens do not reach the requested mass.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Sequence, Tuple
 
@@ -19,9 +20,10 @@ import numpy as np
 
 _GROUP = 64               # values per group when bounding the top-k from group maxima
 _TOP_P_CANDIDATES = 256   # top-p searches these most likely tokens before sorting a whole row
-_MAX_EXP_ARG = 80.0  # exp(80) < float32 max: clip penalised weights that would overflow
+_MAX_EXP_ARG = 80.0       # exp(80) < float32 max: clip penalised weights that would overflow
 
 
+@functools.lru_cache(maxsize=None)
 def _block_size(vocab: int) -> int:
     """A block length for the two-level cumulative sum: a divisor of ``vocab`` near sqrt(vocab)."""
     root = max(1, int(math.isqrt(vocab)))
