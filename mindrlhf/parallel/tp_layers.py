@@ -1,0 +1,300 @@
+"""Megatron-style tensor-parallel building blocks with explicit collectives and custom backward rules.
+
+MindSpore's ``semi_auto_parallel`` is refused on CPU, so tensor parallelism (tp) is written out by
+hand, as in Megatron-LM: every tp rank holds a slice of each big matrix (``sharding.shard_tensor``
+decides which) and a handful of collectives over the **tp group** glue the slices together:
+
+* ``CopyToTP``     forward identity,        backward AllReduce-sum (enters a column-parallel region);
+* ``ReduceFromTP`` forward AllReduce-sum,   backward identity      (leaves a row-parallel region);
+* ``GatherFromTP`` forward concat of slices, backward own slice    (full logits, evaluation only).
+
+With these, the loss computed on every tp rank is the same number, and the gradient each rank gets
+for its parameter slice is exactly the matching slice of the single-process gradient (replicated
+parameters such as norms get the full gradient on every rank).
+
+CPU facts (MindSpore 2.10, backend mccl) that shape this module: AllReduce works in sub-groups but
+only with ``sum``; ``AllGather`` only in the world group ("AllGather only support mccl_world_group
+on CPU"); ReduceScatter/AlltoAll/Send/Receive not at all. So every gather here is an AllReduce-sum
+of zero-padded slices (``_gather_last``), and the global max of the vocab-parallel log-softmax is
+taken over such a gather of the per-rank maxima. Autodiff of ``ops.AllReduce`` itself is an
+AllReduce of the gradient, which is wrong for Megatron's regions, hence the ``bprop`` methods.
+
+Every block degrades to plain single-process code when ``tp == 1`` (no collective is built), and
+building a block never talks to the communication runtime (``ops.AllReduce`` does not check its
+group when constructed), so shapes and names can be checked in-process without ``msrun``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import Normal, initializer
+
+from mindrlhf.errors import MindRLHFError
+
+
+# ---------------------------------------------------------------------------------------------
+# process groups
+# ---------------------------------------------------------------------------------------------
+def group_name(kind: str, ranks) -> str:
+    """Deterministic communication-group name, e.g. ``mindrlhf_tp_0_1`` (same on every member)."""
+    return f"mindrlhf_{kind}_" + "_".join(str(int(r)) for r in ranks)
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This process's place in a layout and the names of its tp and dp communication groups.
+
+    ``tp_group`` / ``dp_group`` are ``None`` when that axis has size 1 (no collective needed).
+    """
+
+    rank: int
+    tp_rank: int
+    dp_rank: int
+    tp: int
+    dp: int
+    tp_group: Optional[str]
+    dp_group: Optional[str]
+
+
+def init_parallel_groups(layout, rank: Optional[int] = None) -> ParallelGroups:
+    """Create (with ``mindspore.communication.create_group``) this rank's tp and dp groups.
+
+    Call after ``mindspore.communication.init()`` on every rank; each rank creates only the groups
+    it belongs to (enough for mccl and hccl). The world size must equal ``layout.world_size``.
+    Pipeline parallelism is not handled here (``layout.pp`` must be 1).
+    """
+    from mindspore.communication import create_group, get_group_size, get_rank
+
+    if layout.pp != 1:
+        raise MindRLHFError(f"parallel layout {layout}: tensor-parallel training layers support pp=1 only; "
+                            "set pp=1")
+    world = get_group_size()
+    layout.validate(world_size=world)
+    rank = get_rank() if rank is None else rank
+    coords = layout.coords(rank)
+    names = {}
+    for kind, members in (("tp", layout.tp_group(rank)), ("dp", layout.dp_group(rank))):
+        if len(members) > 1:
+            names[kind] = group_name(kind, members)
+            create_group(names[kind], list(members))
+        else:
+            names[kind] = None
+    return ParallelGroups(rank=rank, tp_rank=coords.tp, dp_rank=coords.dp, tp=layout.tp, dp=layout.dp,
+                          tp_group=names["tp"], dp_group=names["dp"])
+
+
+def _check_group(tp: int, group: Optional[str], what: str) -> None:
+    if tp > 1 and not group:
+        raise MindRLHFError(f"{what}: tp={tp} needs the tp communication group name "
+                            "(see mindrlhf.parallel.tp_layers.init_parallel_groups)")
+
+
+def _divide(size: int, tp: int, what: str) -> int:
+    if size % tp:
+        raise MindRLHFError(f"{what}={size} is not divisible by tp={tp}; choose a tp that divides {size}")
+    return size // tp
+
+
+# ---------------------------------------------------------------------------------------------
+# region boundaries (custom backward)
+# ---------------------------------------------------------------------------------------------
+class CopyToTP(nn.Cell):
+    """Identity forward; AllReduce-sum of the gradient over the tp group backward.
+
+    Put in front of column-parallel work: a replicated activation feeds every rank's slice, so its
+    gradient is the sum of the ranks' partial gradients.
+    """
+
+    def __init__(self, tp: int = 1, group: Optional[str] = None):
+        super().__init__()
+        _check_group(tp, group, "CopyToTP")
+        self.tp = tp
+        self.all_reduce = ops.AllReduce(group=group) if tp > 1 else None
+
+    def construct(self, x: Tensor) -> Tensor:
+        return x
+
+    def bprop(self, x, out, dout):
+        if self.tp == 1:
+            return (dout,)
+        return (self.all_reduce(dout),)
+
+
+class ReduceFromTP(nn.Cell):
+    """AllReduce-sum over the tp group forward; identity backward.
+
+    Ends a row-parallel region (partial sums → the replicated total). Every rank then computes the
+    same downstream loss, so the gradient of the total is already correct on each rank and flows
+    unchanged into each partial sum.
+    """
+
+    def __init__(self, tp: int = 1, group: Optional[str] = None):
+        super().__init__()
+        _check_group(tp, group, "ReduceFromTP")
+        self.tp = tp
+        self.all_reduce = ops.AllReduce(group=group) if tp > 1 else None
+
+    def construct(self, x: Tensor) -> Tensor:
+        if self.tp == 1:
+            return x
+        return self.all_reduce(x)
+
+    def bprop(self, x, out, dout):
+        return (dout,)
+
+
+def _gather_last(x: Tensor, tp: int, tp_rank: int, all_reduce) -> Tensor:
+    """Concatenate the tp ranks' ``x`` along the last axis: AllReduce-sum of zero-padded slices.
+
+    (``AllGather`` in a sub-group has no CPU kernel; padding costs ``tp``× the bytes, fine for the
+    small tensors and the evaluation-only logits this is used for.)
+    """
+    if tp == 1:
+        return x
+    zeros = ops.zeros_like(x)
+    parts = [zeros] * tp
+    parts[tp_rank] = x
+    return all_reduce(ops.concat(parts, axis=-1))
+
+
+class GatherFromTP(nn.Cell):
+    """Concatenate per-rank slices along the last axis (forward); keep this rank's slice of the gradient."""
+
+    def __init__(self, tp: int = 1, tp_rank: int = 0, group: Optional[str] = None):
+        super().__init__()
+        _check_group(tp, group, "GatherFromTP")
+        self.tp, self.tp_rank = tp, tp_rank
+        self.all_reduce = ops.AllReduce(group=group) if tp > 1 else None
+
+    def construct(self, x: Tensor) -> Tensor:
+        return _gather_last(x, self.tp, self.tp_rank, self.all_reduce)
+
+    def bprop(self, x, out, dout):
+        if self.tp == 1:
+            return (dout,)
+        n = x.shape[-1]
+        return (dout[..., self.tp_rank * n:(self.tp_rank + 1) * n],)
+
+
+# ---------------------------------------------------------------------------------------------
+# parallel linears and embedding (HF-shaped slices, parameters named weight / bias)
+# ---------------------------------------------------------------------------------------------
+class ColumnParallelLinear(nn.Cell):
+    """``y_t = x W_tᵀ + b_t`` with this rank's ``(out/tp, in)`` rows of the HF ``(out, in)`` weight.
+
+    The output stays split (``out/tp`` features per rank). ``copy_input=False`` skips the
+    ``CopyToTP`` when the caller already put one in front of several linears sharing an input
+    (q/k/v, gate/up): one gradient AllReduce instead of one per linear.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: int = 1, *,
+                 group: Optional[str] = None, dtype: ms.Type = ms.float32, copy_input: bool = True):
+        super().__init__()
+        self.out_local = _divide(out_features, tp, "ColumnParallelLinear out_features")
+        self.weight = Parameter(initializer(Normal(0.02), (self.out_local, in_features), dtype), name="weight")
+        self.bias = Parameter(initializer("zeros", (self.out_local,), dtype), name="bias") if bias else None
+        self.copy = CopyToTP(tp, group) if copy_input else None
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x: Tensor) -> Tensor:
+        if self.copy is not None:
+            x = self.copy(x)
+        lead = x.shape[:-1]
+        y = self.matmul(x.reshape(-1, x.shape[-1]), self.weight)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(lead + (self.out_local,))
+
+
+class RowParallelLinear(nn.Cell):
+    """``y = Σ_t x_t W_tᵀ + b`` with this rank's ``(out, in/tp)`` columns of the HF weight.
+
+    The input is already split (``in/tp`` features, the output of column-parallel work); the
+    partial products are AllReduced and the (replicated) bias is added once, after the reduce.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: int = 1, *,
+                 group: Optional[str] = None, dtype: ms.Type = ms.float32):
+        super().__init__()
+        self.out_features = out_features
+        in_local = _divide(in_features, tp, "RowParallelLinear in_features")
+        self.weight = Parameter(initializer(Normal(0.02), (out_features, in_local), dtype), name="weight")
+        self.bias = Parameter(initializer("zeros", (out_features,), dtype), name="bias") if bias else None
+        self.reduce = ReduceFromTP(tp, group)
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        y = self.reduce(self.matmul(x.reshape(-1, x.shape[-1]), self.weight))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(lead + (self.out_features,))
+
+
+class VocabParallelEmbedding(nn.Cell):
+    """Token embedding holding rows ``[tp_rank*V/tp, (tp_rank+1)*V/tp)`` of the ``(V, H)`` table.
+
+    Ids outside this rank's range look up row 0 and are zeroed; the partial embeddings are
+    AllReduced, so each id's row comes from exactly one rank.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: int = 1, tp_rank: int = 0, *,
+                 group: Optional[str] = None, dtype: ms.Type = ms.float32):
+        super().__init__()
+        self.vocab_local = _divide(vocab_size, tp, "vocab_size")
+        self.vocab_start = tp_rank * self.vocab_local
+        self.tp = tp
+        self.weight = Parameter(initializer(Normal(0.02), (self.vocab_local, hidden_size), dtype), name="weight")
+        self.reduce = ReduceFromTP(tp, group)
+
+    def construct(self, ids: Tensor) -> Tensor:
+        if self.tp == 1:
+            return ops.gather(self.weight, ids, 0)
+        local = ids.astype(ms.int32) - self.vocab_start
+        inside = ops.logical_and(local >= 0, local < self.vocab_local)
+        rows = ops.gather(self.weight, ops.select(inside, local, ops.zeros_like(local)), 0)
+        rows = rows * inside.astype(rows.dtype).expand_dims(-1)
+        return self.reduce(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# vocab-parallel log-softmax at target ids
+# ---------------------------------------------------------------------------------------------
+class VocabParallelLogProb(nn.Cell):
+    """``log softmax(logits)[target]`` from per-rank vocabulary slices, exact and differentiable.
+
+    ``logits`` (B, T, V/tp) float32 hold this rank's columns ``[vocab_start, vocab_start + V/tp)``.
+    With a shift ``m`` equal on all ranks: ``logp = x[target] − m − log Σ_ranks Σ_v exp(x_v − m)``.
+    ``m`` is the global max (a stop-gradient constant: the formula is exact for any shift, the max
+    only keeps ``exp`` in range), gathered from the per-rank maxima; the sum of exponentials and
+    the target logit (taken by the rank that owns the id, zero elsewhere) are ``ReduceFromTP``
+    sums, so ordinary autodiff through them gives the exact gradient on each slice.
+    """
+
+    def __init__(self, vocab_size: int, tp: int = 1, tp_rank: int = 0, *, group: Optional[str] = None):
+        super().__init__()
+        _check_group(tp, group, "VocabParallelLogProb")
+        self.tp, self.tp_rank = tp, tp_rank
+        self.vocab_local = _divide(vocab_size, tp, "vocab_size")
+        self.vocab_start = tp_rank * self.vocab_local
+        self.reduce = ReduceFromTP(tp, group)
+        self.gather_all = ops.AllReduce(group=group) if tp > 1 else None
+
+    def construct(self, logits: Tensor, target: Tensor) -> Tensor:
+        logits = logits.astype(ms.float32)
+        local_max = ops.stop_gradient(logits.max(axis=-1, keepdims=True))  # (B, T, 1)
+        if self.tp > 1:
+            shift = ops.stop_gradient(_gather_last(local_max, self.tp, self.tp_rank, self.gather_all)
+                                      .max(axis=-1, keepdims=True))
+        else:
+            shift = local_max
+        shifted = logits - shift
+        sum_exp = self.reduce(ops.exp(shifted).sum(axis=-1))  # (B, T)
+        local = target.astype(ms.int32) - self.vocab_start
+        inside = ops.logical_and(local >= 0, local < self.vocab_local)
+        picked = ops.gather_elements(shifted, 2, ops.select(inside, local, ops.zeros_like(local)).expand_dims(-1))
+        picked = self.reduce(picked.squeeze(-1) * inside.astype(ms.float32))
+        return picked - ops.log(sum_exp)
