@@ -166,7 +166,8 @@ def select_tokens(
     temperature; top-k; top-p; min-p; then a draw by inverse CDF with ``uniforms`` (B,) in [0, 1),
     or argmax when ``temperature == 0``. ``logprobs`` are log_softmax(logits / T)[token] of the raw
     logits (T = 1 when greedy): what the policy assigns, before any processing. With
-    ``return_weights`` also returns the final unnormalised sampling weights (B, V).
+    ``return_weights`` also returns the final unnormalised sampling weights (B, V). Uses a
+    module-level work buffer: call it from one thread at a time.
     """
     logits = np.asarray(logits, dtype=np.float32)
     b, v = logits.shape
