@@ -41,7 +41,7 @@ def test_defaults_validate():
     assert cfg.algorithm.beta == 0.0 and cfg.algorithm.kl_estimator == "k3"
     assert cfg.algorithm.loss_agg_mode == "seq-mean-token-mean"
     assert cfg.algorithm.reward_funcs == ["accuracy", "format"] and cfg.algorithm.reward_weights is None
-    assert cfg.optimizer.lr == 1e-6 and cfg.parallel.device_target == "CPU" and cfg.train.max_steps == 20
+    assert cfg.optimizer.lr == 1e-5 and cfg.parallel.device_target == "CPU" and cfg.train.max_steps == 12
 
 
 def test_every_field_has_help_default_and_unique_name():
@@ -89,7 +89,7 @@ def test_yaml_grouped(tmp_path):
     cfg = GRPOConfig.from_yaml(path)
     assert cfg.algorithm.beta == 0.04 and cfg.algorithm.num_generations == 8
     assert cfg.optimizer.lr == 5e-7 and cfg.generation.stop_token_ids == [151643, 151645]
-    assert cfg.train.max_steps == 20  # untouched default
+    assert cfg.train.max_steps == 12  # untouched default
 
 
 def test_yaml_flat_and_mixed(tmp_path):
@@ -334,7 +334,7 @@ RULES = [
     # optimizer
     (dict(lr=0.0), ["lr = 0.0 must be > 0"]),
     (dict(lr=1e-6, min_lr=1e-5), ["min_lr = 1e-05 > lr = 1e-06"]),
-    (dict(warmup_steps=30), ["warmup_steps = 30 > max_steps = 20"]),
+    (dict(warmup_steps=30), ["warmup_steps = 30 > max_steps = 12"]),
     (dict(lr_schedule="cosin"), ["lr_schedule = 'cosin'", "did you mean 'cosine'"]),
     (dict(weight_decay=-1.0), ["weight_decay = -1.0 must be >= 0"]),
     (dict(adam_beta1=1.0), ["adam_beta1 = 1.0 must be < 1"]),

@@ -63,7 +63,7 @@ class GRPOTrainer:
                                  a.kl_estimator, g.max_completion_length, g.temperature if g.temperature > 0 else 1.0,
                                  self.off_policy),
             lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-            max_grad_norm=o.max_grad_norm, jit=cfg.parallel.jit)
+            max_grad_norm=o.max_grad_norm, jit=cfg.parallel.train_jit)
         self.rewards = RewardManager(a.reward_funcs, a.reward_weights)
         self._ref_logp_fn = ms.jit(self._ref_logp) if cfg.parallel.jit else self._ref_logp
         self._old_logp_fn = ms.jit(self._old_logp) if cfg.parallel.jit else self._old_logp
