@@ -205,19 +205,34 @@ def test_nonfinite_updates_are_skipped_then_stop(grpo_assets, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.msrun
+def test_two_workers_generate_three_steps(grpo_assets, tmp_path):
+    out = tmp_path / "gen2"
+    _msrun(2, _args(grpo_assets, out, use_parallel="true", train_dp=2, infer_dp=2, tensorboard="false"),
+           tmp_path / "log", 8133)
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert all(isinstance(v, float) and math.isfinite(v) for k, v in r.items() if k != "step"), r
+    # rank 0 alone writes: one metrics row per step, one completions file per step
+    assert len(list(out.glob("completions_step_*.jsonl"))) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
 def test_two_workers_match_one_on_replayed_rollouts(grpo_assets, tmp_path):
     dump = tmp_path / "exp" / "rollouts.npz"
     record = tmp_path / "record"
-    assert _run_inprocess(_args(grpo_assets, record, max_steps=2, save_data_file=dump, mini_batch_size=4,
+    assert _run_inprocess(_args(grpo_assets, record, max_steps=3, save_data_file=dump, mini_batch_size=4,
                                 micro_batch_size=2)) == 0
-    common = dict(max_steps=2, replay_data_file=dump, mini_batch_size=4, micro_batch_size=2, tensorboard="false")
+    common = dict(max_steps=3, replay_data_file=dump, mini_batch_size=4, micro_batch_size=2, tensorboard="false")
     one = tmp_path / "one"
     assert _run_inprocess(_args(grpo_assets, one, **common)) == 0
     two = tmp_path / "two"
     _msrun(2, _args(grpo_assets, two, use_parallel="true", train_dp=2, infer_dp=2, **common), tmp_path / "log", 8131)
     m1, m2 = _metrics(one), _metrics(two)
-    assert [r["step"] for r in m2] == [1, 2]
+    assert [r["step"] for r in m2] == [1, 2, 3]
     for a, b in zip(m1, m2):
+        assert all(isinstance(v, float) and math.isfinite(v) for k, v in b.items() if k != "step")
         for key in ("loss", "grad_norm", "reward", "clip_ratio/region_mean", "learning_rate"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
     # The recorded run generated the same rollouts: its losses match the replays too.
@@ -225,8 +240,8 @@ def test_two_workers_match_one_on_replayed_rollouts(grpo_assets, tmp_path):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
     import mindspore as ms
 
-    w1 = ms.load_checkpoint(str(one / "checkpoints" / "step_00000002" / "policy.ckpt"))
-    w2 = ms.load_checkpoint(str(two / "checkpoints" / "step_00000002" / "policy.ckpt"))
+    w1 = ms.load_checkpoint(str(one / "checkpoints" / "step_00000003" / "policy.ckpt"))
+    w2 = ms.load_checkpoint(str(two / "checkpoints" / "step_00000003" / "policy.ckpt"))
     assert set(w1) == set(w2)
     for name in w1:
         np.testing.assert_allclose(w2[name].asnumpy(), w1[name].asnumpy(), rtol=1e-5, atol=1e-6, err_msg=name)
