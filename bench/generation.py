@@ -44,13 +44,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     import mindspore as ms
-    import safetensors.numpy
 
     from tiny_models import make_tiny_qwen2
     from mindrlhf.generation import NativeSampler, SamplingParams
-    from mindrlhf.models.config import DecoderConfig
-    from mindrlhf.models.decoder import CausalLM
-    from mindrlhf.models.weights import set_weights
+    from mindrlhf.models import DecoderConfig, load_model
 
     ms.set_device("CPU")
     ms.set_context(mode=ms.PYNATIVE_MODE)
@@ -72,8 +69,7 @@ def main(argv=None) -> None:
     n_tok = args.batch * args.new_tokens
 
     # -- ours: build and warm up (compiles the prefill and decode graphs) ---------------------------
-    model = CausalLM(cfg)
-    set_weights(model, safetensors.numpy.load_file(str(hf_dir / "model.safetensors")))
+    model = load_model(hf_dir)
     sampler = NativeSampler(model, jit_level=args.jit_level)
     params = SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=args.new_tokens,
                             min_tokens=args.new_tokens, stop_token_ids=[cfg.eos_token_id], seed=0)
