@@ -214,14 +214,16 @@ def test_load_weights_changes_outputs_without_recompiling(tiny_qwen2_dir, qwen):
 
 
 def test_weights_replaced_with_set_data_are_seen(tiny_llama_dir, llama):
-    """``models.set_weights`` swaps Parameter storage (set_data), which compiled graphs do not see:
-    the sampler notices and recompiles instead of sampling from stale weights."""
+    """``Parameter.set_data`` swaps a Parameter's storage, which already compiled graphs do not
+    see: the sampler notices and recompiles instead of sampling from stale weights."""
     model = load_model(tiny_llama_dir)
     sampler = NativeSampler(model, length_bucket=8)
     prompts = _prompts(model.config.vocab_size, (3, 5))
     params = SamplingParams(temperature=0.0, max_tokens=4)
     before = sampler.generate(prompts, params)
-    set_weights(model, get_weights(llama))
+    new = get_weights(llama)
+    for name, param in model.parameters_and_names():
+        param.set_data(Tensor(new[name]))
     after = sampler.generate(prompts, params)
     expected = NativeSampler(llama, length_bucket=8).generate(prompts, params)
     # (scaling lm_head keeps the greedy path: compare the log-probs)

@@ -188,7 +188,7 @@ class NativeSampler(Sampler):
         self._graphs: "OrderedDict[Tuple[int, int], Tuple[CachedDecoder, Any]]" = OrderedDict()
         self._storage: Optional[Tuple[int, ...]] = None
         #: How often compiled graphs were dropped because the model's Parameters were replaced
-        #: with ``set_data`` (e.g. ``models.set_weights``) instead of ``load_weights``.
+        #: with ``Parameter.set_data`` (new storage) instead of being written in place.
         self.graph_resets = 0
         self.tokens_generated = 0
         self.last_stats: Dict[str, Any] = {}
@@ -199,8 +199,8 @@ class NativeSampler(Sampler):
         many were set. With ``strict`` every parameter must be given and no unknown name may appear.
 
         The copy is in place (``Parameter.copy_``): a compiled graph is bound to the storage its
-        Parameters had when it compiled, and ``Parameter.set_data`` (what ``models.set_weights``
-        uses) swaps that storage, leaving compiled graphs reading the old weights.
+        Parameters had when it compiled, and ``Parameter.set_data`` swaps that storage, leaving
+        compiled graphs reading the old weights (``generate`` detects such swaps and recompiles).
         """
         params = dict(self.model.parameters_and_names())
         seen = set()
