@@ -229,7 +229,6 @@ def test_weights_replaced_with_set_data_are_seen(tiny_llama_dir, llama):
     # (scaling lm_head keeps the greedy path: compare the log-probs)
     np.testing.assert_allclose([c.logprobs for c in after], [c.logprobs for c in expected], atol=1e-5)
     assert not np.allclose([c.logprobs for c in after], [c.logprobs for c in before], atol=1e-2)
-    assert sampler.graph_resets == 1
 
 
 def test_eager_mode_matches_jit(llama, llama_sampler):

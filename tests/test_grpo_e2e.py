@@ -145,6 +145,28 @@ def test_beta_zero_builds_no_reference_and_beta_positive_logs_kl(grpo_assets, tm
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sync", [True, False])
+def test_reference_sync_reaches_the_compiled_reference_forward(grpo_assets, tmp_path, sync, monkeypatch):
+    from mindrlhf import grpo
+    from mindrlhf.configs import parse_args
+
+    # A reward that varies within each group, so the policy really moves in step 1.
+    (tmp_path / "len_reward.py").write_text("def length(completions, solution, **kw):\n"
+                                            "    return [len(c) / 50.0 for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = parse_args(_args(grpo_assets, tmp_path / "r", max_steps=2, beta=0.1, sync_ref_model=str(sync).lower(),
+                           ref_model_sync_steps=1, lr=1e-2, reward_funcs=["len_reward:length"]))
+    trainer = grpo.build_trainer(cfg)
+    first = trainer.train_one_step()
+    second = trainer.train_one_step()
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # the reference starts as the policy
+    if sync:  # re-synced after step 1: identical to the policy that generates step 2
+        assert second["kl"] == pytest.approx(0.0, abs=1e-6)
+    else:     # stale reference: the policy moved (lr 1e-2), so the KL is visible
+        assert second["kl"] > 1e-5
+
+
+@pytest.mark.slow
 def test_resume_after_sigkill_reproduces_metrics(grpo_assets, tmp_path):
     full = tmp_path / "full"
     assert _run_inprocess(_args(grpo_assets, full, max_steps=4)) == 0

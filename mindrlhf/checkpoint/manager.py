@@ -50,7 +50,7 @@ def load_parameters_into(params: Mapping[str, ms.Parameter], path: Path) -> None
         if tuple(value.shape) != tuple(param.shape):
             raise MindRLHFError(f"{path}: tensor {name!r} has shape {tuple(value.shape)}, expected "
                                 f"{tuple(param.shape)}; the checkpoint is for another model")
-        param.set_data(value.astype(param.dtype))
+        param.copy_(value.astype(param.dtype))  # in place: compiled graphs keep seeing it
 
 
 class CheckpointManager:

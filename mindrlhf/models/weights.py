@@ -24,7 +24,8 @@ def set_weights(model: ms.nn.Cell, tensors: NamedArrays, source: str = "checkpoi
 
     Shapes must match exactly. With ``strict`` every model parameter must be provided and no
     unknown name may appear (the error names them and ``source``). Weights are cast to each
-    parameter's dtype; the parameter objects stay the same, so compiled graphs stay valid.
+    parameter's dtype and written IN PLACE (``copy_``): ``Parameter.set_data`` would swap the storage
+    and leave already-compiled graphs reading the old weights.
     """
     params = dict(model.parameters_and_names())
     seen = set()
@@ -40,8 +41,8 @@ def set_weights(model: ms.nn.Cell, tensors: NamedArrays, source: str = "checkpoi
         if tuple(array.shape) != tuple(param.shape):
             raise MindRLHFError(f"{source}: tensor {name!r} has shape {tuple(array.shape)} but the config "
                                 f"expects {tuple(param.shape)}; the checkpoint and config.json disagree")
-        param.set_data(Tensor(np.ascontiguousarray(array), dtype=param.dtype) if isinstance(array, np.ndarray)
-                       else array.astype(param.dtype))
+        param.copy_(Tensor(np.ascontiguousarray(array), dtype=param.dtype) if isinstance(array, np.ndarray)
+                    else array.astype(param.dtype))
         seen.add(name)
     if strict:
         missing = sorted(set(params) - seen)

@@ -227,7 +227,8 @@ class GRPOTrainer:
         for name, p in self.policy.parameters_and_names():
             target = ref_params[name]
             value = p.value().astype(target.dtype)
-            target.set_data(value if alpha == 1.0 else alpha * value + (1 - alpha) * target.value())
+            # In place: set_data would leave the compiled reference forward reading old weights.
+            target.copy_(value if alpha == 1.0 else alpha * value + (1 - alpha) * target.value())
         self.ref_synced = True
 
     # -- checkpoints ----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The policy update: loss and gradients over micro-batches, reduction, clipping, optimizer step."""
+"""The policy update: loss and gradients over micro-batches, reduction, clipping, AdamW step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,6 +10,7 @@ from mindspore import Tensor, nn, ops
 
 from mindrlhf.algorithms import policy_loss
 from mindrlhf.parallel import comm
+from mindrlhf.trainer.optimizer import AdamW
 
 LOSS_METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
@@ -63,12 +64,10 @@ class PolicyUpdater:
         self.max_grad_norm = max_grad_norm
         self.params = model.trainable_params()
         # Decay matrices only: biases and norm scales (1-D) are not weight-decayed.
-        groups = [{"params": [p for p in self.params if len(p.shape) >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in self.params if len(p.shape) < 2], "weight_decay": 0.0}]
-        self.optimizer = nn.AdamWeightDecay(groups, learning_rate=Tensor(np.float32(lr)), beta1=betas[0],
-                                            beta2=betas[1], eps=eps)
+        self.optimizer = AdamW(self.params, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.lr = float(lr)
         self.reducer = comm.grad_reducer(self.params)
-        grad_fn = ms.value_and_grad(self._loss_fn, None, self.optimizer.parameters, has_aux=True)
+        grad_fn = ms.value_and_grad(self._loss_fn, None, self.params, has_aux=True)
         self._grad_fn = ms.jit(grad_fn) if jit else grad_fn
         self._norm_fn = ms.jit(self._global_norm) if jit else self._global_norm
 
@@ -96,8 +95,7 @@ class PolicyUpdater:
         return ops.sqrt(total)
 
     def set_lr(self, lr: float) -> None:
-        # The optimizer keeps its own learning-rate Parameter; updating it needs no recompilation.
-        self.optimizer.learning_rate.set_data(Tensor(np.float32(lr)))
+        self.lr = float(lr)
 
     def step(self, micro_batches: Sequence[Dict[str, np.ndarray]], num_tokens: float, num_seqs: float) -> Dict[str, float]:
         """One optimizer step over this rank's micro-batches of a mini-batch.
@@ -129,13 +127,12 @@ class PolicyUpdater:
             if self.max_grad_norm > 0 and norm > self.max_grad_norm:
                 scale = Tensor(np.float32(self.max_grad_norm / (norm + 1e-6)))
                 grads = tuple(g * scale.astype(g.dtype) for g in grads)
-            self.optimizer(grads)
+            self.optimizer.apply(grads, self.lr)
         out = {"loss": loss_sum, "grad_norm": norm, "skipped": 0.0 if finite else 1.0}
         tokens = max(metric_sums[-1], 1.0)
         out.update({k: metric_sums[i] / tokens for i, k in enumerate(LOSS_METRICS)})
         return out
 
     def optimizer_state(self) -> Dict[str, ms.Parameter]:
-        """Optimizer-owned parameters (moments, step counter, learning rate) by name."""
-        model_ids = {id(p) for p in self.params}
-        return {name: p for name, p in self.optimizer.parameters_and_names() if id(p) not in model_ids}
+        """Optimizer moments and step counter by name (for checkpoints)."""
+        return self.optimizer.state()
