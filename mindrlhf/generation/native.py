@@ -35,7 +35,7 @@ from mindrlhf.generation.base import Sampler
 from mindrlhf.generation.params import Completion, SamplingParams
 from mindrlhf.generation.selection import select_tokens
 from mindrlhf.models.decoder import MASK_VALUE, CausalLM
-from mindrlhf.models.weights import DERIVED_SUFFIXES, NamedArrays
+from mindrlhf.models.weights import NamedArrays, set_weights
 
 
 def _compiled_phases():
@@ -198,34 +198,10 @@ class NativeSampler(Sampler):
         """Copy new weights (HF names → arrays) into the model's existing Parameters; returns how
         many were set. With ``strict`` every parameter must be given and no unknown name may appear.
 
-        The copy is in place (``Parameter.copy_``): a compiled graph is bound to the storage its
-        Parameters had when it compiled, and ``Parameter.set_data`` swaps that storage, leaving
-        compiled graphs reading the old weights (``generate`` detects such swaps and recompiles).
+        ``models.set_weights`` writes in place (``Parameter.copy_``): a compiled graph is bound to the
+        storage its Parameters had when it compiled, so new policy weights need no recompilation.
         """
-        params = dict(self.model.parameters_and_names())
-        seen = set()
-        items = named_arrays.items() if isinstance(named_arrays, Mapping) else named_arrays
-        for name, array in items:
-            if name.endswith(DERIVED_SUFFIXES):
-                continue
-            if name not in params:
-                if strict:
-                    raise MindRLHFError(f"NativeSampler.load_weights: unexpected tensor {name!r}; the weights do "
-                                        f"not match the sampler's model architecture")
-                continue
-            param = params[name]
-            if tuple(array.shape) != tuple(param.shape):
-                raise MindRLHFError(f"NativeSampler.load_weights: tensor {name!r} has shape {tuple(array.shape)} "
-                                    f"but the model expects {tuple(param.shape)}")
-            value = (Tensor(np.ascontiguousarray(array), dtype=param.dtype) if isinstance(array, np.ndarray)
-                     else array.astype(param.dtype))
-            param.copy_(value)
-            seen.add(name)
-        if strict and len(seen) != len(params):
-            missing = sorted(set(params) - seen)
-            raise MindRLHFError(f"NativeSampler.load_weights: {len(missing)} model tensors are missing "
-                                f"({', '.join(missing[:5])}{' …' if len(missing) > 5 else ''})")
-        return len(seen)
+        return set_weights(self.model, named_arrays, source="NativeSampler.load_weights", strict=strict)
 
     def _storage_key(self) -> Tuple[int, ...]:
         """Where every model Parameter's data lives; it changes when someone calls ``set_data``."""
