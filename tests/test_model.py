@@ -102,3 +102,23 @@ def test_load_model_errors_name_the_file(tmp_path, tiny_llama_dir):
         load_model(wrong)
     with pytest.raises(MindRLHFError, match="unsupported dtype 'int8'"):
         load_model(tiny_llama_dir, dtype="int8")
+
+
+def test_llama_with_attention_and_mlp_bias_matches_transformers(tmp_path):
+    # HF Llama's attention_bias puts a bias on q/k/v AND o_proj (Qwen2: q/k/v only).
+    import torch
+    from transformers import AutoModelForCausalLM
+    from tiny_models import make_tiny_llama
+
+    hf_dir = make_tiny_llama(tmp_path / "llama_bias", attention_bias=True, mlp_bias=True, num_hidden_layers=2)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.ndim == 1 and float(p.abs().sum()) == 0.0:
+                p.normal_(0.0, 0.5)  # zero-initialised biases would hide a missing one
+    hf.save_pretrained(hf_dir)
+    assert "model.layers.0.self_attn.o_proj.bias" in DecoderConfig.from_file(hf_dir).expected_shapes()
+    ids, mask = _batch(1000)
+    ref = _hf_logits(hf_dir, ids, mask)
+    ours = load_model(hf_dir)(ms.Tensor(ids, ms.int32), ms.Tensor(mask, ms.int32)).asnumpy()
+    assert np.abs(ours - ref)[mask.astype(bool)].max() <= 1e-4

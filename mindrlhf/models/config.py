@@ -126,29 +126,6 @@ class DecoderConfig:
 
     def expected_shapes(self) -> Dict[str, tuple]:
         """HF parameter name → shape, for every parameter the model holds."""
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        q = self.num_attention_heads * self.head_dim
-        kv = self.num_key_value_heads * self.head_dim
-        shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-        for n in range(self.num_hidden_layers):
-            p = f"model.layers.{n}."
-            shapes[p + "self_attn.q_proj.weight"] = (q, h)
-            shapes[p + "self_attn.k_proj.weight"] = (kv, h)
-            shapes[p + "self_attn.v_proj.weight"] = (kv, h)
-            shapes[p + "self_attn.o_proj.weight"] = (h, q)
-            if self.attention_bias:
-                shapes[p + "self_attn.q_proj.bias"] = (q,)
-                shapes[p + "self_attn.k_proj.bias"] = (kv,)
-                shapes[p + "self_attn.v_proj.bias"] = (kv,)
-            shapes[p + "mlp.gate_proj.weight"] = (i, h)
-            shapes[p + "mlp.up_proj.weight"] = (i, h)
-            shapes[p + "mlp.down_proj.weight"] = (h, i)
-            if self.mlp_bias:
-                shapes[p + "mlp.gate_proj.bias"] = (i,)
-                shapes[p + "mlp.up_proj.bias"] = (i,)
-                shapes[p + "mlp.down_proj.bias"] = (h,)
-            shapes[p + "input_layernorm.weight"] = (h,)
-            shapes[p + "post_attention_layernorm.weight"] = (h,)
-        if not self.tie_word_embeddings:
-            shapes["lm_head.weight"] = (v, h)
-        return shapes
+        from mindrlhf.checkpoint.hf_io import expected_hf_shapes
+
+        return expected_hf_shapes(self.to_hf_dict())

@@ -107,7 +107,8 @@ class Attention(nn.Cell):
         self.q_proj = Linear(h, self.num_heads * d, bias, dtype)
         self.k_proj = Linear(h, self.num_kv_heads * d, bias, dtype)
         self.v_proj = Linear(h, self.num_kv_heads * d, bias, dtype)
-        self.o_proj = Linear(self.num_heads * d, h, False, dtype)
+        # HF Llama's attention_bias also covers o_proj; Qwen2 has q/k/v bias only.
+        self.o_proj = Linear(self.num_heads * d, h, bias and config.model_type == "llama", dtype)
         self.bmm_qk = ops.BatchMatMul(transpose_b=True)
         self.bmm_pv = ops.BatchMatMul()
 
