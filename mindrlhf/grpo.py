@@ -62,18 +62,10 @@ def resolve_model_path(cfg: GRPOConfig) -> str:
 
 def load_tokenizer(cfg: GRPOConfig, model_path: str):
     """From tokenizer_dir, vocab_path+merges_file_path, or the model's own folder."""
-    from mindrlhf.tokenizer import Tokenizer
+    from mindrlhf.tokenizer import resolve_tokenizer
 
     m = cfg.model
-    if m.tokenizer_dir:
-        return Tokenizer.from_dir(m.tokenizer_dir)
-    if m.vocab_path:
-        beside = Path(m.vocab_path).parent / "tokenizer_config.json"
-        return Tokenizer.from_files(m.vocab_path, m.merges_file_path, str(beside) if beside.is_file() else None)
-    folder = Path(model_path) if Path(model_path).is_dir() else Path(model_path).parent
-    if not ((folder / "tokenizer.json").is_file() or (folder / "vocab.json").is_file()):
-        raise MindRLHFError(f"no tokenizer files in {folder}; pass --tokenizer_dir or --vocab_path/--merges_file_path")
-    return Tokenizer.from_dir(folder)
+    return resolve_tokenizer(model_path, m.tokenizer_dir or None, m.vocab_path or None, m.merges_file_path or None)
 
 
 def resolve_dataset(cfg: GRPOConfig, tokenizer) -> str:

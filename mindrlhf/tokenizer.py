@@ -370,3 +370,34 @@ class Tokenizer:
         variables = {**self.special_tokens, "tools": None, "documents": None, **kwargs}
         text = template.render(messages=chat, add_generation_prompt=add_generation_prompt, **variables)
         return self.encode(text) if tokenize else text
+
+
+def resolve_tokenizer(model_path: Optional[Union[str, os.PathLike]] = None,
+                      tokenizer_dir: Optional[Union[str, os.PathLike]] = None,
+                      vocab_path: Optional[Union[str, os.PathLike]] = None,
+                      merges_file_path: Optional[Union[str, os.PathLike]] = None,
+                      tokenizer_config: Optional[Union[str, os.PathLike]] = None) -> "Tokenizer":
+    """The tokenizer the user asked for, the one way every command resolves it.
+
+    From ``tokenizer_dir``; else ``vocab_path`` + ``merges_file_path`` (with ``tokenizer_config``,
+    default the tokenizer_config.json beside the vocab when present); else the files next to
+    ``model_path`` (an HF dir or a checkpoint file).
+    """
+    if tokenizer_dir and (vocab_path or merges_file_path):
+        raise MindRLHFError("pass either --tokenizer_dir or --vocab_path/--merges_file_path, not both")
+    if tokenizer_dir:
+        return Tokenizer.from_dir(tokenizer_dir)
+    if vocab_path or merges_file_path:
+        if not (vocab_path and merges_file_path):
+            raise MindRLHFError("--vocab_path and --merges_file_path go together; pass both (or --tokenizer_dir)")
+        if tokenizer_config is None:
+            beside = Path(vocab_path).parent / "tokenizer_config.json"
+            tokenizer_config = str(beside) if beside.is_file() else None
+        return Tokenizer.from_files(vocab_path, merges_file_path, tokenizer_config)
+    if model_path is None:
+        raise MindRLHFError("no tokenizer given; pass --tokenizer_dir or --vocab_path/--merges_file_path")
+    folder = Path(model_path) if Path(model_path).is_dir() else Path(model_path).parent
+    if not ((folder / "tokenizer.json").is_file() or (folder / "vocab.json").is_file()):
+        raise MindRLHFError(f"no tokenizer files next to the model in {folder}; pass --tokenizer_dir or "
+                            f"--vocab_path/--merges_file_path")
+    return Tokenizer.from_dir(folder)

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from mindrlhf.data.gsm8k import DEFAULT_SYSTEM_PROMPT, build_prompt, extract_gsm8k_solution
 from mindrlhf.errors import MindRLHFError
-from mindrlhf.tokenizer import Tokenizer
+from mindrlhf.tokenizer import Tokenizer, resolve_tokenizer
 from mindrlhf.utils.cli import run_cli
 
 # (question field, answer field) per dataset type; --question_field / --answer_field override them.
@@ -234,16 +234,7 @@ def convert_to_mindrecord(
 def load_tokenizer(vocab_path: Optional[str], merges_file_path: Optional[str], tokenizer_config: Optional[str],
                    tokenizer_dir: Optional[str]) -> Tokenizer:
     """The tokenizer from a folder, or from vocab + merges (config: given, else the one next to the vocab)."""
-    if tokenizer_dir:
-        if vocab_path or merges_file_path:
-            raise MindRLHFError("pass either --tokenizer_dir or --vocab_path/--merges_file_path, not both")
-        return Tokenizer.from_dir(tokenizer_dir)
-    if not vocab_path or not merges_file_path:
-        raise MindRLHFError("no tokenizer given; pass --vocab_path and --merges_file_path, or --tokenizer_dir")
-    if tokenizer_config is None:
-        beside = Path(vocab_path).parent / "tokenizer_config.json"
-        tokenizer_config = str(beside) if beside.is_file() else None
-    return Tokenizer.from_files(vocab_path, merges_file_path, tokenizer_config)
+    return resolve_tokenizer(None, tokenizer_dir, vocab_path, merges_file_path, tokenizer_config)
 
 
 def build_parser() -> argparse.ArgumentParser:

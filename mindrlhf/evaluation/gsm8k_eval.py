@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from mindrlhf.data.gsm8k import DEFAULT_SYSTEM_PROMPT, build_prompt, extract_gsm8k_solution
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.rewards import accuracy_reward, extract_answer, format_reward, numbers_match, parse_number
+from mindrlhf.tokenizer import resolve_tokenizer
 from mindrlhf.utils.cli import run_cli
 
 log = logging.getLogger(__name__)
@@ -181,30 +182,6 @@ def resolve_model_path(model: Optional[PathLike], progress: bool = False) -> Pat
         raise MindRLHFError(f"--model {path} not found; pass a Hugging Face model directory or a MindSpore "
                             f".ckpt/.safetensors file with config.json next to it (or omit --model for SmolLM2)")
     return path
-
-
-def resolve_tokenizer(model_path: Optional[PathLike], tokenizer_dir: Optional[PathLike] = None,
-                      vocab_path: Optional[PathLike] = None, merges_file_path: Optional[PathLike] = None):
-    """From ``tokenizer_dir``, ``vocab_path`` + ``merges_file_path`` (tokenizer_config.json beside the
-    vocab is used when present), or the files next to the model."""
-    from mindrlhf.tokenizer import Tokenizer
-
-    if tokenizer_dir and (vocab_path or merges_file_path):
-        raise MindRLHFError("pass either --tokenizer_dir or --vocab_path/--merges_file_path, not both")
-    if tokenizer_dir:
-        return Tokenizer.from_dir(tokenizer_dir)
-    if vocab_path or merges_file_path:
-        if not (vocab_path and merges_file_path):
-            raise MindRLHFError("--vocab_path and --merges_file_path go together; pass both (or --tokenizer_dir)")
-        beside = Path(vocab_path).parent / "tokenizer_config.json"
-        return Tokenizer.from_files(vocab_path, merges_file_path, str(beside) if beside.is_file() else None)
-    if model_path is None:
-        raise MindRLHFError("no tokenizer given; pass a tokenizer, --tokenizer_dir or --vocab_path/--merges_file_path")
-    folder = Path(model_path) if Path(model_path).is_dir() else Path(model_path).parent
-    if not ((folder / "tokenizer.json").is_file() or (folder / "vocab.json").is_file()):
-        raise MindRLHFError(f"no tokenizer files next to the model in {folder}; pass --tokenizer_dir or "
-                            f"--vocab_path/--merges_file_path")
-    return Tokenizer.from_dir(folder)
 
 
 def _load(model, tokenizer, batch_rows: int, progress: bool, dtype: str, jit: bool, tokenizer_args: tuple,
