@@ -46,16 +46,20 @@ class Experience:
         """1 for every generated token (also those excluded from the loss), 0 for padding."""
         return self.extras["completion_present"].astype(np.int32)
 
-    def rows(self, index: np.ndarray) -> "Experience":
-        """A new Experience with the selected rows."""
+    def map(self, fn) -> "Experience":
+        """A new Experience with ``fn`` applied to every array (None fields stay None)."""
         kw = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "extras":
-                kw[f.name] = {k: v[index] for k, v in value.items()}
+                kw[f.name] = {k: fn(v) for k, v in value.items()}
             else:
-                kw[f.name] = None if value is None else value[index]
+                kw[f.name] = None if value is None else fn(value)
         return Experience(**kw)
+
+    def rows(self, index: np.ndarray) -> "Experience":
+        """A new Experience with the selected rows."""
+        return self.map(lambda a: a[index])
 
 
 def left_pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple:

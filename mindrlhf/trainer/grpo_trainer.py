@@ -316,12 +316,7 @@ class GRPOTrainer:
             times["time/reward"] = info["reward_time"]
             times["time/generate"] = time.perf_counter() - t0 - info["reward_time"]
         if t.save_data_file:
-            gathered = Experience(**{k: comm.all_gather(getattr(exp, k)) if k != "extras" and getattr(exp, k) is not None
-                                     else getattr(exp, k) for k in ("prompt_ids", "prompt_mask", "completion_ids",
-                                                                     "completion_mask", "sampler_logp", "truncated",
-                                                                     "rewards", "reward_per_fn", "advantages",
-                                                                     "prompt_index")},
-                                  extras={"completion_present": comm.all_gather(exp.extras["completion_present"])})
+            gathered = exp.map(comm.all_gather)  # every rank's rows, in rank order
             if comm.is_main():
                 save_experience(gathered, step_file(t.save_data_file, step))
         t1 = time.perf_counter()
