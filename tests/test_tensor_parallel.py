@@ -1,7 +1,7 @@
-"""Tensor-parallel model (``mindrlhf.parallel.tp_model``) against the single-process ``CausalLM``.
+"""Tensor-parallel shards of ``CausalLM`` (``ModelShard(tp>1)``) against the single-process model.
 
 In process: parameter names/shapes of every rank equal ``sharding.rank_state``'s, and a tp=1
-``TPCausalLM`` reproduces ``CausalLM``'s logits, log-probs and gradients. Under msrun
+a tp shard reproduces ``CausalLM``'s logits, log-probs and gradients. Under msrun
 (``tests/tp_worker.py``): tp=2 on 2 ranks and dp=2 × tp=2 on 4 ranks, for the tiny Qwen2 (q/k/v
 bias, tied embeddings, GQA 4/2) and the tiny Llama (untied, GQA 8/2): the GRPO loss, the gathered
 logits, the log-probs and each rank's gradient slice equal the single-process values.
@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 
 from tp_worker import BETA
+
+from mindrlhf.parallel.layout import ParallelLayout
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "tp_worker.py"
@@ -51,7 +53,6 @@ def _reference(model_dir: Path, batch: dict):
 
     from mindrlhf.algorithms import policy_loss
     from mindrlhf.models import load_model
-    from mindrlhf.trainer.train_step import token_logprobs
 
     model = load_model(model_dir)
     c = batch["completion_ids"].shape[1]
@@ -61,7 +62,7 @@ def _reference(model_dir: Path, batch: dict):
 
     def loss_fn(input_ids, attention_mask, completion_ids, completion_mask, advantages, ref_logp):
         logits = model(input_ids, attention_mask, None, c)
-        logp = token_logprobs(logits, completion_ids, 1.0)
+        logp = ops.gather_elements(ops.log_softmax(logits, axis=-1), 2, completion_ids.expand_dims(-1)).squeeze(-1)
         loss, _ = policy_loss(logp, ops.stop_gradient(logp), advantages, completion_mask, ref_logp=ref_logp,
                               loss_type="grpo", beta=BETA, kl_estimator="k3", loss_agg_mode="token-mean",
                               global_num_tokens=n_tok)
@@ -85,37 +86,42 @@ def _msrun(n: int, argv, log_dir: Path, port: int) -> None:
         raise AssertionError(f"msrun failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}\n{logs}")
 
 
-def _check_case(name: str, model_dir: Path, batch: dict, out: Path, dp: int, tp: int) -> None:
-    from mindrlhf.parallel.layout import ParallelLayout
-    from mindrlhf.parallel.sharding import shard_tensor
+def _check_case(name: str, model_dir: Path, batch: dict, out: Path, layout) -> None:
+    from mindrlhf.parallel.sharding import rank_params, shard_tensor
 
     config, loss, logits, logp, grads = _reference(model_dir, batch)
-    layout = ParallelLayout(dp=dp, tp=tp)
-    rows = BATCH // dp
+    rows = BATCH // layout.dp
     dp_losses = []
     for rank in range(layout.world_size):
         res = dict(np.load(out / f"{name}_rank{rank}.npz", allow_pickle=False))
         c = layout.coords(rank)
-        assert res["coords"].tolist() == [c.dp, c.tp]
+        assert res["coords"].tolist() == [c.dp, c.tp, c.pp]
         part = slice(c.dp * rows, (c.dp + 1) * rows)
-        np.testing.assert_allclose(res["logits"], logits[part], rtol=1e-5, atol=1e-5,
-                                   err_msg=f"{name} rank {rank}: gathered logits")
+        if layout.pp == 1:
+            np.testing.assert_allclose(res["logits"], logits[part], rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{name} rank {rank}: gathered logits")
+        # Every stage of the pipeline ends with the last stage's log-probs.
         np.testing.assert_allclose(res["logp"], logp[part], rtol=1e-5, atol=1e-5,
                                    err_msg=f"{name} rank {rank}: log-probs")
-        if c.tp == 0:
-            dp_losses.append(float(res["loss"]))
-        else:  # every tp rank of a replica computes the same loss
-            np.testing.assert_allclose(float(res["loss"]), dp_losses[-1], rtol=1e-6)
+        if c.pp == layout.pp - 1:
+            if c.tp == 0:
+                dp_losses.append(float(res["loss"]))
+            else:  # every tp rank of a replica computes the same loss
+                np.testing.assert_allclose(float(res["loss"]), dp_losses[-1], rtol=1e-6)
+        else:
+            assert float(res["loss"]) == 0.0  # only the last stage computes the loss
         got = {k[len("grad/"):]: v for k, v in res.items() if k.startswith("grad/")}
-        assert sorted(got) == sorted(grads), f"{name} rank {rank}: gradient names differ"
-        for pname, full in grads.items():
-            want = shard_tensor(pname, full, config, layout, c.tp)
+        held = rank_params(config, layout, rank)
+        assert sorted(got) == sorted(held), f"{name} rank {rank}: gradient names differ"
+        for pname in held:
+            want = shard_tensor(pname, grads[pname], config, layout, c.tp)
             assert got[pname].shape == want.shape, (name, rank, pname)
             np.testing.assert_allclose(got[pname], want, rtol=1e-5, atol=1e-6,
                                        err_msg=f"{name} rank {rank}: gradient of {pname}")
         # Not a vacuous comparison: every slice carries gradient.
         assert all(np.abs(g).max() > 0 for g in got.values()), (name, rank)
     total = sum(dp_losses)  # dp ranks' losses are normalised by the global token count: they add up
+    assert len(dp_losses) == layout.dp
     assert abs(total - loss) <= 1e-5 * abs(loss), (name, total, loss)
 
 
@@ -136,17 +142,19 @@ def _check_primitives(out: Path, dp: int, tp: int) -> None:
         np.testing.assert_array_equal(res["gather_grad"], weights[:, 3 * t:3 * (t + 1)])
 
 
-def _run_layout(tmp_path: Path, dp: int, tp: int, port: int, cases, jit: bool) -> None:
+def _run_layout(tmp_path: Path, layout, port: int, cases, jit: bool) -> None:
     out = tmp_path / "out"
-    argv = ["--dp", str(dp), "--tp", str(tp), "--out", str(out)] + (["--jit"] if jit else [])
+    argv = ["--dp", str(layout.dp), "--tp", str(layout.tp), "--pp", str(layout.pp),
+            "--micro", str(layout.micro_batches), "--out", str(out)] + (["--jit"] if jit else [])
     for name, model_dir, batch in cases:
         path = tmp_path / f"{name}_batch.npz"
         np.savez(path, **batch)
         argv += ["--case", name, str(model_dir), str(path)]
-    _msrun(dp * tp, argv, tmp_path / "log", port)
-    _check_primitives(out, dp, tp)
+    _msrun(layout.world_size, argv, tmp_path / "log", port)
+    if layout.pp == 1:
+        _check_primitives(out, layout.dp, layout.tp)
     for name, model_dir, batch in cases:
-        _check_case(name, model_dir, batch, out, dp, tp)
+        _check_case(name, model_dir, batch, out, layout)
 
 
 def _cases(tiny_qwen2_dir: Path, tiny_llama_dir: Path):
@@ -157,30 +165,41 @@ def _cases(tiny_qwen2_dir: Path, tiny_llama_dir: Path):
             ("llama", tiny_llama_dir, _batch(vocab[tiny_llama_dir], 2))]
 
 
+@pytest.fixture(scope="module")
+def tiny_llama4_dir(tmp_path_factory) -> Path:
+    """A 4-layer untied Llama with attention_bias (q/k/v and o_proj biases), so pp=2 divides it."""
+    from tiny_models import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama4"), seed=3, num_hidden_layers=4,
+                           attention_bias=True)
+
+
 # --- in process --------------------------------------------------------------------------------
-@pytest.mark.parametrize("dp,tp", [(1, 1), (1, 2), (2, 2)])
-def test_tp_model_names_and_shapes_match_rank_state(tiny_qwen2_dir, tiny_llama_dir, dp, tp):
+@pytest.mark.parametrize("dp,tp,pp", [(1, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (1, 2, 2)])
+def test_shard_names_and_shapes_match_rank_state(tiny_qwen2_dir, tiny_llama4_dir, dp, tp, pp):
     from mindrlhf.models import DecoderConfig, get_weights, load_model, set_weights
     from mindrlhf.parallel.layout import ParallelLayout
     from mindrlhf.parallel.sharding import rank_state
-    from mindrlhf.parallel.tp_layers import group_name
-    from mindrlhf.parallel.tp_model import TPCausalLM
+    from mindrlhf.models.decoder import CausalLM
+    from mindrlhf.parallel.groups import group_name
+    from mindrlhf.parallel.layout import ModelShard
 
-    layout = ParallelLayout(dp=dp, tp=tp)
-    for model_dir in (tiny_qwen2_dir, tiny_llama_dir):
+    layout = ParallelLayout(dp=dp, tp=tp, pp=pp)
+    for model_dir in (tiny_qwen2_dir, tiny_llama4_dir):
         config = DecoderConfig.from_file(model_dir)
         full = get_weights(load_model(model_dir))
         for rank in range(layout.world_size):
             group = group_name("tp", layout.tp_group(rank)) if tp > 1 else None
-            model = TPCausalLM(config, layout, layout.coords(rank).tp, group=group)
+            model = CausalLM(config, "float32", ModelShard.of(layout, rank, group))
             state = rank_state(full, config, layout, rank)
             have = {n: tuple(p.shape) for n, p in model.parameters_and_names()}
             assert have == {n: tuple(a.shape) for n, a in state.items()}
             assert set_weights(model, state) == len(state)
-            if not config.tie_word_embeddings:
-                assert "lm_head.weight" in have
-            else:
-                assert "lm_head.weight" not in have
+            last = layout.coords(rank).pp == pp - 1
+            assert ("lm_head.weight" in have) == (last and not config.tie_word_embeddings)
+            # A tied model's last stage holds a copy of the embedding as its output projection.
+            assert ("model.embed_tokens.weight" in have) == (layout.coords(rank).pp == 0
+                                                             or (last and config.tie_word_embeddings))
 
 
 def test_tp1_model_equals_causal_lm(tiny_qwen2_dir):
@@ -190,13 +209,13 @@ def test_tp1_model_equals_causal_lm(tiny_qwen2_dir):
 
     from mindrlhf.algorithms import policy_loss
     from mindrlhf.models import DecoderConfig, get_weights, load_model, set_weights
-    from mindrlhf.parallel.layout import ParallelLayout
-    from mindrlhf.parallel.tp_model import TPCausalLM
+    from mindrlhf.models.decoder import CausalLM
+    from mindrlhf.parallel.layout import ModelShard
 
     config = DecoderConfig.from_file(tiny_qwen2_dir)
     batch = _batch(config.vocab_size, 1)
     _, loss, logits, logp, grads = _reference(tiny_qwen2_dir, batch)
-    model = TPCausalLM(config, ParallelLayout(), 0)
+    model = CausalLM(config, "float32", ModelShard())
     set_weights(model, get_weights(load_model(tiny_qwen2_dir)))
     inputs = [Tensor(batch[k]) for k in ("input_ids", "attention_mask", "completion_ids", "completion_mask",
                                          "advantages", "ref_logp")]
@@ -222,16 +241,18 @@ def test_tp1_model_equals_causal_lm(tiny_qwen2_dir):
 def test_tp_model_rejects_bad_layouts(tiny_llama_dir):
     from mindrlhf.errors import MindRLHFError
     from mindrlhf.models import DecoderConfig
-    from mindrlhf.parallel.layout import ParallelLayout
-    from mindrlhf.parallel.tp_model import TPCausalLM
+    from mindrlhf.models.decoder import CausalLM
+    from mindrlhf.parallel.layout import ModelShard
 
     config = DecoderConfig.from_file(tiny_llama_dir)  # 2 kv heads, 3 layers
     with pytest.raises(MindRLHFError, match="num_key_value_heads=2 is not divisible by tp=4"):
-        TPCausalLM(config, ParallelLayout(tp=4), 0, group="g")
-    with pytest.raises(MindRLHFError, match="needs group="):
-        TPCausalLM(config, ParallelLayout(tp=2), 0)
-    with pytest.raises(MindRLHFError, match="pp=1 only"):
-        TPCausalLM(config, ParallelLayout(tp=1, pp=3), 0)
+        CausalLM(config, "float32", ModelShard(tp=4, tp_group="g"))
+    with pytest.raises(MindRLHFError, match="needs tp_group="):
+        ModelShard(tp=2)
+    with pytest.raises(MindRLHFError, match="num_hidden_layers=3 is not divisible by pp=2"):
+        CausalLM(config, "float32", ModelShard(pp=2, stage=1))
+    with pytest.raises(MindRLHFError, match="stage 2 is outside pp=2"):
+        ModelShard(pp=2, stage=2)
 
 
 # --- msrun ---------------------------------------------------------------------------------------
@@ -239,11 +260,27 @@ def test_tp_model_rejects_bad_layouts(tiny_llama_dir):
 @pytest.mark.msrun
 def test_tp2_matches_single_process(tiny_qwen2_dir, tiny_llama_dir, tmp_path):
     """tp=2 on 2 ranks, the step compiled with mindspore.jit (custom bprops in graph mode)."""
-    _run_layout(tmp_path, 1, 2, 8263, _cases(tiny_qwen2_dir, tiny_llama_dir), jit=True)
+    _run_layout(tmp_path, ParallelLayout(tp=2), 8263, _cases(tiny_qwen2_dir, tiny_llama_dir), jit=True)
 
 
 @pytest.mark.slow
 @pytest.mark.msrun
 def test_dp2_tp2_matches_single_process(tiny_qwen2_dir, tiny_llama_dir, tmp_path):
     """dp=2 × tp=2 on 4 ranks, eager (PyNative): gradient slices summed over the dp group."""
-    _run_layout(tmp_path, 2, 2, 8267, _cases(tiny_qwen2_dir, tiny_llama_dir), jit=False)
+    _run_layout(tmp_path, ParallelLayout(dp=2, tp=2), 8267, _cases(tiny_qwen2_dir, tiny_llama_dir), jit=False)
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+def test_pp2_matches_single_process(tiny_qwen2_dir, tiny_llama4_dir, tmp_path):
+    """pp=2 on 2 ranks, 2 micro-batches (GPipe): tied embedding copies summed, untied lm_head on stage 1."""
+    _run_layout(tmp_path, ParallelLayout(pp=2, micro_batches=2), 8271,
+                _cases(tiny_qwen2_dir, tiny_llama4_dir), jit=False)
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+def test_tp2_pp2_matches_single_process(tiny_qwen2_dir, tiny_llama4_dir, tmp_path):
+    """tp=2 × pp=2 on 4 ranks, 2 micro-batches, the stage steps compiled with mindspore.jit."""
+    _run_layout(tmp_path, ParallelLayout(tp=2, pp=2, micro_batches=2), 8275,
+                _cases(tiny_qwen2_dir, tiny_llama4_dir), jit=True)

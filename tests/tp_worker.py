@@ -1,13 +1,15 @@
-"""msrun worker for tests/test_tensor_parallel.py: one GRPO loss + gradient step on a dp × tp layout.
+"""msrun worker for tests/test_tensor_parallel.py: one GRPO loss + gradient step on a dp × tp × pp layout.
 
-Every rank loads its slice of an HF checkpoint (``sharding.rank_state``) into a ``TPCausalLM``,
-takes its data-parallel share of a fixed batch, computes the GRPO policy loss (token-mean over the
-global token count) from vocab-parallel log-probs, differentiates it, sums the gradients over its
-dp group, and writes ``{out}/{case}_rank{r}.npz`` with the loss, log-probs, gathered logits and
-the gradient of each parameter slice (``grad/<HF name>``).
+Every rank loads its shard of an HF checkpoint (``sharding.rank_state``: its pipeline stage's
+parameters, each cut to its tp slice) into ``CausalLM(config, dtype, groups.shard())``, takes its
+data-parallel share of a fixed batch, cuts it into ``--micro`` micro-batches and runs the
+``PipelineRunner`` (GPipe over the stages when pp > 1): GRPO policy loss (token-mean over the global
+token count) from vocab-parallel log-probs, gradients, tied-embedding sync; then sums the gradients
+over its dp group and writes ``{out}/{case}_rank{r}.npz`` with the loss (last stage), log-probs,
+gathered logits (pp = 1) and the gradient of each parameter slice (``grad/<HF name>``).
 
     msrun --worker_num=4 --local_worker_num=4 --master_port=P --join=True --log_dir=LOG \
-        tests/tp_worker.py --dp 2 --tp 2 --out OUT --case NAME MODEL_DIR BATCH.npz [--case ...]
+        tests/tp_worker.py --dp 1 --tp 2 --pp 2 --out OUT --case NAME MODEL_DIR BATCH.npz [--case ...]
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dp", type=int, required=True, help="data-parallel size")
     p.add_argument("--tp", type=int, required=True, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--micro", type=int, default=1, help="micro-batches per rank and step")
     p.add_argument("--out", required=True, help="folder for the per-rank .npz results")
     p.add_argument("--case", nargs=3, action="append", required=True, metavar=("NAME", "MODEL_DIR", "BATCH"),
                    help="a case: its name, an HF model folder and the batch .npz (repeatable)")
@@ -59,61 +63,65 @@ def check_primitives(groups, out_dir: Path) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     import mindspore as ms
-    from mindspore import Tensor, ops
+    from mindspore import Tensor
     from mindspore.communication import init
 
     from mindrlhf.algorithms import policy_loss
     from mindrlhf.checkpoint.hf_io import open_weights
     from mindrlhf.models import DecoderConfig, set_weights
+    from mindrlhf.models.decoder import CausalLM
+    from mindrlhf.parallel.comm import grad_reducer
+    from mindrlhf.parallel.groups import init_parallel_groups
     from mindrlhf.parallel.layout import ParallelLayout
+    from mindrlhf.parallel.pipeline import PipelineRunner
     from mindrlhf.parallel.sharding import rank_state
-    from mindrlhf.parallel.tp_layers import init_parallel_groups
-    from mindrlhf.parallel.tp_model import TPCausalLM, dp_grad_reducer
 
     ms.set_device("CPU")
     ms.set_context(mode=ms.PYNATIVE_MODE)
     init()
-    layout = ParallelLayout(dp=args.dp, tp=args.tp)
+    layout = ParallelLayout(dp=args.dp, tp=args.tp, pp=args.pp, micro_batches=args.micro)
     groups = init_parallel_groups(layout)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    check_primitives(groups, out_dir)
+    if args.pp == 1:
+        check_primitives(groups, out_dir)
+
+    def loss_fn(logp, completion_mask, advantages, ref_logp, n_tok):
+        loss, _ = policy_loss(logp, ms.ops.stop_gradient(logp), advantages, completion_mask, ref_logp=ref_logp,
+                              loss_type="grpo", beta=BETA, kl_estimator="k3", loss_agg_mode="token-mean",
+                              global_num_tokens=n_tok)
+        return loss, (completion_mask.sum(),)
+
     for name, model_dir, batch_path in args.case:
         start = time.perf_counter()
         source = open_weights(model_dir)
         config = DecoderConfig.from_hf_dict(source.config, source=str(source.config_path))
-        model = TPCausalLM(config, layout, groups.tp_rank, "float32", group=groups.tp_group)
+        model = CausalLM(config, "float32", groups.shard())
         set_weights(model, rank_state(dict(source), config, layout, groups.rank), source=model_dir)
 
         batch = dict(np.load(batch_path, allow_pickle=False))
         rows = batch["input_ids"].shape[0] // layout.dp
-        part = slice(groups.dp_rank * rows, (groups.dp_rank + 1) * rows)
+        mine = {k: v[groups.dp_rank * rows:(groups.dp_rank + 1) * rows] for k, v in batch.items()}
+        per = rows // args.micro
+        micro = [{k: v[m * per:(m + 1) * per] for k, v in mine.items()} for m in range(args.micro)]
         num_tokens = Tensor(np.float32(batch["completion_mask"].sum()))  # global: the whole batch
-        inputs = [Tensor(batch[k][part]) for k in ("input_ids", "attention_mask", "completion_ids",
-                                                    "completion_mask", "advantages", "ref_logp")]
         loaded = time.perf_counter()
 
-        def loss_fn(input_ids, attention_mask, completion_ids, completion_mask, advantages, ref_logp, n_tok):
-            logp = model.sequence_logprobs(input_ids, attention_mask, completion_ids, 1.0)
-            loss, _ = policy_loss(logp, ops.stop_gradient(logp), advantages, completion_mask, ref_logp=ref_logp,
-                                  loss_type="grpo", beta=BETA, kl_estimator="k3", loss_agg_mode="token-mean",
-                                  global_num_tokens=n_tok)
-            return loss, logp
-
-        params = model.trainable_params()
-        grad_fn = ms.value_and_grad(loss_fn, None, params, has_aux=True)
-        if args.jit:
-            grad_fn = ms.jit(grad_fn)
-        (loss, logp), grads = grad_fn(*inputs, num_tokens)
-        reducer = dp_grad_reducer(params, layout.dp, groups.dp_group)
+        runner = PipelineRunner(model, groups, loss_fn, jit=args.jit)
+        grads, loss, _ = runner.loss_and_grads(micro, ("completion_mask", "advantages", "ref_logp"),
+                                               extra=(num_tokens,))
+        reducer = grad_reducer(runner.params, layout.dp, groups.dp_group)
         if reducer is not None:
             grads = reducer(grads)
-        logits = model.gathered_logits(inputs[0], inputs[1], None, batch["completion_ids"].shape[1])
+        logp = np.concatenate(runner.logprobs(micro))
 
-        result = {"loss": np.float32(loss.asnumpy()), "logp": logp.asnumpy(), "logits": logits.asnumpy(),
-                  "coords": np.array([groups.dp_rank, groups.tp_rank], np.int64)}
-        for p, g in zip(params, grads):
+        result = {"loss": np.float32(loss), "logp": logp,
+                  "coords": np.array([groups.dp_rank, groups.tp_rank, groups.pp_rank], np.int64)}
+        if args.pp == 1:
+            result["logits"] = model.gathered_logits(Tensor(mine["input_ids"]), Tensor(mine["attention_mask"]), None,
+                                                     batch["completion_ids"].shape[1]).asnumpy()
+        for p, g in zip(runner.params, grads):
             result["grad/" + p.name] = g.asnumpy()
         tmp = out_dir / f".{name}_rank{groups.rank}.tmp.npz"
         np.savez(tmp, **result)

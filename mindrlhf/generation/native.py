@@ -77,7 +77,9 @@ class CachedDecoder(nn.Cell):
         c = model.config
         self.num_layers = c.num_hidden_layers
         self.batch_size, self.cache_len = batch_size, cache_len
-        shape = (batch_size, c.num_key_value_heads, cache_len, c.head_dim)
+        # Under tensor parallelism each rank caches only its own kv heads.
+        self.kv_heads = c.num_key_value_heads // model.tp
+        shape = (batch_size, self.kv_heads, cache_len, c.head_dim)
         self.kv = nn.CellList([_KV(i, shape, model.compute_dtype) for i in range(self.num_layers)])
         self.scatter = ops.ScatterNdUpdate()
         self.seen_shapes: set = set()  # (kind, input shape) already run: the first run compiles
@@ -97,6 +99,8 @@ class CachedDecoder(nn.Cell):
         b, t, _ = x.shape
         hk, g, d = attn.num_kv_heads, attn.group, attn.head_dim
         cos_q, sin_q, cos_k, sin_k = rope
+        if attn.copy is not None:
+            x = attn.copy(x)
         q = attn.q_proj(x).reshape(b, t, attn.num_heads, d)
         k = attn.k_proj(x).reshape(b, t, hk, d)
         v = attn.v_proj(x).reshape(b, t, hk, d)
@@ -123,7 +127,7 @@ class CachedDecoder(nn.Cell):
         cache columns [cache_index, cache_index + t); ``attn_bias`` (B, t, S) is additive."""
         model = self.model
         b, t = input_ids.shape
-        hk = model.config.num_key_value_heads
+        hk = self.kv_heads
         # ScatterNdUpdate index (b, hk, t, 3): [row, kv head, cache column] for every new K/V row.
         rows = ops.broadcast_to(ops.arange(b, dtype=ms.int64).reshape(b, 1, 1, 1), (b, hk, t, 1))
         heads = ops.broadcast_to(ops.arange(hk, dtype=ms.int64).reshape(1, hk, 1, 1), (b, hk, t, 1))
@@ -144,11 +148,12 @@ class CachedDecoder(nn.Cell):
         x = model.model.norm(x[:, t - 1])  # (B, H): the last position only
         # The model's ``logits`` casts to float32 unconditionally; for a float32 model that cast
         # is a full copy of the (B, V) logits, a sizeable part of a decode step.
-        table = model.model.embed_tokens.weight if model.tie_word_embeddings else model.lm_head.weight
-        logits = model.head_matmul(x, table)
+        if model.head_copy is not None:
+            x = model.head_copy(x)
+        logits = model.head_matmul(x, model.head_table())
         if self.cast:
             logits = logits.astype(ms.float32)
-        return logits
+        return model.gather_logits(logits)  # full vocabulary on every tp rank
 
 
 class NativeSampler(Sampler):
@@ -173,6 +178,10 @@ class NativeSampler(Sampler):
                                 f"or None (no limit)")
         if not isinstance(length_bucket, int) or length_bucket < 1:
             raise MindRLHFError(f"NativeSampler length_bucket={length_bucket!r} is invalid: use an integer >= 1")
+        if model.shard.pp > 1:
+            raise MindRLHFError(f"NativeSampler needs the whole model on each rank (or a tp slice of it), got "
+                                f"pipeline stage {model.shard.stage} of pp={model.shard.pp}; generate with an "
+                                f"infer layout without pipeline stages")
         self.model = model
         self.config = model.config
         self.vocab_size = model.config.vocab_size

@@ -4,11 +4,17 @@ RMSNorm, rotary embeddings (incl. Llama-3 rope scaling), grouped-query attention
 optional q/k/v bias (Qwen2), tied or untied embeddings. Parameter names and shapes are exactly the
 Hugging Face ones, so weights move between the two with a dtype cast only.
 
-Two entry points share every layer:
-- ``construct(input_ids, attention_mask, position_ids, logits_to_keep)``: a full forward pass
-  (training, reference log-probs);
-- ``forward_with_cache(...)``: prefill/decode against a static-shape KV cache (generation).
-All shapes are static so that a jit-compiled step compiles once per shape bucket.
+The same classes build one **shard** of the model (``ModelShard``): with ``tp > 1`` the linears
+are Megatron column/row-parallel and the embedding/output projection vocab-parallel
+(``mindrlhf.parallel.tp_layers``; a parameter holds the slice ``parallel.sharding`` gives), and
+with ``pp > 1`` the model holds one pipeline stage: its contiguous block of layers (still named
+``model.layers.{global index}``), the embedding on the first stage, the final norm and output
+projection on the last. A default ``ModelShard()`` is the whole single-process model.
+
+Entry points: ``construct`` (logits, a full model), ``sequence_logprobs`` (completion log-probs,
+vocab-parallel under tp), and the per-stage pieces ``stage_forward`` / ``completion_logprobs``
+that the pipeline schedule (``mindrlhf.parallel.pipeline``) strings together. Generation with a
+KV cache lives in ``mindrlhf.generation.native`` and reuses these layers.
 """
 from __future__ import annotations
 
@@ -18,9 +24,13 @@ from typing import Optional, Tuple
 import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
-from mindspore.common.initializer import Normal, initializer
+from mindspore.common.initializer import initializer
 
+from mindrlhf.errors import MindRLHFError
 from mindrlhf.models.config import DecoderConfig
+from mindrlhf.parallel.layout import ModelShard
+from mindrlhf.parallel.tp_layers import (ColumnParallelLinear, CopyToTP, GatherFromTP, RowParallelLinear,
+                                         VocabParallelEmbedding, VocabParallelLogProb)
 
 # Additive mask value: large enough to zero a softmax weight, finite so a fully masked row
 # (a left-padding query) stays a harmless uniform distribution instead of NaN.
@@ -33,8 +43,6 @@ def resolve_dtype(name: str) -> ms.Type:
     """Map "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16" to a MindSpore dtype."""
     alias = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(name, name)
     if alias not in DTYPES:
-        from mindrlhf.errors import MindRLHFError
-
         raise MindRLHFError(f"unsupported dtype {name!r}; use one of float32, bfloat16, float16 (or fp32, bf16, fp16)")
     return DTYPES[alias]
 
@@ -57,24 +65,6 @@ def rope_inv_freq(config: DecoderConfig) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
-class Linear(nn.Cell):
-    """y = x Wᵀ + b with an HF-shaped (out, in) weight; one 2-D MatMul(transpose_b) call."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: ms.Type):
-        super().__init__()
-        self.out_features = out_features
-        self.weight = Parameter(initializer(Normal(0.02), (out_features, in_features), dtype), name="weight")
-        self.bias = Parameter(initializer("zeros", (out_features,), dtype), name="bias") if bias else None
-        self.matmul = ops.MatMul(transpose_b=True)
-
-    def construct(self, x: Tensor) -> Tensor:
-        lead = x.shape[:-1]
-        y = self.matmul(x.reshape(-1, x.shape[-1]), self.weight)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(lead + (self.out_features,))
-
-
 class RMSNorm(nn.Cell):
     """Root-mean-square norm computed in float32, scaled in the model dtype (as HF does)."""
 
@@ -94,29 +84,48 @@ def rotate_half(x: Tensor) -> Tensor:
     return ops.concat((-x[..., half:], x[..., :half]), axis=-1)
 
 
-class Attention(nn.Cell):
-    """Grouped-query attention; query heads are grouped per KV head so K/V are never repeated."""
+def attention_bias(attention_mask: Tensor) -> Tensor:
+    """Additive float32 mask (B, 1, T, T): causal and no attending to padding (mask 0)."""
+    b, t = attention_mask.shape
+    causal = ops.tril(ops.ones((t, t), ms.bool_))
+    allowed = ops.logical_and(causal.expand_dims(0), attention_mask.astype(ms.bool_).expand_dims(1))
+    bias = ops.select(allowed, ops.zeros((b, t, t), ms.float32), ops.full((b, t, t), MASK_VALUE, dtype=ms.float32))
+    return bias.expand_dims(1)  # broadcast over query groups
 
-    def __init__(self, config: DecoderConfig, dtype: ms.Type):
+
+class Attention(nn.Cell):
+    """Grouped-query attention over this tp rank's ``H/tp`` query and ``KV/tp`` key/value heads.
+
+    Query heads are grouped per KV head so K/V are never repeated. Under tp the head blocks are
+    contiguous (``parallel.sharding``), so a rank's query heads find their kv head locally and
+    attention itself needs no communication; o_proj is row-parallel (one AllReduce).
+    """
+
+    def __init__(self, config: DecoderConfig, dtype: ms.Type, shard: ModelShard):
         super().__init__()
-        h, d = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        h, d, tp, group = config.hidden_size, config.head_dim, shard.tp, shard.tp_group
+        self.num_heads, self.num_kv_heads = config.num_attention_heads // tp, config.num_key_value_heads // tp
+        self.head_dim = d
         self.group = self.num_heads // self.num_kv_heads
         self.scale = 1.0 / math.sqrt(d)
         bias = config.attention_bias
-        self.q_proj = Linear(h, self.num_heads * d, bias, dtype)
-        self.k_proj = Linear(h, self.num_kv_heads * d, bias, dtype)
-        self.v_proj = Linear(h, self.num_kv_heads * d, bias, dtype)
+        # One gradient AllReduce for q, k and v together (they share the input).
+        self.copy = CopyToTP(tp, group) if tp > 1 else None
+        kw = dict(group=group, dtype=dtype, copy_input=False)
+        self.q_proj = ColumnParallelLinear(h, config.num_attention_heads * d, bias, tp, **kw)
+        self.k_proj = ColumnParallelLinear(h, config.num_key_value_heads * d, bias, tp, **kw)
+        self.v_proj = ColumnParallelLinear(h, config.num_key_value_heads * d, bias, tp, **kw)
         # HF Llama's attention_bias also covers o_proj; Qwen2 has q/k/v bias only.
-        self.o_proj = Linear(self.num_heads * d, h, bias and config.model_type == "llama", dtype)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * d, h, bias and config.model_type == "llama", tp,
+                                        group=group, dtype=dtype)
         self.bmm_qk = ops.BatchMatMul(transpose_b=True)
         self.bmm_pv = ops.BatchMatMul()
 
-    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor,
-                  k_cache: Optional[Tensor] = None, v_cache: Optional[Tensor] = None,
-                  cache_index: Optional[Tensor] = None):
+    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor) -> Tensor:
         b, t, _ = x.shape
         hk, g, d = self.num_kv_heads, self.group, self.head_dim
+        if self.copy is not None:
+            x = self.copy(x)
         q = self.q_proj(x).reshape(b, t, self.num_heads, d)
         k = self.k_proj(x).reshape(b, t, hk, d)
         v = self.v_proj(x).reshape(b, t, hk, d)
@@ -127,84 +136,97 @@ class Attention(nn.Cell):
         q = q.reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, g * t, d)
         k = k.transpose(0, 2, 1, 3)
         v = v.transpose(0, 2, 1, 3)
-        if k_cache is not None:
-            k_cache[:, :, cache_index:cache_index + t] = k
-            v_cache[:, :, cache_index:cache_index + t] = v
-            k, v = k_cache, v_cache
-        s = k.shape[2]
         scores = self.bmm_qk(q, k).astype(ms.float32) * self.scale
-        scores = scores.reshape(b, hk, g, t, s) + bias.expand_dims(1)
-        probs = ops.softmax(scores, axis=-1).astype(v.dtype).reshape(b, hk, g * t, s)
+        scores = scores.reshape(b, hk, g, t, t) + bias.expand_dims(1)
+        probs = ops.softmax(scores, axis=-1).astype(v.dtype).reshape(b, hk, g * t, t)
         out = self.bmm_pv(probs, v).reshape(b, hk, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, -1)
-        return self.o_proj(out), k_cache, v_cache
+        return self.o_proj(out)
 
 
 class MLP(nn.Cell):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU ``down(silu(gate(x)) * up(x))``; gate/up column-parallel, down row-parallel under tp."""
 
-    def __init__(self, config: DecoderConfig, dtype: ms.Type):
+    def __init__(self, config: DecoderConfig, dtype: ms.Type, shard: ModelShard):
         super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = Linear(h, i, bias, dtype)
-        self.up_proj = Linear(h, i, bias, dtype)
-        self.down_proj = Linear(i, h, bias, dtype)
+        h, i, bias, tp, group = config.hidden_size, config.intermediate_size, config.mlp_bias, shard.tp, shard.tp_group
+        self.copy = CopyToTP(tp, group) if tp > 1 else None
+        kw = dict(group=group, dtype=dtype, copy_input=False)
+        self.gate_proj = ColumnParallelLinear(h, i, bias, tp, **kw)
+        self.up_proj = ColumnParallelLinear(h, i, bias, tp, **kw)
+        self.down_proj = RowParallelLinear(i, h, bias, tp, group=group, dtype=dtype)
 
     def construct(self, x: Tensor) -> Tensor:
+        if self.copy is not None:
+            x = self.copy(x)
         return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Cell):
-    def __init__(self, config: DecoderConfig, dtype: ms.Type):
+    def __init__(self, config: DecoderConfig, dtype: ms.Type, shard: ModelShard):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, dtype)
+        self.self_attn = Attention(config, dtype, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype)
+        self.mlp = MLP(config, dtype, shard)
 
-    def construct(self, x, cos, sin, bias, k_cache=None, v_cache=None, cache_index=None):
-        attn, k_cache, v_cache = self.self_attn(self.input_layernorm(x), cos, sin, bias, k_cache, v_cache, cache_index)
-        x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, k_cache, v_cache
+    def construct(self, x, cos, sin, bias):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, bias)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Embedding(nn.Cell):
-    """Token embedding whose table is named ``weight`` (HF's name), shape (vocab, hidden)."""
+class _OtherStage(nn.Cell):
+    """Stands in for a layer another pipeline stage owns, so owned layers keep their global names."""
 
-    def __init__(self, vocab: int, hidden: int, dtype: ms.Type):
-        super().__init__()
-        self.weight = Parameter(initializer(Normal(0.02), (vocab, hidden), dtype), name="weight")
-
-    def construct(self, ids: Tensor) -> Tensor:
-        return ops.gather(self.weight, ids, 0)
+    def construct(self, x):
+        return x
 
 
 class DecoderModel(nn.Cell):
-    """Embedding + decoder layers + final norm (HF's ``model.*`` parameters)."""
+    """Embedding + decoder layers + final norm (HF's ``model.*`` parameters), or a stage's part of them."""
 
-    def __init__(self, config: DecoderConfig, dtype: ms.Type):
+    def __init__(self, config: DecoderConfig, dtype: ms.Type, shard: ModelShard):
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.CellList([DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        layers = shard.layer_range(config.num_hidden_layers)
+        # The last stage of a tied model projects with the embedding table, so it holds a copy.
+        if shard.is_first or (shard.is_last and config.tie_word_embeddings):
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard.tp,
+                                                       shard.tp_rank, group=shard.tp_group, dtype=dtype)
+        self.layers = nn.CellList([DecoderLayer(config, dtype, shard) if i in layers else _OtherStage()
+                                   for i in range(layers.stop)])
+        if shard.is_last:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
 class CausalLM(nn.Cell):
-    """Qwen2 / Llama causal language model returning float32 logits."""
+    """Qwen2 / Llama causal language model (or one tp × pp shard of it) with float32 logits.
 
-    def __init__(self, config: DecoderConfig, dtype: str = "float32"):
+    ``shard`` (default: the whole model) says which tp slice and pipeline stage this process holds;
+    ``shard.tp_group`` must name the tp communication group when ``tp > 1``
+    (``mindrlhf.parallel.groups.init_parallel_groups``). Building never touches the
+    communication runtime, so shapes and names can be checked in one process.
+    """
+
+    def __init__(self, config: DecoderConfig, dtype: str = "float32", shard: Optional[ModelShard] = None):
         super().__init__()
-        self.config = config
+        shard = shard or ModelShard()
+        shard.validate(config)
+        self.config, self.shard = config, shard
+        self.tp, self.tp_rank = shard.tp, shard.tp_rank
+        self.is_first, self.is_last = shard.is_first, shard.is_last  # plain bools: graph mode reads them
         self.compute_dtype = resolve_dtype(dtype)
         if self.compute_dtype == ms.bfloat16 and ms.get_context("device_target") == "CPU":
-            from mindrlhf.errors import MindRLHFError
-
             raise MindRLHFError("dtype bfloat16: MindSpore has no CPU kernels for bf16 MatMul/Gather/Sigmoid; "
                                 "use float32 (or float16) on CPU — bfloat16 is for Ascend")
-        self.model = DecoderModel(config, self.compute_dtype)
+        self.layer_range = shard.layer_range(config.num_hidden_layers)
+        self.model = DecoderModel(config, self.compute_dtype, shard)
         self.tie_word_embeddings = config.tie_word_embeddings
-        if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, self.compute_dtype)
+        if shard.is_last and not config.tie_word_embeddings:
+            self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, False, shard.tp,
+                                                group=shard.tp_group, dtype=self.compute_dtype, copy_input=False)
+        self.head_copy = CopyToTP(shard.tp, shard.tp_group) if shard.tp > 1 else None
+        self.gather_vocab = GatherFromTP(shard.tp, shard.tp_rank, shard.tp_group) if shard.tp > 1 else None
+        self.vocab_logprob = VocabParallelLogProb(config.vocab_size, shard.tp, shard.tp_rank,
+                                                  group=shard.tp_group) if shard.tp > 1 else None
         self.inv_freq = Tensor(rope_inv_freq(config))
         self.head_matmul = ops.MatMul(transpose_b=True)
         self.num_layers = config.num_hidden_layers
@@ -216,14 +238,56 @@ class CausalLM(nn.Cell):
         emb = ops.concat((freqs, freqs), axis=-1)
         return ops.cos(emb), ops.sin(emb)
 
+    def head_table(self) -> Tensor:
+        """This rank's rows of the output projection (the embedding table when tied)."""
+        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
     def logits(self, hidden: Tensor) -> Tensor:
-        """Project final hidden states (B, T, H) to float32 logits (B, T, V)."""
+        """Project final hidden states (B, T, H) to float32 logits (B, T, V/tp): this rank's vocabulary slice."""
         b, t, h = hidden.shape
-        table = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        out = self.head_matmul(hidden.reshape(-1, h), table)
+        if self.head_copy is not None:
+            hidden = self.head_copy(hidden)
+        out = self.head_matmul(hidden.reshape(-1, h), self.head_table())
         return out.astype(ms.float32).reshape(b, t, -1)
 
-    # -- full forward --------------------------------------------------------------------------
+    def gather_logits(self, local_logits: Tensor) -> Tensor:
+        """Full-vocabulary logits from this rank's slice (identity without tp)."""
+        return local_logits if self.gather_vocab is None else self.gather_vocab(local_logits)
+
+    def token_logprobs(self, logits: Tensor, token_ids: Tensor, temperature: float = 1.0) -> Tensor:
+        """``log softmax(logits / T)`` at ``token_ids``: (B, C, V/tp), (B, C) → (B, C) float32.
+
+        Under tp the softmax normaliser is summed over the ranks' slices (full logits never exist).
+        """
+        if temperature != 1.0:
+            logits = logits / temperature
+        if self.vocab_logprob is not None:
+            return self.vocab_logprob(logits, token_ids)
+        logp = ops.log_softmax(logits, axis=-1)
+        return ops.gather_elements(logp, 2, token_ids.astype(ms.int32).expand_dims(-1)).squeeze(-1)
+
+    # -- per-stage pieces (pipeline parallel) --------------------------------------------------
+    def stage_forward(self, inputs: Tensor, attention_mask: Tensor) -> Tensor:
+        """This stage's layers: token ids (first stage) or the previous stage's hidden states
+        (B, T, H) in, hidden states (B, T, H) out (before the final norm)."""
+        mask = attention_mask.astype(ms.int32)
+        position_ids = ops.relu(ops.cumsum(mask, 1) - 1)
+        return self._layers(self.model.embed_tokens(inputs) if self.is_first else inputs,
+                            position_ids, attention_bias(mask))
+
+    def _layers(self, x: Tensor, position_ids: Tensor, bias: Tensor) -> Tensor:
+        cos, sin = self.rope(position_ids)
+        for i in self.layer_range:
+            x = self.model.layers[i](x, cos, sin, bias)
+        return x
+
+    def completion_logprobs(self, hidden: Tensor, completion_ids: Tensor, temperature: float = 1.0) -> Tensor:
+        """Last stage: final norm, output projection and log-probs of the last C positions → (B, C)."""
+        t, c = hidden.shape[1], completion_ids.shape[1]
+        logits = self.logits(self.model.norm(hidden[:, t - c:]))
+        return self.token_logprobs(logits, completion_ids, temperature)
+
+    # -- whole-model entry points (pp == 1) ----------------------------------------------------
     def construct(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
                   position_ids: Optional[Tensor] = None, logits_to_keep: int = 0) -> Tensor:
         """Logits (B, T, V) for ``input_ids`` (B, T); with ``logits_to_keep=n`` only the last n.
@@ -231,6 +295,7 @@ class CausalLM(nn.Cell):
         ``attention_mask`` (B, T) marks real tokens with 1 and padding with 0 (left, right or
         both). Default positions count real tokens only (``cumsum(mask) - 1``), which is what
         generation with left-padded prompts uses, so training log-probs match sampling ones.
+        Under tp the last axis is this rank's vocabulary slice ``[tp_rank*V/tp, (tp_rank+1)*V/tp)``.
         """
         b, t = input_ids.shape
         if attention_mask is None:
@@ -238,41 +303,23 @@ class CausalLM(nn.Cell):
         mask = attention_mask.astype(ms.int32)
         if position_ids is None:
             position_ids = ops.relu(ops.cumsum(mask, 1) - 1)
-        causal = ops.tril(ops.ones((t, t), ms.bool_))
-        allowed = ops.logical_and(causal.expand_dims(0), mask.astype(ms.bool_).expand_dims(1))
-        bias = ops.select(allowed, ops.zeros((b, t, t), ms.float32), ops.full((b, t, t), MASK_VALUE, dtype=ms.float32))
-        bias = bias.expand_dims(1)  # (B, 1, T, T), broadcast over query groups
-        cos, sin = self.rope(position_ids)
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x, _, _ = layer(x, cos, sin, bias)
+        x = self._layers(self.model.embed_tokens(input_ids), position_ids, attention_bias(mask))
         x = self.model.norm(x)
         if logits_to_keep > 0:
             x = x[:, t - logits_to_keep:]
         return self.logits(x)
 
-    # -- cached forward (generation) -----------------------------------------------------------
-    def forward_with_cache(self, input_ids: Tensor, position_ids: Tensor, attn_bias: Tensor,
-                           caches: Tuple[Tensor, ...], cache_index: Tensor, logits_to_keep: int = 1):
-        """Run ``input_ids`` (B, t) writing K/V at cache columns ``[cache_index, cache_index + t)``.
+    def sequence_logprobs(self, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor,
+                          temperature: float = 1.0) -> Tensor:
+        """Per-token log-probs (B, C) of the completion part of ``[prompt | completion]``.
 
-        ``caches`` holds 2 × num_layers tensors (B, kv_heads, S, head_dim) (k0, v0, k1, v1, …);
-        ``attn_bias`` (B, t, S) is the additive float32 mask over cache columns (0 = may attend,
-        MASK_VALUE = may not); ``cache_index`` is a 0-d int64 Tensor so one compiled graph serves
-        every decode step. Returns (logits of the last ``logits_to_keep`` positions, new caches).
+        ``input_ids``/``attention_mask`` are the full sequence minus its last token, so the last
+        ``C`` logits predict exactly the ``C`` completion tokens. The same values on every tp rank.
         """
-        cos, sin = self.rope(position_ids)
-        bias = attn_bias.expand_dims(1)
-        x = self.model.embed_tokens(input_ids)
-        new_caches = ()
-        for i, layer in enumerate(self.model.layers):
-            x, k, v = layer(x, cos, sin, bias, caches[2 * i], caches[2 * i + 1], cache_index)
-            new_caches = new_caches + (k, v)
-        x = self.model.norm(x[:, x.shape[1] - logits_to_keep:])
-        return self.logits(x), new_caches
+        logits = self.construct(input_ids, attention_mask, None, completion_ids.shape[1])
+        return self.token_logprobs(logits, completion_ids, temperature)
 
-    def new_cache(self, batch_size: int, max_len: int) -> Tuple[Tensor, ...]:
-        """Zeroed static KV cache: 2 × num_layers tensors of shape (B, kv_heads, max_len, head_dim)."""
-        c = self.config
-        shape = (batch_size, c.num_key_value_heads, max_len, c.head_dim)
-        return tuple(ops.zeros(shape, self.compute_dtype) for _ in range(2 * c.num_hidden_layers))
+    def gathered_logits(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
+                        position_ids: Optional[Tensor] = None, logits_to_keep: int = 0) -> Tensor:
+        """Full-vocabulary logits on every tp rank (evaluation and tests)."""
+        return self.gather_logits(self.construct(input_ids, attention_mask, position_ids, logits_to_keep))

@@ -84,13 +84,23 @@ def broadcast_from_main(x: np.ndarray) -> np.ndarray:
     return ops.Broadcast(0)((Tensor(x.astype(np.float32)),))[0].asnumpy().astype(x.dtype)
 
 
-def grad_reducer(parameters, enabled: Optional[bool] = None):
-    """A gradient reducer that SUMS over ranks (losses are pre-normalised by global counts)."""
-    if world_size() == 1 if enabled is None else not enabled:
+def grad_reducer(parameters, size: Optional[int] = None, group: Optional[str] = None):
+    """A gradient reducer that SUMS over ``group`` of ``size`` ranks (default: the world), or None if size is 1.
+
+    Sums, not means: losses are pre-normalised by global counts. Under tensor parallelism pass the
+    dp group: the ranks of a tp group hold different slices of equal shapes, and a world-group
+    reduce would silently add them together.
+    """
+    size = world_size() if size is None else size
+    if size == 1:
         return None
     from mindspore import nn
 
-    return nn.DistributedGradReducer(parameters, mean=False, degree=world_size())
+    if group is None:
+        if size != world_size():
+            raise ValueError(f"grad_reducer: size={size} needs the name of its {size}-rank communication group")
+        return nn.DistributedGradReducer(parameters, mean=False, degree=size)
+    return nn.DistributedGradReducer(parameters, mean=False, degree=size, group=group)
 
 
 def barrier() -> None:

@@ -216,3 +216,50 @@ class ParallelLayout:
         """Names of the parameters pipeline ``stage`` holds, in model order."""
         self.stage_layers(stage, config)  # validates
         return [n for n in config.expected_shapes() if stage in self.param_stages(n, config)]
+
+
+@dataclass(frozen=True)
+class ModelShard:
+    """The part of a decoder one process holds: tp slice ``tp_rank`` of ``tp``, pipeline stage ``stage`` of ``pp``.
+
+    ``tp_group`` names the tp communication group (required when ``tp > 1``). The default is the
+    whole model on one process. ``CausalLM(config, dtype, shard)`` builds exactly this part.
+    """
+
+    tp: int = 1
+    tp_rank: int = 0
+    tp_group: Optional[str] = None
+    pp: int = 1
+    stage: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp:
+            raise MindRLHFError(f"model shard: tp_rank {self.tp_rank} is outside tp={self.tp} (0..{self.tp - 1})")
+        if not 0 <= self.stage < self.pp:
+            raise MindRLHFError(f"model shard: stage {self.stage} is outside pp={self.pp} (0..{self.pp - 1})")
+        if self.tp > 1 and not self.tp_group:
+            raise MindRLHFError(f"model shard with tp={self.tp} needs tp_group=<tp group name>; get it from "
+                                "mindrlhf.parallel.groups.init_parallel_groups(layout)")
+
+    @classmethod
+    def of(cls, layout: ParallelLayout, rank: int, tp_group: Optional[str] = None) -> "ModelShard":
+        """The shard global ``rank`` holds in ``layout``."""
+        c = layout.coords(rank)
+        return cls(tp=layout.tp, tp_rank=c.tp, tp_group=tp_group, pp=layout.pp, stage=c.pp)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.pp - 1
+
+    def validate(self, config: "DecoderConfig") -> None:
+        """Heads, kv heads, vocabulary and MLP width divisible by tp; layers by pp (error names both)."""
+        ParallelLayout(tp=self.tp, pp=self.pp).validate(config)
+
+    def layer_range(self, num_layers: int) -> range:
+        """Global indices of the decoder layers this stage owns (contiguous, ``L/pp`` of them)."""
+        per = num_layers // self.pp
+        return range(self.stage * per, (self.stage + 1) * per)

@@ -25,7 +25,6 @@ group when constructed), so shapes and names can be checked in-process without `
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import mindspore as ms
@@ -35,61 +34,10 @@ from mindspore.common.initializer import Normal, initializer
 from mindrlhf.errors import MindRLHFError
 
 
-# ---------------------------------------------------------------------------------------------
-# process groups
-# ---------------------------------------------------------------------------------------------
-def group_name(kind: str, ranks) -> str:
-    """Deterministic communication-group name, e.g. ``mindrlhf_tp_0_1`` (same on every member)."""
-    return f"mindrlhf_{kind}_" + "_".join(str(int(r)) for r in ranks)
-
-
-@dataclass(frozen=True)
-class ParallelGroups:
-    """This process's place in a layout and the names of its tp and dp communication groups.
-
-    ``tp_group`` / ``dp_group`` are ``None`` when that axis has size 1 (no collective needed).
-    """
-
-    rank: int
-    tp_rank: int
-    dp_rank: int
-    tp: int
-    dp: int
-    tp_group: Optional[str]
-    dp_group: Optional[str]
-
-
-def init_parallel_groups(layout, rank: Optional[int] = None) -> ParallelGroups:
-    """Create (with ``mindspore.communication.create_group``) this rank's tp and dp groups.
-
-    Call after ``mindspore.communication.init()`` on every rank; each rank creates only the groups
-    it belongs to (enough for mccl and hccl). The world size must equal ``layout.world_size``.
-    Pipeline parallelism is not handled here (``layout.pp`` must be 1).
-    """
-    from mindspore.communication import create_group, get_group_size, get_rank
-
-    if layout.pp != 1:
-        raise MindRLHFError(f"parallel layout {layout}: tensor-parallel training layers support pp=1 only; "
-                            "set pp=1")
-    world = get_group_size()
-    layout.validate(world_size=world)
-    rank = get_rank() if rank is None else rank
-    coords = layout.coords(rank)
-    names = {}
-    for kind, members in (("tp", layout.tp_group(rank)), ("dp", layout.dp_group(rank))):
-        if len(members) > 1:
-            names[kind] = group_name(kind, members)
-            create_group(names[kind], list(members))
-        else:
-            names[kind] = None
-    return ParallelGroups(rank=rank, tp_rank=coords.tp, dp_rank=coords.dp, tp=layout.tp, dp=layout.dp,
-                          tp_group=names["tp"], dp_group=names["dp"])
-
-
 def _check_group(tp: int, group: Optional[str], what: str) -> None:
     if tp > 1 and not group:
         raise MindRLHFError(f"{what}: tp={tp} needs the tp communication group name "
-                            "(see mindrlhf.parallel.tp_layers.init_parallel_groups)")
+                            "(see mindrlhf.parallel.groups.init_parallel_groups)")
 
 
 def _divide(size: int, tp: int, what: str) -> int:
@@ -196,7 +144,7 @@ class ColumnParallelLinear(nn.Cell):
         self.out_local = _divide(out_features, tp, "ColumnParallelLinear out_features")
         self.weight = Parameter(initializer(Normal(0.02), (self.out_local, in_features), dtype), name="weight")
         self.bias = Parameter(initializer("zeros", (self.out_local,), dtype), name="bias") if bias else None
-        self.copy = CopyToTP(tp, group) if copy_input else None
+        self.copy = CopyToTP(tp, group) if copy_input and tp > 1 else None
         self.matmul = ops.MatMul(transpose_b=True)
 
     def construct(self, x: Tensor) -> Tensor:
@@ -223,12 +171,14 @@ class RowParallelLinear(nn.Cell):
         in_local = _divide(in_features, tp, "RowParallelLinear in_features")
         self.weight = Parameter(initializer(Normal(0.02), (out_features, in_local), dtype), name="weight")
         self.bias = Parameter(initializer("zeros", (out_features,), dtype), name="bias") if bias else None
-        self.reduce = ReduceFromTP(tp, group)
+        self.reduce = ReduceFromTP(tp, group) if tp > 1 else None
         self.matmul = ops.MatMul(transpose_b=True)
 
     def construct(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
-        y = self.reduce(self.matmul(x.reshape(-1, x.shape[-1]), self.weight))
+        y = self.matmul(x.reshape(-1, x.shape[-1]), self.weight)
+        if self.reduce is not None:
+            y = self.reduce(y)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(lead + (self.out_features,))
@@ -248,7 +198,7 @@ class VocabParallelEmbedding(nn.Cell):
         self.vocab_start = tp_rank * self.vocab_local
         self.tp = tp
         self.weight = Parameter(initializer(Normal(0.02), (self.vocab_local, hidden_size), dtype), name="weight")
-        self.reduce = ReduceFromTP(tp, group)
+        self.reduce = ReduceFromTP(tp, group) if tp > 1 else None
 
     def construct(self, ids: Tensor) -> Tensor:
         if self.tp == 1:

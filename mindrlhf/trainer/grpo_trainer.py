@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
-import mindspore as ms
 import yaml
 from tqdm.auto import tqdm
 
@@ -26,12 +25,13 @@ from mindrlhf.generation import NativeSampler, SamplingParams
 from mindrlhf.models import CausalLM
 from mindrlhf.models.weights import get_weights, set_weights
 from mindrlhf.parallel import comm
+from mindrlhf.parallel.pipeline import PipelineRunner
 from mindrlhf.rewards import RewardManager
 from mindrlhf.trainer.experience import (Experience, bucket, left_pad, load_experience, right_pad,
                                          save_experience, step_file)
 from mindrlhf.trainer.metrics import MetricsLogger, console_line
 from mindrlhf.trainer.schedule import lr_at
-from mindrlhf.trainer.train_step import LossSettings, PolicyUpdater, sequence_logprobs
+from mindrlhf.trainer.train_step import LossSettings, PolicyUpdater
 
 log = logging.getLogger(__name__)
 PROMPT_BUCKET = 32  # prompt columns are padded to a multiple of this (fewer compiled shapes)
@@ -65,8 +65,8 @@ class GRPOTrainer:
             lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
             max_grad_norm=o.max_grad_norm, jit=cfg.parallel.train_jit)
         self.rewards = RewardManager(a.reward_funcs, a.reward_weights)
-        self._ref_logp_fn = ms.jit(self._ref_logp) if cfg.parallel.jit else self._ref_logp
-        self._old_logp_fn = ms.jit(self._old_logp) if cfg.parallel.jit else self._old_logp
+        self.ref_runner = PipelineRunner(ref_model, self.updater.groups, temperature=self.updater.loss.temperature,
+                                         jit=cfg.parallel.jit) if ref_model is not None else None
         self.step = 0
         self.consecutive_nonfinite = 0
         self.skipped_updates = 0
@@ -145,21 +145,13 @@ class GRPOTrainer:
         return exp.rows(np.arange(self.rank * n, (self.rank + 1) * n))
 
     # -- log-probs ------------------------------------------------------------------------------
-    def _ref_logp(self, input_ids, attention_mask, completion_ids):
-        return sequence_logprobs(self.ref_model, input_ids, attention_mask, completion_ids, self.updater.loss.temperature)
-
-    def _old_logp(self, input_ids, attention_mask, completion_ids):
-        return sequence_logprobs(self.policy, input_ids, attention_mask, completion_ids, self.updater.loss.temperature)
-
-    def _batched_logp(self, fn, exp: Experience) -> np.ndarray:
+    def _batched_logp(self, runner: PipelineRunner, exp: Experience) -> np.ndarray:
+        """Completion log-probs of every row of ``exp`` under ``runner``'s model, micro-batch by micro-batch."""
         inputs = exp.train_inputs()
         size = self._micro_size()
-        out = []
-        for s in range(0, len(exp), size):
-            sl = slice(s, s + size)
-            out.append(fn(ms.Tensor(inputs["input_ids"][sl]), ms.Tensor(inputs["attention_mask"][sl]),
-                          ms.Tensor(exp.completion_ids[sl])).asnumpy())
-        return np.concatenate(out)
+        micro = [{"input_ids": inputs["input_ids"][s:s + size], "attention_mask": inputs["attention_mask"][s:s + size],
+                  "completion_ids": exp.completion_ids[s:s + size]} for s in range(0, len(exp), size)]
+        return np.concatenate(runner.logprobs(micro))
 
     def _micro_size(self) -> int:
         """Completions per forward/backward on this rank."""
@@ -321,11 +313,11 @@ class GRPOTrainer:
                 save_experience(gathered, step_file(t.save_data_file, step))
         t1 = time.perf_counter()
         if a.beta > 0:
-            exp.ref_logp = self._batched_logp(self._ref_logp_fn, exp)
+            exp.ref_logp = self._batched_logp(self.ref_runner, exp)
         times["time/ref"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         if self.off_policy:
-            exp.old_logp = self._batched_logp(self._old_logp_fn, exp)
+            exp.old_logp = self._batched_logp(self.updater.runner, exp)
         times["time/old_logp"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         train_metrics = self.train_on(exp)

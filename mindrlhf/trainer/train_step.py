@@ -1,8 +1,9 @@
 """The policy update: loss and gradients over micro-batches, reduction, clipping, AdamW step."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import mindspore as ms
@@ -10,28 +11,12 @@ from mindspore import Tensor, nn, ops
 
 from mindrlhf.algorithms import policy_loss
 from mindrlhf.parallel import comm
+from mindrlhf.parallel.groups import ParallelGroups, data_parallel_groups
+from mindrlhf.parallel.pipeline import PipelineRunner
 from mindrlhf.trainer.optimizer import AdamW
 
 LOSS_METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-
-
-def token_logprobs(logits: Tensor, token_ids: Tensor, temperature: float) -> Tensor:
-    """log softmax(logits / T) at ``token_ids``: (B, C, V), (B, C) → (B, C) float32."""
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = ops.log_softmax(logits, axis=-1)
-    return ops.gather_elements(logp, 2, token_ids.astype(ms.int32).expand_dims(-1)).squeeze(-1)
-
-
-def sequence_logprobs(model: nn.Cell, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor,
-                      temperature: float) -> Tensor:
-    """Per-token log-probs of the completion part of ``[prompt | completion]`` under ``model``.
-
-    ``input_ids``/``attention_mask`` are the full sequence minus its last token, so the last
-    ``C`` logits predict exactly the ``C`` completion tokens.
-    """
-    logits = model(input_ids, attention_mask, None, completion_ids.shape[1])
-    return token_logprobs(logits, completion_ids, temperature)
+LOSS_KEYS = ("completion_mask", "advantages", "old_logp", "ref_logp")  # micro-batch arrays the loss reads
 
 
 @dataclass
@@ -53,28 +38,33 @@ class PolicyUpdater:
     """Accumulates gradients over micro-batches and applies one AdamW step per mini-batch.
 
     Losses are normalised by GLOBAL token/sequence counts of the mini-batch, and gradients are
-    summed (not averaged) over data-parallel ranks, so the update is the same whatever the number
-    of ranks or micro-batches.
+    summed (not averaged) over the data-parallel group, so the update is the same whatever the
+    number of ranks or micro-batches. The model may be a tp × pp shard (``groups`` says where this
+    rank sits); the pipeline schedule, the dp reduction and a norm over the whole model are handled
+    here so the trainer sees one update per call.
     """
 
     def __init__(self, model: nn.Cell, loss: LossSettings, *, lr: float, weight_decay: float,
-                 betas: Sequence[float], eps: float, max_grad_norm: float, jit: bool = True):
+                 betas: Sequence[float], eps: float, max_grad_norm: float, jit: bool = True,
+                 groups: Optional[ParallelGroups] = None):
         self.model = model
         self.loss = loss
         self.max_grad_norm = max_grad_norm
-        self.params = model.trainable_params()
+        self.groups = groups or data_parallel_groups(comm.rank(), comm.world_size())
+        self.runner = PipelineRunner(model, self.groups, self._loss_from_logp, temperature=loss.temperature, jit=jit)
+        self.params = self.runner.params
         # Decay matrices only: biases and norm scales (1-D) are not weight-decayed.
         self.optimizer = AdamW(self.params, betas=betas, eps=eps, weight_decay=weight_decay)
         self.lr = float(lr)
-        self.reducer = comm.grad_reducer(self.params)
-        grad_fn = ms.value_and_grad(self._loss_fn, None, self.params, has_aux=True)
-        self._grad_fn = ms.jit(grad_fn) if jit else grad_fn
-        self._norm_fn = ms.jit(self._global_norm) if jit else self._global_norm
+        g = self.groups
+        self.reducer = comm.grad_reducer(self.params, g.dp, None if g.dp == comm.world_size() else g.dp_group)
+        # This rank's loss counts once per dp replica: on the last stage, tp rank 0.
+        self.reports_loss = model.is_last and g.tp_rank == 0
+        self.norm_weights = _norm_weights([p.name for p in self.params], g, model.config.tie_word_embeddings)
+        self._sumsq_fn = ms.jit(self._sum_squares) if jit else self._sum_squares
 
-    def _loss_fn(self, input_ids, attention_mask, completion_ids, completion_mask, advantages, old_logp,
-                 ref_logp, num_tokens, num_seqs):
+    def _loss_from_logp(self, logp, completion_mask, advantages, old_logp, ref_logp, num_tokens, num_seqs):
         s = self.loss
-        logp = sequence_logprobs(self.model, input_ids, attention_mask, completion_ids, s.temperature)
         # On-policy: old == current (detached), so the ratio is exactly 1 and needs no extra forward.
         old = old_logp if s.off_policy else ops.stop_gradient(logp)
         loss, metrics = policy_loss(
@@ -88,14 +78,29 @@ class PolicyUpdater:
         return loss, tuple(metrics[k] * tokens for k in LOSS_METRICS) + (tokens,)
 
     @staticmethod
-    def _global_norm(grads):
-        total = ops.zeros((), ms.float32)
-        for g in grads:
-            total = total + ops.sum(ops.square(g.astype(ms.float32)))
-        return ops.sqrt(total)
+    def _sum_squares(grads):
+        return ops.stack([ops.sum(ops.square(g.astype(ms.float32))) for g in grads])
+
+    def global_grad_norm(self, grads) -> float:
+        """L2 norm of the whole model's gradient, the same number on every rank.
+
+        Each shard's squares are weighted so that a tp-replicated tensor (norms) and the two
+        pipeline copies of a tied embedding count once; summing over all ranks then counts every
+        dp replica once, hence the division by dp.
+        """
+        # A plain tuple of tensors is a jit constant (recompiles each call); mutable makes it an input.
+        sq = self._sumsq_fn(ms.mutable(tuple(grads))).asnumpy().astype(np.float64)
+        local = float(np.dot(sq, self.norm_weights))
+        if self.groups.tp * self.groups.pp > 1:
+            local = float(comm.all_sum(np.array([local], np.float32))[0]) / self.groups.dp
+        return math.sqrt(max(local, 0.0)) if np.isfinite(local) else float("nan")
 
     def set_lr(self, lr: float) -> None:
         self.lr = float(lr)
+
+    def logprobs(self, micro_batches: Sequence[Dict[str, np.ndarray]]) -> List[np.ndarray]:
+        """The policy's completion log-probs of each micro-batch (the same on every rank of a replica)."""
+        return self.runner.logprobs(micro_batches)
 
     def step(self, micro_batches: Sequence[Dict[str, np.ndarray]], num_tokens: float, num_seqs: float) -> Dict[str, float]:
         """One optimizer step over this rank's micro-batches of a mini-batch.
@@ -104,24 +109,16 @@ class PolicyUpdater:
         over all ranks. Returns loss (global), grad_norm, token-weighted metric sums and whether
         the update was skipped because the loss or gradients were not finite.
         """
-        grads = None
-        loss_sum = 0.0
-        metric_sums = np.zeros(len(LOSS_METRICS) + 1, np.float64)
         n_tok, n_seq = Tensor(np.float32(num_tokens)), Tensor(np.float32(num_seqs))
-        for mb in micro_batches:
-            (loss, aux), g = self._grad_fn(
-                Tensor(mb["input_ids"]), Tensor(mb["attention_mask"]), Tensor(mb["completion_ids"]),
-                Tensor(mb["completion_mask"]), Tensor(mb["advantages"]), Tensor(mb["old_logp"]),
-                Tensor(mb["ref_logp"]), n_tok, n_seq)
-            grads = g if grads is None else tuple(a + b for a, b in zip(grads, g))
-            loss_sum += float(loss.asnumpy())
-            metric_sums += np.array([float(x.asnumpy()) for x in aux])
+        grads, loss_sum, aux = self.runner.loss_and_grads(micro_batches, LOSS_KEYS, extra=(n_tok, n_seq))
         if self.reducer is not None:
             grads = self.reducer(grads)
-        loss_sum = float(comm.all_sum(np.array([loss_sum], np.float32))[0])
-        metric_sums = comm.all_sum(metric_sums.astype(np.float32)).astype(np.float64)
-        # A plain tuple of tensors is a jit constant (recompiles each call); mutable makes it an input.
-        norm = float(self._norm_fn(ms.mutable(tuple(grads))).asnumpy())
+        mine = np.zeros(len(LOSS_METRICS) + 2, np.float32)
+        if self.reports_loss:
+            mine[0], mine[1:] = loss_sum, aux
+        sums = comm.all_sum(mine).astype(np.float64)
+        loss_sum, metric_sums = float(sums[0]), sums[1:]
+        norm = self.global_grad_norm(grads)
         finite = bool(np.isfinite(loss_sum) and np.isfinite(norm))
         if finite:
             if self.max_grad_norm > 0 and norm > self.max_grad_norm:
@@ -136,3 +133,17 @@ class PolicyUpdater:
     def optimizer_state(self) -> Dict[str, ms.Parameter]:
         """Optimizer moments and step counter by name (for checkpoints)."""
         return self.optimizer.state()
+
+
+def _norm_weights(names: Sequence[str], groups: ParallelGroups, tied: bool) -> np.ndarray:
+    """Per-parameter weight of its squared gradient in the global norm (see ``global_grad_norm``)."""
+    from mindrlhf.parallel.layout import EMBED
+    from mindrlhf.parallel.sharding import split_dim
+
+    w = np.ones(len(names), np.float64)
+    for i, name in enumerate(names):
+        if groups.tp > 1 and split_dim(name) is None:
+            w[i] /= groups.tp
+        if name == EMBED and tied and groups.pp > 1:  # the first and last stage both hold it
+            w[i] /= 2.0
+    return w

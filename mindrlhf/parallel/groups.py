@@ -1,0 +1,102 @@
+"""Communication groups of a parallel layout, created once per process.
+
+Every collective in tensor, data and pipeline parallelism runs in a named sub-group of the world:
+the tp group (one model replica's slices), the dp group (ranks holding the same slice), the pp
+group (one pipeline), the two-rank groups joining adjacent stages (point-to-point hand-off, see
+``parallel.pipeline``) and the embedding group (first and last stage of a tied model).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+from mindrlhf.parallel.layout import ModelShard, ParallelLayout
+
+
+def group_name(kind: str, ranks) -> str:
+    """Deterministic communication-group name, e.g. ``mindrlhf_tp_0_1`` (same on every member)."""
+    return f"mindrlhf_{kind}_" + "_".join(str(int(r)) for r in ranks)
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This process's place in a layout and the names of its communication groups.
+
+    A group name is ``None`` when the group would have one member (no collective needed).
+    ``prev_group`` / ``next_group`` join this stage to the previous / next one of its pipeline.
+    """
+
+    layout: ParallelLayout
+    rank: int
+    tp_rank: int
+    dp_rank: int
+    pp_rank: int
+    tp_group: Optional[str]
+    dp_group: Optional[str]
+    pp_group: Optional[str]
+    prev_group: Optional[str]
+    next_group: Optional[str]
+    embed_group: Optional[str]
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    def shard(self) -> ModelShard:
+        """The model shard this rank holds."""
+        return ModelShard.of(self.layout, self.rank, self.tp_group)
+
+
+def layout_groups(layout: ParallelLayout) -> List[Tuple[str, List[int]]]:
+    """Every multi-rank group of the layout as ``(kind, ranks)``, in one global order.
+
+    All ranks create their groups in this order, so no two ranks can wait on each other's
+    creation in opposite orders.
+    """
+    groups = [("tp", g) for g in layout.tp_groups()] + [("dp", g) for g in layout.dp_groups()]
+    groups += [("pp", g) for g in layout.pp_groups()]
+    for pipe in layout.pp_groups():
+        groups += [("p2p", [a, b]) for a, b in zip(pipe, pipe[1:])]
+    if layout.pp > 1:
+        groups += [("embed", g) for g in layout.embedding_groups()]
+    return [(kind, ranks) for kind, ranks in groups if len(ranks) > 1]
+
+
+def init_parallel_groups(layout: ParallelLayout, rank: Optional[int] = None) -> ParallelGroups:
+    """Create (``mindspore.communication.create_group``) the groups this rank belongs to.
+
+    Call after ``mindspore.communication.init()`` on every rank; the world size must equal
+    ``layout.world_size`` (the error names both numbers).
+    """
+    from mindspore.communication import create_group, get_group_size, get_rank
+
+    layout.validate(world_size=get_group_size())
+    rank = get_rank() if rank is None else rank
+    coords = layout.coords(rank)
+    mine = {}
+    for kind, ranks in layout_groups(layout):
+        if rank in ranks:
+            name = group_name(kind, ranks)
+            create_group(name, list(ranks))
+            if kind == "p2p":
+                kind = "next" if ranks[0] == rank else "prev"
+            mine[kind] = name
+    return ParallelGroups(layout=layout, rank=rank, tp_rank=coords.tp, dp_rank=coords.dp, pp_rank=coords.pp,
+                          tp_group=mine.get("tp"), dp_group=mine.get("dp"), pp_group=mine.get("pp"),
+                          prev_group=mine.get("prev"), next_group=mine.get("next"), embed_group=mine.get("embed"))
+
+
+def data_parallel_groups(rank: int = 0, world_size: int = 1) -> ParallelGroups:
+    """Pure data parallelism over the whole world (dp = world size): no sub-groups are needed
+    (dp collectives use the world group), so nothing is created."""
+    layout = ParallelLayout(dp=world_size)
+    return ParallelGroups(layout=layout, rank=rank, tp_rank=0, dp_rank=rank, pp_rank=0, tp_group=None,
+                          dp_group=None, pp_group=None, prev_group=None, next_group=None, embed_group=None)

@@ -1,0 +1,269 @@
+"""Pipeline parallelism: stage-to-stage hand-off and a GPipe schedule for loss, gradients and log-probs.
+
+Each pipeline stage is a ``CausalLM`` built for its ``ModelShard`` (a block of layers; embedding on
+the first stage, final norm and output projection on the last). A step is cut into micro-batches:
+
+* forward: stage ``s`` takes micro-batch ``m``'s hidden states from stage ``s-1`` (token ids on the
+  first stage), runs its layers and hands the result to ``s+1``; the last stage computes the
+  completion log-probs and the loss;
+* backward (GPipe: after all forwards, micro-batches in reverse order): the last stage
+  differentiates the loss with respect to its parameters and its input hidden states and hands
+  that input gradient back; every other stage differentiates ``sum(output · output_gradient)``,
+  the vector-Jacobian product, recomputing its forward from the stashed input (only stage inputs
+  are kept between the two phases, so memory does not grow with the layers held).
+
+Parameter gradients are accumulated over micro-batches on each stage; with tied embeddings the
+first and last stage copies' gradients are summed over the embedding group (``sync_tied``).
+
+Hand-off (``StageLink``) uses ``Send``/``Receive`` where the backend has them (Ascend, GPU) and,
+where it does not (CPU/mccl), an AllReduce-sum over the two-rank group of adjacent stages in which
+the receiver contributes zeros — a send built from a supported collective. Both sides know the
+shape in advance: every stage holds the micro-batch's ids and mask.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, ops
+
+from mindrlhf.errors import MindRLHFError
+from mindrlhf.parallel.groups import ParallelGroups
+
+P2P_BACKENDS = ("auto", "collective", "send_recv")
+
+# loss_fn(logp (B, C), *loss_inputs) -> (scalar loss, tuple of scalar aux values)
+LossFn = Callable[..., Tuple[Tensor, Tuple[Tensor, ...]]]
+
+
+def resolve_p2p_backend(backend: str, device_target: str) -> str:
+    """``auto`` → ``send_recv`` on Ascend/GPU, ``collective`` on CPU (mccl has no Send/Receive)."""
+    if backend not in P2P_BACKENDS:
+        raise MindRLHFError(f"p2p backend {backend!r}: use one of {', '.join(P2P_BACKENDS)}")
+    if backend == "auto":
+        return "collective" if device_target == "CPU" else "send_recv"
+    if backend == "send_recv" and device_target == "CPU":
+        raise MindRLHFError("p2p backend send_recv: MindSpore has no CPU Send/Receive kernels; use collective "
+                            "(or auto)")
+    return backend
+
+
+class StageLink:
+    """Hands tensors between this pipeline stage and its neighbours (same dp and tp coordinates)."""
+
+    def __init__(self, groups: ParallelGroups, backend: str = "auto"):
+        self.groups = groups
+        layout = groups.layout
+        self.backend = resolve_p2p_backend(backend, ms.get_context("device_target"))
+        self.prev_rank = groups.rank - layout.stage_size if groups.pp_rank > 0 else None
+        self.next_rank = groups.rank + layout.stage_size if groups.pp_rank < layout.pp - 1 else None
+        self._ops: Dict[tuple, object] = {}
+
+    def _reduce(self, group: Optional[str]):
+        if group is None:
+            raise MindRLHFError("pipeline hand-off across a stage boundary that does not exist")
+        key = ("reduce", group)
+        if key not in self._ops:
+            self._ops[key] = ops.AllReduce(group=group)
+        return self._ops[key]
+
+    def _send(self, x: Tensor, dest: int) -> None:
+        key = ("send", dest)
+        if key not in self._ops:
+            self._ops[key] = ops.Send(sr_tag=0, dest_rank=dest)
+        self._ops[key](x)
+
+    def _recv(self, src: int, shape: Tuple[int, ...], dtype: ms.Type) -> Tensor:
+        key = ("recv", src, tuple(shape), dtype)
+        if key not in self._ops:
+            self._ops[key] = ops.Receive(sr_tag=0, src_rank=src, shape=list(shape), dtype=dtype)
+        return self._ops[key]()
+
+    def send_next(self, x: Tensor) -> None:
+        if self.backend == "send_recv":
+            self._send(x, self.next_rank)
+        else:
+            self._reduce(self.groups.next_group)(x)
+
+    def send_prev(self, x: Tensor) -> None:
+        if self.backend == "send_recv":
+            self._send(x, self.prev_rank)
+        else:
+            self._reduce(self.groups.prev_group)(x)
+
+    def recv_prev(self, shape: Tuple[int, ...], dtype: ms.Type) -> Tensor:
+        if self.backend == "send_recv":
+            return self._recv(self.prev_rank, shape, dtype)
+        return self._reduce(self.groups.prev_group)(ops.zeros(shape, dtype))
+
+    def recv_next(self, shape: Tuple[int, ...], dtype: ms.Type) -> Tensor:
+        if self.backend == "send_recv":
+            return self._recv(self.next_rank, shape, dtype)
+        return self._reduce(self.groups.next_group)(ops.zeros(shape, dtype))
+
+
+class PipelineRunner:
+    """Runs a (possibly pipelined) ``CausalLM`` shard over micro-batches.
+
+    Micro-batch dicts carry ``input_ids``, ``attention_mask`` and ``completion_ids`` (numpy) plus
+    whatever the loss needs (``loss_keys``, passed to ``loss_fn`` after the log-probs). With
+    ``pp == 1`` this is plain value-and-grad per micro-batch; results are identical either way.
+    """
+
+    def __init__(self, model, groups: ParallelGroups, loss_fn: Optional[LossFn] = None, *, temperature: float = 1.0,
+                 jit: bool = False, p2p_backend: str = "auto"):
+        self.model, self.groups, self.temperature = model, groups, float(temperature)
+        self.loss_fn = loss_fn
+        self.params = model.trainable_params()
+        self.first, self.last = model.is_first, model.is_last
+        self.pipelined = groups.pp > 1
+        self.link = StageLink(groups, p2p_backend) if self.pipelined else None
+        self.hidden = model.config.hidden_size
+        self.dtype = model.compute_dtype
+        self._jit = jit
+        self._fns: Dict[str, Callable] = {}
+        self._builders = self._pieces()
+        # Only a tied model keeps an embedding copy on the last stage (layout.param_stages).
+        tied = groups.embed_group is not None and model.config.tie_word_embeddings
+        self._tied_reduce = ops.AllReduce(group=groups.embed_group) if tied else None
+        self._pp_sum = ops.AllReduce(group=groups.pp_group) if groups.pp_group else None
+
+    # -- compiled pieces -----------------------------------------------------------------------
+    # Closures over locals (the model Cell, floats, the loss function), not over ``self``: graph
+    # mode cannot resolve attributes of a plain Python object captured by a closure.
+    def _fn(self, name: str, build: Callable[[], Callable]) -> Callable:
+        if name not in self._fns:
+            fn = build()
+            self._fns[name] = ms.jit(fn) if self._jit else fn
+        return self._fns[name]
+
+    def _pieces(self):
+        model, temperature, loss_fn = self.model, self.temperature, self.loss_fn
+
+        def stage(inputs, attention_mask):
+            return model.stage_forward(inputs, attention_mask)
+
+        def logp_full(input_ids, attention_mask, completion_ids):
+            return model.sequence_logprobs(input_ids, attention_mask, completion_ids, temperature)
+
+        def logp_last(hidden, attention_mask, completion_ids):
+            return model.completion_logprobs(model.stage_forward(hidden, attention_mask), completion_ids, temperature)
+
+        def loss_full(input_ids, attention_mask, completion_ids, *rest):
+            return loss_fn(model.sequence_logprobs(input_ids, attention_mask, completion_ids, temperature), *rest)
+
+        def loss_last(hidden, attention_mask, completion_ids, *rest):
+            out = model.stage_forward(hidden, attention_mask)
+            return loss_fn(model.completion_logprobs(out, completion_ids, temperature), *rest)
+
+        def vjp(inputs, attention_mask, dout):  # sum(out · dout): its gradient is the vector-Jacobian product
+            return (model.stage_forward(inputs, attention_mask) * dout).sum()
+
+        params = self.params
+        return {
+            "stage": lambda: stage,
+            "logp_full": lambda: logp_full,
+            "logp_last": lambda: logp_last,
+            "grad_full": lambda: ms.value_and_grad(loss_full, None, params, has_aux=True),
+            "grad_last": lambda: ms.value_and_grad(loss_last, 0, params, has_aux=True),
+            "grad_first": lambda: ms.value_and_grad(vjp, None, params),
+            "grad_middle": lambda: ms.value_and_grad(vjp, 0, params),
+        }
+
+    def _get(self, name: str) -> Callable:
+        return self._fn(name, self._builders[name])
+
+    def _hidden_shape(self, mb) -> Tuple[int, int, int]:
+        b, t = mb["input_ids"].shape
+        return (b, t, self.hidden)
+
+    # -- forward only --------------------------------------------------------------------------
+    def logprobs(self, micro_batches: Sequence[Dict[str, np.ndarray]]) -> List[np.ndarray]:
+        """Completion log-probs (B, C) of each micro-batch, on every stage of the pipeline."""
+        if not self.pipelined:
+            fn = self._get("logp_full")
+            return [fn(Tensor(mb["input_ids"]), Tensor(mb["attention_mask"]),
+                       Tensor(mb["completion_ids"])).asnumpy() for mb in micro_batches]
+        stage, last = self._get("stage"), self._get("logp_last")
+        out = []
+        for mb in micro_batches:
+            mask, comp = Tensor(mb["attention_mask"]), Tensor(mb["completion_ids"])
+            x = Tensor(mb["input_ids"]) if self.first else self.link.recv_prev(self._hidden_shape(mb), self.dtype)
+            if self.last:
+                logp = last(x, mask, comp)
+            else:
+                self.link.send_next(stage(x, mask))
+                logp = ops.zeros(mb["completion_ids"].shape, ms.float32)
+            # The last stage's values reach every stage of this pipeline (others add zeros).
+            out.append(self._pp_sum(logp).asnumpy())
+        return out
+
+    # -- loss and gradients --------------------------------------------------------------------
+    def loss_and_grads(self, micro_batches: Sequence[Dict[str, np.ndarray]], loss_keys: Sequence[str],
+                       extra: Sequence[Tensor] = ()):
+        """Sum over micro-batches of ``loss_fn(logp, *mb[loss_keys], *extra)`` and its parameter gradients.
+
+        Returns ``(grads, loss_sum, aux_sums)``: gradients of this shard's parameters (tied embedding
+        copies already summed), and on the last stage the summed loss and aux values (zeros on
+        other stages — callers add them up over the pipeline).
+        """
+        if self.loss_fn is None:
+            raise MindRLHFError("PipelineRunner.loss_and_grads needs the runner to be built with a loss_fn")
+
+        def loss_inputs(mb):
+            return [Tensor(mb[k]) for k in loss_keys] + list(extra)
+
+        if not self.pipelined:
+            grad_fn = self._get("grad_full")
+            results = [grad_fn(Tensor(mb["input_ids"]), Tensor(mb["attention_mask"]), Tensor(mb["completion_ids"]),
+                               *loss_inputs(mb)) for mb in micro_batches]
+            return self._accumulate(results)
+        return self._pipelined_grads(micro_batches, loss_inputs)
+
+    def _pipelined_grads(self, micro_batches, loss_inputs):
+        stage = self._get("stage")
+        # GPipe forward: stash each micro-batch's stage input.
+        stash = []
+        for mb in micro_batches:
+            mask = Tensor(mb["attention_mask"])
+            x = Tensor(mb["input_ids"]) if self.first else self.link.recv_prev(self._hidden_shape(mb), self.dtype)
+            stash.append(x)
+            if not self.last:
+                self.link.send_next(stage(x, mask))
+        # Backward, micro-batches in reverse order (the order the neighbours expect).
+        results = [None] * len(micro_batches)
+        for m in reversed(range(len(micro_batches))):
+            mb, x = micro_batches[m], stash[m]
+            mask = Tensor(mb["attention_mask"])
+            if self.last:
+                (loss, aux), (gx, gp) = self._get("grad_last")(x, mask, Tensor(mb["completion_ids"]), *loss_inputs(mb))
+            else:
+                dout = self.link.recv_next(self._hidden_shape(mb), self.dtype)
+                if self.first:
+                    _, gp = self._get("grad_first")(x, mask, dout)
+                    gx = None
+                else:
+                    _, (gx, gp) = self._get("grad_middle")(x, mask, dout)
+                loss, aux = None, None
+            if not self.first:
+                self.link.send_prev(gx)
+            results[m] = ((loss, aux), gp)
+        return self._accumulate(results)
+
+    def _accumulate(self, results):
+        grads, loss_sum, aux_sums = None, 0.0, None
+        for (loss, aux), g in results:
+            grads = tuple(g) if grads is None else tuple(a + b for a, b in zip(grads, g))
+            if loss is not None:
+                loss_sum += float(loss.asnumpy())
+                vals = np.array([float(v.asnumpy()) for v in aux], np.float64)
+                aux_sums = vals if aux_sums is None else aux_sums + vals
+        return self.sync_tied(grads), loss_sum, aux_sums
+
+    def sync_tied(self, grads: Tuple[Tensor, ...]) -> Tuple[Tensor, ...]:
+        """Sum the gradients of the tied embedding's copies on the first and last stage."""
+        if self._tied_reduce is None:
+            return grads
+        names = [p.name for p in self.params]
+        return tuple(self._tied_reduce(g) if n == "model.embed_tokens.weight" else g for n, g in zip(names, grads))
