@@ -111,10 +111,12 @@ class AlgorithmConfig:
         "1.0 copies the policy. Range (0, 1].",
         gt=0.0, le=1.0)
     reward_funcs: List[str] = config_field(
-        ["accuracy", "format"], "Reward functions, by registry name (accuracy: the GSM8K answer matches; "
-        "format: <think>...</think><answer>...</answer>; boxed: a \\boxed{} answer matches) or by dotted "
-        "path 'package.module:function' for user functions. The step reward is their weighted sum "
-        "(reward_weights); each is logged as rewards/<name>/mean. Names must be unique.")
+        ["accuracy", "gsm8k_format"], "Reward functions, by registry name (accuracy: the GSM8K answer matches; "
+        "gsm8k_format: the last line is '#### <number>', the default prompt style's format; format: "
+        "<think>...</think><answer>...</answer>, the 'tags' prompt style's; boxed: a \\boxed{} answer matches) or by "
+        "dotted path 'package.module:function' for user functions. The step reward is their weighted sum "
+        "(reward_weights); each is logged as rewards/<name>/mean. Names must be unique. Use the format reward of "
+        "the prompt style the data was built with (rlhf_data.py --prompt_style).")
     reward_weights: Optional[List[float]] = config_field(
         None, "Weight of each reward function, in reward_funcs order; null = 1.0 for all. Length must equal "
         "len(reward_funcs). Negative weights turn a reward into a penalty.")

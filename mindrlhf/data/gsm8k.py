@@ -10,13 +10,38 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:  # only for the annotation; keeps this module import-light for the reward code
     from mindrlhf.tokenizer import Tokenizer
 
-# The format reward checks for exactly this shape of completion: reasoning inside <think> </think>,
-# then the bare final number inside <answer> </answer> (which the accuracy reward parses). Kept short
-# (30 Qwen2.5 tokens) so every GSM8K train and test prompt fits the default max_prompt_length of 256.
-DEFAULT_SYSTEM_PROMPT = (
-    "You are a math assistant. Think step by step inside <think> </think>, "
-    "then give only the final number inside <answer> </answer>."
-)
+# A prompt style is a system prompt and the reward that checks a completion follows it.
+# "gsm8k": GSM8K's own answer format, reasoning then a last line "#### <number>" (reward
+# gsm8k_format). Small models already produce it now and then, so GRPO has a signal to amplify.
+# "tags": reasoning inside <think> </think>, then the bare number inside <answer> </answer> (reward
+# format; the DeepSeek-R1 / TRL convention, for models that can follow it, e.g. Qwen2.5-Instruct).
+# Both are short (< 40 Qwen2.5 tokens) so every GSM8K prompt fits the default max_prompt_length 256.
+PROMPT_STYLES = {
+    "gsm8k": ("Solve the math problem step by step. Then write the final answer on its own last line "
+              "as '#### <number>'.", "gsm8k_format"),
+    "tags": ("You are a math assistant. Think step by step inside <think> </think>, "
+             "then give only the final number inside <answer> </answer>.", "format"),
+}
+DEFAULT_PROMPT_STYLE = "gsm8k"
+DEFAULT_SYSTEM_PROMPT = PROMPT_STYLES[DEFAULT_PROMPT_STYLE][0]
+
+
+def style_system_prompt(style: str) -> str:
+    """The system prompt of a prompt style (``gsm8k`` or ``tags``)."""
+    return PROMPT_STYLES[_check_style(style)][0]
+
+
+def style_format_reward(style: str) -> str:
+    """The registered name of the reward that checks a prompt style's answer format."""
+    return PROMPT_STYLES[_check_style(style)][1]
+
+
+def _check_style(style: str) -> str:
+    if style not in PROMPT_STYLES:
+        from mindrlhf.errors import MindRLHFError
+
+        raise MindRLHFError(f"prompt style {style!r}: use one of {', '.join(PROMPT_STYLES)}")
+    return style
 
 
 def extract_gsm8k_solution(answer: str) -> Optional[str]:

@@ -23,7 +23,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from tqdm import tqdm
 
-from mindrlhf.data.gsm8k import DEFAULT_SYSTEM_PROMPT, build_prompt, extract_gsm8k_solution
+from mindrlhf.data.gsm8k import (DEFAULT_PROMPT_STYLE, DEFAULT_SYSTEM_PROMPT, PROMPT_STYLES, build_prompt,
+                                 extract_gsm8k_solution, style_system_prompt)
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.tokenizer import Tokenizer, resolve_tokenizer
 from mindrlhf.utils.cli import run_cli
@@ -255,8 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "generic: --question_field/--answer_field, the answer taken as is")
     parser.add_argument("--question_field", default=None, help="JSON field holding the question (overrides the type's)")
     parser.add_argument("--answer_field", default=None, help="JSON field holding the answer (overrides the type's)")
-    parser.add_argument("--system_prompt", default=DEFAULT_SYSTEM_PROMPT,
-                        help="system message of the chat prompt; '' for none (default: the <think>/<answer> format prompt)")
+    parser.add_argument("--prompt_style", choices=sorted(PROMPT_STYLES), default=DEFAULT_PROMPT_STYLE,
+                        help="answer format the system prompt asks for: gsm8k (a last line '#### N'; reward "
+                             "gsm8k_format) or tags (<think>…</think><answer>N</answer>; reward format) "
+                             f"(default: {DEFAULT_PROMPT_STYLE})")
+    parser.add_argument("--system_prompt", default=None,
+                        help="system message of the chat prompt, replacing the --prompt_style one; '' for none")
     parser.add_argument("--no_chat_template", action="store_true", help="use the raw question as the prompt")
     parser.add_argument("--strict", action="store_true", help="exit 1 without writing when any row is skipped")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
@@ -271,7 +276,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         args.file_path, args.output_path, tokenizer,
         max_prompt_length=args.max_prompt_length, dataset_type=args.dataset_type,
         question_field=args.question_field, answer_field=args.answer_field,
-        system_prompt=args.system_prompt, use_chat_template=not args.no_chat_template,
+        system_prompt=(args.system_prompt if args.system_prompt is not None
+                       else style_system_prompt(args.prompt_style)), use_chat_template=not args.no_chat_template,
         strict=args.strict, overwrite=args.overwrite, show_progress=not args.no_progress,
     )
     for row in report.skipped:

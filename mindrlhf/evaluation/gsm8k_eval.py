@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from mindrlhf.data.gsm8k import DEFAULT_SYSTEM_PROMPT, build_prompt, extract_gsm8k_solution
+from mindrlhf.data.gsm8k import (DEFAULT_PROMPT_STYLE, PROMPT_STYLES, build_prompt, extract_gsm8k_solution,
+                                 style_format_reward, style_system_prompt)
 from mindrlhf.errors import MindRLHFError
-from mindrlhf.rewards import accuracy_reward, extract_answer, format_reward, numbers_match, parse_number
+from mindrlhf.rewards import accuracy_reward, extract_answer, get_reward_fn, numbers_match, parse_number
 from mindrlhf.tokenizer import resolve_tokenizer
 from mindrlhf.utils.cli import run_cli
 
@@ -150,13 +151,15 @@ class QuestionScore:
     sample_correct: List[bool] = field(default_factory=list)
 
 
-def score_question(completions: Sequence[str], solution: str) -> QuestionScore:
+def score_question(completions: Sequence[str], solution: str,
+                   prompt_style: str = DEFAULT_PROMPT_STYLE) -> QuestionScore:
     """Extract answers, vote (one completion: it wins if it has an answer) and score with the
-    training rewards: ``correct`` is the ``accuracy`` reward of the winning completion."""
+    training rewards: ``correct`` is the ``accuracy`` reward of the winning completion, ``format_ok``
+    the prompt style's format reward (``gsm8k_format`` or ``format``) of each completion."""
     texts = list(completions)
     answers = [extract_answer(t) for t in texts]
     sample_correct = [r == 1.0 for r in accuracy_reward(texts, [solution] * len(texts))]
-    fmt = [r == 1.0 for r in format_reward(texts)]
+    fmt = [r == 1.0 for r in get_reward_fn(style_format_reward(prompt_style))(texts)]
     winner, votes = majority_vote(answers)
     correct = winner is not None and sample_correct[winner]
     return QuestionScore(answers, answers[winner] if winner is not None else None, votes, bool(correct),
@@ -230,7 +233,8 @@ def evaluate(
     temperature: float = 0.7,
     top_p: float = 1.0,
     seed: int = 0,
-    system_prompt: Optional[str] = DEFAULT_SYSTEM_PROMPT,
+    prompt_style: str = DEFAULT_PROMPT_STYLE,
+    system_prompt: Optional[str] = None,
     use_chat_template: bool = True,
     dtype: str = "float32",
     output: Optional[PathLike] = None,
@@ -289,6 +293,8 @@ def evaluate(
     sampler, tokenizer, model_path = _load(model, tokenizer, batch_size * n, progress, dtype, jit,
                                            (tokenizer_dir, vocab_path, merges_file_path), use_chat_template)
     stops = list(stop_token_ids) if stop_token_ids is not None else list(tokenizer.stop_token_ids)
+    if system_prompt is None:
+        system_prompt = style_system_prompt(prompt_style)
     prompts = tokenizer.encode_batch([build_prompt(q.question, tokenizer, system_prompt, use_chat_template)
                                       for q in questions])
     load_s = time.perf_counter() - t_load
@@ -312,7 +318,7 @@ def evaluate(
                 texts = tokenizer.batch_decode([c.token_ids for c in done], skip_special_tokens=True)
                 for j, q in enumerate(batch):
                     mine = done[j * n:(j + 1) * n]
-                    score = score_question(texts[j * n:(j + 1) * n], q.solution)
+                    score = score_question(texts[j * n:(j + 1) * n], q.solution, prompt_style)
                     correct += score.correct
                     sample_correct += sum(score.sample_correct)
                     format_ok += sum(score.format_ok)
@@ -359,7 +365,7 @@ def evaluate(
         "model": str(model_path) if model_path is not None else type(model).__name__,
         "data_path": str(data), "offset": offset,
         "max_new_tokens": max_new_tokens, "temperature": 0.0 if mode == "greedy" else float(temperature),
-        "top_p": 1.0 if mode == "greedy" else top_p, "seed": seed,
+        "top_p": 1.0 if mode == "greedy" else top_p, "seed": seed, "prompt_style": prompt_style,
         "output": str(out_path) if out_path is not None else None,
     }
 
@@ -426,8 +432,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature for --mode maj (default 0.7)")
     p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling for --mode maj (default 1 = off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed for --mode maj (default 0)")
-    p.add_argument("--system_prompt", default=DEFAULT_SYSTEM_PROMPT,
-                   help="system message; '' for none (default: the training <think>/<answer> prompt)")
+    p.add_argument("--prompt_style", choices=sorted(PROMPT_STYLES), default=DEFAULT_PROMPT_STYLE,
+                   help="the training prompt style: its system prompt, and its format reward for the format "
+                        f"rate (gsm8k: a last line '#### N'; tags: <think>/<answer>) (default: {DEFAULT_PROMPT_STYLE})")
+    p.add_argument("--system_prompt", default=None,
+                   help="system message replacing the --prompt_style one; '' for none")
     p.add_argument("--no_chat_template", action="store_true", help="use the raw question as the prompt")
     p.add_argument("--dtype", default="float32", help="model dtype: float32 | bfloat16 | float16 (default float32)")
     p.add_argument("--output", default=None,
@@ -447,7 +456,7 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
     result = evaluate(
         args.model, data_path=args.data_path, limit=args.limit, offset=args.offset, batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens, mode=args.mode, k=args.k, temperature=args.temperature,
-        top_p=args.top_p, seed=args.seed, system_prompt=args.system_prompt,
+        top_p=args.top_p, seed=args.seed, prompt_style=args.prompt_style, system_prompt=args.system_prompt,
         use_chat_template=not args.no_chat_template, dtype=args.dtype, output=args.output,
         progress=not args.no_progress, tokenizer_dir=args.tokenizer_dir, vocab_path=args.vocab_path,
         merges_file_path=args.merges_file_path)

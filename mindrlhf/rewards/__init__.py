@@ -1,8 +1,9 @@
-"""Reward functions: a registry of built-ins (accuracy, format, boxed), user functions by dotted
+"""Reward functions: a registry of built-ins (accuracy, format, gsm8k_format, boxed), user functions by dotted
 path, and ``RewardManager`` for the weighted sum."""
 from mindrlhf.rewards.answers import extract_answer, locate_answer, numbers_match, parse_number
 from mindrlhf.rewards.registry import REWARD_FUNCS, RewardFn, get_reward_fn, register_reward
-from mindrlhf.rewards.builtin import accuracy_reward, boxed_reward, completion_text, format_reward  # registers
+from mindrlhf.rewards.builtin import (accuracy_reward, boxed_reward, completion_text, format_reward,  # registers
+                                      gsm8k_format_reward)
 from mindrlhf.rewards.manager import RewardManager
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "extract_answer",
     "format_reward",
     "get_reward_fn",
+    "gsm8k_format_reward",
     "locate_answer",
     "numbers_match",
     "parse_number",

@@ -1,4 +1,4 @@
-"""Built-in reward functions: ``accuracy``, ``format``, ``boxed`` (TRL-compatible signatures)."""
+"""Built-in reward functions: ``accuracy``, ``format``, ``gsm8k_format``, ``boxed`` (TRL-compatible signatures)."""
 from __future__ import annotations
 
 import re
@@ -63,6 +63,20 @@ def accuracy_reward(completions: Sequence, solution: Sequence, **kwargs) -> List
 def format_reward(completions: Sequence, **kwargs) -> List[Optional[float]]:
     """1.0 iff the completion is ``<think>…</think>`` then ``<answer>…</answer>``, nothing else but whitespace."""
     return [1.0 if _FORMAT.fullmatch(completion_text(c)) else 0.0 for c in completions]
+
+
+_HASH_LINE = re.compile(r"####[ \t]*(\S[^\n]*)")
+
+
+@register_reward("gsm8k_format")
+def gsm8k_format_reward(completions: Sequence, **kwargs) -> List[Optional[float]]:
+    """1.0 iff the completion's last non-empty line is ``#### <number>`` (GSM8K's answer format)."""
+    rewards = []
+    for c in completions:
+        lines = [line.strip() for line in completion_text(c).splitlines() if line.strip()]
+        match = _HASH_LINE.fullmatch(lines[-1]) if lines else None
+        rewards.append(1.0 if match and parse_number(match.group(1)) is not None else 0.0)
+    return rewards
 
 
 @register_reward("boxed")
