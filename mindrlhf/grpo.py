@@ -16,6 +16,9 @@ import mindspore as ms
 from mindrlhf.configs import GRPOConfig, parse_args
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.parallel import comm
+from mindrlhf.parallel.groups import RunLayout, init_run_layout
+from mindrlhf.parallel.layout import ParallelLayout
+from mindrlhf.parallel.resharding import load_shard
 from mindrlhf.utils.cli import run_cli
 
 log = logging.getLogger("mindrlhf")
@@ -23,8 +26,8 @@ RESOURCES = Path(__file__).resolve().parent / "resources"
 DEFAULT_TRAIN_DATA = RESOURCES / "gsm8k_train_sample.jsonl"
 
 
-def setup_runtime(cfg: GRPOConfig) -> None:
-    """Device, execution mode, compile cache, communication and seeds, from the config."""
+def setup_runtime(cfg: GRPOConfig) -> RunLayout:
+    """Device, execution mode, compile cache, communication, parallel groups and seeds, from the config."""
     p = cfg.parallel
     ms.set_device(p.device_target)
     ms.set_context(mode=ms.PYNATIVE_MODE)  # hot paths are compiled with mindspore.jit
@@ -37,13 +40,13 @@ def setup_runtime(cfg: GRPOConfig) -> None:
             raise MindRLHFError(f"msrun started {comm.world_size()} workers but the config's layout needs "
                                 f"train_dp*train_tp*train_pp = {cfg.world_size}; set --worker_num={cfg.world_size} "
                                 f"or change the layout")
-    if p.train_tp > 1 or p.train_pp > 1 or p.infer_tp > 1:
-        raise MindRLHFError(f"tensor/pipeline parallel layouts (train_tp={p.train_tp}, train_pp={p.train_pp}, "
-                            f"infer_tp={p.infer_tp}) are not implemented yet; use data parallel (train_dp, infer_dp)")
     if cfg.generation.use_vllm:
         raise MindRLHFError("use_vllm: the vLLM-MindSpore backend is not wired in yet; use the native sampler "
                             "(use_vllm false)")
     ms.set_seed(cfg.train.seed)
+    train = ParallelLayout(dp=p.train_dp, tp=p.train_tp, pp=p.train_pp, micro_batches=p.train_micro_batches)
+    infer = ParallelLayout(dp=p.infer_dp, tp=p.infer_tp)
+    return init_run_layout(train, infer, comm.rank(), comm.world_size())
 
 
 def resolve_model_path(cfg: GRPOConfig) -> str:
@@ -84,34 +87,46 @@ def resolve_dataset(cfg: GRPOConfig, tokenizer) -> str:
     return str(out)
 
 
-def build_trainer(cfg: GRPOConfig):
-    """Load models, tokenizer and data as the config says; return a ready GRPOTrainer."""
+def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
+    """Load models, tokenizer and data as the config says; return a ready GRPOTrainer.
+
+    Under a tensor/pipeline layout every model is built as this rank's shard and its weights are
+    sharded on load (a full checkpoint) or read from this rank's ``rank_{r}`` folder.
+    """
     from mindrlhf.data import PromptDataset
-    from mindrlhf.models import build_model, get_weights, load_model, set_weights
+    from mindrlhf.models import CausalLM, get_weights, set_weights
     from mindrlhf.trainer.grpo_trainer import GRPOTrainer
 
     m, a = cfg.model, cfg.algorithm
+    layout = layout or init_run_layout(ParallelLayout(dp=comm.world_size()), ParallelLayout(dp=comm.world_size()),
+                                       comm.rank(), comm.world_size())
     train_path = resolve_model_path(cfg)
     tokenizer = load_tokenizer(cfg, train_path)
-    if m.load_sft_checkpoint_train:
-        policy = load_model(train_path, dtype=m.dtype)
-    else:
-        policy = build_model(_config_of(train_path), dtype=m.dtype)
+    config = _config_of(train_path)
+    train_shard = layout.groups.shard()
+
+    def make(path: str, load: bool, shard, lay: ParallelLayout) -> CausalLM:
+        if load:
+            return load_shard(path, lay, layout.rank, dtype=m.dtype, tp_group=shard.tp_group)
+        return CausalLM(_config_of(path), m.dtype, shard)
+
+    policy = make(train_path, m.load_sft_checkpoint_train, train_shard, layout.train)
     sampler_model = None
     if m.sft_path_infer and m.sft_path_infer != train_path:
-        sampler_model = load_model(m.sft_path_infer, dtype=m.dtype) if m.load_sft_checkpoint_infer \
-            else build_model(_config_of(m.sft_path_infer), dtype=m.dtype)
+        sampler_model = make(m.sft_path_infer, m.load_sft_checkpoint_infer, layout.infer_shard(), layout.infer)
+    elif not layout.shared_generator:  # weights come from the policy, resharded (sync_generator)
+        sampler_model = CausalLM(config, m.dtype, layout.infer_shard())
     ref_model = None
     if a.beta > 0:  # with beta == 0 the reference is never built
         if m.load_ref_checkpoint:
-            ref_model = load_model(m.ref_path or train_path, dtype=m.dtype)
+            ref_model = make(m.ref_path or train_path, True, train_shard, layout.train)
         else:
-            ref_model = build_model(policy.config, dtype=m.dtype)
+            ref_model = CausalLM(policy.config, m.dtype, train_shard)
             set_weights(ref_model, get_weights(policy), source="initial policy")
     data_path = resolve_dataset(cfg, tokenizer)
-    prompts_per_call = a.chunk_size
-    dataset = PromptDataset(data_path, batch_size=prompts_per_call, seed=cfg.train.seed,
-                            shard_id=comm.rank(), num_shards=comm.world_size())
+    # Generator replica j samples its share of every global chunk (its tp ranks: the same prompts).
+    dataset = PromptDataset(data_path, batch_size=cfg.algorithm.chunk_size, seed=cfg.train.seed,
+                            shard_id=layout.infer_dp_rank, num_shards=layout.infer.dp)
     if dataset.max_prompt_length > cfg.generation.max_prompt_length:
         raise MindRLHFError(f"{data_path} was built with max_prompt_length={dataset.max_prompt_length} but the config "
                             f"has max_prompt_length={cfg.generation.max_prompt_length}; rebuild the data or raise it")
@@ -121,16 +136,22 @@ def build_trainer(cfg: GRPOConfig):
                             f"{dataset.max_prompt_length + cfg.generation.max_completion_length} exceeds the model's "
                             f"max_position_embeddings={limit}; lower one of them")
     trainer = GRPOTrainer(cfg, policy=policy, tokenizer=tokenizer, dataset=dataset,
-                          sampler_model=sampler_model, ref_model=ref_model)
-    if sampler_model is not None and not m.load_sft_checkpoint_infer:
+                          sampler_model=sampler_model, ref_model=ref_model, layout=layout)
+    if sampler_model is not None and not (m.sft_path_infer and m.load_sft_checkpoint_infer):
         trainer.sync_generator()
     return trainer
 
 
 def _config_of(path: str):
-    from mindrlhf.checkpoint.hf_io import open_weights
+    """The DecoderConfig of a checkpoint: a full one, or a rank_{r} folder set (config in each folder)."""
+    from mindrlhf.checkpoint.hf_io import open_weights, read_json
     from mindrlhf.models import DecoderConfig
+    from mindrlhf.parallel.resharding import rank_dirs
 
+    ranks = rank_dirs(path)
+    if ranks:
+        first = ranks[min(ranks)] / "config.json"
+        return DecoderConfig.from_hf_dict(read_json(first), source=str(first))
     source = open_weights(path)
     return DecoderConfig.from_hf_dict(source.config, source=str(source.config_path))
 
@@ -138,8 +159,8 @@ def _config_of(path: str):
 def _main(argv: Optional[Sequence[str]] = None) -> int:
     cfg = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    setup_runtime(cfg)
-    trainer = build_trainer(cfg)
+    layout = setup_runtime(cfg)
+    trainer = build_trainer(cfg, layout)
     if comm.is_main():
         Path(cfg.train.output_dir).mkdir(parents=True, exist_ok=True)
         cfg.save_yaml(Path(cfg.train.output_dir) / "config.yaml")

@@ -40,7 +40,7 @@ def test_defaults_validate():
     assert cfg.algorithm.num_generations == 4 and cfg.algorithm.chunk_size == 2
     assert cfg.algorithm.beta == 0.0 and cfg.algorithm.kl_estimator == "k3"
     assert cfg.algorithm.loss_agg_mode == "seq-mean-token-mean"
-    assert cfg.algorithm.reward_funcs == ["accuracy", "format"] and cfg.algorithm.reward_weights is None
+    assert cfg.algorithm.reward_funcs == ["accuracy", "gsm8k_format"] and cfg.algorithm.reward_weights is None
     assert cfg.optimizer.lr == 1e-5 and cfg.parallel.device_target == "CPU" and cfg.train.max_steps == 12
 
 
@@ -63,7 +63,7 @@ def test_every_field_has_help_default_and_unique_name():
 def test_list_defaults_are_not_shared():
     a, b = GRPOConfig(), GRPOConfig()
     a.algorithm.reward_funcs.append("boxed")
-    assert b.algorithm.reward_funcs == ["accuracy", "format"]
+    assert b.algorithm.reward_funcs == ["accuracy", "gsm8k_format"]
 
 
 def test_derived_sizes():

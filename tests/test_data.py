@@ -76,7 +76,7 @@ def test_build_prompt(tok):
     assert prompt == tok.apply_chat_template(
         [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": question}])
     assert prompt.endswith(f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
-    assert "<think> </think>" in DEFAULT_SYSTEM_PROMPT and "<answer> </answer>" in DEFAULT_SYSTEM_PROMPT
+    assert "'#### <number>'" in DEFAULT_SYSTEM_PROMPT  # the default prompt style: GSM8K's own answer line
     assert build_prompt(question, tok, use_chat_template=False) == question
     # No system prompt: the template's own default system message (Qwen's) applies.
     assert build_prompt(question, tok, system_prompt="") == tok.apply_chat_template([{"role": "user", "content": question}])

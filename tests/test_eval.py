@@ -28,7 +28,7 @@ def test_majority_of_the_brief_example():
     assert s.extracted_answers == ["18", "18", "17"]
     assert s.predicted_answer == "18" and s.votes == 2 and s.correct is True
     assert s.sample_correct == [True, True, False]
-    assert s.format_ok == [False, False, False]
+    assert s.format_ok == [False, True, False]  # only "#### 18" is the default (gsm8k) format
 
 
 def test_majority_normalises_numbers_and_breaks_ties_by_first_occurrence():
@@ -67,7 +67,10 @@ def test_correct_uses_the_training_accuracy_reward():
         s = score_question([text], sol)
         assert s.correct == (accuracy_reward([text], [sol])[0] == 1.0), (text, sol)
     assert [score_question([t], s).correct for t, s in cases] == [True, True, True, True, False, False]
-    assert score_question([cases[0][0]], "18").format_ok == [True]
+    # format_ok follows the prompt style: gsm8k (default) wants a last line "#### N", tags wants the tags.
+    assert score_question([cases[0][0]], "18").format_ok == [False]
+    assert score_question([cases[0][0]], "18", prompt_style="tags").format_ok == [True]
+    assert score_question(["9 * 2 = 18\n#### 18"], "18").format_ok == [True]
 
 
 def test_binomial_stderr():
@@ -136,7 +139,8 @@ def test_greedy_eval_equals_direct_greedy_generate(eval_assets, tmp_path):
     from mindrlhf.data.gsm8k import DEFAULT_SYSTEM_PROMPT, build_prompt
     from mindrlhf.generation import NativeSampler, SamplingParams
     from mindrlhf.models import load_model
-    from mindrlhf.rewards import accuracy_reward, format_reward
+    from mindrlhf.rewards import accuracy_reward
+    from mindrlhf.rewards import gsm8k_format_reward as format_reward  # the default prompt style's
     from mindrlhf.tokenizer import Tokenizer
 
     out = tmp_path / "res" / "eval.jsonl"

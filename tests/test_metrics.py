@@ -67,3 +67,22 @@ def test_event_file_round_trip(tmp_path):
 def test_console_line_shows_headline_metrics():
     line = console_line(3, {"reward": 0.5, "loss": 0.125, "step_time": 2.0, "other": 1.0})
     assert line == "step 3 | reward 0.5 | loss 0.125 | s 2"
+
+
+def test_rolling_mean_and_curves(tmp_path):
+    import math
+
+    from mindrlhf.trainer.metrics import rolling_mean, write_curves
+    from mindrlhf.utils.plot import read_png
+
+    assert rolling_mean([1.0, 3.0, float("nan"), 5.0], 2) == [1.0, 2.0, 3.0, 5.0]
+    assert math.isnan(rolling_mean([float("nan")], 3)[0])
+    rows = [{"step": i, "reward": 0.1 * i, "rewards/accuracy/mean": 0.05 * i} for i in range(1, 8)]
+    rows.append({"step": 8, "reward": "nan"})  # non-finite values are logged as strings; plotted as gaps
+    written = write_curves(rows, tmp_path)
+    assert [p.name for p in written] == ["reward.png", "accuracy.png"]
+    for p in written:
+        img = read_png(p)
+        assert img.ndim == 3 and img.shape[2] == 3 and (img != 255).any()
+    # No accuracy column: only the reward curve.
+    assert [p.name for p in write_curves([{"step": 1, "reward": 0.5}], tmp_path / "b")] == ["reward.png"]

@@ -297,3 +297,33 @@ def test_manager_config_errors():
         RewardManager(["accuracy"], weights=[math.nan])
     with pytest.raises(MindRLHFError, match="unknown reward function 'nope'"):
         RewardManager(["nope"])
+
+
+@pytest.mark.parametrize("completion,expected", [
+    ("3 + 4 = 7\n#### 7", 1.0),
+    ("#### 1,234.\n\n  ", 1.0),           # trailing blank lines are ignored; numbers as the accuracy reward parses them
+    ("####7", 1.0),
+    ("#### 7\nSo the answer is 7.", 0.0),  # not the last line
+    ("the answer is #### 7", 0.0),          # not at the start of the line
+    ("#### seven", 0.0),
+    ("####", 0.0),
+    ("", 0.0),
+])
+def test_gsm8k_format_reward(completion, expected):
+    from mindrlhf.rewards import get_reward_fn, gsm8k_format_reward
+
+    assert gsm8k_format_reward([completion]) == [expected]
+    assert get_reward_fn("gsm8k_format") is gsm8k_format_reward
+
+
+def test_prompt_styles_pair_prompt_and_reward():
+    from mindrlhf.data.gsm8k import DEFAULT_SYSTEM_PROMPT, PROMPT_STYLES, style_format_reward, style_system_prompt
+    from mindrlhf.errors import MindRLHFError
+    from mindrlhf.rewards import get_reward_fn
+
+    assert style_system_prompt("gsm8k") == DEFAULT_SYSTEM_PROMPT and "####" in DEFAULT_SYSTEM_PROMPT
+    assert "<answer>" in style_system_prompt("tags")
+    for style in PROMPT_STYLES:
+        get_reward_fn(style_format_reward(style))  # every style names a registered reward
+    with pytest.raises(MindRLHFError, match="prompt style 'boxed'"):
+        style_system_prompt("boxed")

@@ -10,7 +10,6 @@ import os
 from typing import Optional
 
 import numpy as np
-import mindspore as ms
 from mindspore import Tensor, ops
 
 _STATE = {"initialised": False, "rank": 0, "size": 1}

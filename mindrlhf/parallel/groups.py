@@ -100,3 +100,73 @@ def data_parallel_groups(rank: int = 0, world_size: int = 1) -> ParallelGroups:
     layout = ParallelLayout(dp=world_size)
     return ParallelGroups(layout=layout, rank=rank, tp_rank=0, dp_rank=rank, pp_rank=0, tp_group=None,
                           dp_group=None, pp_group=None, prev_group=None, next_group=None, embed_group=None)
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """The train and generation layouts of one job, and this rank's place in both.
+
+    Training runs on ``train`` (dp × tp × pp, groups ``groups``); generation on ``infer``
+    (dp × tp, no pipeline) over the same processes. A dp replica's tp/pp ranks hold the same rows,
+    so per-row data crosses ranks only through a *representative* of each replica.
+    """
+
+    train: ParallelLayout
+    infer: ParallelLayout
+    groups: ParallelGroups
+    infer_tp_group: Optional[str]
+    rank: int
+
+    @property
+    def pure_dp(self) -> bool:
+        """Plain data parallelism everywhere (each rank trains and generates its own rows)."""
+        return self.train.tp == 1 and self.train.pp == 1 and self.infer.tp == 1
+
+    @property
+    def shared_generator(self) -> bool:
+        """Whether the generator can be the policy itself (same tp slices, no pipeline, same replicas)."""
+        return (self.train.pp == 1 and self.train.tp == self.infer.tp and self.train.dp == self.infer.dp)
+
+    @property
+    def train_dp_rank(self) -> int:
+        return self.train.coords(self.rank).dp
+
+    @property
+    def infer_dp_rank(self) -> int:
+        return self.infer.coords(self.rank).dp
+
+    @property
+    def train_representative(self) -> bool:
+        """tp rank 0 of the first stage: speaks for its training replica's rows."""
+        c = self.train.coords(self.rank)
+        return c.tp == 0 and c.pp == 0
+
+    @property
+    def infer_representative(self) -> bool:
+        """tp rank 0 of a generator replica: speaks for the rows it generated."""
+        return self.infer.coords(self.rank).tp == 0
+
+    def infer_shard(self) -> ModelShard:
+        return ModelShard.of(self.infer, self.rank, self.infer_tp_group)
+
+
+def init_run_layout(train: ParallelLayout, infer: ParallelLayout, rank: int, world_size: int) -> RunLayout:
+    """Create the communication groups of a job's train and infer layouts (none for pure dp)."""
+    train.validate(world_size=world_size)
+    infer.validate(world_size=world_size)
+    if train.tp == 1 and train.pp == 1:
+        groups = data_parallel_groups(rank, world_size)
+    else:
+        groups = init_parallel_groups(train, rank)
+    infer_group = None
+    if infer.tp > 1:
+        members = infer.tp_group(rank)
+        if train.pp == 1 and train.tp == infer.tp:
+            infer_group = groups.tp_group  # the same ranks: reuse the train tp group
+        else:
+            from mindspore.communication import create_group
+
+            # Every rank creates all infer tp groups it belongs to, in rank order (one each).
+            infer_group = group_name("infer_tp", members)
+            create_group(infer_group, list(members))
+    return RunLayout(train=train, infer=infer, groups=groups, infer_tp_group=infer_group, rank=rank)

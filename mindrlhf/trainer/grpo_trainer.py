@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
+import mindspore as ms
 import yaml
 from tqdm.auto import tqdm
 
@@ -23,9 +24,12 @@ from mindrlhf.data import PromptDataset
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.generation import NativeSampler, SamplingParams
 from mindrlhf.models import CausalLM
-from mindrlhf.models.weights import get_weights, set_weights
+from mindrlhf.models.weights import get_weights
 from mindrlhf.parallel import comm
+from mindrlhf.parallel.groups import RunLayout, data_parallel_groups
+from mindrlhf.parallel.layout import ParallelLayout
 from mindrlhf.parallel.pipeline import PipelineRunner
+from mindrlhf.parallel.resharding import STATE_PREFIXES, assemble, load_full_into, model_names, reshard_model
 from mindrlhf.rewards import RewardManager
 from mindrlhf.trainer.experience import (Experience, bucket, left_pad, load_experience, right_pad,
                                          save_experience, step_file)
@@ -41,11 +45,17 @@ class GRPOTrainer:
     """Owns the policy, the generator, the reference, the data and the checkpoints of one run."""
 
     def __init__(self, cfg, *, policy: CausalLM, tokenizer, dataset: PromptDataset,
-                 sampler_model: Optional[CausalLM] = None, ref_model: Optional[CausalLM] = None):
+                 sampler_model: Optional[CausalLM] = None, ref_model: Optional[CausalLM] = None,
+                 layout: Optional[RunLayout] = None):
         self.cfg = cfg
         a, g, o, t = cfg.algorithm, cfg.generation, cfg.optimizer, cfg.train
         self.policy, self.tokenizer, self.dataset = policy, tokenizer, dataset
         self.rank, self.world = comm.rank(), comm.world_size()
+        if layout is None:
+            dp = ParallelLayout(dp=self.world)
+            layout = RunLayout(train=dp, infer=dp, groups=data_parallel_groups(self.rank, self.world),
+                               infer_tp_group=None, rank=self.rank)
+        self.layout = layout
         self.output_dir = Path(t.output_dir)
         if comm.is_main():
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -63,7 +73,7 @@ class GRPOTrainer:
                                  a.kl_estimator, g.max_completion_length, g.temperature if g.temperature > 0 else 1.0,
                                  self.off_policy),
             lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-            max_grad_norm=o.max_grad_norm, jit=cfg.parallel.train_jit)
+            max_grad_norm=o.max_grad_norm, jit=cfg.parallel.train_jit, groups=layout.groups)
         self.rewards = RewardManager(a.reward_funcs, a.reward_weights)
         self.ref_runner = PipelineRunner(ref_model, self.updater.groups, temperature=self.updater.loss.temperature,
                                          jit=cfg.parallel.jit) if ref_model is not None else None
@@ -77,7 +87,8 @@ class GRPOTrainer:
         g = self.cfg.generation
         # A seed derived from (run seed, step, rollout, rank) makes every step reproducible on its
         # own, which is what lets a resumed run regenerate exactly what the original would have.
-        seed = (self.cfg.train.seed * 1_000_003 + step * 1009 + rollout * 101 + self.rank) % (2 ** 31)
+        # All tp ranks of a generator replica must draw the same tokens: the seed follows the replica.
+        seed = (self.cfg.train.seed * 1_000_003 + step * 1009 + rollout * 101 + self.layout.infer_dp_rank) % (2 ** 31)
         return SamplingParams(n=self.cfg.algorithm.num_generations, temperature=g.temperature, top_p=g.top_p,
                               top_k=g.top_k, min_p=g.min_p, repetition_penalty=g.repetition_penalty,
                               max_tokens=g.max_completion_length, min_tokens=g.min_new_tokens,
@@ -124,8 +135,40 @@ class GRPOTrainer:
             reward_per_fn=np.stack([per_fn[k] for k in self.rewards.names], axis=1).astype(np.float32),
             advantages=np.zeros(len(completions), np.float32), prompt_index=np.array(rep(index), np.int64),
             extras={"completion_present": present})
-        exp.advantages = self._advantages(exp.rewards)
+        if self.layout.pure_dp:
+            exp.advantages = self._advantages(exp.rewards)
+        else:
+            exp = self._to_train_rows(exp)
         return exp, texts, {"reward_time": reward_time, "solutions": solution_rep, "prompts": prompts_rep}
+
+    def _to_train_rows(self, exp: Experience) -> Experience:
+        """Generator replicas' rows → the global batch (infer-replica order) → this train replica's share,
+        with group advantages computed on the global batch."""
+        P = int(comm.all_gather(np.array([exp.prompt_ids.shape[1]], np.int64)).max())
+        if exp.prompt_ids.shape[1] < P:  # one prompt width for the gather
+            extra = P - exp.prompt_ids.shape[1]
+            exp.prompt_ids = np.pad(exp.prompt_ids, ((0, 0), (extra, 0)), constant_values=self.pad_id)
+            exp.prompt_mask = np.pad(exp.prompt_mask, ((0, 0), (extra, 0)))
+        keep = self.layout.infer_representative
+        everything = exp.map(lambda a: comm.all_gather(a if keep else a[:0]))
+        everything.advantages = np.asarray(group_advantages(everything.rewards, self.cfg.algorithm.num_generations,
+                                                            self.cfg.algorithm.scale_rewards), np.float32)
+        return self._train_share(everything)
+
+    def _train_share(self, everything: Experience) -> Experience:
+        """This train replica's rows of a global batch (contiguous: replica d holds the d-th block)."""
+        dp, d = self.layout.train.dp, self.layout.train_dp_rank
+        n = len(everything) // dp
+        return everything.rows(np.arange(d * n, (d + 1) * n))
+
+    def _gather_rows(self, x: np.ndarray) -> np.ndarray:
+        """Every train replica's rows of ``x`` once, in replica order."""
+        return comm.all_gather(x if self.layout.train_representative else x[:0])
+
+    def _sum_replicas(self, x: np.ndarray) -> np.ndarray:
+        """Sum of per-replica values over train replicas (each replica counted once)."""
+        x = np.asarray(x, np.float32)
+        return comm.all_sum(x if self.layout.train_representative else np.zeros_like(x))
 
     def _advantages(self, local_rewards: np.ndarray) -> np.ndarray:
         """Group-relative advantages computed on the GLOBAL batch, then this rank's slice."""
@@ -137,18 +180,18 @@ class GRPOTrainer:
     def replay(self, step: int) -> Experience:
         """This rank's slice of a step recorded with --save_data_file."""
         exp = load_experience(step_file(self.cfg.train.replay_data_file, step))
-        n = len(exp) // self.world
-        if n * self.world != len(exp) or len(exp) != self.cfg.completions_per_step:
+        dp = self.layout.train.dp
+        if len(exp) % dp or len(exp) != self.cfg.completions_per_step:
             raise MindRLHFError(f"replay file for step {step} has {len(exp)} completions but this run makes "
-                                f"{self.cfg.completions_per_step} per step over {self.world} ranks; use the same "
-                                f"chunk_size/num_rollouts/num_generations as the recording run")
-        return exp.rows(np.arange(self.rank * n, (self.rank + 1) * n))
+                                f"{self.cfg.completions_per_step} per step over {dp} data-parallel replicas; use the "
+                                f"same chunk_size/num_rollouts/num_generations as the recording run")
+        return self._train_share(exp)
 
     # -- log-probs ------------------------------------------------------------------------------
     def _batched_logp(self, runner: PipelineRunner, exp: Experience) -> np.ndarray:
         """Completion log-probs of every row of ``exp`` under ``runner``'s model, micro-batch by micro-batch."""
         inputs = exp.train_inputs()
-        size = self._micro_size()
+        size = self._micro_size() // self.cfg.parallel.train_micro_batches
         micro = [{"input_ids": inputs["input_ids"][s:s + size], "attention_mask": inputs["attention_mask"][s:s + size],
                   "completion_ids": exp.completion_ids[s:s + size]} for s in range(0, len(exp), size)]
         return np.concatenate(runner.logprobs(micro))
@@ -179,8 +222,9 @@ class GRPOTrainer:
                 # Global denominators (as algorithms.loss_denominators defines them: sequences with
                 # no loss tokens do not count), summed over ranks.
                 sub = exp.completion_mask[rows]
-                num_tokens, num_seqs = comm.all_sum(np.array([sub.sum(), (sub.sum(1) > 0).sum()], np.float32))
-                size = self._micro_size()
+                num_tokens, num_seqs = self._sum_replicas(np.array([sub.sum(), (sub.sum(1) > 0).sum()]))
+                # Pipeline micro-batches: each accumulation micro-batch cut into train_micro_batches pieces.
+                size = self._micro_size() // self.cfg.parallel.train_micro_batches
                 micro = []
                 for s in range(0, len(rows), size):
                     r = rows[s:s + size]
@@ -209,8 +253,13 @@ class GRPOTrainer:
     # -- sync -----------------------------------------------------------------------------------
     def sync_generator(self) -> None:
         """Push the policy's new weights into the generator (nothing to do when they are shared)."""
-        if self.sampler_model is not self.policy:
+        if self.sampler_model is self.policy:
+            return
+        if self.layout.pure_dp:
             self.sampler.load_weights(get_weights(self.policy))
+        else:  # in memory, every step: assemble each tensor from the train shards, cut the infer shard
+            reshard_model(self.policy, self.layout.train, self.sampler_model, self.layout.infer, self.rank,
+                          self.policy.config)
 
     def sync_reference(self) -> None:
         """ref ← α·policy + (1−α)·ref (α = 1 copies)."""
@@ -224,16 +273,47 @@ class GRPOTrainer:
         self.ref_synced = True
 
     # -- checkpoints ----------------------------------------------------------------------------
+    @property
+    def _sharded_training(self) -> bool:
+        return self.layout.train.tp * self.layout.train.pp > 1
+
+    def _full_state(self, tensors: Dict[str, object], names: List[str]) -> Dict[str, object]:
+        """Full tensors of a sharded state, assembled on every rank (kept by rank 0 only)."""
+        out = {}
+        for name, full in assemble(tensors, names, self.policy.config, self.layout.train, self.rank):
+            if comm.is_main():
+                out[name] = ms.Tensor(full)
+        return out
+
     def save_checkpoint(self) -> None:
+        """Rank 0 writes the full (unsharded) state, so any layout can resume from it."""
+        policy = dict(self.policy.parameters_and_names())
+        optimizer = self.updater.optimizer_state()
+        ref = dict(self.ref_model.parameters_and_names()) if self.ref_synced else None
+        if self._sharded_training:  # a collective: every rank takes part
+            names = model_names(self.policy.config)
+            policy = self._full_state(policy, names)
+            moments = [p + n for p in STATE_PREFIXES for n in names]
+            optimizer = dict(self._full_state(optimizer, moments), adam_step=optimizer["adam_step"])
+            ref = self._full_state(ref, names) if ref is not None else None
         if not comm.is_main():
             return
-        tensors = {"policy": dict(self.policy.parameters_and_names()), "optimizer": self.updater.optimizer_state()}
-        if self.ref_synced:
-            tensors["ref"] = dict(self.ref_model.parameters_and_names())
+        tensors = {"policy": policy, "optimizer": optimizer}
+        if ref is not None:
+            tensors["ref"] = ref
         state = {"step": self.step, "consecutive_nonfinite": self.consecutive_nonfinite,
                  "skipped_updates": self.skipped_updates, "ref_synced": self.ref_synced,
                  "world_size": self.world, "reward_failures": dict(self.rewards.failures)}
         self.ckpt.save(self.step, tensors, state, yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+
+    def _load_state(self, params: Dict[str, object], path: Path) -> None:
+        """Load a full checkpoint file into this rank's (possibly sharded) tensors."""
+        if not self._sharded_training:
+            load_parameters_into(params, path)
+            return
+        loaded = ms.load_checkpoint(str(path))
+        load_full_into(params, ((n, p.asnumpy()) for n, p in loaded.items()), self.policy.config,
+                       self.layout.train, self.rank, source=str(path))
 
     def resume(self, spec: str) -> None:
         """Restore from ``spec`` ("latest" or a checkpoint folder)."""
@@ -252,10 +332,10 @@ class GRPOTrainer:
             if problem:
                 raise MindRLHFError(f"checkpoint {path} is unusable ({problem}); pass another one or --resume latest")
         state = CheckpointManager.read_state(path)
-        load_parameters_into(dict(self.policy.parameters_and_names()), path / "policy.ckpt")
-        load_parameters_into(self.updater.optimizer_state(), path / "optimizer.ckpt")
+        self._load_state(dict(self.policy.parameters_and_names()), path / "policy.ckpt")
+        self._load_state(self.updater.optimizer_state(), path / "optimizer.ckpt")
         if state.get("ref_synced"):
-            load_parameters_into(dict(self.ref_model.parameters_and_names()), path / "ref.ckpt")
+            self._load_state(dict(self.ref_model.parameters_and_names()), path / "ref.ckpt")
         self.step = int(state["step"])
         self.consecutive_nonfinite = int(state["consecutive_nonfinite"])
         self.skipped_updates = int(state["skipped_updates"])
@@ -267,8 +347,8 @@ class GRPOTrainer:
     # -- metrics --------------------------------------------------------------------------------
     def _reward_metrics(self, exp: Experience) -> Dict[str, float]:
         G = self.cfg.algorithm.num_generations
-        rewards = comm.all_gather(exp.rewards)
-        per_fn = comm.all_gather(exp.reward_per_fn)
+        rewards = self._gather_rows(exp.rewards)
+        per_fn = self._gather_rows(exp.reward_per_fn)
         groups = rewards.reshape(-1, G)
         group_std = np.nanstd(groups, axis=1, ddof=1) if G > 1 else np.zeros(len(groups))
         m = {"reward": float(np.nanmean(rewards)), "reward_std": float(np.nanmean(group_std)),
@@ -276,8 +356,8 @@ class GRPOTrainer:
         for i, name in enumerate(self.rewards.names):
             m[f"rewards/{name}/mean"] = float(np.nanmean(per_fn[:, i])) if np.isfinite(per_fn[:, i]).any() else math.nan
             m[f"rewards/{name}/std"] = float(np.nanstd(per_fn[:, i])) if np.isfinite(per_fn[:, i]).any() else math.nan
-        lengths = comm.all_gather(exp.extras["completion_present"].sum(1).astype(np.float32))
-        truncated = comm.all_gather(exp.truncated.astype(np.float32))
+        lengths = self._gather_rows(exp.extras["completion_present"].sum(1).astype(np.float32))
+        truncated = self._gather_rows(exp.truncated.astype(np.float32))
         m.update({"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
                   "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.mean())})
         return m
@@ -308,7 +388,7 @@ class GRPOTrainer:
             times["time/reward"] = info["reward_time"]
             times["time/generate"] = time.perf_counter() - t0 - info["reward_time"]
         if t.save_data_file:
-            gathered = exp.map(comm.all_gather)  # every rank's rows, in rank order
+            gathered = exp.map(self._gather_rows)  # every replica's rows, in replica order
             if comm.is_main():
                 save_experience(gathered, step_file(t.save_data_file, step))
         t1 = time.perf_counter()
@@ -337,7 +417,7 @@ class GRPOTrainer:
         metrics["reward_fn_failures"] = float(sum(self.rewards.failures.values()))
         metrics.update(times)
         metrics["step_time"] = time.perf_counter() - t0
-        tokens = float(comm.all_sum(np.array([exp.extras["completion_present"].sum()], np.float32))[0])
+        tokens = float(self._sum_replicas(np.array([exp.extras["completion_present"].sum()]))[0])
         metrics["tokens_per_second"] = tokens / max(metrics["step_time"], 1e-9)
         if texts is not None and t.log_completions_steps and step % t.log_completions_steps == 0 and comm.is_main():
             self._dump_completions(step, texts, info, exp)
@@ -364,6 +444,7 @@ class GRPOTrainer:
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", refresh=False)
                 if self.step % t.save_steps == 0 or self.step == t.max_steps:
                     self.save_checkpoint()
+                    logger.write_curves()  # reward.png / accuracy.png, refreshed with each checkpoint
         finally:
             bar.close()
             logger.close()

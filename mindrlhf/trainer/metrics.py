@@ -12,7 +12,7 @@ import socket
 import struct
 import time
 from pathlib import Path
-from typing import Dict, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Sequence
 
 # -- CRC32C (Castagnoli), as TFRecord framing requires ---------------------------------------
 _CRC_TABLE = []
@@ -130,6 +130,44 @@ class MetricsLogger:
         if self.tb is not None:
             self.tb.add_scalars(step, metrics)
 
+    def write_curves(self, window: int = 5) -> None:
+        """``reward.png`` and ``accuracy.png`` beside metrics.jsonl, from every logged step."""
+        if not self.enabled or not self.jsonl_path.exists():
+            return
+        rows = [json.loads(line) for line in self.jsonl_path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        write_curves(rows, self.jsonl_path.parent, window)
+
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def rolling_mean(values: Sequence[float], window: int) -> List[float]:
+    """Trailing mean over up to ``window`` values (NaNs skipped)."""
+    out = []
+    for i in range(len(values)):
+        chunk = [v for v in values[max(0, i - window + 1):i + 1] if isinstance(v, (int, float)) and math.isfinite(v)]
+        out.append(sum(chunk) / len(chunk) if chunk else math.nan)
+    return out
+
+
+def write_curves(rows: Sequence[Mapping], out_dir: Path, window: int = 5) -> List[Path]:
+    """Plot the mean training reward (reward.png) and accuracy reward (accuracy.png) per step,
+    each with its ``window``-step trailing mean; returns the files written."""
+    from mindrlhf.utils.plot import line_chart_png
+
+    def number(v):
+        return float(v) if isinstance(v, (int, float)) else math.nan
+
+    steps = [int(r["step"]) for r in rows]
+    written = []
+    for key, name, title, label in (("reward", "reward.png", "GRPO mean training reward", "mean reward"),
+                                    ("rewards/accuracy/mean", "accuracy.png", "GRPO training accuracy",
+                                     "accuracy reward")):
+        if not any(key in r for r in rows):
+            continue
+        ys = [number(r.get(key)) for r in rows]
+        line_chart_png(out_dir / name, {label: (steps, ys), f"{window}-step mean": (steps, rolling_mean(ys, window))},
+                       title=title, xlabel="training step", ylabel=label)
+        written.append(out_dir / name)
+    return written

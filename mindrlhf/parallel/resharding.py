@@ -1,0 +1,203 @@
+"""Weights between layouts, in memory: full tensors from a sharded model, shards from full tensors.
+
+The GRPO job trains in one layout (e.g. tp2 × pp2) and generates in another (e.g. dp2 × tp2). After
+every update the generator's shards are rebuilt from the trainer's without touching the disk:
+for each parameter (the same names, in the same order, on every rank) each trainer shard is
+written into its slice of a zero buffer by exactly one holder — dp replica 0, tp rank ``t``, the
+first pipeline stage holding it — and a world AllReduce-sum assembles the full tensor everywhere
+(exact: every element is one value plus zeros). Each rank then cuts the slice its destination
+shard needs (``sharding.shard_tensor``). One parameter is in flight at a time, so the extra memory
+is the largest single tensor. AllReduce works on every backend (CPU mccl has no Send/Receive);
+``sharding.reshard`` computes the minimal point-to-point plan for backends that have them.
+
+The same assembly gives rank 0 the full policy and optimizer state for checkpoints, so a
+checkpoint written under one layout resumes under any other.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, Iterable, Iterator, Mapping, Optional, Tuple
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor
+
+from mindrlhf.errors import MindRLHFError
+from mindrlhf.models.config import DecoderConfig
+from mindrlhf.parallel import comm
+from mindrlhf.parallel.layout import ParallelLayout
+from mindrlhf.parallel.sharding import _index, _interval, param_shape, shard_spec, shard_tensor
+
+# Optimizer moments are named "<prefix><parameter name>" and shard like their parameter.
+STATE_PREFIXES = ("adam_m.", "adam_v.")
+
+
+def base_name(name: str) -> str:
+    """The model parameter a tensor shards like (strips optimizer-state prefixes)."""
+    for prefix in STATE_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+def _value(tensor) -> np.ndarray:
+    value = tensor.value() if isinstance(tensor, ms.Parameter) else tensor
+    if isinstance(value, Tensor):
+        if value.dtype == ms.bfloat16:
+            value = value.astype(ms.float32)
+        value = value.asnumpy()
+    return np.asarray(value, np.float32)
+
+
+def _is_holder(name: str, config: DecoderConfig, layout: ParallelLayout, rank: int) -> bool:
+    """Whether ``rank`` contributes its shard of ``name`` to the assembly (one per tp slice)."""
+    c = layout.coords(rank)
+    if c.dp != 0:
+        return False
+    if shard_spec(name, config, layout) is None and c.tp != 0:
+        return False  # replicated over tp: rank 0 of the tp group speaks for it
+    return c.pp == layout.param_stages(name, config)[0]
+
+
+def assemble(tensors: Mapping[str, object], names: Iterable[str], config: DecoderConfig,
+             layout: ParallelLayout, rank: int) -> Iterator[Tuple[str, np.ndarray]]:
+    """``(name, full float32 array)`` for each name, on every rank (a collective: call on all ranks).
+
+    ``tensors`` holds this rank's shards (parameters or optimizer moments, HF names); ``names``
+    must be the same list in the same order on every rank.
+    """
+    for name in names:
+        base = base_name(name)
+        full = np.zeros(param_shape(base, config), np.float32)
+        if name in tensors and _is_holder(base, config, layout, rank):
+            local = _value(tensors[name])
+            dim = shard_spec(base, config, layout)
+            if dim is None:
+                full[...] = local
+            else:
+                start, stop = _interval(full.shape[dim], layout.tp, layout.coords(rank).tp)
+                full[_index(full.ndim, dim, start, stop)] = local
+        yield name, (comm.all_sum(full) if comm.world_size() > 1 else full)
+
+
+def model_names(config: DecoderConfig) -> list:
+    """Every parameter name of the full model, in model order (the order all ranks assemble in)."""
+    return list(config.expected_shapes())
+
+
+def reshard_model(src: ms.nn.Cell, src_layout: ParallelLayout, dst: ms.nn.Cell, dst_layout: ParallelLayout,
+                  rank: int, config: DecoderConfig) -> int:
+    """Write ``src``'s weights (this rank's shard in ``src_layout``) into ``dst`` (its shard in
+    ``dst_layout``), in place; returns how many of ``dst``'s parameters were written (all of them)."""
+    dst_params = dict(dst.parameters_and_names())
+    dst_tp = dst_layout.coords(rank).tp
+    written = 0
+    for name, full in assemble(dict(src.parameters_and_names()), model_names(config), config, src_layout, rank):
+        if name in dst_params:
+            p = dst_params[name]
+            p.copy_(Tensor(np.ascontiguousarray(shard_tensor(name, full, config, dst_layout, dst_tp)), dtype=p.dtype))
+            written += 1
+    if written != len(dst_params):
+        raise MindRLHFError(f"resharding {src_layout} -> {dst_layout} wrote {written} of {len(dst_params)} "
+                            "parameters; the two models are not the same architecture")
+    return written
+
+
+def load_full_into(params: Mapping[str, ms.Parameter], full: Iterable[Tuple[str, np.ndarray]],
+                   config: DecoderConfig, layout: ParallelLayout, rank: int, *, source: str) -> int:
+    """Copy this rank's slices of full tensors (parameters or optimizer moments) into ``params``.
+
+    Every name in ``params`` must come by; unknown names in ``full`` are an error (``source`` is
+    named in the messages). Returns how many tensors were written.
+    """
+    tp_rank = layout.coords(rank).tp
+    seen = set()
+    for name, array in full:
+        if name not in params:
+            if base_name(name) in config.expected_shapes() or name == "adam_step":
+                continue  # another stage's tensor
+            raise MindRLHFError(f"{source}: unexpected tensor {name!r} for this model")
+        p = params[name]
+        piece = shard_tensor(base_name(name), np.asarray(array), config, layout, tp_rank) \
+            if base_name(name) in config.expected_shapes() else np.asarray(array)
+        if tuple(piece.shape) != tuple(p.shape):
+            raise MindRLHFError(f"{source}: {name!r} gives a shard of shape {tuple(piece.shape)} but this rank "
+                                f"holds {tuple(p.shape)} under {layout}")
+        p.copy_(Tensor(np.ascontiguousarray(piece), dtype=p.dtype))
+        seen.add(name)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise MindRLHFError(f"{source}: {len(missing)} tensors missing (e.g. {missing[0]!r})")
+    return len(seen)
+
+
+def rank_dirs(path) -> Dict[int, Path]:
+    """``{r: path/rank_r}`` for a sharded checkpoint directory (``transform_checkpoint.py`` output), else {}."""
+    path = Path(path)
+    if not path.is_dir():
+        return {}
+    return {int(d.name[len("rank_"):]): d for d in path.glob("rank_*") if d.is_dir() and d.name[len("rank_"):].isdigit()}
+
+
+def load_shard(path, layout: ParallelLayout, rank: int, *, dtype: str = "float32", tp_group: Optional[str] = None,
+               config: Optional[DecoderConfig] = None):
+    """This rank's ``CausalLM`` shard of ``layout`` with weights from ``path``.
+
+    ``path`` is a full checkpoint (HF directory, .ckpt/.safetensors with config.json) streamed
+    tensor by tensor and cut to this rank's slices (online sharding: no offline step), or a
+    directory of ``rank_{r}/`` folders written by ``transform_checkpoint.py`` for this layout
+    (the strategy file next to them, when present, must describe the same layout).
+    """
+    from mindrlhf.checkpoint.hf_io import open_weights
+    from mindrlhf.models.decoder import CausalLM
+    from mindrlhf.models.weights import DERIVED_SUFFIXES, set_weights
+    from mindrlhf.parallel.layout import ModelShard
+
+    shard = ModelShard.of(layout, rank, tp_group)
+    ranks = rank_dirs(path)
+    if ranks:
+        if sorted(ranks) != list(range(layout.world_size)):
+            raise MindRLHFError(f"{path}: has rank folders {sorted(ranks)} but the layout {layout} has "
+                                f"{layout.world_size} ranks; shard it for this layout with transform_checkpoint.py "
+                                "or pass the full checkpoint (it is sharded on load)")
+        files = sorted(ranks[rank].glob("*.ckpt")) or sorted(ranks[rank].glob("*.safetensors"))
+        if not files:
+            raise MindRLHFError(f"{ranks[rank]}: no .ckpt/.safetensors shard inside")
+        source = open_weights(files[-1])  # MindSpore's rule: the last file in name order
+        config = config or DecoderConfig.from_hf_dict(source.config, source=str(source.config_path))
+        _check_strategy(path, config, layout)
+        model = CausalLM(config, dtype, shard)
+        set_weights(model, source, source=str(files[-1]))
+        return model
+    source = open_weights(path)
+    config = config or DecoderConfig.from_hf_dict(source.config, source=str(source.config_path))
+    layout.validate(config)
+    model = CausalLM(config, dtype, shard)
+    held = {n for n, _ in model.parameters_and_names()}
+    known = config.expected_shapes()
+    tp_rank = layout.coords(rank).tp
+
+    def pieces():
+        for name, array in source:
+            if name.endswith(DERIVED_SUFFIXES) or (name not in held and name in known):
+                continue  # a derived buffer, or another pipeline stage's tensor
+            # Unknown names go through so set_weights reports them.
+            yield name, shard_tensor(name, array, config, layout, tp_rank) if name in known else array
+
+    set_weights(model, pieces(), source=str(path))
+    return model
+
+
+def _check_strategy(path, config: DecoderConfig, layout: ParallelLayout) -> None:
+    from mindrlhf.parallel.strategy import check_strategy, layout_of, read_strategy
+
+    for name in ("strategy.json", "strategy.ckpt"):
+        f = Path(path) / name
+        if f.is_file():
+            strategy = read_strategy(f)
+            check_strategy(strategy, config, config_name=f"{path}/rank_0/config.json")
+            found = layout_of(strategy, config)
+            if found is not None and (found.dp, found.tp, found.pp) != (layout.dp, layout.tp, layout.pp):
+                raise MindRLHFError(f"{path} was sharded for {found} but this run's layout is {layout}; "
+                                    "reshard it with transform_checkpoint.py or pass the full checkpoint")
+            return
