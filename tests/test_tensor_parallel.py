@@ -142,10 +142,14 @@ def _check_primitives(out: Path, dp: int, tp: int) -> None:
         np.testing.assert_array_equal(res["gather_grad"], weights[:, 3 * t:3 * (t + 1)])
 
 
-def _run_layout(tmp_path: Path, layout, port: int, cases, jit: bool) -> None:
+def _run_layout(tmp_path: Path, layout, port: int, cases, jit: bool, infer=None, sharded=()) -> Path:
     out = tmp_path / "out"
     argv = ["--dp", str(layout.dp), "--tp", str(layout.tp), "--pp", str(layout.pp),
             "--micro", str(layout.micro_batches), "--out", str(out)] + (["--jit"] if jit else [])
+    if infer is not None:
+        argv += ["--infer", str(infer.dp), str(infer.tp)]
+    for name, ckpt_dir in sharded:
+        argv += ["--sharded", name, str(ckpt_dir)]
     for name, model_dir, batch in cases:
         path = tmp_path / f"{name}_batch.npz"
         np.savez(path, **batch)
@@ -155,6 +159,23 @@ def _run_layout(tmp_path: Path, layout, port: int, cases, jit: bool) -> None:
         _check_primitives(out, layout.dp, layout.tp)
     for name, model_dir, batch in cases:
         _check_case(name, model_dir, batch, out, layout)
+    return out
+
+
+def _check_resharded(out: Path, name: str, model_dir: Path, infer) -> None:
+    """Every generator parameter equals its slice of the full weights, bit for bit."""
+    from mindrlhf.models import DecoderConfig, get_weights, load_model
+    from mindrlhf.parallel.sharding import shard_tensor
+
+    config = DecoderConfig.from_file(model_dir)
+    full = get_weights(load_model(model_dir))
+    for rank in range(infer.world_size):
+        res = dict(np.load(out / f"{name}_rank{rank}.npz", allow_pickle=False))
+        got = {k[len("infer/"):]: v for k, v in res.items() if k.startswith("infer/")}
+        assert sorted(got) == sorted(full), (name, rank)
+        for pname, value in got.items():
+            np.testing.assert_array_equal(value, shard_tensor(pname, full[pname], config, infer,
+                                                              infer.coords(rank).tp), err_msg=f"{name} {pname}")
 
 
 def _cases(tiny_qwen2_dir: Path, tiny_llama_dir: Path):
@@ -259,8 +280,20 @@ def test_tp_model_rejects_bad_layouts(tiny_llama_dir):
 @pytest.mark.slow
 @pytest.mark.msrun
 def test_tp2_matches_single_process(tiny_qwen2_dir, tiny_llama_dir, tmp_path):
-    """tp=2 on 2 ranks, the step compiled with mindspore.jit (custom bprops in graph mode)."""
-    _run_layout(tmp_path, ParallelLayout(tp=2), 8263, _cases(tiny_qwen2_dir, tiny_llama_dir), jit=True)
+    """tp=2 on 2 ranks, the step compiled with mindspore.jit (custom bprops in graph mode). Also: a
+    checkpoint sharded for tp=2 by transform_checkpoint.py loads into the tp=2 run (each rank reads its
+    rank_{r} folder) and reproduces the single-process logits."""
+    from mindrlhf.tools.transform_checkpoint import main as transform
+
+    sharded = tmp_path / "sharded_llama"
+    assert transform(["--src_checkpoint", str(tiny_llama_dir), "--dst_checkpoint", str(sharded),
+                      "--layout", "1,2,1"]) == 0
+    cases = _cases(tiny_qwen2_dir, tiny_llama_dir)[::-1]  # llama first: its batch feeds the sharded check
+    out = _run_layout(tmp_path, ParallelLayout(tp=2), 8263, cases, jit=True, sharded=[("llama", sharded)])
+    _, _, logits, _, _ = _reference(tiny_llama_dir, cases[0][2])
+    for rank in range(2):
+        got = np.load(out / f"sharded_llama_rank{rank}.npz")["logits"]
+        np.testing.assert_allclose(got, logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -281,6 +314,11 @@ def test_pp2_matches_single_process(tiny_qwen2_dir, tiny_llama4_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.msrun
 def test_tp2_pp2_matches_single_process(tiny_qwen2_dir, tiny_llama4_dir, tmp_path):
-    """tp=2 × pp=2 on 4 ranks, 2 micro-batches, the stage steps compiled with mindspore.jit."""
-    _run_layout(tmp_path, ParallelLayout(tp=2, pp=2, micro_batches=2), 8275,
-                _cases(tiny_qwen2_dir, tiny_llama4_dir), jit=True)
+    """tp=2 × pp=2 on 4 ranks, 2 micro-batches, the stage steps compiled with mindspore.jit; then the
+    in-memory reshard into the generation layout dp=2 × tp=2."""
+    infer = ParallelLayout(dp=2, tp=2)
+    out = _run_layout(tmp_path, ParallelLayout(tp=2, pp=2, micro_batches=2), 8275,
+                      _cases(tiny_qwen2_dir, tiny_llama4_dir), jit=True, infer=infer)
+    # Train (tp2, pp2) -> generate (dp2, tp2), in memory: every infer shard is the exact slice.
+    _check_resharded(out, "qwen2", tiny_qwen2_dir, infer)
+    _check_resharded(out, "llama", tiny_llama4_dir, infer)

@@ -34,6 +34,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--case", nargs=3, action="append", required=True, metavar=("NAME", "MODEL_DIR", "BATCH"),
                    help="a case: its name, an HF model folder and the batch .npz (repeatable)")
     p.add_argument("--jit", action="store_true", help="compile the loss+gradient step with mindspore.jit")
+    p.add_argument("--infer", nargs=2, type=int, default=None, metavar=("DP", "TP"),
+                   help="also reshard each case's model in memory into this generation layout and write the shards")
+    p.add_argument("--sharded", nargs=2, action="append", default=[], metavar=("NAME", "DIR"),
+                   help="load this rank's shard from DIR/rank_{r} (transform_checkpoint.py output); write its logits")
     return p.parse_args(argv)
 
 
@@ -71,16 +75,21 @@ def main(argv=None) -> int:
     from mindrlhf.models import DecoderConfig, set_weights
     from mindrlhf.models.decoder import CausalLM
     from mindrlhf.parallel.comm import grad_reducer
-    from mindrlhf.parallel.groups import init_parallel_groups
+    from mindrlhf.parallel.groups import init_run_layout
     from mindrlhf.parallel.layout import ParallelLayout
     from mindrlhf.parallel.pipeline import PipelineRunner
+    from mindrlhf.parallel.resharding import load_shard, reshard_model
     from mindrlhf.parallel.sharding import rank_state
 
     ms.set_device("CPU")
     ms.set_context(mode=ms.PYNATIVE_MODE)
     init()
     layout = ParallelLayout(dp=args.dp, tp=args.tp, pp=args.pp, micro_batches=args.micro)
-    groups = init_parallel_groups(layout)
+    infer = ParallelLayout(dp=args.infer[0], tp=args.infer[1]) if args.infer else ParallelLayout(dp=layout.world_size)
+    from mindspore.communication import get_group_size, get_rank
+
+    run = init_run_layout(layout, infer, get_rank(), get_group_size())
+    groups = run.groups
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -123,11 +132,22 @@ def main(argv=None) -> int:
                                                      batch["completion_ids"].shape[1]).asnumpy()
         for p, g in zip(runner.params, grads):
             result["grad/" + p.name] = g.asnumpy()
+        if args.infer:  # the generator's shards, rebuilt in memory from the train shards
+            infer_model = CausalLM(config, "float32", run.infer_shard())
+            reshard_model(model, layout, infer_model, infer, groups.rank, config)
+            for n, p in infer_model.parameters_and_names():
+                result["infer/" + n] = p.asnumpy()
         tmp = out_dir / f".{name}_rank{groups.rank}.tmp.npz"
         np.savez(tmp, **result)
         os.replace(tmp, out_dir / f"{name}_rank{groups.rank}.npz")
         print(f"rank {groups.rank} case {name}: loss {float(result['loss']):.6f}, load {loaded - start:.1f}s, "
               f"step+write {time.perf_counter() - loaded:.1f}s", flush=True)
+    for name, ckpt_dir in args.sharded:
+        model = load_shard(ckpt_dir, layout, groups.rank, tp_group=groups.tp_group)
+        batch = dict(np.load(args.case[0][2], allow_pickle=False))
+        logits = model.gathered_logits(Tensor(batch["input_ids"]), Tensor(batch["attention_mask"]), None,
+                                       batch["completion_ids"].shape[1]).asnumpy()
+        np.savez(out_dir / f"sharded_{name}_rank{groups.rank}.npz", logits=logits)
     return 0
 
 
