@@ -128,16 +128,14 @@ def test_beta_zero_builds_no_reference_and_beta_positive_logs_kl(grpo_assets, tm
     from mindrlhf import grpo
     from mindrlhf.configs import parse_args
 
-    import mindrlhf.models as models
-
     built = []
-    orig = models.load_model
+    orig = grpo.load_shard  # every checkpoint the job loads goes through it (sharded on load)
 
-    def counting(path, dtype="float32"):
+    def counting(path, *args, **kwargs):
         built.append(str(path))
-        return orig(path, dtype)
+        return orig(path, *args, **kwargs)
 
-    monkeypatch.setattr(models, "load_model", counting)
+    monkeypatch.setattr(grpo, "load_shard", counting)
     cfg = parse_args(_args(grpo_assets, tmp_path / "a", max_steps=1))
     trainer = grpo.build_trainer(cfg)
     assert trainer.ref_model is None and len(built) == 1

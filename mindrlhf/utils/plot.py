@@ -21,6 +21,7 @@ FRAME = (90, 90, 90)
 TEXT = (30, 30, 30)
 GRID = (228, 228, 228)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_BAND_ALPHA = 0.28  # light enough that lines and grid stay readable through a band
 
 # 5x7 glyphs: the character, then its 7 rows as two hex digits each (0x10 = leftmost pixel).
 _FONT_SRC = """
@@ -32,7 +33,7 @@ K11121418141211 L1010101010101F M111B1515111111 N11111915131111 O0E11111111110E
 P1E11111E101010 Q0E11111115120D R1E11111E141211 S0F10100E01011E T1F040404040404
 U1111111111110E V11111111110A04 W1111111515150A X11110A040A1111 Y11110A04040404
 Z1F01020408101F a00000E010F110F b1010161911111E c00000E1010110E d01010D1311110F
-e00000E111F100E f0609081C080808 g000F11110F010E h10101619111111 i04000C0404040E
+e00000E111F100E f0609081C080808 g00000F110F010E h10101619111111 i04000C0404040E
 j0200060202120C k10101214181412 l0C04040404040E m00001A15151111 n00001619111111
 o00000E1111110E p00001E111E1010 q00000D130F0101 r00001619101010 s00000E100E011E
 t08081C08080906 u0000111111130D v00001111110A04 w0000111115150A x0000110A040A11
@@ -83,8 +84,6 @@ def _fill(img: np.ndarray, x0: int, y0: int, x1: int, y1: int, colour) -> None:
 
 def _nice_ticks(lo: float, hi: float, target: int = 5) -> Tuple[List[float], float]:
     """Ticks on a 1/2/5 x 10^k grid whose ends enclose [lo, hi]; also returns the step."""
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        lo, hi = 0.0, 1.0
     if hi - lo <= 1e-12 * max(1.0, abs(lo)):  # a flat series still needs a non-empty axis
         pad = abs(lo) * 0.1 or 1.0
         lo, hi = lo - pad, hi + pad
@@ -95,6 +94,11 @@ def _nice_ticks(lo: float, hi: float, target: int = 5) -> Tuple[List[float], flo
     return [i * step for i in range(first, last + 1)], step
 
 
+def _axis(lo: float, hi: float, target: int) -> Tuple[List[float], List[str]]:
+    ticks, step = _nice_ticks(lo, hi, target)
+    return ticks, [_fmt(v, step) for v in ticks]
+
+
 def _fmt(value: float, step: float) -> str:
     if abs(value) < step * 1e-6:
         return "0"  # avoids "-0.0" and 1e-17 rounding residue
@@ -103,17 +107,13 @@ def _fmt(value: float, step: float) -> str:
     return f"{value:.3g}"
 
 
-def _floats(label: str, values: Sequence[Optional[float]]) -> np.ndarray:
-    arr = np.asarray(list(values), dtype=float)  # None -> NaN
-    if arr.ndim != 1:
-        raise ValueError(f"series {label!r}: expected a 1-D sequence, got shape {arr.shape}")
-    return arr
-
-
-def _same_length(label: str, **arrays: np.ndarray) -> None:
-    lengths = {name: len(a) for name, a in arrays.items()}
-    if len(set(lengths.values())) > 1:
-        raise ValueError(f"series {label!r}: length mismatch " + ", ".join(f"len({k})={v}" for k, v in lengths.items()))
+def _arrays(label: str, **columns: Sequence[Optional[float]]) -> List[np.ndarray]:
+    """Convert equally long 1-D columns to float arrays (None -> NaN), naming ``label`` on error."""
+    arrays = {name: np.asarray(list(col), dtype=float) for name, col in columns.items()}
+    if any(a.ndim != 1 for a in arrays.values()) or len({len(a) for a in arrays.values()}) > 1:
+        shapes = ", ".join(f"len({k})={a.shape[0] if a.ndim == 1 else a.shape}" for k, a in arrays.items())
+        raise ValueError(f"series {label!r}: expected 1-D sequences of equal length, got {shapes}")
+    return list(arrays.values())
 
 
 def _stamp(img: np.ndarray, xs: np.ndarray, ys: np.ndarray, colour, clip: Rect, size: int = 2) -> None:
@@ -139,7 +139,9 @@ def _polyline(img: np.ndarray, px: np.ndarray, py: np.ndarray, ok: np.ndarray, c
             _stamp(img, xs, ys, colour, clip)
 
 
-def _fill_band(img: np.ndarray, px: np.ndarray, lo: np.ndarray, hi: np.ndarray, ok: np.ndarray, colour, clip: Rect) -> None:
+def _fill_band(
+    img: np.ndarray, px: np.ndarray, lo: np.ndarray, hi: np.ndarray, ok: np.ndarray, colour, clip: Rect
+) -> None:
     mask = np.zeros(img.shape[:2], bool)
     rows = np.arange(img.shape[0])[:, None]
     for i in np.flatnonzero(ok):
@@ -150,11 +152,44 @@ def _fill_band(img: np.ndarray, px: np.ndarray, lo: np.ndarray, hi: np.ndarray, 
         top, bot = np.rint(np.minimum(r_lo, r_hi)), np.rint(np.maximum(r_lo, r_hi))
         mask[:, cols] |= (rows >= top) & (rows <= bot)
     x0, y0, x1, y1 = clip
-    inside = np.zeros_like(mask)
-    inside[y0:y1 + 1, x0:x1 + 1] = True
-    mask &= inside
+    view, mask = img[y0:y1 + 1, x0:x1 + 1], mask[y0:y1 + 1, x0:x1 + 1]
     # Blend once per pixel so overlapping segments do not darken; the grid shows through.
-    img[mask] = (img[mask] * 0.72 + np.array(colour) * 0.28).astype(np.uint8)
+    view[mask] = _tint(view[mask], colour)
+
+
+def _tint(under: np.ndarray, colour) -> np.ndarray:
+    return (under * (1 - _BAND_ALPHA) + np.array(colour) * _BAND_ALPHA).astype(np.uint8)
+
+
+def _legend_rows(entries: List[Tuple[str, tuple, bool]], max_w: int) -> Tuple[List[list], int]:
+    """Wrap (label, colour, is_band) entries into rows at most ``max_w`` wide; return rows and box width."""
+    rows: List[list] = []
+    widths: List[int] = []
+    for label, colour, is_band in entries:
+        if 20 + text_width(label) > max_w:  # shorten rather than push the box off the canvas
+            label = label[:max(1, (max_w - 20) // 6 - 2)] + ".."
+        entry, w = (label, colour, is_band), 20 + text_width(label)  # swatch, gap, text
+        if rows and widths[-1] + 12 + w <= max_w:
+            rows[-1].append(entry)
+            widths[-1] += 12 + w
+        else:
+            rows.append([entry])
+            widths.append(w)
+    return rows, max(widths, default=0) + 10
+
+
+def _draw_legend(img: np.ndarray, rows: List[list], lx: int, ly: int, right: int) -> None:
+    _fill(img, lx, ly, right, ly + len(rows) * 11 + 6, FRAME)
+    _fill(img, lx + 1, ly + 1, right - 1, ly + len(rows) * 11 + 5, (255, 255, 255))
+    for r, row in enumerate(rows):
+        x, y = lx + 6, ly + 4 + 11 * r
+        for label, colour, is_band in row:
+            if is_band:
+                _fill(img, x, y, x + 14, y + 6, tuple(int(v) for v in _tint(np.full(3, 255.0), colour)))
+            else:
+                _fill(img, x, y + 2, x + 14, y + 4, colour)
+            _draw_text(img, x + 20, y, label)
+            x += 32 + text_width(label)
 
 
 def line_chart_png(
@@ -179,56 +214,57 @@ def line_chart_png(
         raise ValueError(f"at most {len(PALETTE)} series are supported, got {len(series)}")
     lines = []
     for label, (xs, ys) in series.items():
-        x, y = _floats(label, xs), _floats(label, ys)
-        _same_length(label, xs=x, ys=y)
+        x, y = _arrays(label, xs=xs, ys=ys)
         lines.append((label, PALETTE[len(lines)], x, y))
     colours = {label: colour for label, colour, _, _ in lines}
     bands = []
     for k, (label, (xs, lo, hi)) in enumerate((band or {}).items()):
-        x, l, h = _floats(label, xs), _floats(label, lo), _floats(label, hi)
-        _same_length(label, xs=x, lo=l, hi=h)
+        x, l, h = _arrays(label, xs=xs, lo=lo, hi=hi)
         bands.append((label, colours.get(label, PALETTE[(len(lines) + k) % len(PALETTE)]), x, l, h))
 
     all_x = np.concatenate([np.zeros(0)] + [ln[2] for ln in lines] + [b[2] for b in bands])
     all_y = np.concatenate([np.zeros(0)] + [ln[3] for ln in lines] + [b[3] for b in bands] + [b[4] for b in bands])
     fx, fy = all_x[np.isfinite(all_x)], all_y[np.isfinite(all_y)]
-    xticks, xstep = _nice_ticks(*((fx.min(), fx.max()) if fx.size else (0.0, 1.0)))
-    yticks, ystep = _nice_ticks(*((fy.min(), fy.max()) if fy.size else (0.0, 1.0)))
-    xlabels, ylabels = [_fmt(v, xstep) for v in xticks], [_fmt(v, ystep) for v in yticks]
+    x_range = (fx.min(), fx.max()) if fx.size else (0.0, 1.0)
+    y_range = (fy.min(), fy.max()) if fy.size else (0.0, 1.0)
 
     # Layout, top to bottom: title, legend box (ylabel beside it when it fits), plot, ticks, xlabel.
-    pad = 8
+    pad, inset = 8, 4  # the inset keeps data at the axis limits off the frame line
+    yticks, ylabels = _axis(*y_range, 5)  # provisional: may be thinned once the plot height is known
     left = pad + max(text_width(s) for s in ylabels) + 8
-    right = width - 1 - max(pad + 4, text_width(xlabels[-1]) // 2 + pad)
-    plot_w = right - left
+    for target in (5, 4, 3, 2):  # fewer x ticks until their labels stop colliding
+        xticks, xlabels = _axis(*x_range, target)
+        right = width - 1 - max(pad + 4, text_width(xlabels[-1]) // 2 + pad)
+        plot_w = right - left
+        if (plot_w - 2 * inset) / (len(xticks) - 1) >= max(map(text_width, xlabels)) + 6:
+            break
     entries = [(lb, c, False) for lb, c, _, _ in lines] + [(b[0], b[1], True) for b in bands if b[0] not in colours]
-    rows: List[List[Tuple[str, tuple, bool]]] = []
-    row_w: List[int] = []
-    for entry in entries:  # wrap the legend into rows no wider than the plot
-        w = 20 + text_width(entry[0])
-        if rows and row_w[-1] + 12 + w <= plot_w - 10:
-            rows[-1].append(entry)
-            row_w[-1] += 12 + w
-        else:
-            rows.append([entry])
-            row_w.append(w)
-    legend_w = max(row_w, default=0) + 10
+    rows, legend_w = _legend_rows(entries, plot_w - 10)
     legend_h = len(rows) * 11 + 6 if rows else 0
-    top = pad + (20 if title else 0)
+    title_scale = 2 if text_width(title, 2) <= width - 2 * pad else 1
+    top = pad + (7 * title_scale + 6 if title else 0)
     ylabel_h = 12 if ylabel else 0
     side_by_side = bool(rows and ylabel) and text_width(ylabel) + 12 + legend_w <= plot_w
     top += max(legend_h + 4, ylabel_h) if side_by_side else (legend_h + 4 if rows else 0) + ylabel_h
     top = max(top, pad + 4)
     bottom = height - 1 - pad - (13 if xlabel else 0) - 15
-    clip = (left, top, right, bottom)
+    if bottom - top < 20 + 2 * inset:
+        raise ValueError(f"a {width}x{height} chart has no room left for the plot after its title and legend")
+    for target in (5, 4, 3, 2):  # fewer y ticks while labels (7 px tall) would touch
+        yticks, ylabels = _axis(*y_range, target)
+        if (bottom - top - 2 * inset) / (len(yticks) - 1) >= 13:
+            break
+    clip = (left + 1, top + 1, right - 1, bottom - 1)  # series never overwrite the frame
 
     img = np.full((height, width, 3), 255, np.uint8)
 
     def to_px(x: np.ndarray) -> np.ndarray:
-        return np.rint(left + (x - xticks[0]) / (xticks[-1] - xticks[0]) * plot_w).astype(int)
+        span = plot_w - 2 * inset
+        return np.rint(left + inset + (x - xticks[0]) / (xticks[-1] - xticks[0]) * span).astype(int)
 
     def to_py(y: np.ndarray) -> np.ndarray:
-        return np.rint(bottom - (y - yticks[0]) / (yticks[-1] - yticks[0]) * (bottom - top)).astype(int)
+        span = bottom - top - 2 * inset
+        return np.rint(bottom - inset - (y - yticks[0]) / (yticks[-1] - yticks[0]) * span).astype(int)
 
     for x, s in zip(to_px(np.array(xticks)), xlabels):
         _fill(img, x, top + 1, x, bottom - 1, GRID)
@@ -240,7 +276,8 @@ def line_chart_png(
         _draw_text(img, left - 7 - text_width(s), y - 3, s)
     for _, colour, x, lo, hi in bands:
         ok = np.isfinite(x) & np.isfinite(lo) & np.isfinite(hi)
-        _fill_band(img, to_px(np.where(ok, x, 0)), to_py(np.where(ok, lo, 0)), to_py(np.where(ok, hi, 0)), ok, colour, clip)
+        px, py_lo, py_hi = to_px(np.where(ok, x, 0)), to_py(np.where(ok, lo, 0)), to_py(np.where(ok, hi, 0))
+        _fill_band(img, px, py_lo, py_hi, ok, colour, clip)
     for x0, y0, x1, y1 in ((left, top, right, top), (left, bottom, right, bottom),
                            (left, top, left, bottom), (right, top, right, bottom)):
         _fill(img, x0, y0, x1, y1, FRAME)
@@ -249,20 +286,9 @@ def line_chart_png(
         _polyline(img, to_px(np.where(ok, x, 0)), to_py(np.where(ok, y, 0)), ok, colour, clip)
 
     if rows:
-        lx, ly = right - legend_w, top - 4 - ylabel_h * (not side_by_side) - legend_h
-        _fill(img, lx, ly, right, ly + legend_h, FRAME)
-        _fill(img, lx + 1, ly + 1, right - 1, ly + legend_h - 1, (255, 255, 255))
-        for r, row in enumerate(rows):
-            x, y = lx + 6, ly + 4 + 11 * r
-            for label, colour, is_band in row:
-                if is_band:
-                    _fill(img, x, y, x + 14, y + 6, tuple(int(255 * 0.72 + c * 0.28) for c in colour))
-                else:
-                    _fill(img, x, y + 2, x + 14, y + 4, colour)
-                _draw_text(img, x + 20, y, label)
-                x += 32 + text_width(label)
+        _draw_legend(img, rows, right - legend_w, top - 4 - ylabel_h * (not side_by_side) - legend_h, right)
     if title:
-        _draw_text(img, (width - text_width(title, 2)) // 2, pad, title, scale=2)
+        _draw_text(img, (width - text_width(title, title_scale)) // 2, pad, title, scale=title_scale)
     if ylabel:
         _draw_text(img, left, top - 11, ylabel)
     if xlabel:
