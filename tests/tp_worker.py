@@ -68,12 +68,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import mindspore as ms
     from mindspore import Tensor
-    from mindspore.communication import init
 
     from mindrlhf.algorithms import policy_loss
     from mindrlhf.checkpoint.hf_io import open_weights
     from mindrlhf.models import DecoderConfig, set_weights
     from mindrlhf.models.decoder import CausalLM
+    from mindrlhf.parallel import comm
     from mindrlhf.parallel.comm import grad_reducer
     from mindrlhf.parallel.groups import init_run_layout
     from mindrlhf.parallel.layout import ParallelLayout
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
 
     ms.set_device("CPU")
     ms.set_context(mode=ms.PYNATIVE_MODE)
-    init()
+    comm.init_distributed()  # mindspore.communication.init() plus the rank/size mindrlhf's collectives use
     layout = ParallelLayout(dp=args.dp, tp=args.tp, pp=args.pp, micro_batches=args.micro)
     infer = ParallelLayout(dp=args.infer[0], tp=args.infer[1]) if args.infer else ParallelLayout(dp=layout.world_size)
     from mindspore.communication import get_group_size, get_rank

@@ -66,6 +66,9 @@ def assemble(tensors: Mapping[str, object], names: Iterable[str], config: Decode
     ``tensors`` holds this rank's shards (parameters or optimizer moments, HF names); ``names``
     must be the same list in the same order on every rank.
     """
+    if comm.world_size() != layout.world_size:
+        raise MindRLHFError(f"assembling tensors of layout {layout} needs its {layout.world_size} processes, but "
+                            f"mindrlhf.parallel.comm sees {comm.world_size()}; call comm.init_distributed() under msrun")
     for name in names:
         base = base_name(name)
         full = np.zeros(param_shape(base, config), np.float32)
