@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import mindspore as ms

@@ -132,12 +132,6 @@ class PipelineRunner:
     # -- compiled pieces -----------------------------------------------------------------------
     # Closures over locals (the model Cell, floats, the loss function), not over ``self``: graph
     # mode cannot resolve attributes of a plain Python object captured by a closure.
-    def _fn(self, name: str, build: Callable[[], Callable]) -> Callable:
-        if name not in self._fns:
-            fn = build()
-            self._fns[name] = ms.jit(fn) if self._jit else fn
-        return self._fns[name]
-
     def _pieces(self):
         model, temperature, loss_fn = self.model, self.temperature, self.loss_fn
 
@@ -172,7 +166,11 @@ class PipelineRunner:
         }
 
     def _get(self, name: str) -> Callable:
-        return self._fn(name, self._builders[name])
+        """The named piece, built (and compiled when jit) on first use."""
+        if name not in self._fns:
+            fn = self._builders[name]()
+            self._fns[name] = ms.jit(fn) if self._jit else fn
+        return self._fns[name]
 
     def _hidden_shape(self, mb) -> Tuple[int, int, int]:
         b, t = mb["input_ids"].shape
