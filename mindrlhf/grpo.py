@@ -108,7 +108,7 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
     def make(path: str, load: bool, shard, lay: ParallelLayout) -> CausalLM:
         if load:
             return load_shard(path, lay, layout.rank, dtype=m.dtype, tp_group=shard.tp_group)
-        return CausalLM(_config_of(path), m.dtype, shard)
+        return CausalLM(config if path == train_path else _config_of(path), m.dtype, shard)
 
     policy = make(train_path, m.load_sft_checkpoint_train, train_shard, layout.train)
     sampler_model = None

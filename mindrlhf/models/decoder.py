@@ -186,7 +186,7 @@ class DecoderModel(nn.Cell):
 
     def __init__(self, config: DecoderConfig, dtype: ms.Type, shard: ModelShard):
         super().__init__()
-        layers = shard.layer_range(config.num_hidden_layers)
+        layers = shard.layer_range(config)
         # The last stage of a tied model projects with the embedding table, so it holds a copy.
         if shard.is_first or (shard.is_last and config.tie_word_embeddings):
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard.tp,
@@ -217,7 +217,7 @@ class CausalLM(nn.Cell):
         if self.compute_dtype == ms.bfloat16 and ms.get_context("device_target") == "CPU":
             raise MindRLHFError("dtype bfloat16: MindSpore has no CPU kernels for bf16 MatMul/Gather/Sigmoid; "
                                 "use float32 (or float16) on CPU — bfloat16 is for Ascend")
-        self.layer_range = shard.layer_range(config.num_hidden_layers)
+        self.layer_range = shard.layer_range(config)
         self.model = DecoderModel(config, self.compute_dtype, shard)
         self.tie_word_embeddings = config.tie_word_embeddings
         if shard.is_last and not config.tie_word_embeddings:

@@ -259,7 +259,6 @@ class ModelShard:
         """Heads, kv heads, vocabulary and MLP width divisible by tp; layers by pp (error names both)."""
         ParallelLayout(tp=self.tp, pp=self.pp).validate(config)
 
-    def layer_range(self, num_layers: int) -> range:
-        """Global indices of the decoder layers this stage owns (contiguous, ``L/pp`` of them)."""
-        per = num_layers // self.pp
-        return range(self.stage * per, (self.stage + 1) * per)
+    def layer_range(self, config: "DecoderConfig") -> range:
+        """Global indices of the decoder layers this stage owns (``ParallelLayout.stage_layers``)."""
+        return ParallelLayout(tp=self.tp, pp=self.pp).stage_layers(self.stage, config)

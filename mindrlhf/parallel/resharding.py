@@ -114,15 +114,16 @@ def load_full_into(params: Mapping[str, ms.Parameter], full: Iterable[Tuple[str,
     named in the messages). Returns how many tensors were written.
     """
     tp_rank = layout.coords(rank).tp
+    known = config.expected_shapes()
     seen = set()
     for name, array in full:
         if name not in params:
-            if base_name(name) in config.expected_shapes() or name == "adam_step":
+            if base_name(name) in known or name == "adam_step":
                 continue  # another stage's tensor
             raise MindRLHFError(f"{source}: unexpected tensor {name!r} for this model")
         p = params[name]
         piece = shard_tensor(base_name(name), np.asarray(array), config, layout, tp_rank) \
-            if base_name(name) in config.expected_shapes() else np.asarray(array)
+            if base_name(name) in known else np.asarray(array)
         if tuple(piece.shape) != tuple(p.shape):
             raise MindRLHFError(f"{source}: {name!r} gives a shard of shape {tuple(piece.shape)} but this rank "
                                 f"holds {tuple(p.shape)} under {layout}")

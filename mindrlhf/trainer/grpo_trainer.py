@@ -191,14 +191,15 @@ class GRPOTrainer:
     def _batched_logp(self, runner: PipelineRunner, exp: Experience) -> np.ndarray:
         """Completion log-probs of every row of ``exp`` under ``runner``'s model, micro-batch by micro-batch."""
         inputs = exp.train_inputs()
-        size = self._micro_size() // self.cfg.parallel.train_micro_batches
+        size = self._micro_size()
         micro = [{"input_ids": inputs["input_ids"][s:s + size], "attention_mask": inputs["attention_mask"][s:s + size],
                   "completion_ids": exp.completion_ids[s:s + size]} for s in range(0, len(exp), size)]
         return np.concatenate(runner.logprobs(micro))
 
     def _micro_size(self) -> int:
-        """Completions per forward/backward on this rank."""
-        return self.cfg.micro_batch_completions
+        """Completions per forward/backward call on this rank: a gradient-accumulation micro-batch, cut
+        into train_micro_batches pipeline micro-batches (the config checks that it divides)."""
+        return self.cfg.micro_batch_completions // self.cfg.parallel.train_micro_batches
 
     # -- update ---------------------------------------------------------------------------------
     def train_on(self, exp: Experience) -> Dict[str, float]:
@@ -223,8 +224,7 @@ class GRPOTrainer:
                 # no loss tokens do not count), summed over ranks.
                 sub = exp.completion_mask[rows]
                 num_tokens, num_seqs = self._sum_replicas(np.array([sub.sum(), (sub.sum(1) > 0).sum()]))
-                # Pipeline micro-batches: each accumulation micro-batch cut into train_micro_batches pieces.
-                size = self._micro_size() // self.cfg.parallel.train_micro_batches
+                size = self._micro_size()
                 micro = []
                 for s in range(0, len(rows), size):
                     r = rows[s:s + size]
