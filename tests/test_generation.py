@@ -187,6 +187,24 @@ def test_long_prompts_prefilled_in_pieces_give_the_same_results(llama, llama_sam
     np.testing.assert_allclose([c.logprobs for c in pieces], [c.logprobs for c in whole], atol=1e-5)
 
 
+def test_cache_bucket_shares_graphs_across_prompt_lengths_without_changing_results(llama):
+    """Prompts of 5 and 21 tokens pad to different prefill lengths (8, 24) but one 64-column cache:
+    the second request reuses the first one's cell; a cache with no spare columns samples the same."""
+    params = SamplingParams(n=2, temperature=0.9, max_tokens=6, seed=3)
+    short = _prompts(llama.config.vocab_size, (5, 4), seed=4)
+    long = _prompts(llama.config.vocab_size, (21, 17), seed=5)
+    shared = NativeSampler(llama, length_bucket=8, cache_bucket=64, shrink_batch=False)
+    a = shared.generate(short, params)
+    b = shared.generate(long, params)
+    assert list(shared._graphs) == [(4, 64)]
+    tight = NativeSampler(llama, length_bucket=8, cache_bucket=1, shrink_batch=False)
+    for prompts, got in ((short, a), (long, b)):
+        want = tight.generate(prompts, params)
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        np.testing.assert_allclose([c.logprobs for c in got], [c.logprobs for c in want], atol=1e-5)
+    assert sorted(tight._graphs) == [(4, 14), (4, 30)]  # P + max_tokens, unrounded
+
+
 def test_top_k_1_equals_greedy(llama_sampler, llama):
     prompts = _prompts(llama.config.vocab_size, (5, 3))
     greedy = llama_sampler.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))

@@ -127,7 +127,7 @@ class GenerationConfig:
     """Sampling of completions (the generator / rollout side)."""
 
     max_prompt_length: int = config_field(
-        256, "Longest prompt (tokens, after the chat template) the job accepts; the dataset must have been "
+        320, "Longest prompt (tokens, after the chat template) the job accepts; the dataset must have been "
         "built with rlhf_data.py --max_prompt_length <= this (prompts are never truncated). Prompt + "
         "completion must fit the model's context length. Range >= 1.",
         ge=1)

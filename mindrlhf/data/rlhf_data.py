@@ -159,7 +159,7 @@ def convert_to_mindrecord(
     file_path: str,
     output_path: str,
     tokenizer: Tokenizer,
-    max_prompt_length: int = 256,
+    max_prompt_length: int = 320,
     dataset_type: str = "gsm8k",
     question_field: Optional[str] = None,
     answer_field: Optional[str] = None,
@@ -249,8 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Hugging Face tokenizer folder, instead of --vocab_path/--merges_file_path")
     parser.add_argument("--file_path", required=True, help="input JSONL file, one JSON object per line")
     parser.add_argument("--output_path", required=True, help="output .mindrecord file (a .db index is written beside it)")
-    parser.add_argument("--max_prompt_length", type=int, default=256,
-                        help="prompt ids are padded to this length; longer prompts are skipped (default: 256)")
+    parser.add_argument("--max_prompt_length", type=int, default=320,
+                        help="prompt ids are padded to this length; longer prompts are skipped (default: 320)")
     parser.add_argument("--dataset_type", choices=sorted(DATASET_FIELDS), default="gsm8k",
                         help="gsm8k: question/answer with '#### N'; openr1math: problem/answer (the final answer); "
                              "generic: --question_field/--answer_field, the answer taken as is")

@@ -390,7 +390,8 @@ def format_summary(result: Dict[str, Any]) -> str:
     if result["mode"] == "maj":
         lines.append(f"  sample acc.    {result['sample_accuracy']:.4f} (mean over {result['num_completions']} completions)")
     lines += [
-        f"  format rate    {result['format_rate']:.4f} (completions the 'format' reward scores 1)",
+        f"  format rate    {result['format_rate']:.4f} (completions the "
+        f"'{style_format_reward(result['prompt_style'])}' reward scores 1)",
         f"  mean length    {result['mean_completion_tokens']:.1f} tokens "
         f"({result['truncated_rate']:.1%} hit max_new_tokens={result['max_new_tokens']})",
         f"  wall time      {result['wall_time_s']:.1f} s generation+scoring ({result['tokens_per_s']:.1f} tokens/s), "

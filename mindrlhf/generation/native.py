@@ -4,10 +4,11 @@ Data flow of one ``generate`` call:
 1. prompts are tiled ``n`` times and split into chunks of at most ``max_batch_size`` rows;
 2. a chunk is LEFT-padded to a multiple of ``length_bucket`` (P) and prefilled in one call; positions
    are ``cumsum(mask) - 1``, exactly as ``CausalLM.construct`` numbers a left-padded batch, so the
-   trainer's full-forward log-probs equal the sampler's;
+   trainer's full-forward log-probs equal the sampler's; prompts longer than ``prefill_chunk``
+   tokens are prefilled in pieces of that many tokens;
 3. each decode step feeds one token per row, writing K/V at cache column P + step; the cache holds
-   S = P + (max_tokens rounded up to ``length_bucket``) columns, so one compiled graph serves every
-   step of every request with the same (batch, P, S);
+   S = P + max_tokens columns rounded up to ``cache_bucket``, so one compiled graph serves every
+   step of every request with the same (batch, S) and prompt lengths share a few cache sizes;
 4. the float32 logits go to ``selection.select_tokens`` (numpy: faster than MindSpore's CPU kernels
    for vocabulary-wide work) which samples and computes the log-probs;
 5. rows that finished drop out of sampling; when at most half the rows are left, the batch (and
@@ -167,17 +168,26 @@ class NativeSampler(Sampler):
     ``max_position_embeddings``); ``max_cached_graphs`` bounds how many (batch, cache length) KV
     caches and their compiled graphs stay allocated (each holds 2 × layers × B × kv_heads × S ×
     head_dim values); prompts longer than ``prefill_chunk`` tokens are prefilled in pieces of that
-    many tokens, which bounds the prefill graph's activation memory.
+    many tokens, which bounds the prefill graph's activation memory; ``cache_bucket`` rounds the
+    cache length so that batches with different prompt lengths reuse the same compiled graphs.
+
+    Memory on CPU: a compiled graph keeps all of its intermediate tensors allocated for the life
+    of the process, so the prefill graph costs about B × prefill_chunk × cache_len × heads floats
+    per layer. Measured with SmolLM2-135M, 16 rows, 160-token prompts, 64 new tokens: 9.4 GB
+    resident with 128-token pieces, 3.5 GB with 32-token pieces, at the same speed.
     """
 
     def __init__(self, model: CausalLM, *, max_batch_size: Optional[int] = None, length_bucket: int = 32,
                  jit: bool = True, jit_level: str = "O0", shrink_batch: bool = True, max_shrinks: int = 3,
-                 max_len: Optional[int] = None, max_cached_graphs: int = 12, prefill_chunk: int = 128):
+                 max_len: Optional[int] = None, max_cached_graphs: int = 12, prefill_chunk: int = 32,
+                 cache_bucket: int = 128):
         if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
             raise MindRLHFError(f"NativeSampler max_batch_size={max_batch_size!r} is invalid: use an integer >= 1 "
                                 f"or None (no limit)")
-        if not isinstance(length_bucket, int) or length_bucket < 1:
-            raise MindRLHFError(f"NativeSampler length_bucket={length_bucket!r} is invalid: use an integer >= 1")
+        for name, value in (("length_bucket", length_bucket), ("prefill_chunk", prefill_chunk),
+                            ("cache_bucket", cache_bucket)):
+            if not isinstance(value, int) or value < 1:
+                raise MindRLHFError(f"NativeSampler {name}={value!r} is invalid: use an integer >= 1")
         if model.shard.pp > 1:
             raise MindRLHFError(f"NativeSampler needs the whole model on each rank (or a tp slice of it), got "
                                 f"pipeline stage {model.shard.stage} of pp={model.shard.pp}; generate with an "
@@ -193,7 +203,8 @@ class NativeSampler(Sampler):
         self.shrink_batch = shrink_batch
         self.max_shrinks = max_shrinks
         self.max_cached_graphs = max_cached_graphs
-        self.prefill_chunk = _bucket(max(1, prefill_chunk), length_bucket)
+        self.prefill_chunk = _bucket(prefill_chunk, length_bucket)
+        self.cache_bucket = cache_bucket
         self._graphs: "OrderedDict[Tuple[int, int], Tuple[CachedDecoder, Any]]" = OrderedDict()
         self._storage: Optional[Tuple[int, ...]] = None
         #: How often compiled graphs were dropped because the model's Parameters were replaced
@@ -342,7 +353,7 @@ class NativeSampler(Sampler):
         # allocated for the life of the process, so t is kept bounded.
         piece = P if P <= self.prefill_chunk else self.prefill_chunk
         P = _bucket(P, piece)
-        S = P + _bucket(T, self.length_bucket)
+        S = _bucket(P + T, self.cache_bucket)
         ids = np.zeros((B, P), np.int32)
         mask = np.zeros((B, P), bool)
         for r, p in enumerate(prompts):
