@@ -97,6 +97,11 @@ def _check_file(path: Union[str, os.PathLike], what: str) -> Path:
     return path
 
 
+#: Files that make up a tokenizer folder (whichever of them exist are copied along with a model).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "chat_template.jinja")
+
+
 class Tokenizer:
     """A Hugging Face-compatible byte-level BPE tokenizer with its chat template.
 

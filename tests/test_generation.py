@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import mindspore as ms
 from mindspore import Tensor
 
 from mindrlhf.errors import MindRLHFError

@@ -3,7 +3,6 @@ models through a GGUF, the real SmolLM2-135M-Instruct file, and the user-facing 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Dict, Optional
 

@@ -121,6 +121,19 @@ def test_three_steps_metrics_finite_and_on_policy(grpo_assets, tmp_path):
     ckpts = CheckpointManager(str(out / "checkpoints"), 3)
     assert ckpts.list_steps() == [1, 2, 3]
     assert all(ckpts.verify(ckpts.step_dir(s)) is None for s in (1, 2, 3))
+    # A checkpoint folder is a loadable model: config.json and the tokenizer files travel with it.
+    import mindspore as ms
+    from mindrlhf.models import load_model
+    from mindrlhf.tokenizer import Tokenizer
+
+    step = ckpts.step_dir(3)
+    trained = ms.load_checkpoint(str(step / "policy.ckpt"))
+    model = load_model(step)
+    for name, param in model.parameters_and_names():
+        np.testing.assert_array_equal(param.asnumpy(), trained[name].asnumpy())
+    base = Tokenizer.from_dir(grpo_assets["model"])
+    assert Tokenizer.from_dir(step).encode("Natalia sold 48 clips.") == base.encode("Natalia sold 48 clips.")
+    assert json.loads((step / "config.json").read_text())["hidden_size"] == 32
 
 
 @pytest.mark.slow

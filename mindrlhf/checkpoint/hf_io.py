@@ -582,8 +582,12 @@ class WeightSource:
 
 
 def open_weights(path: PathLike) -> WeightSource:
-    """Open an HF model directory or a MindSpore checkpoint file (with its config next to it)."""
+    """Open an HF model directory, a MindSpore checkpoint file (with its config next to it) or a
+    training checkpoint folder (``step_N/``: its ``policy.ckpt``)."""
     path = Path(path)
+    if path.is_dir() and (path / "policy.ckpt").is_file() and not any(
+            (path / name).is_file() for name in (SINGLE_SAFETENSORS, SAFETENSORS_INDEX)):
+        path = path / "policy.ckpt"
     if path.is_dir():
         config = read_hf_config(path)
         return WeightSource(path, "hf", config, path / "config.json", hf_tensor_specs(path),

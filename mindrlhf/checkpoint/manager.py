@@ -1,8 +1,9 @@
 """Training checkpoints: atomic, checksummed, retained, and resumable exactly.
 
 Layout: ``<dir>/step_<NNNNNNNN>/`` with ``policy.ckpt``, ``optimizer.ckpt``, ``ref.ckpt`` (only when
-the reference was re-synced), ``state.json`` (step, data position, counters), ``config.yaml`` and,
-written last, ``manifest.json`` (size and SHA-256 of every file). A step is written into a
+the reference was re-synced), ``state.json`` (step, data position, counters), ``config.yaml``, the
+policy's ``config.json`` and tokenizer files (so the folder loads as a model: ``mindrlhf-eval --model
+<dir>/step_N``, ``convert_weight.py --reverse --input_path <dir>/step_N/policy.ckpt``) and, written last, ``manifest.json`` (size and SHA-256 of every file). A step is written into a
 temporary folder and renamed into place, so a crash never leaves a half-written ``step_*``; a
 folder whose manifest is missing or whose checksums differ is reported and skipped.
 """
@@ -14,7 +15,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple, Union
 
 import mindspore as ms
 
@@ -64,8 +65,9 @@ class CheckpointManager:
         return self.dir / f"{PREFIX}{step:08d}"
 
     def save(self, step: int, tensors: Mapping[str, Mapping[str, ms.Parameter]], state: dict,
-             config_yaml: str) -> Path:
-        """Write checkpoint ``step``: ``tensors`` maps file stem (policy, optimizer, ref) → params."""
+             config_yaml: str, files: Optional[Mapping[str, Union[bytes, Path]]] = None) -> Path:
+        """Write checkpoint ``step``: ``tensors`` maps file stem (policy, optimizer, ref) → params;
+        ``files`` maps further file names to their content or to a file to copy (all in the manifest)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         final = self.step_dir(step)
         tmp = self.dir / f".{final.name}.tmp-{os.getpid()}"
@@ -76,6 +78,11 @@ class CheckpointManager:
             save_parameters(params, tmp / f"{stem}.ckpt")
         (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True), encoding="utf-8")
         (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
+        for name, content in (files or {}).items():
+            if isinstance(content, bytes):
+                (tmp / name).write_bytes(content)
+            else:
+                shutil.copyfile(content, tmp / name)
         files = sorted(p.name for p in tmp.iterdir())
         manifest = {"step": step, "files": {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)}
                                             for n in files}}

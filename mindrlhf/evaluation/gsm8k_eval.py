@@ -182,7 +182,8 @@ def resolve_model_path(model: Optional[PathLike], progress: bool = False) -> Pat
         return Path(prepare_smollm2(progress=progress))
     path = Path(model)
     if not path.exists():
-        raise MindRLHFError(f"--model {path} not found; pass a Hugging Face model directory or a MindSpore "
+        raise MindRLHFError(f"--model {path} not found; pass a Hugging Face model directory, a training checkpoint "
+                            f"folder (checkpoints/step_N) or a MindSpore "
                             f".ckpt/.safetensors file with config.json next to it (or omit --model for SmolLM2)")
     return path
 
@@ -414,8 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Evaluate a model on GSM8K (greedy pass@1 or sampled maj@k) with "
                                             "the training prompt and the training accuracy reward.")
     p.add_argument("--model", default=None,
-                   help="Hugging Face model directory or MindSpore .ckpt/.safetensors (config.json next to it); "
-                        "default: the embedded SmolLM2-135M-Instruct")
+                   help="Hugging Face model directory, MindSpore .ckpt/.safetensors (config.json next to it) or a "
+                        "training checkpoint folder (output_dir/checkpoints/step_N); default: the embedded "
+                        "SmolLM2-135M-Instruct")
     p.add_argument("--tokenizer_dir", default=None, help="tokenizer folder (default: the files next to the model)")
     p.add_argument("--vocab_path", default=None, help="tokenizer vocab.json (with --merges_file_path)")
     p.add_argument("--merges_file_path", default=None, help="tokenizer merges.txt (with --vocab_path)")

@@ -34,6 +34,7 @@ if __package__ in (None, ""):  # run as a file: make the checkout importable
 
 from mindrlhf.checkpoint import hf_io  # noqa: E402
 from mindrlhf.errors import MindRLHFError  # noqa: E402
+from mindrlhf.tokenizer import TOKENIZER_FILES  # noqa: E402
 from mindrlhf.utils.cli import run_cli  # noqa: E402
 
 # --model value -> HF config model_type
@@ -45,8 +46,6 @@ OVERRIDABLE_EXTRA_KEYS = frozenset({
     "sliding_window", "use_sliding_window", "max_window_layers", "hidden_act",
     "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype",
 })
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-                   "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "chat_template.jinja")
 
 
 def build_parser() -> argparse.ArgumentParser:

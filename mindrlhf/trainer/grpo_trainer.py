@@ -19,6 +19,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from mindrlhf.algorithms import group_advantages
+from mindrlhf.checkpoint.hf_io import config_with_dtype
 from mindrlhf.checkpoint.manager import CheckpointManager, load_parameters_into
 from mindrlhf.data import PromptDataset
 from mindrlhf.errors import MindRLHFError
@@ -31,6 +32,7 @@ from mindrlhf.parallel.layout import ParallelLayout
 from mindrlhf.parallel.pipeline import PipelineRunner
 from mindrlhf.parallel.resharding import STATE_PREFIXES, assemble, load_full_into, model_names, reshard_model
 from mindrlhf.rewards import RewardManager
+from mindrlhf.tokenizer import TOKENIZER_FILES
 from mindrlhf.trainer.experience import (Experience, bucket, left_pad, load_experience, right_pad,
                                          save_experience, step_file)
 from mindrlhf.trainer.metrics import MetricsLogger, console_line
@@ -304,7 +306,17 @@ class GRPOTrainer:
         state = {"step": self.step, "consecutive_nonfinite": self.consecutive_nonfinite,
                  "skipped_updates": self.skipped_updates, "ref_synced": self.ref_synced,
                  "world_size": self.world, "reward_failures": dict(self.rewards.failures)}
-        self.ckpt.save(self.step, tensors, state, yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        self.ckpt.save(self.step, tensors, state, yaml.safe_dump(self.cfg.to_dict(), sort_keys=False),
+                       files=self._model_files())
+
+    def _model_files(self) -> Dict[str, object]:
+        """config.json of the policy and its tokenizer's files: a checkpoint folder is a loadable model."""
+        config = config_with_dtype(self.policy.config.to_hf_dict(), self.cfg.model.dtype)
+        files: Dict[str, object] = {"config.json": json.dumps(config, indent=2).encode("utf-8")}
+        folder = Path(self.tokenizer.source)
+        if folder.is_dir():
+            files.update({name: folder / name for name in TOKENIZER_FILES if (folder / name).is_file()})
+        return files
 
     def _load_state(self, params: Dict[str, object], path: Path) -> None:
         """Load a full checkpoint file into this rank's (possibly sharded) tensors."""
