@@ -35,6 +35,7 @@ setup(
             "mindrlhf-data=mindrlhf.data.rlhf_data:main",
             "mindrlhf-grpo=mindrlhf.grpo:main",
             "mindrlhf-eval=mindrlhf.evaluation.gsm8k_eval:main",
+            "mindrlhf-reward-trend=mindrlhf.tools.reward_trend:main",
         ]
     },
 )

@@ -205,7 +205,7 @@ def test_cli_overrides_yaml_only_for_given_flags(tmp_path):
     assert cfg.algorithm.beta == 0.1  # CLI wins
     assert cfg.algorithm.num_generations == 8 and cfg.train.max_steps == 7  # YAML kept
     assert cfg.optimizer.lr == 2e-6  # CLI on top of a default
-    assert cfg.generation.temperature == 1.0  # default kept
+    assert cfg.generation.temperature == GRPOConfig().generation.temperature == 0.7  # default kept
     assert parse_args([]) == GRPOConfig()
 
 
@@ -329,7 +329,7 @@ RULES = [
     (dict(min_p=1.0), ["min_p = 1.0 must be < 1"]),
     (dict(min_p=-0.1), ["min_p = -0.1 must be >= 0"]),
     (dict(repetition_penalty=0.0), ["repetition_penalty = 0.0 must be > 0"]),
-    (dict(min_new_tokens=200), ["min_new_tokens = 200 > max_completion_length = 128"]),
+    (dict(min_new_tokens=200), ["min_new_tokens = 200 > max_completion_length = 160"]),
     (dict(stop_token_ids=[5, -1]), ["stop_token_ids[1] = -1 must be >= 0"]),
     # optimizer
     (dict(lr=0.0), ["lr = 0.0 must be > 0"]),
