@@ -41,7 +41,7 @@ def test_defaults_validate():
     assert cfg.algorithm.beta == 0.0 and cfg.algorithm.kl_estimator == "k3"
     assert cfg.algorithm.loss_agg_mode == "seq-mean-token-mean"
     assert cfg.algorithm.reward_funcs == ["accuracy", "gsm8k_format"] and cfg.algorithm.reward_weights is None
-    assert cfg.optimizer.lr == 1e-5 and cfg.parallel.device_target == "CPU" and cfg.train.max_steps == 12
+    assert cfg.optimizer.lr == 2e-5 and cfg.parallel.device_target == "CPU" and cfg.train.max_steps == 12
 
 
 def test_every_field_has_help_default_and_unique_name():

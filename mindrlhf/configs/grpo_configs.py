@@ -175,8 +175,8 @@ class OptimizerConfig:
     """AdamW, learning-rate schedule, gradient clipping and non-finite guards."""
 
     lr: float = config_field(
-        1e-5, "Peak learning rate of AdamW (reached after warmup_steps). Range > 0. The default suits the "
-        "embedded 135M model's short CPU run; use ~1e-6 for 0.5-1.5B models and ~5e-7 for 7B.",
+        2e-5, "Peak learning rate of AdamW (reached after warmup_steps). Range > 0. The default suits the "
+        "embedded 135M model's short CPU run (the README's results use it); use ~1e-6 for 0.5-1.5B models and ~5e-7 for 7B.",
         gt=0.0)
     min_lr: float = config_field(
         0.0, "Learning rate at the end of the cosine / linear decay (at max_steps). Range [0, lr]. Unused "
@@ -312,8 +312,9 @@ class TrainConfig:
     """Training loop: length, seed, outputs, checkpoints, resume, logging, experience dumps."""
 
     max_steps: int = config_field(
-        12, "Training steps (the default run: ~1 min each for SmolLM2-135M on 2 CPU cores). One step = num_rollouts generation calls of chunk_size prompts, scoring, "
-        "then num_iterations passes of optimizer updates. Range >= 1.",
+        12, "Training steps (the default run: ~70 s each for SmolLM2-135M on 2 CPU cores, ~15 min in all). One "
+        "step = num_rollouts generation calls of chunk_size prompts, scoring, then num_iterations passes of "
+        "optimizer updates. Range >= 1.",
         ge=1)
     seed: int = config_field(
         42, "Seed for data order, initialisation and sampling; same seed and config = same run "
