@@ -35,3 +35,10 @@ def test_cli_reads_metrics_jsonl_last_row_of_a_step_wins(tmp_path, capsys):
     assert "first 2 0.500 ± 0.500, last 2 0.500 ± 0.250, change +0.000 ± 0.559" in out
     assert main([str(path), "--key", "kl"]) == 2
     assert "has no metric 'kl'" in capsys.readouterr().err
+
+
+def test_a_broken_metrics_line_is_named(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "reward": 0.5}\n{"step": 2, "rew\n')
+    assert main([str(path), "--window", "2"]) == 2
+    assert f"{path}:2: not JSON" in capsys.readouterr().err

@@ -3,7 +3,8 @@
 Layout: ``<dir>/step_<NNNNNNNN>/`` with ``policy.ckpt``, ``optimizer.ckpt``, ``ref.ckpt`` (only when
 the reference was re-synced), ``state.json`` (step, data position, counters), ``config.yaml``, the
 policy's ``config.json`` and tokenizer files (so the folder loads as a model: ``mindrlhf-eval --model
-<dir>/step_N``, ``convert_weight.py --reverse --input_path <dir>/step_N/policy.ckpt``) and, written last, ``manifest.json`` (size and SHA-256 of every file). A step is written into a
+<dir>/step_N``, ``convert_weight.py --reverse --input_path <dir>/step_N/policy.ckpt``) and, written
+last, ``manifest.json`` (size and SHA-256 of every file). A step is written into a
 temporary folder and renamed into place, so a crash never leaves a half-written ``step_*``; a
 folder whose manifest is missing or whose checksums differ is reported and skipped.
 """
@@ -83,9 +84,9 @@ class CheckpointManager:
                 (tmp / name).write_bytes(content)
             else:
                 shutil.copyfile(content, tmp / name)
-        files = sorted(p.name for p in tmp.iterdir())
+        written = sorted(p.name for p in tmp.iterdir())
         manifest = {"step": step, "files": {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)}
-                                            for n in files}}
+                                            for n in written}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
         if final.exists():  # a re-run of the same step replaces the old copy
             shutil.rmtree(final)

@@ -8,12 +8,12 @@ difference of independent means, sqrt(se1² + se2²).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from mindrlhf.errors import MindRLHFError
+from mindrlhf.trainer.metrics import read_metrics
 from mindrlhf.utils.cli import run_cli
 
 
@@ -45,36 +45,33 @@ def read_metric(path: Path, key: str) -> List[float]:
     """One metric per step from a metrics.jsonl (the last row of a step wins, as after a resume)."""
     if not path.is_file():
         raise MindRLHFError(f"{path} not found; pass a run's metrics.jsonl (in its output_dir)")
-    by_step: Dict[int, float] = {}
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise MindRLHFError(f"{path}:{i}: not JSON ({err})") from None
-        if key in row:
-            by_step[int(row["step"])] = float(row[key])
+    by_step = {int(row["step"]): float(row[key]) for row in read_metrics(path) if key in row}
     if not by_step:
         raise MindRLHFError(f"{path} has no metric {key!r}; pick one of its keys with --key")
     return [by_step[s] for s in sorted(by_step)]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    def run(args_list) -> int:
-        p = argparse.ArgumentParser(prog="mindrlhf-reward-trend", description=__doc__.split("\n\n")[0])
-        p.add_argument("metrics", help="a run's metrics.jsonl")
-        p.add_argument("--window", type=int, default=10, help="steps in each of the two windows (default 10)")
-        p.add_argument("--key", default="reward", help="metric to compare (default: reward, the mean total reward)")
-        args = p.parse_args(args_list)
-        t = reward_trend(read_metric(Path(args.metrics), args.key), args.window)
-        w = args.window
-        print(f"{args.key} over {t['steps']} steps: first {w} {t['first_mean']:.3f} ± {t['first_se']:.3f}, "
-              f"last {w} {t['last_mean']:.3f} ± {t['last_se']:.3f}, "
-              f"change {t['diff']:+.3f} ± {t['diff_se']:.3f} (mean ± standard error)")
-        return 0
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mindrlhf-reward-trend", description=__doc__.split("\n\n")[0])
+    p.add_argument("metrics", help="a run's metrics.jsonl")
+    p.add_argument("--window", type=int, default=10, help="steps in each of the two windows (default 10)")
+    p.add_argument("--key", default="reward", help="metric to compare (default: reward, the mean total reward)")
+    return p
 
-    return run_cli(run, argv)
+
+def _main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    t = reward_trend(read_metric(Path(args.metrics), args.key), args.window)
+    w = args.window
+    print(f"{args.key} over {t['steps']} steps: first {w} {t['first_mean']:.3f} ± {t['first_se']:.3f}, "
+          f"last {w} {t['last_mean']:.3f} ± {t['last_se']:.3f}, "
+          f"change {t['diff']:+.3f} ± {t['diff_se']:.3f} (mean ± standard error)")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console entry point (``mindrlhf-reward-trend``)."""
+    return run_cli(_main, argv)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
+from mindrlhf.errors import MindRLHFError
+
 # -- CRC32C (Castagnoli), as TFRecord framing requires ---------------------------------------
 _CRC_TABLE = []
 for _i in range(256):
@@ -134,12 +136,23 @@ class MetricsLogger:
         """``reward.png`` and ``accuracy.png`` beside metrics.jsonl, from every logged step."""
         if not self.enabled or not self.jsonl_path.exists():
             return
-        rows = [json.loads(line) for line in self.jsonl_path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        write_curves(rows, self.jsonl_path.parent, window)
+        write_curves(read_metrics(self.jsonl_path), self.jsonl_path.parent, window)
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def read_metrics(path: Path) -> List[Dict]:
+    """The rows of a metrics.jsonl, in file order (blank lines skipped)."""
+    rows = []
+    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise MindRLHFError(f"{path}:{i}: not JSON ({err})") from None
+    return rows
 
 
 def rolling_mean(values: Sequence[float], window: int) -> List[float]:
