@@ -307,6 +307,9 @@ def test_manager_config_errors():
     ("the answer is #### 7", 0.0),          # not at the start of the line
     ("#### seven", 0.0),
     ("####", 0.0),
+    ("#### 7\n#### 7", 0.0),                # a repeated answer line (a model that never stops)
+    ("first #### 1\n#### 2", 0.0),          # more than one ####
+    ("####\n#### 2", 0.0),
     ("", 0.0),
 ])
 def test_gsm8k_format_reward(completion, expected):

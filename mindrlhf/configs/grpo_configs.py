@@ -112,7 +112,7 @@ class AlgorithmConfig:
         gt=0.0, le=1.0)
     reward_funcs: List[str] = config_field(
         ["accuracy", "gsm8k_format"], "Reward functions, by registry name (accuracy: the GSM8K answer matches; "
-        "gsm8k_format: the last line is '#### <number>', the default prompt style's format; format: "
+        "gsm8k_format: the answer ends with its only '#### <number>' line, the default prompt style's format; format: "
         "<think>...</think><answer>...</answer>, the 'tags' prompt style's; boxed: a \\boxed{} answer matches) or by "
         "dotted path 'package.module:function' for user functions. The step reward is their weighted sum "
         "(reward_weights); each is logged as rewards/<name>/mean. Names must be unique. Use the format reward of "

@@ -70,11 +70,16 @@ _HASH_LINE = re.compile(r"####[ \t]*(\S[^\n]*)")
 
 @register_reward("gsm8k_format")
 def gsm8k_format_reward(completions: Sequence, **kwargs) -> List[Optional[float]]:
-    """1.0 iff the completion's last non-empty line is ``#### <number>`` (GSM8K's answer format)."""
+    """1.0 iff the completion ends with its only ``#### <number>`` line (GSM8K's answer format).
+
+    Exactly one ``####`` is allowed: a model that repeats its answer line until the length limit
+    would otherwise be rewarded for never stopping.
+    """
     rewards = []
     for c in completions:
-        lines = [line.strip() for line in completion_text(c).splitlines() if line.strip()]
-        match = _HASH_LINE.fullmatch(lines[-1]) if lines else None
+        text = completion_text(c)
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        match = _HASH_LINE.fullmatch(lines[-1]) if lines and text.count("####") == 1 else None
         rewards.append(1.0 if match and parse_number(match.group(1)) is not None else 0.0)
     return rewards
 
