@@ -41,6 +41,9 @@ from mindrlhf.trainer.train_step import LossSettings, PolicyUpdater
 
 log = logging.getLogger(__name__)
 PROMPT_BUCKET = 32  # prompt columns are padded to a multiple of this (fewer compiled shapes)
+# Completion columns: the longest completion of the step (over all ranks), rounded up to a multiple
+# of this, at most max_completion_length. A policy that learns to stop trains on fewer columns.
+COMPLETION_BUCKET = 32
 
 
 class GRPOTrainer:
@@ -118,7 +121,10 @@ class GRPOTrainer:
         rep = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731
         prompts_rep, solution_rep = rep(prompts), rep(solutions)
         P = bucket(max(len(p) for p in prompts), PROMPT_BUCKET, None)
-        C = g.max_completion_length
+        # Every rank uses the global width, so rows gathered across ranks line up and the numbers
+        # do not depend on how rows are spread over ranks.
+        longest = int(comm.all_gather(np.array([max(len(c.token_ids) for c in completions)], np.int64)).max())
+        C = bucket(longest, COMPLETION_BUCKET, g.max_completion_length)
         prompt_ids, prompt_mask = left_pad(prompts_rep, P, self.pad_id)
         comp_ids = right_pad([c.token_ids for c in completions], C, self.pad_id, np.int32)
         present = right_pad([[1] * len(c.token_ids) for c in completions], C, 0, np.int32)

@@ -1,0 +1,56 @@
+"""The policy update (trainer.train_step.PolicyUpdater) on a tiny Qwen2: padding invariance."""
+import numpy as np
+import pytest
+
+from mindrlhf.trainer.experience import Experience, left_pad, right_pad
+
+
+def _experience(width: int, seed: int = 0) -> Experience:
+    """Four rows with prompts of 3-6 tokens and completions of 2-9 tokens, completions padded to ``width``."""
+    rng = np.random.default_rng(seed)
+    prompts = [list(rng.integers(1, 200, n)) for n in (3, 6, 4, 5)]
+    completions = [list(rng.integers(1, 200, n)) for n in (9, 2, 5, 7)]
+    logp = [list(-rng.random(len(c)).astype(np.float32)) for c in completions]
+    prompt_ids, prompt_mask = left_pad(prompts, 8, 0)
+    present = right_pad([[1] * len(c) for c in completions], width, 0, np.int32)
+    n = len(prompts)
+    return Experience(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+        completion_ids=right_pad(completions, width, 0, np.int32), completion_mask=present.astype(np.float32),
+        sampler_logp=right_pad(logp, width, 0.0, np.float32), truncated=np.zeros(n, bool),
+        rewards=np.array([1, 0, 0, 1], np.float32), reward_per_fn=np.zeros((n, 1), np.float32),
+        advantages=np.array([0.87, -0.87, -0.87, 0.87], np.float32), prompt_index=np.zeros(n, np.int64),
+        ref_logp=right_pad(logp, width, 0.0, np.float32), extras={"completion_present": present})
+
+
+def _update(model_dir, exp: Experience, loss_agg_mode: str):
+    from mindrlhf.models import get_weights, load_model
+    from mindrlhf.trainer.train_step import LossSettings, PolicyUpdater
+
+    model = load_model(model_dir)
+    settings = LossSettings(loss_type="grpo", loss_agg_mode=loss_agg_mode, epsilon_low=0.2, epsilon_high=0.2,
+                            beta=0.04, kl_estimator="k3", max_completion_length=16, temperature=0.7,
+                            off_policy=False)
+    updater = PolicyUpdater(model, settings, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
+                            max_grad_norm=1.0, jit=False)
+    inputs = exp.train_inputs()
+    micro = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"],
+             "completion_ids": exp.completion_ids, "completion_mask": exp.completion_mask,
+             "advantages": exp.advantages, "old_logp": exp.sampler_logp, "ref_logp": exp.ref_logp}
+    mask = exp.completion_mask
+    result = updater.step([micro], float(mask.sum()), float((mask.sum(1) > 0).sum()))
+    return result, get_weights(model)
+
+
+@pytest.mark.parametrize("loss_agg_mode", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
+def test_extra_completion_padding_does_not_change_the_update(tiny_qwen2_dir, loss_agg_mode):
+    # The trainer pads completions only to the step's longest (rounded up), not to max_completion_length;
+    # that is only valid because padded columns contribute nothing to the loss, the gradient or the KL.
+    narrow, narrow_w = _update(tiny_qwen2_dir, _experience(9), loss_agg_mode)
+    wide, wide_w = _update(tiny_qwen2_dir, _experience(16), loss_agg_mode)
+    assert narrow["grad_norm"] > 0 and narrow["kl"] > 0
+    for key in ("loss", "grad_norm", "kl"):
+        assert wide[key] == pytest.approx(narrow[key], rel=1e-5, abs=1e-8), key
+    assert set(narrow_w) == set(wide_w)
+    for name in narrow_w:
+        np.testing.assert_allclose(wide_w[name], narrow_w[name], rtol=1e-5, atol=1e-7, err_msg=name)
