@@ -116,9 +116,8 @@ class MetricsLogger:
         output_dir.mkdir(parents=True, exist_ok=True)
         if self.jsonl_path.exists():
             # On resume keep only the steps the checkpoint covers: rows after it are redone.
-            kept = [line for line in self.jsonl_path.read_text(encoding="utf-8").splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            self.jsonl_path.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+            kept = [row for row in read_metrics(self.jsonl_path) if row.get("step", 0) <= resume_step]
+            self.jsonl_path.write_text("".join(json.dumps(row) + "\n" for row in kept), encoding="utf-8")
         if tensorboard:
             self.tb = TensorBoardWriter(output_dir / "tensorboard")
 
