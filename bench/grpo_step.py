@@ -12,7 +12,6 @@ import argparse
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,19 +22,17 @@ PHASES = ("time/generate", "time/reward", "time/ref", "time/old_logp", "time/tra
 
 
 def _tiny_model(root: Path, tokenizer_dir: Path) -> Path:
-    from tiny_models import make_tiny_qwen2
+    from tiny_models import add_tokenizer, make_tiny_qwen2
 
     model = make_tiny_qwen2(root / "tiny", hidden_size=64, intermediate_size=128, max_position_embeddings=1024)
-    for f in tokenizer_dir.iterdir():
-        if f.name.startswith(("vocab", "merges", "tokenizer", "special", "added")):
-            shutil.copy(f, model / f.name)
-    return model
+    return add_tokenizer(model, tokenizer_dir)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="HF dir / MindSpore ckpt, 'smollm2', or '' for the tiny preset")
-    ap.add_argument("--data_dir", default=str(REPO.parent / "shared" / "data"), help="folder with gsm8k/ and qwen2.5-tokenizer/")
+    ap.add_argument("--data_dir", default=str(REPO / "tests" / "data"),
+                    help="folder with gsm8k/ and qwen2.5-tokenizer/ (default: the test data in the repository)")
     ap.add_argument("--steps", type=int, default=4, help="GRPO steps (the first one compiles)")
     ap.add_argument("--num_generations", type=int, default=8)
     ap.add_argument("--chunk_size", type=int, default=4)
@@ -61,7 +58,8 @@ def main() -> None:
         model = str(_tiny_model(root, data_dir / "qwen2.5-tokenizer"))
     argv = ["--sft_path_train", model, "--output_dir", str(root / "out"), "--max_steps", str(args.steps),
             "--num_generations", str(args.num_generations), "--chunk_size", str(args.chunk_size),
-            "--max_completion_length", str(args.max_completion_length), "--micro_batch_size", str(args.micro_batch_size),
+            "--max_completion_length", str(args.max_completion_length),
+            "--micro_batch_size", str(args.micro_batch_size),
             "--beta", str(args.beta), "--num_iterations", str(args.num_iterations), "--save_steps", str(10 ** 6),
             "--progress_bar", "false", "--tensorboard", "false", "--log_completions_steps", "0", "--lr", "1e-6"]
     cfg = parse_args(argv)

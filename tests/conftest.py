@@ -1,4 +1,4 @@
-"""Shared fixtures: the data folder next to the checkout, MindSpore on CPU, tiny HF models."""
+"""Shared fixtures: the test data the repository carries, MindSpore on CPU, tiny HF models."""
 from __future__ import annotations
 
 import os
@@ -11,23 +11,31 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 
-def _shared_data() -> Path:
+# The repository carries its test data (GSM8K train/test, MIT; the Qwen2.5 tokenizer, Apache-2.0):
+# a fresh clone runs the suite with nothing beside it. MINDRLHF_DATA_DIR points at another folder of
+# the same layout (gsm8k/{train,test}.jsonl, qwen2.5-tokenizer/).
+TEST_DATA = REPO / "tests" / "data"
+
+
+def _data_dir() -> Path:
     env = os.environ.get("MINDRLHF_DATA_DIR")
-    return Path(env) if env else REPO.parent / "shared" / "data"
+    return Path(env).expanduser() if env else TEST_DATA
 
 
 @pytest.fixture(scope="session")
-def shared_data() -> Path:
-    """``../shared/data`` (or ``$MINDRLHF_DATA_DIR``): GSM8K jsonl and the Qwen2.5 tokenizer."""
-    path = _shared_data()
-    if not (path / "gsm8k" / "test.jsonl").is_file():
-        raise RuntimeError(f"test data not found at {path}; set MINDRLHF_DATA_DIR to the shared data folder")
+def data_dir() -> Path:
+    """``tests/data`` (or ``$MINDRLHF_DATA_DIR``): GSM8K jsonl and the Qwen2.5 tokenizer."""
+    path = _data_dir()
+    for needed in ("gsm8k/train.jsonl", "gsm8k/test.jsonl", "qwen2.5-tokenizer/vocab.json"):
+        if not (path / needed).is_file():
+            raise RuntimeError(f"test data: {path / needed} not found; unset MINDRLHF_DATA_DIR to use "
+                               f"{TEST_DATA}, or point it at a folder with gsm8k/ and qwen2.5-tokenizer/")
     return path
 
 
 @pytest.fixture(scope="session")
-def qwen_tokenizer_dir(shared_data: Path) -> Path:
-    return shared_data / "qwen2.5-tokenizer"
+def qwen_tokenizer_dir(data_dir: Path) -> Path:
+    return data_dir / "qwen2.5-tokenizer"
 
 
 @pytest.fixture(scope="session", autouse=True)

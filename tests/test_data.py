@@ -25,8 +25,8 @@ def tok(qwen_tokenizer_dir: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def gsm8k_rows(shared_data: Path) -> list:
-    with open(shared_data / "gsm8k" / "test.jsonl", encoding="utf-8") as handle:
+def gsm8k_rows(data_dir: Path) -> list:
+    with open(data_dir / "gsm8k" / "test.jsonl", encoding="utf-8") as handle:
         return [json.loads(line) for line in handle]
 
 
@@ -51,9 +51,9 @@ def _read_all(path: Path) -> list:
 
 
 @pytest.fixture(scope="module")
-def test_mindrecord(tmp_path_factory, shared_data, qwen_tokenizer_dir) -> Path:
+def test_mindrecord(tmp_path_factory, data_dir, qwen_tokenizer_dir) -> Path:
     out = tmp_path_factory.mktemp("run1") / "gsm8k_test.mindrecord"
-    argv = _tokenizer_args(qwen_tokenizer_dir) + ["--file_path", str(shared_data / "gsm8k" / "test.jsonl"),
+    argv = _tokenizer_args(qwen_tokenizer_dir) + ["--file_path", str(data_dir / "gsm8k" / "test.jsonl"),
                                                   "--output_path", str(out)]
     assert main(argv) == 0
     return out
@@ -81,7 +81,8 @@ def test_build_prompt(tok):
     assert "'#### <number>'" in DEFAULT_SYSTEM_PROMPT  # the default prompt style: GSM8K's own answer line
     assert build_prompt(question, tok, use_chat_template=False) == question
     # No system prompt: the template's own default system message (Qwen's) applies.
-    assert build_prompt(question, tok, system_prompt="") == tok.apply_chat_template([{"role": "user", "content": question}])
+    assert build_prompt(question, tok, system_prompt="") == tok.apply_chat_template(
+        [{"role": "user", "content": question}])
 
 
 # ---------------------------------------------------------------- converter on real GSM8K
@@ -100,13 +101,13 @@ def test_gsm8k_test_all_rows_written(test_mindrecord, tok, gsm8k_rows):
     assert first == tok.encode(build_prompt(gsm8k_rows[0]["question"], tok))
 
 
-def test_summary_and_determinism(tmp_path, shared_data, qwen_tokenizer_dir, test_mindrecord, capsys):
+def test_summary_and_determinism(tmp_path, data_dir, qwen_tokenizer_dir, test_mindrecord, capsys):
     """Two runs give byte-identical .mindrecord and .db files when the output file NAME is the same.
 
     (MindRecord stores the file name in its header and index, but no timestamp.)
     """
     out = tmp_path / test_mindrecord.name
-    argv = _tokenizer_args(qwen_tokenizer_dir) + ["--file_path", str(shared_data / "gsm8k" / "test.jsonl"),
+    argv = _tokenizer_args(qwen_tokenizer_dir) + ["--file_path", str(data_dir / "gsm8k" / "test.jsonl"),
                                                   "--output_path", str(out)]
     assert main(argv) == 0
     stdout = capsys.readouterr().out
@@ -115,7 +116,7 @@ def test_summary_and_determinism(tmp_path, shared_data, qwen_tokenizer_dir, test
     assert Path(f"{out}.db").read_bytes() == Path(f"{test_mindrecord}.db").read_bytes()
 
 
-def test_refuses_to_overwrite_without_flag(tmp_path, shared_data, qwen_tokenizer_dir, capsys):
+def test_refuses_to_overwrite_without_flag(tmp_path, data_dir, qwen_tokenizer_dir, capsys):
     source = tmp_path / "in.jsonl"
     source.write_text("\n".join(json.dumps(r) for r in [{"question": "1+1?", "answer": "#### 2"}]) + "\n")
     out = tmp_path / "out.mindrecord"
@@ -226,7 +227,8 @@ def test_missing_chat_template_is_a_one_line_error(tmp_path, qwen_tokenizer_dir,
     source = tmp_path / "in.jsonl"
     source.write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n", encoding="utf-8")
     argv = _tokenizer_args(qwen_tokenizer_dir) + ["--file_path", str(source), "--output_path",
-                                                  str(tmp_path / "o.mindrecord"), "--tokenizer_config", str(config_path)]
+                                                  str(tmp_path / "o.mindrecord"),
+                                                  "--tokenizer_config", str(config_path)]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "--no_chat_template" in err and "\n" not in err
@@ -363,7 +365,7 @@ def _gsm8k_prompt_tokenizers(qwen_tokenizer_dir):
         yield "SmolLM2", Tokenizer.from_dir(prepare_smollm2())
 
 
-def test_every_gsm8k_prompt_fits_the_default_max_prompt_length(shared_data, qwen_tokenizer_dir):
+def test_every_gsm8k_prompt_fits_the_default_max_prompt_length(data_dir, qwen_tokenizer_dir):
     """The defaults of the job and of rlhf_data.py accept every GSM8K question (train and test) in
     both prompt styles, so the full dataset converts with nothing skipped."""
     from mindrlhf.configs import GRPOConfig
@@ -373,7 +375,7 @@ def test_every_gsm8k_prompt_fits_the_default_max_prompt_length(shared_data, qwen
     limit = GRPOConfig().generation.max_prompt_length
     assert inspect.signature(convert_to_mindrecord).parameters["max_prompt_length"].default == limit
     questions = [json.loads(line)["question"] for split in ("train", "test")
-                 for line in (shared_data / "gsm8k" / f"{split}.jsonl").read_text().splitlines() if line.strip()]
+                 for line in (data_dir / "gsm8k" / f"{split}.jsonl").read_text().splitlines() if line.strip()]
     assert len(questions) > 8000
     longest = 0
     for name, tokenizer in _gsm8k_prompt_tokenizers(qwen_tokenizer_dir):

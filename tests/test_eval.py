@@ -13,6 +13,7 @@ import pytest
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.evaluation import binomial_stderr, evaluate, load_questions, majority_vote, score_question
 from mindrlhf.evaluation.gsm8k_eval import main
+from tiny_models import add_tokenizer
 
 FIELDS = {"index", "line", "question", "solution", "completions", "extracted_answers", "predicted_answer",
           "votes", "correct", "format_ok", "sample_correct", "completion_tokens", "finish_reasons"}
@@ -122,15 +123,13 @@ def test_load_questions_errors(tmp_path):
 
 # ------------------------------------------------------------------------------- tiny model runs
 @pytest.fixture(scope="module")
-def eval_assets(tmp_path_factory, tiny_qwen2_dir, qwen_tokenizer_dir, shared_data):
+def eval_assets(tmp_path_factory, tiny_qwen2_dir, qwen_tokenizer_dir, data_dir):
     """A copy of the tiny Qwen2 with the real Qwen tokenizer files next to it, and 5 GSM8K test rows."""
     root = tmp_path_factory.mktemp("eval")
     model_dir = root / "model"
     shutil.copytree(tiny_qwen2_dir, model_dir)
-    for f in qwen_tokenizer_dir.iterdir():
-        if f.name.startswith(("vocab", "merges", "tokenizer", "special", "added")):
-            shutil.copy(f, model_dir / f.name)
-    rows = (shared_data / "gsm8k" / "test.jsonl").read_text(encoding="utf-8").splitlines()[:5]
+    add_tokenizer(model_dir, qwen_tokenizer_dir)
+    rows = (data_dir / "gsm8k" / "test.jsonl").read_text(encoding="utf-8").splitlines()[:5]
     data = _write_jsonl(root / "gsm8k5.jsonl", rows)
     return {"model": model_dir, "data": data, "root": root}
 

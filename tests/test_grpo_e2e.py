@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,19 +29,17 @@ def _timing(key: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def grpo_assets(tmp_path_factory, qwen_tokenizer_dir, shared_data):
+def grpo_assets(tmp_path_factory, qwen_tokenizer_dir, data_dir):
     """A tiny Qwen2 HF dir (with the real tokenizer files) and a 16-prompt GSM8K mindrecord."""
-    from tiny_models import make_tiny_qwen2
+    from tiny_models import add_tokenizer, make_tiny_qwen2
     from mindrlhf.data.rlhf_data import convert_to_mindrecord
     from mindrlhf.tokenizer import Tokenizer
 
     root = tmp_path_factory.mktemp("grpo")
     model_dir = make_tiny_qwen2(root / "model", hidden_size=32, intermediate_size=64, num_attention_heads=4,
                                 num_key_value_heads=2, max_position_embeddings=1024)
-    for f in qwen_tokenizer_dir.iterdir():
-        if f.name.startswith(("vocab", "merges", "tokenizer", "special", "added")):
-            shutil.copy(f, model_dir / f.name)
-    rows = (shared_data / "gsm8k" / "test.jsonl").read_text().splitlines()[:16]
+    add_tokenizer(model_dir, qwen_tokenizer_dir)
+    rows = (data_dir / "gsm8k" / "test.jsonl").read_text().splitlines()[:16]
     jsonl = root / "gsm8k16.jsonl"
     jsonl.write_text("\n".join(rows) + "\n")
     data = root / "gsm8k16.mindrecord"

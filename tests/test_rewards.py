@@ -24,8 +24,8 @@ from mindrlhf.rewards import (
 
 # --- accuracy on GSM8K ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def gsm8k_answers(shared_data):
-    with open(shared_data / "gsm8k" / "test.jsonl", encoding="utf-8") as f:
+def gsm8k_answers(data_dir):
+    with open(data_dir / "gsm8k" / "test.jsonl", encoding="utf-8") as f:
         return [json.loads(line)["answer"] for line in f]
 
 

@@ -42,8 +42,8 @@ def hf(qwen_tokenizer_dir: Path):
 
 
 @pytest.fixture(scope="module")
-def gsm8k_test(shared_data: Path) -> list:
-    with open(shared_data / "gsm8k" / "test.jsonl", encoding="utf-8") as handle:
+def gsm8k_test(data_dir: Path) -> list:
+    with open(data_dir / "gsm8k" / "test.jsonl", encoding="utf-8") as handle:
         return [json.loads(line) for line in handle if line.strip()]
 
 

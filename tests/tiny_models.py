@@ -52,3 +52,16 @@ def make_tiny_llama(path: os.PathLike, *, seed: int = 0, **overrides: Any) -> Pa
     path = Path(path)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def add_tokenizer(model_dir: os.PathLike, tokenizer_dir: os.PathLike) -> Path:
+    """Copy a tokenizer's files (not its config.json) next to a model; return the model folder."""
+    import shutil
+
+    from mindrlhf.tokenizer import TOKENIZER_FILES
+
+    model_dir = Path(model_dir)
+    for name in TOKENIZER_FILES:
+        if (Path(tokenizer_dir) / name).is_file():
+            shutil.copy(Path(tokenizer_dir) / name, model_dir / name)
+    return model_dir
