@@ -9,9 +9,10 @@ The `tokenizers` pipeline is rebuilt the way Hugging Face's fast tokenizers buil
   no normalizer, the GPT-2 regex inside the ByteLevel pre-tokenizer.
 
 Any other ``tokenizer_class`` falls back to the Qwen2 pipeline (the family this toolkit targets),
-with a logged warning; so does a missing one (no config), silently. A ``tokenizer.json`` is used verbatim when ``from_dir`` finds one: it is the
-complete pipeline description, so no guessing from the class name is needed (SmolLM2's, for
-example, also splits digits one by one, which its vocab.json/merges.txt pair cannot express).
+with a logged warning; so does a missing one (no config), silently. A ``tokenizer.json`` is used
+verbatim when ``from_dir`` finds one: it is the complete pipeline description, so no guessing from
+the class name is needed (SmolLM2's, for example, also splits digits one by one, which its
+vocab.json/merges.txt pair cannot express).
 
 Added/special tokens come from ``tokenizer_config.json`` (``added_tokens_decoder``),
 ``added_tokens.json`` and ``special_tokens_map.json``; they keep the ids those files give.
@@ -34,7 +35,8 @@ from mindrlhf.errors import MindRLHFError
 logger = logging.getLogger(__name__)
 
 QWEN2_SPLIT_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 _QWEN2_CLASSES = {"Qwen2Tokenizer", "Qwen2TokenizerFast"}
 _GPT2_CLASSES = {"GPT2Tokenizer", "GPT2TokenizerFast"}
@@ -161,7 +163,8 @@ class Tokenizer:
             return cls(backend, config, source=str(folder))
         if not (folder / "vocab.json").is_file() or not (folder / "merges.txt").is_file():
             raise MindRLHFError(
-                f"{folder} has neither tokenizer.json nor vocab.json + merges.txt; point to a Hugging Face tokenizer folder"
+                f"{folder} has neither tokenizer.json nor vocab.json + merges.txt; "
+                "point to a Hugging Face tokenizer folder"
             )
         backend = cls._build_bpe(folder / "vocab.json", folder / "merges.txt", config, added)
         return cls(backend, config, source=str(folder))
@@ -187,7 +190,8 @@ class Tokenizer:
         try:
             vocab, merges = BPE.read_file(str(vocab_path), str(merges_path))
         except Exception as err:  # the Rust reader reports bad files as a generic Exception
-            raise MindRLHFError(f"cannot read {vocab_path} / {merges_path} ({err}); use the model's original files") from None
+            raise MindRLHFError(f"cannot read {vocab_path} / {merges_path} ({err}); "
+                                "use the model's original files") from None
         # Give added tokens their declared ids up front: tokenizers would otherwise number new tokens
         # sequentially after the vocab, which is only right when the ids happen to be contiguous.
         declared = dict(added)
@@ -241,7 +245,8 @@ class Tokenizer:
 
     @staticmethod
     def _set_post_processor(backend: _Backend, config: Dict[str, Any]) -> None:
-        """``add_bos_token`` / ``add_eos_token`` wrap the ids when ``add_special_tokens=True`` (transformers does the same)."""
+        """``add_bos_token`` / ``add_eos_token`` wrap the ids when ``add_special_tokens=True``
+        (transformers does the same)."""
         bos = _token_content(config.get("bos_token")) if config.get("add_bos_token") else None
         eos = _token_content(config.get("eos_token")) if config.get("add_eos_token") else None
         if bos is None and eos is None:

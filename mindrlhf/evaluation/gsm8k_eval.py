@@ -384,12 +384,14 @@ def _check_output(output: PathLike, data: Path) -> Path:
 def format_summary(result: Dict[str, Any]) -> str:
     """The end-of-run summary lines of ``evaluate``'s result."""
     lines = [
-        f"GSM8K {result['metric']} on {result['num_questions']} questions ({result['data_path']}, model {result['model']})",
+        f"GSM8K {result['metric']} on {result['num_questions']} questions "
+        f"({result['data_path']}, model {result['model']})",
         f"  accuracy       {result['accuracy']:.4f} ± {result['accuracy_stderr']:.4f} "
         f"({result['correct']}/{result['num_questions']})",
     ]
     if result["mode"] == "maj":
-        lines.append(f"  sample acc.    {result['sample_accuracy']:.4f} (mean over {result['num_completions']} completions)")
+        lines.append(f"  sample acc.    {result['sample_accuracy']:.4f} "
+                     f"(mean over {result['num_completions']} completions)")
     lines += [
         f"  format rate    {result['format_rate']:.4f} (completions the "
         f"'{style_format_reward(result['prompt_style'])}' reward scores 1)",

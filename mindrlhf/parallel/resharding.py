@@ -68,7 +68,8 @@ def assemble(tensors: Mapping[str, object], names: Iterable[str], config: Decode
     """
     if comm.world_size() != layout.world_size:
         raise MindRLHFError(f"assembling tensors of layout {layout} needs its {layout.world_size} processes, but "
-                            f"mindrlhf.parallel.comm sees {comm.world_size()}; call comm.init_distributed() under msrun")
+                            f"mindrlhf.parallel.comm sees {comm.world_size()}; "
+                            "call comm.init_distributed() under msrun")
     for name in names:
         base = base_name(name)
         full = np.zeros(param_shape(base, config), np.float32)
@@ -140,7 +141,8 @@ def rank_dirs(path) -> Dict[int, Path]:
     path = Path(path)
     if not path.is_dir():
         return {}
-    return {int(d.name[len("rank_"):]): d for d in path.glob("rank_*") if d.is_dir() and d.name[len("rank_"):].isdigit()}
+    return {int(d.name[len("rank_"):]): d for d in path.glob("rank_*")
+            if d.is_dir() and d.name[len("rank_"):].isdigit()}
 
 
 def load_shard(path, layout: ParallelLayout, rank: int, *, dtype: str = "float32", tp_group: Optional[str] = None,

@@ -658,7 +658,8 @@ def _convert(src: Path, out: Path, dtype: str, overwrite: bool, progress: bool,
     if unknown:
         raise MindRLHFError(
             f"{src}: tensor(s) {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''} do not belong to a "
-            f"{arch} decoder with {n_layers} layers; the file is not a plain {arch} model: use the original HF checkpoint"
+            f"{arch} decoder with {n_layers} layers; the file is not a plain {arch} model: "
+            "use the original HF checkpoint"
         )
     if "token_embd.weight" not in by_name:
         raise MindRLHFError(f"{src}: tensor token_embd.weight is missing; the file is corrupt: re-download it")

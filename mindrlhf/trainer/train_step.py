@@ -102,7 +102,8 @@ class PolicyUpdater:
         """The policy's completion log-probs of each micro-batch (the same on every rank of a replica)."""
         return self.runner.logprobs(micro_batches)
 
-    def step(self, micro_batches: Sequence[Dict[str, np.ndarray]], num_tokens: float, num_seqs: float) -> Dict[str, float]:
+    def step(self, micro_batches: Sequence[Dict[str, np.ndarray]], num_tokens: float,
+             num_seqs: float) -> Dict[str, float]:
         """One optimizer step over this rank's micro-batches of a mini-batch.
 
         ``num_tokens``/``num_seqs``: valid completion tokens / sequences of the whole mini-batch

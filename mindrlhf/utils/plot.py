@@ -219,8 +219,8 @@ def line_chart_png(
     colours = {label: colour for label, colour, _, _ in lines}
     bands = []
     for k, (label, (xs, lo, hi)) in enumerate((band or {}).items()):
-        x, l, h = _arrays(label, xs=xs, lo=lo, hi=hi)
-        bands.append((label, colours.get(label, PALETTE[(len(lines) + k) % len(PALETTE)]), x, l, h))
+        x, low, high = _arrays(label, xs=xs, lo=lo, hi=hi)
+        bands.append((label, colours.get(label, PALETTE[(len(lines) + k) % len(PALETTE)]), x, low, high))
 
     all_x = np.concatenate([np.zeros(0)] + [ln[2] for ln in lines] + [b[2] for b in bands])
     all_y = np.concatenate([np.zeros(0)] + [ln[3] for ln in lines] + [b[3] for b in bands] + [b[4] for b in bands])
