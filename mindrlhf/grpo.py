@@ -130,6 +130,7 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
     if dataset.max_prompt_length > cfg.generation.max_prompt_length:
         raise MindRLHFError(f"{data_path} was built with max_prompt_length={dataset.max_prompt_length} but the config "
                             f"has max_prompt_length={cfg.generation.max_prompt_length}; rebuild the data or raise it")
+    check_reward_style(cfg, tokenizer, dataset)
     limit = policy.config.max_position_embeddings
     if dataset.max_prompt_length + cfg.generation.max_completion_length > limit:
         raise MindRLHFError(f"max_prompt_length + max_completion_length = "
@@ -140,6 +141,19 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
     if sampler_model is not None and not (m.sft_path_infer and m.load_sft_checkpoint_infer):
         trainer.sync_generator()
     return trainer
+
+
+def check_reward_style(cfg: GRPOConfig, tokenizer, dataset) -> None:
+    """A format reward must match the prompt style the data was built with (read from its first
+    prompt); the other style's format reward never fires. Custom system prompts are not checked."""
+    from mindrlhf.data.gsm8k import check_format_reward, detect_prompt_style
+
+    if not dataset.num_rows:
+        return
+    first = tokenizer.decode(dataset.prompt_ids[0, :int(dataset.prompt_length[0])], skip_special_tokens=False)
+    style = detect_prompt_style(first)
+    if style is not None:
+        check_format_reward(style, cfg.algorithm.reward_funcs, dataset.path)
 
 
 def _config_of(path: str):

@@ -12,9 +12,9 @@ from mindrlhf.configs import GRPOConfig
 from mindrlhf.errors import MindRLHFError
 
 PKG = Path(__file__).resolve().parents[1] / "mindrlhf"
-# Fields whose only effect today is to constrain the layout (tensor/pipeline parallel training
-# is not implemented yet): a wrong value must be rejected, naming the field.
-VALIDATED_ONLY = {"train_micro_batches": {"train_micro_batches": 2}, "infer_dp": {"infer_dp": 2}}
+# Fields the code reads only through the parallel layout objects (ParallelLayout / RunLayout are
+# built from them in grpo.setup_runtime): besides being read, a wrong value must be rejected, naming the field.
+LAYOUT_CHECKED = {"train_micro_batches": {"train_micro_batches": 2}, "infer_dp": {"infer_dp": 2}}
 
 
 def _code_outside_configs() -> str:
@@ -47,8 +47,7 @@ def _live_properties(code: str) -> dict:
 def test_every_field_is_read_or_validated(field):
     code = _code_outside_configs()
     used = _read(field, code) or any(_read(field, src) for src in _live_properties(code).values())
-    if field in VALIDATED_ONLY:
+    if field in LAYOUT_CHECKED:
         with pytest.raises(MindRLHFError, match=field):
-            GRPOConfig.from_dict(VALIDATED_ONLY[field])
-        return
+            GRPOConfig.from_dict(LAYOUT_CHECKED[field])
     assert used, f"config field {field!r} is never read by mindrlhf (dead field)"

@@ -167,7 +167,7 @@ class GenerationConfig:
         ge=0)
     use_vllm: bool = config_field(
         False, "Generate with the optional vLLM-MindSpore backend (Ascend only; needs the vllm_mindspore "
-        "package) instead of the built-in KV-cache sampler. Same sampling options and outputs.")
+        "package) instead of the built-in KV-cache sampler. Not wired in yet: the job refuses true.")
 
 
 @dataclass
@@ -176,7 +176,8 @@ class OptimizerConfig:
 
     lr: float = config_field(
         2e-5, "Peak learning rate of AdamW (reached after warmup_steps). Range > 0. The default suits the "
-        "embedded 135M model's short CPU run (the README's results use it); use ~1e-6 for 0.5-1.5B models and ~5e-7 for 7B.",
+        "embedded 135M model's short CPU run (the README's results use it); use ~1e-6 for 0.5-1.5B models and "
+        "~5e-7 for 7B.",
         gt=0.0)
     min_lr: float = config_field(
         0.0, "Learning rate at the end of the cosine / linear decay (at max_steps). Range [0, lr]. Unused "
@@ -246,8 +247,9 @@ class ModelConfig:
         "(or the packaged default model's tokenizer).")
     dtype: str = config_field(
         "float32", "Compute dtype of matmuls and activations of all models (bf16 / fp16 / fp32 accepted as "
-        "aliases). Trainable weights and optimizer states stay float32; log-probs and the loss are computed in "
-        "float32. Use bfloat16 on Ascend.",
+        "aliases). The weights and the Adam moments are held in this dtype too (float32 master weights are not "
+        "implemented yet, so bfloat16 updates below ~1/256 of a weight are lost); log-probs and the loss are computed "
+        "in float32. bfloat16 needs Ascend; float16 and float32 run on CPU.",
         choices=DTYPES, aliases=DTYPE_ALIASES)
 
 

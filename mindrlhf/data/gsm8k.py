@@ -39,6 +39,28 @@ def style_format_reward(style: str) -> str:
     return PROMPT_STYLES[_check_style(style)][1]
 
 
+def detect_prompt_style(prompt: str) -> Optional[str]:
+    """The style whose system prompt a built (decoded) prompt contains; None for a custom one."""
+    for style, (system_prompt, _) in PROMPT_STYLES.items():
+        if system_prompt in prompt:
+            return style
+    return None
+
+
+def check_format_reward(style: str, reward_funcs, data_source: str) -> None:
+    """Refuse another style's format reward: against these prompts it can never score."""
+    own = style_format_reward(style)
+    wrong = [name for name in reward_funcs
+             if name != own and name in {fmt for _, fmt in PROMPT_STYLES.values()}]
+    if wrong:
+        from mindrlhf.errors import MindRLHFError
+
+        raise MindRLHFError(
+            f"reward_funcs has {wrong[0]!r}, but the prompts in {data_source} use prompt style {style!r}, whose "
+            f"format reward is {own!r}: set reward_funcs to [accuracy, {own}] or rebuild the data with "
+            f"rlhf_data.py --prompt_style {next(s for s, (_, f) in PROMPT_STYLES.items() if f == wrong[0])}")
+
+
 def _check_style(style: str) -> str:
     if style not in PROMPT_STYLES:
         from mindrlhf.errors import MindRLHFError

@@ -65,10 +65,10 @@ class _KV(nn.Cell):
 class CachedDecoder(nn.Cell):
     """The layers of a ``CausalLM`` run against a KV cache held in this cell's Parameters.
 
-    The model's own ``forward_with_cache`` writes the cache with slice assignment, which MindSpore
-    2.10 cannot compile more than once per graph (every layer writes K and V); here the write is
-    an in-place ``ScatterNdUpdate`` on Parameters, so the cache is never copied either. The
-    arithmetic is the model's (same sub-cells, same weights); tests pin it to the full forward.
+    The cache is written with an in-place ``ScatterNdUpdate`` on Parameters: slice assignment of
+    every layer's K and V in one graph does not compile more than once on MindSpore 2.10, and the
+    scatter never copies the cache. The arithmetic is the model's (same sub-cells, same weights);
+    tests pin it to the full forward.
     """
 
     def __init__(self, model: CausalLM, batch_size: int, cache_len: int):

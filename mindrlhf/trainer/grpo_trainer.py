@@ -250,7 +250,8 @@ class GRPOTrainer:
             self.skipped_updates += 1
             self.consecutive_nonfinite += 1
             limit = self.cfg.optimizer.max_consecutive_nonfinite
-            log.warning("non-finite loss or gradient (loss=%s, grad_norm=%s): update skipped", res["loss"], res["grad_norm"])
+            log.warning("non-finite loss or gradient (loss=%s, grad_norm=%s): update skipped",
+                        res["loss"], res["grad_norm"])
             if self.consecutive_nonfinite >= limit:
                 raise MindRLHFError(
                     f"{self.consecutive_nonfinite} consecutive updates had non-finite loss/gradients "
@@ -458,9 +459,10 @@ class GRPOTrainer:
                     logger.log(self.step, metrics)
                     if comm.is_main():
                         bar.write(console_line(self.step, metrics))
-                bar.update(1)
+                # The postfix first: update() redraws the bar, which then shows this step's reward.
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", refresh=False)
-                if self.step % t.save_steps == 0 or self.step == t.max_steps:
+                bar.update(1)
+                if (t.save_steps and self.step % t.save_steps == 0) or self.step == t.max_steps:
                     self.save_checkpoint()
                     logger.write_curves()  # reward.png / accuracy.png, refreshed with each checkpoint
         finally:
