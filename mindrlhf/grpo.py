@@ -91,10 +91,12 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
     """Load models, tokenizer and data as the config says; return a ready GRPOTrainer.
 
     Under a tensor/pipeline layout every model is built as this rank's shard and its weights are
-    sharded on load (a full checkpoint) or read from this rank's ``rank_{r}`` folder.
+    sharded on load (a full checkpoint) or read from this rank's ``rank_{r}`` folder. Under
+    bf16/fp16 the policy's float32 master weights are read from the file (nothing rounded before
+    training starts) and its compute copy is cast from them.
     """
     from mindrlhf.data import PromptDataset
-    from mindrlhf.models import CausalLM, get_weights, set_weights
+    from mindrlhf.models import CausalLM, cast_weights_into, get_weights, set_weights
     from mindrlhf.trainer.grpo_trainer import GRPOTrainer
 
     m, a = cfg.model, cfg.algorithm
@@ -105,12 +107,18 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
     config = _config_of(train_path)
     train_shard = layout.groups.shard()
 
-    def make(path: str, load: bool, shard, lay: ParallelLayout) -> CausalLM:
+    def make(path: str, load: bool, shard, lay: ParallelLayout, dtype: str = m.dtype) -> CausalLM:
         if load:
-            return load_shard(path, lay, layout.rank, dtype=m.dtype, tp_group=shard.tp_group)
-        return CausalLM(config if path == train_path else _config_of(path), m.dtype, shard)
+            return load_shard(path, lay, layout.rank, dtype=dtype, tp_group=shard.tp_group)
+        return CausalLM(config if path == train_path else _config_of(path), dtype, shard)
 
-    policy = make(train_path, m.load_sft_checkpoint_train, train_shard, layout.train)
+    masters = None
+    if m.dtype != "float32" and m.load_sft_checkpoint_train:
+        masters = make(train_path, True, train_shard, layout.train, dtype="float32")
+        policy = CausalLM(masters.config, m.dtype, train_shard)
+        cast_weights_into(policy, masters)
+    else:
+        policy = make(train_path, m.load_sft_checkpoint_train, train_shard, layout.train)
     sampler_model = None
     if m.sft_path_infer and m.sft_path_infer != train_path:
         sampler_model = make(m.sft_path_infer, m.load_sft_checkpoint_infer, layout.infer_shard(), layout.infer)
@@ -137,7 +145,8 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
                             f"{dataset.max_prompt_length + cfg.generation.max_completion_length} exceeds the model's "
                             f"max_position_embeddings={limit}; lower one of them")
     trainer = GRPOTrainer(cfg, policy=policy, tokenizer=tokenizer, dataset=dataset,
-                          sampler_model=sampler_model, ref_model=ref_model, layout=layout)
+                          sampler_model=sampler_model, ref_model=ref_model, layout=layout,
+                          policy_masters=masters.trainable_params() if masters is not None else None)
     if sampler_model is not None and not (m.sft_path_infer and m.load_sft_checkpoint_infer):
         trainer.sync_generator()
     return trainer

@@ -59,3 +59,11 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     from tiny_models import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def grpo_assets(tmp_path_factory, qwen_tokenizer_dir, data_dir) -> dict:
+    """A tiny Qwen2 with the real tokenizer and a 16-prompt GSM8K mindrecord (``grpo_runs``)."""
+    from grpo_runs import make_grpo_assets
+
+    return make_grpo_assets(tmp_path_factory.mktemp("grpo"), qwen_tokenizer_dir, data_dir)

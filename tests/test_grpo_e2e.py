@@ -18,63 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from grpo_runs import grpo_args as _args, is_timing as _timing, read_rows as _metrics
+from grpo_runs import run_cli as _run_cli, run_inprocess as _run_inprocess
 from mindrlhf.checkpoint.manager import CheckpointManager
 
 REPO = Path(__file__).resolve().parents[1]
-TIMING = ("step_time", "tokens_per_second")
-
-
-def _timing(key: str) -> bool:
-    return key in TIMING or key.startswith("time/")
-
-
-@pytest.fixture(scope="module")
-def grpo_assets(tmp_path_factory, qwen_tokenizer_dir, data_dir):
-    """A tiny Qwen2 HF dir (with the real tokenizer files) and a 16-prompt GSM8K mindrecord."""
-    from tiny_models import add_tokenizer, make_tiny_qwen2
-    from mindrlhf.data.rlhf_data import convert_to_mindrecord
-    from mindrlhf.tokenizer import Tokenizer
-
-    root = tmp_path_factory.mktemp("grpo")
-    model_dir = make_tiny_qwen2(root / "model", hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                num_key_value_heads=2, max_position_embeddings=1024)
-    add_tokenizer(model_dir, qwen_tokenizer_dir)
-    rows = (data_dir / "gsm8k" / "test.jsonl").read_text().splitlines()[:16]
-    jsonl = root / "gsm8k16.jsonl"
-    jsonl.write_text("\n".join(rows) + "\n")
-    data = root / "gsm8k16.mindrecord"
-    report = convert_to_mindrecord(str(jsonl), str(data), Tokenizer.from_dir(model_dir), max_prompt_length=256,
-                                   show_progress=False)
-    assert report.rows_written == 16
-    return {"model": model_dir, "data": data}
-
-
-def _args(assets, out: Path, **overrides) -> list:
-    cfg = {"sft_path_train": assets["model"], "mind_dataset_dir": assets["data"], "output_dir": out,
-           "num_generations": 4, "chunk_size": 2, "max_completion_length": 12, "max_prompt_length": 256,
-           "max_steps": 3, "save_steps": 1, "lr": 1e-3, "temperature": 1.0, "tensorboard": "true",
-           "progress_bar": "false", "log_completions_steps": 1}
-    cfg.update(overrides)
-    args = []
-    for k, v in cfg.items():
-        args += [f"--{k}"] + (list(map(str, v)) if isinstance(v, (list, tuple)) else [str(v)])
-    return args
-
-
-def _metrics(out: Path) -> list:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def _run_inprocess(argv) -> int:
-    from mindrlhf.grpo import main
-
-    return main(argv)
-
-
-def _run_cli(argv, env_extra=None, **kw):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "mindrlhf.grpo", *argv], cwd=REPO, env=env,
-                          capture_output=True, text=True, **kw)
 
 
 def _msrun(n: int, argv, log_dir: Path, port: int) -> subprocess.CompletedProcess:
@@ -181,13 +129,17 @@ def test_reference_sync_reaches_the_compiled_reference_forward(grpo_assets, tmp_
 
 
 @pytest.mark.slow
-def test_resume_after_sigkill_reproduces_metrics(grpo_assets, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_resume_after_sigkill_reproduces_metrics(grpo_assets, tmp_path, dtype):
+    # float16 also restores the float32 master weights and the dynamic loss scale (a window of one
+    # update makes the scale change every step, so a scale not restored would show in the metrics).
+    extra = {"dtype": dtype, **({"loss_scale_window": 1} if dtype == "float16" else {})}
     full = tmp_path / "full"
-    assert _run_inprocess(_args(grpo_assets, full, max_steps=4)) == 0
+    assert _run_inprocess(_args(grpo_assets, full, max_steps=4, **extra)) == 0
     reference = {r["step"]: r for r in _metrics(full)}
 
     killed = tmp_path / "killed"
-    argv = _args(grpo_assets, killed, max_steps=4)
+    argv = _args(grpo_assets, killed, max_steps=4, **extra)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "mindrlhf.grpo", *argv], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -204,6 +156,8 @@ def test_resume_after_sigkill_reproduces_metrics(grpo_assets, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     resumed = {r["step"]: r for r in _metrics(killed)}
     assert sorted(resumed) == [1, 2, 3, 4]
+    if dtype == "float16":
+        assert reference[4]["loss_scale"] != 65536.0
     for step in (3, 4):
         for key, value in reference[step].items():
             if not _timing(key):
@@ -237,6 +191,20 @@ def test_nonfinite_updates_are_skipped_then_stop(grpo_assets, tmp_path):
                    env_extra={"PYTHONPATH": str(tmp_path)})
     assert res.returncode == 2
     assert "2 consecutive updates had non-finite" in res.stderr
+
+
+@pytest.mark.slow
+def test_float16_overflows_are_skipped_without_stopping_the_run(grpo_assets, tmp_path):
+    # A loss scale of 2^30 overflows float16 gradients; every overflow halves it. With
+    # max_consecutive_nonfinite 1 the first skipped update would stop the run if overflows counted.
+    out = tmp_path / "run"
+    assert _run_inprocess(_args(grpo_assets, out, max_steps=1, dtype="float16", loss_scale_init=2.0 ** 30,
+                                max_consecutive_nonfinite=1, num_iterations=4, mini_batch_size=2,
+                                micro_batch_size=2, reward_funcs=["e2e_rewards:length_reward"])) == 0
+    rows = _metrics(out)
+    skipped = rows[-1]["skipped_updates"]
+    assert skipped >= 2 and rows[-1]["loss_scale"] == 2.0 ** 30 / 2 ** skipped
+    assert skipped < 16  # and the later updates of the step went through
 
 
 @pytest.mark.slow

@@ -68,13 +68,8 @@ def test_detect_prompt_style(qwen_tokenizer_dir):
 
 
 @pytest.fixture(scope="module")
-def tiny_model_with_tokenizer(tmp_path_factory, qwen_tokenizer_dir) -> Path:
-    from tiny_models import add_tokenizer, make_tiny_qwen2
-
-    # Room for the presets' 320 prompt + 256 completion tokens.
-    model = make_tiny_qwen2(tmp_path_factory.mktemp("preset_model") / "model", hidden_size=32,
-                            intermediate_size=64, max_position_embeddings=1024)
-    return add_tokenizer(model, qwen_tokenizer_dir)
+def tiny_model_with_tokenizer(grpo_assets) -> Path:
+    return grpo_assets["model"]  # 1024 positions: room for the presets' 320 prompt + 256 completion tokens
 
 
 @pytest.mark.slow

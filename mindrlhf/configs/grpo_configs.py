@@ -210,7 +210,16 @@ class OptimizerConfig:
     max_consecutive_nonfinite: int = config_field(
         3, "An update whose loss or gradients contain NaN/inf is skipped (weights and optimizer state "
         "unchanged, logged); after this many consecutive skipped updates training stops with an error. "
-        "Range >= 1.",
+        "Range >= 1. Under float16, an overflow skipped while the loss scale is above 1 does not count.",
+        ge=1)
+    loss_scale_init: float = config_field(
+        65536.0, "float16 only: initial dynamic loss scale. The loss is multiplied by it before the backward "
+        "pass (so small float16 gradients do not underflow) and the gradients divided by it in float32. An "
+        "update whose gradients overflow is skipped and the scale halves (down to 1); after loss_scale_window "
+        "finite updates in a row it doubles. Logged as loss_scale. Range >= 1.",
+        ge=1.0)
+    loss_scale_window: int = config_field(
+        1000, "float16 only: finite updates in a row after which the loss scale doubles. Range >= 1.",
         ge=1)
 
 
@@ -246,10 +255,11 @@ class ModelConfig:
         "template). Alternative to vocab_path / merges_file_path. '' = the directory of sft_path_train "
         "(or the packaged default model's tokenizer).")
     dtype: str = config_field(
-        "float32", "Compute dtype of matmuls and activations of all models (bf16 / fp16 / fp32 accepted as "
-        "aliases). The weights and the Adam moments are held in this dtype too (float32 master weights are not "
-        "implemented yet, so bfloat16 updates below ~1/256 of a weight are lost); log-probs and the loss are computed "
-        "in float32. bfloat16 needs Ascend; float16 and float32 run on CPU.",
+        "float32", "Compute dtype of all models (bf16 / fp16 / fp32 accepted as aliases): the policy's forward "
+        "and backward, the generator and the reference run in it and hold only copies in it. The policy's "
+        "master weights and both Adam moments are always float32 (checkpoints store them); gradients are "
+        "accumulated, reduced and clipped in float32; log-probs and the loss are computed in float32. float16 "
+        "adds dynamic loss scaling (loss_scale_init). bfloat16 needs Ascend; float16 and float32 run on CPU.",
         choices=DTYPES, aliases=DTYPE_ALIASES)
 
 

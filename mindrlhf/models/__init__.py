@@ -6,9 +6,10 @@ from typing import Union
 
 from mindrlhf.models.config import DecoderConfig
 from mindrlhf.models.decoder import CausalLM, resolve_dtype
-from mindrlhf.models.weights import get_weights, set_weights
+from mindrlhf.models.weights import cast_weights_into, get_weights, set_weights
 
-__all__ = ["CausalLM", "DecoderConfig", "load_model", "build_model", "get_weights", "set_weights", "resolve_dtype"]
+__all__ = ["CausalLM", "DecoderConfig", "load_model", "build_model", "cast_weights_into", "get_weights", "set_weights",
+           "resolve_dtype"]
 
 
 def build_model(config: Union[DecoderConfig, str, os.PathLike], dtype: str = "float32") -> CausalLM:

@@ -53,6 +53,16 @@ def set_weights(model: ms.nn.Cell, tensors: NamedArrays, source: str = "checkpoi
     return len(seen)
 
 
+def cast_weights_into(model: ms.nn.Cell, source: ms.nn.Cell) -> None:
+    """Copy every parameter of ``source`` (same architecture and shard) into ``model``, cast to its
+    dtype, in place and one tensor at a time (no second copy of the whole model)."""
+    src = dict(source.parameters_and_names())
+    for name, param in model.parameters_and_names():
+        if name not in src or tuple(src[name].shape) != tuple(param.shape):
+            raise MindRLHFError(f"cannot copy weights: {name!r} is missing or shaped differently in the source model")
+        param.copy_(src[name].value().astype(param.dtype))
+
+
 def get_weights(model: ms.nn.Cell, dtype: np.dtype = np.float32) -> Dict[str, np.ndarray]:
     """Every parameter as a numpy array (HF names), cast to ``dtype`` (bf16 has no numpy type)."""
     out = {}

@@ -202,8 +202,8 @@ class PipelineRunner:
                        extra: Sequence[Tensor] = ()):
         """Sum over micro-batches of ``loss_fn(logp, *mb[loss_keys], *extra)`` and its parameter gradients.
 
-        Returns ``(grads, loss_sum, aux_sums)``: gradients of this shard's parameters (tied embedding
-        copies already summed), and on the last stage the summed loss and aux values (zeros on
+        Returns ``(grads, loss_sum, aux_sums)``: float32 gradients of this shard's parameters (tied
+        embedding copies already summed), and on the last stage the summed loss and aux values (zeros on
         other stages — callers add them up over the pipeline).
         """
         if self.loss_fn is None:
@@ -250,9 +250,12 @@ class PipelineRunner:
         return self._accumulate(results)
 
     def _accumulate(self, results):
+        # Gradients are accumulated (and later reduced, clipped and applied) in float32, whatever
+        # the compute dtype: summing many bf16/fp16 micro-batch gradients would round each sum.
         grads, loss_sum, aux_sums = None, 0.0, None
         for (loss, aux), g in results:
-            grads = tuple(g) if grads is None else tuple(a + b for a, b in zip(grads, g))
+            g = tuple(x.astype(ms.float32) for x in g)
+            grads = g if grads is None else tuple(a + b for a, b in zip(grads, g))
             if loss is not None:
                 loss_sum += float(loss.asnumpy())
                 vals = np.array([float(v.asnumpy()) for v in aux], np.float64)

@@ -11,7 +11,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import mindspore as ms
@@ -51,7 +51,9 @@ class GRPOTrainer:
 
     def __init__(self, cfg, *, policy: CausalLM, tokenizer, dataset: PromptDataset,
                  sampler_model: Optional[CausalLM] = None, ref_model: Optional[CausalLM] = None,
-                 layout: Optional[RunLayout] = None):
+                 layout: Optional[RunLayout] = None, policy_masters: Optional[Sequence[ms.Parameter]] = None):
+        """``policy_masters``: float32 master weights of the policy's trainable parameters (same order),
+        when the policy computes in bf16/fp16; by default they are copied from the policy itself."""
         self.cfg = cfg
         a, g, o, t = cfg.algorithm, cfg.generation, cfg.optimizer, cfg.train
         self.policy, self.tokenizer, self.dataset = policy, tokenizer, dataset
@@ -78,7 +80,8 @@ class GRPOTrainer:
                                  a.kl_estimator, g.max_completion_length, g.temperature if g.temperature > 0 else 1.0,
                                  self.off_policy),
             lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-            max_grad_norm=o.max_grad_norm, jit=cfg.parallel.train_jit, groups=layout.groups)
+            max_grad_norm=o.max_grad_norm, jit=cfg.parallel.train_jit, groups=layout.groups, masters=policy_masters,
+            loss_scale_init=o.loss_scale_init, loss_scale_window=o.loss_scale_window)
         self.rewards = RewardManager(a.reward_funcs, a.reward_weights)
         self.ref_runner = PipelineRunner(ref_model, self.updater.groups, temperature=self.updater.loss.temperature,
                                          jit=cfg.parallel.jit) if ref_model is not None else None
@@ -246,7 +249,10 @@ class GRPOTrainer:
         return {k: float(np.mean([r[k] for r in results])) for k in results[0]}
 
     def _count_nonfinite(self, res: Dict[str, float]) -> None:
-        if res["skipped"]:
+        if res["overflow"]:  # float16: the loss scale halves and the next update tries again
+            self.skipped_updates += 1
+            log.info("float16 gradients overflowed: update skipped, loss scale now %g", self.updater.loss_scale)
+        elif res["skipped"]:
             self.skipped_updates += 1
             self.consecutive_nonfinite += 1
             limit = self.cfg.optimizer.max_consecutive_nonfinite
@@ -295,8 +301,9 @@ class GRPOTrainer:
         return out
 
     def save_checkpoint(self) -> None:
-        """Rank 0 writes the full (unsharded) state, so any layout can resume from it."""
-        policy = dict(self.policy.parameters_and_names())
+        """Rank 0 writes the full (unsharded) state, so any layout can resume from it. The policy is
+        stored as its float32 master weights, whatever the compute dtype."""
+        policy = self.updater.master_weights()
         optimizer = self.updater.optimizer_state()
         ref = dict(self.ref_model.parameters_and_names()) if self.ref_synced else None
         if self._sharded_training:  # a collective: every rank takes part
@@ -312,13 +319,14 @@ class GRPOTrainer:
             tensors["ref"] = ref
         state = {"step": self.step, "consecutive_nonfinite": self.consecutive_nonfinite,
                  "skipped_updates": self.skipped_updates, "ref_synced": self.ref_synced,
-                 "world_size": self.world, "reward_failures": dict(self.rewards.failures)}
+                 "world_size": self.world, "reward_failures": dict(self.rewards.failures),
+                 **self.updater.loss_scale_state()}
         self.ckpt.save(self.step, tensors, state, yaml.safe_dump(self.cfg.to_dict(), sort_keys=False),
                        files=self._model_files())
 
     def _model_files(self) -> Dict[str, object]:
         """config.json of the policy and its tokenizer's files: a checkpoint folder is a loadable model."""
-        config = config_with_dtype(self.policy.config.to_hf_dict(), self.cfg.model.dtype)
+        config = config_with_dtype(self.policy.config.to_hf_dict(), "float32")  # policy.ckpt holds the masters
         files: Dict[str, object] = {"config.json": json.dumps(config, indent=2).encode("utf-8")}
         folder = Path(self.tokenizer.source)
         if folder.is_dir():
@@ -351,7 +359,8 @@ class GRPOTrainer:
             if problem:
                 raise MindRLHFError(f"checkpoint {path} is unusable ({problem}); pass another one or --resume latest")
         state = CheckpointManager.read_state(path)
-        self._load_state(dict(self.policy.parameters_and_names()), path / "policy.ckpt")
+        self._load_state(self.updater.master_weights(), path / "policy.ckpt")
+        self.updater.optimizer.refresh()  # the compute copy from the masters
         self._load_state(self.updater.optimizer_state(), path / "optimizer.ckpt")
         if state.get("ref_synced"):
             self._load_state(dict(self.ref_model.parameters_and_names()), path / "ref.ckpt")
@@ -360,6 +369,7 @@ class GRPOTrainer:
         self.skipped_updates = int(state["skipped_updates"])
         self.ref_synced = bool(state.get("ref_synced"))
         self.rewards.failures.update(state.get("reward_failures", {}))
+        self.updater.load_loss_scale_state(state)
         self.sync_generator()
         log.info("resumed from %s (step %d)", path, self.step)
 
@@ -432,7 +442,10 @@ class GRPOTrainer:
         if a.beta <= 0:
             metrics.pop("kl", None)
         metrics.pop("skipped", None)
+        metrics.pop("overflow", None)
         metrics["skipped_updates"] = float(self.skipped_updates)
+        if self.updater.scaler is not None:
+            metrics["loss_scale"] = self.updater.loss_scale
         metrics["reward_fn_failures"] = float(sum(self.rewards.failures.values()))
         metrics.update(times)
         metrics["step_time"] = time.perf_counter() - t0

@@ -1,26 +1,52 @@
-"""AdamW with bias correction (the update of ``torch.optim.AdamW``), in MindSpore.
+"""AdamW with bias correction (the update of ``torch.optim.AdamW``) on float32 master weights.
 
 MindSpore's ``nn.AdamWeightDecay`` omits bias correction (its first step moves weights by
 ≈ 3.16 × lr with β2 = 0.999) and compiles its update at the first call, after which a new learning
 rate written into its Parameter is not seen. Here the learning rate is a call argument and all
 state is updated in place, so nothing goes stale and resumed runs continue bit-exactly.
+
+Mixed precision: the model computes in its dtype (bf16 on Ascend, fp16 or fp32 on CPU), but the
+update is made on float32 master weights held here, and the model's low-precision copy is then
+refreshed from them. An Adam step is often far below a bf16/fp16 weight's spacing (bf16 near 1.0:
+7.8e-3; a step at lr 5e-7: ~5e-7), so updating the low-precision weights directly loses it. A
+float32 parameter is its own master (no copy, no extra memory).
 """
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
+from mindrlhf.errors import MindRLHFError
+
 
 class AdamW(nn.Cell):
-    """Decoupled weight decay Adam: p ← p − lr·wd·p − lr·m̂/(√v̂ + ε), with m̂, v̂ bias-corrected."""
+    """Decoupled weight decay Adam: w ← w − lr·wd·w − lr·m̂/(√v̂ + ε) on float32 masters w."""
 
-    def __init__(self, params: Sequence[Parameter], *, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, decay_filter=lambda p: len(p.shape) >= 2):
+    def __init__(self, params: Sequence[Parameter], *, masters: Optional[Sequence[Parameter]] = None,
+                 betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 decay_filter=lambda p: len(p.shape) >= 2):
+        """``params``: the model's parameters (any dtype). ``masters``: their float32 masters in the
+        same order (e.g. a float32 copy of the model loaded from the checkpoint file); by default a
+        float32 parameter is its own master and a low-precision one gets a float32 copy of itself."""
         super().__init__(auto_prefix=False)
         self.params = list(params)
+        if masters is None:
+            masters = [p if p.dtype == ms.float32 else
+                       Parameter(p.value().astype(ms.float32), name=f"master.{p.name}", requires_grad=False)
+                       for p in self.params]
+        masters = list(masters)
+        if len(masters) != len(self.params):
+            raise MindRLHFError(f"{len(masters)} master weights for {len(self.params)} parameters")
+        for p, w in zip(self.params, masters):
+            if w.dtype != ms.float32 or tuple(w.shape) != tuple(p.shape) or w.name not in (p.name, f"master.{p.name}"):
+                raise MindRLHFError(f"master weight of {p.name}: need a float32 {tuple(p.shape)} tensor of that "
+                                    f"name, got {w.name} {w.dtype} {tuple(w.shape)}")
+            if w is not p and w.name == p.name:  # a Cell's parameters need unique names
+                w.name = f"master.{p.name}"
+        self.masters = masters
         self.beta1, self.beta2, self.eps = float(betas[0]), float(betas[1]), float(eps)
         self.decay = [float(weight_decay) if decay_filter(p) else 0.0 for p in self.params]
         self.exp_avg = ms.ParameterTuple([Parameter(ops.zeros(p.shape, ms.float32), name=f"adam_m.{p.name}",
@@ -35,15 +61,28 @@ class AdamW(nn.Cell):
         self.step.copy_(Tensor(np.int32(t)))
         c1, c2 = 1.0 - self.beta1 ** t, 1.0 - self.beta2 ** t
         step_size = lr / c1
-        for p, g, m, v, wd in zip(self.params, grads, self.exp_avg, self.exp_avg_sq, self.decay):
+        for p, w_master, g, m, v, wd in zip(self.params, self.masters, grads, self.exp_avg, self.exp_avg_sq,
+                                            self.decay):
             g = g.astype(ms.float32)
             m.copy_(m * self.beta1 + g * (1.0 - self.beta1))
             v.copy_(v * self.beta2 + ops.square(g) * (1.0 - self.beta2))
-            w = p.value().astype(ms.float32)
+            w = w_master.value()
             if wd:
                 w = w * (1.0 - lr * wd)
             w = w - step_size * m / (ops.sqrt(v / c2) + self.eps)
-            p.copy_(w.astype(p.dtype))
+            w_master.copy_(w)
+            if w_master is not p:  # in place: compiled graphs keep reading the model's storage
+                p.copy_(w.astype(p.dtype))
+
+    def refresh(self) -> None:
+        """Write the masters into the model's low-precision copies (after loading masters)."""
+        for p, w_master in zip(self.params, self.masters):
+            if w_master is not p:
+                p.copy_(w_master.value().astype(p.dtype))
+
+    def master_weights(self) -> Dict[str, Parameter]:
+        """The float32 master of each parameter, by the parameter's (HF) name."""
+        return {p.name: w for p, w in zip(self.params, self.masters)}
 
     def state(self) -> Dict[str, Parameter]:
         """Moments and step counter by name (for checkpoints)."""

@@ -1,4 +1,11 @@
-"""The policy update: loss and gradients over micro-batches, reduction, clipping, AdamW step."""
+"""The policy update: loss and gradients over micro-batches, reduction, clipping, AdamW step.
+
+Mixed precision: the forward and backward run in the model's dtype; gradients are accumulated,
+reduced and clipped in float32 and applied to float32 master weights (``AdamW``). Under float16
+the loss is multiplied by a dynamic loss scale (``mindspore.amp.DynamicLossScaler``) so small
+gradients do not underflow; an update whose gradients overflow is skipped and the scale halves.
+bfloat16 has float32's range and needs no scaling: the two paths differ only in that.
+"""
 from __future__ import annotations
 
 import math
@@ -7,7 +14,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import mindspore as ms
-from mindspore import Tensor, nn, ops
+from mindspore import Parameter, Tensor, amp, nn, ops
 
 from mindrlhf.algorithms import policy_loss
 from mindrlhf.parallel import comm
@@ -46,7 +53,10 @@ class PolicyUpdater:
 
     def __init__(self, model: nn.Cell, loss: LossSettings, *, lr: float, weight_decay: float,
                  betas: Sequence[float], eps: float, max_grad_norm: float, jit: bool = True,
-                 groups: Optional[ParallelGroups] = None):
+                 groups: Optional[ParallelGroups] = None, masters: Optional[Sequence[Parameter]] = None,
+                 loss_scale_init: float = 65536.0, loss_scale_window: int = 1000):
+        """``masters``: float32 master weights in the order of the model's trainable parameters (see
+        ``AdamW``). ``loss_scale_init`` / ``loss_scale_window``: dynamic loss scaling, float16 only."""
         self.model = model
         self.loss = loss
         self.max_grad_norm = max_grad_norm
@@ -54,7 +64,10 @@ class PolicyUpdater:
         self.runner = PipelineRunner(model, self.groups, self._loss_from_logp, temperature=loss.temperature, jit=jit)
         self.params = self.runner.params
         # Decay matrices only: biases and norm scales (1-D) are not weight-decayed.
-        self.optimizer = AdamW(self.params, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.optimizer = AdamW(self.params, masters=masters, betas=betas, eps=eps, weight_decay=weight_decay)
+        # The scale doubles after loss_scale_window finite updates in a row and halves (down to 1) on overflow.
+        self.scaler = amp.DynamicLossScaler(float(loss_scale_init), 2, int(loss_scale_window)) \
+            if model.compute_dtype == ms.float16 else None
         self.lr = float(lr)
         g = self.groups
         self.reducer = comm.grad_reducer(self.params, g.dp, None if g.dp == comm.world_size() else g.dp_group)
@@ -63,7 +76,8 @@ class PolicyUpdater:
         self.norm_weights = _norm_weights([p.name for p in self.params], g, model.config.tie_word_embeddings)
         self._sumsq_fn = ms.jit(self._sum_squares) if jit else self._sum_squares
 
-    def _loss_from_logp(self, logp, completion_mask, advantages, old_logp, ref_logp, num_tokens, num_seqs):
+    def _loss_from_logp(self, logp, completion_mask, advantages, old_logp, ref_logp, num_tokens, num_seqs,
+                        loss_scale):
         s = self.loss
         # On-policy: old == current (detached), so the ratio is exactly 1 and needs no extra forward.
         old = old_logp if s.off_policy else ops.stop_gradient(logp)
@@ -75,7 +89,7 @@ class PolicyUpdater:
         # Metrics are masked means over this micro-batch; weight them by its token count so the
         # caller can form exact global means.
         tokens = completion_mask.sum()
-        return loss, tuple(metrics[k] * tokens for k in LOSS_METRICS) + (tokens,)
+        return loss * loss_scale, tuple(metrics[k] * tokens for k in LOSS_METRICS) + (tokens,)
 
     @staticmethod
     def _sum_squares(grads):
@@ -98,6 +112,23 @@ class PolicyUpdater:
     def set_lr(self, lr: float) -> None:
         self.lr = float(lr)
 
+    @property
+    def loss_scale(self) -> float:
+        """The current dynamic loss scale (1.0 when the model does not compute in float16)."""
+        return float(self.scaler.scale_value.asnumpy()) if self.scaler is not None else 1.0
+
+    def loss_scale_state(self) -> Dict[str, float]:
+        """Loss scale and its count of finite updates in a row (for checkpoints); empty without scaling."""
+        if self.scaler is None:
+            return {}
+        return {"loss_scale": self.loss_scale, "loss_scale_counter": int(self.scaler.counter.asnumpy())}
+
+    def load_loss_scale_state(self, state: Dict[str, float]) -> None:
+        """Restore what ``loss_scale_state`` returned (a checkpoint of a non-float16 run leaves it as is)."""
+        if self.scaler is not None and "loss_scale" in state:
+            self.scaler.scale_value.copy_(Tensor(np.float32(state["loss_scale"])))
+            self.scaler.counter.copy_(Tensor(np.int32(state["loss_scale_counter"])))
+
     def logprobs(self, micro_batches: Sequence[Dict[str, np.ndarray]]) -> List[np.ndarray]:
         """The policy's completion log-probs of each micro-batch (the same on every rank of a replica)."""
         return self.runner.logprobs(micro_batches)
@@ -107,18 +138,23 @@ class PolicyUpdater:
         """One optimizer step over this rank's micro-batches of a mini-batch.
 
         ``num_tokens``/``num_seqs``: valid completion tokens / sequences of the whole mini-batch
-        over all ranks. Returns loss (global), grad_norm, token-weighted metric sums and whether
-        the update was skipped because the loss or gradients were not finite.
+        over all ranks. Returns loss (global), grad_norm, token-weighted metric sums, whether the
+        update was skipped because the loss or gradients were not finite, and whether that was a
+        float16 overflow above the loss scale's floor (the scale then halves; ``overflow``).
         """
         n_tok, n_seq = Tensor(np.float32(num_tokens)), Tensor(np.float32(num_seqs))
-        grads, loss_sum, aux = self.runner.loss_and_grads(micro_batches, LOSS_KEYS, extra=(n_tok, n_seq))
+        scale = self.loss_scale
+        grads, loss_sum, aux = self.runner.loss_and_grads(micro_batches, LOSS_KEYS,
+                                                          extra=(n_tok, n_seq, Tensor(np.float32(scale))))
         if self.reducer is not None:
             grads = self.reducer(grads)
+        if self.scaler is not None:
+            grads = self.scaler.unscale(tuple(grads))
         mine = np.zeros(len(LOSS_METRICS) + 2, np.float32)
         if self.reports_loss:
             mine[0], mine[1:] = loss_sum, aux
         sums = comm.all_sum(mine).astype(np.float64)
-        loss_sum, metric_sums = float(sums[0]), sums[1:]
+        loss_sum, metric_sums = float(sums[0]) / scale, sums[1:]
         norm = self.global_grad_norm(grads)
         finite = bool(np.isfinite(loss_sum) and np.isfinite(norm))
         if finite:
@@ -126,7 +162,10 @@ class PolicyUpdater:
                 scale = Tensor(np.float32(self.max_grad_norm / (norm + 1e-6)))
                 grads = tuple(g * scale.astype(g.dtype) for g in grads)
             self.optimizer.apply(grads, self.lr)
-        out = {"loss": loss_sum, "grad_norm": norm, "skipped": 0.0 if finite else 1.0}
+        if self.scaler is not None:  # the same decision on every rank: loss and norm are global
+            self.scaler.adjust(Tensor(finite))
+        out = {"loss": loss_sum, "grad_norm": norm, "skipped": 0.0 if finite else 1.0,
+               "overflow": 1.0 if not finite and scale > 1.0 else 0.0}
         tokens = max(metric_sums[-1], 1.0)
         out.update({k: metric_sums[i] / tokens for i, k in enumerate(LOSS_METRICS)})
         return out
@@ -134,6 +173,10 @@ class PolicyUpdater:
     def optimizer_state(self) -> Dict[str, ms.Parameter]:
         """Optimizer moments and step counter by name (for checkpoints)."""
         return self.optimizer.state()
+
+    def master_weights(self) -> Dict[str, ms.Parameter]:
+        """The float32 master weights by parameter name (what checkpoints store as the policy)."""
+        return self.optimizer.master_weights()
 
 
 def _norm_weights(names: Sequence[str], groups: ParallelGroups, tied: bool) -> np.ndarray:

@@ -1,0 +1,67 @@
+"""Helpers for tests that run the GRPO job on the tiny Qwen2 (``grpo_assets`` in conftest.py)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TIMING = ("step_time", "tokens_per_second")
+
+
+def is_timing(key: str) -> bool:
+    """A wall-clock metric (differs between otherwise identical runs)."""
+    return key in TIMING or key.startswith("time/")
+
+
+def make_grpo_assets(root: Path, tokenizer_dir: Path, data_dir: Path) -> dict:
+    """A tiny Qwen2 HF dir (with the real tokenizer files) and a 16-prompt GSM8K mindrecord."""
+    from tiny_models import add_tokenizer, make_tiny_qwen2
+    from mindrlhf.data.rlhf_data import convert_to_mindrecord
+    from mindrlhf.tokenizer import Tokenizer
+
+    model_dir = make_tiny_qwen2(root / "model", hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                num_key_value_heads=2, max_position_embeddings=1024)
+    add_tokenizer(model_dir, tokenizer_dir)
+    rows = (data_dir / "gsm8k" / "test.jsonl").read_text().splitlines()[:16]
+    jsonl = root / "gsm8k16.jsonl"
+    jsonl.write_text("\n".join(rows) + "\n")
+    data = root / "gsm8k16.mindrecord"
+    report = convert_to_mindrecord(str(jsonl), str(data), Tokenizer.from_dir(model_dir), max_prompt_length=256,
+                                   show_progress=False)
+    assert report.rows_written == 16
+    return {"model": model_dir, "data": data}
+
+
+def grpo_args(assets, out: Path, **overrides) -> list:
+    """Command-line flags of a small GRPO run on ``assets``; keyword arguments override fields."""
+    cfg = {"sft_path_train": assets["model"], "mind_dataset_dir": assets["data"], "output_dir": out,
+           "num_generations": 4, "chunk_size": 2, "max_completion_length": 12, "max_prompt_length": 256,
+           "max_steps": 3, "save_steps": 1, "lr": 1e-3, "temperature": 1.0, "tensorboard": "true",
+           "progress_bar": "false", "log_completions_steps": 1}
+    cfg.update(overrides)
+    args = []
+    for k, v in cfg.items():
+        args += [f"--{k}"] + (list(map(str, v)) if isinstance(v, (list, tuple)) else [str(v)])
+    return args
+
+
+def read_rows(out: Path) -> list:
+    """The rows of ``out/metrics.jsonl``."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def run_inprocess(argv) -> int:
+    """``mindrlhf-grpo`` in this process; returns its exit code."""
+    from mindrlhf.grpo import main
+
+    return main(argv)
+
+
+def run_cli(argv, env_extra=None, **kw) -> subprocess.CompletedProcess:
+    """``python -m mindrlhf.grpo`` in a child process (output captured)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "mindrlhf.grpo", *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, **kw)
