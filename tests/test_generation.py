@@ -195,13 +195,13 @@ def test_cache_bucket_shares_graphs_across_prompt_lengths_without_changing_resul
     shared = NativeSampler(llama, length_bucket=8, cache_bucket=64, shrink_batch=False)
     a = shared.generate(short, params)
     b = shared.generate(long, params)
-    assert list(shared._graphs) == [(4, 64)]
+    assert sorted(shared._graphs) == [(2, 64), (4, 64)]  # prefill of the 2 distinct prompts, decode of 4 rows
     tight = NativeSampler(llama, length_bucket=8, cache_bucket=1, shrink_batch=False)
     for prompts, got in ((short, a), (long, b)):
         want = tight.generate(prompts, params)
         assert [c.token_ids for c in got] == [c.token_ids for c in want]
         np.testing.assert_allclose([c.logprobs for c in got], [c.logprobs for c in want], atol=1e-5)
-    assert sorted(tight._graphs) == [(4, 14), (4, 30)]  # P + max_tokens, unrounded
+    assert sorted(tight._graphs) == [(2, 14), (2, 30), (4, 14), (4, 30)]  # P + max_tokens, unrounded
 
 
 def test_top_k_1_equals_greedy(llama_sampler, llama):
@@ -423,3 +423,23 @@ def test_logprob_and_inverse_cdf_sampling_statistics():
 def test_completion_is_a_plain_record():
     c = Completion(prompt_index=0, token_ids=[1], logprobs=[-0.5], finish_reason="stop")
     assert c.token_ids == [1] and c.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("which", ["qwen", "llama"])
+def test_shared_prompt_prefill_gives_the_same_completions(which, request):
+    """Each distinct prompt prefilled once and its cache copied to its n rows: token for token and
+    log-prob for log-prob what prefilling every row gives, greedy and sampled, with prompts of
+    different lengths in one chunk."""
+    model = request.getfixturevalue(which)
+    prompts = [[5, 17, 42, 8, 99, 3], [7, 7, 21], [11, 250, 4, 4, 60, 2, 9, 30, 1]]
+    shared = NativeSampler(model, share_prompts=True)
+    each = NativeSampler(model, share_prompts=False)
+    for params in (SamplingParams(n=3, temperature=0.0, max_tokens=10, seed=0),
+                   SamplingParams(n=4, temperature=1.0, top_p=0.9, max_tokens=10, seed=123)):
+        a, b = shared.generate(prompts, params), each.generate(prompts, params)
+        assert [c.token_ids for c in a] == [c.token_ids for c in b]
+        assert [c.prompt_index for c in a] == [i for i in range(3) for _ in range(params.n)]
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=0, atol=1e-5)
+    # The shared path prefilled a batch of the 3 distinct prompts, not of all 12 rows.
+    assert any(batch == 3 for batch, _ in shared._graphs) and not any(batch == 3 for batch, _ in each._graphs)

@@ -2,10 +2,12 @@
 
 Data flow of one ``generate`` call:
 1. prompts are tiled ``n`` times and split into chunks of at most ``max_batch_size`` rows;
-2. a chunk is LEFT-padded to a multiple of ``length_bucket`` (P) and prefilled in one call; positions
-   are ``cumsum(mask) - 1``, exactly as ``CausalLM.construct`` numbers a left-padded batch, so the
-   trainer's full-forward log-probs equal the sampler's; prompts longer than ``prefill_chunk``
-   tokens are prefilled in pieces of that many tokens;
+2. a chunk is LEFT-padded to a multiple of ``length_bucket`` (P); each DISTINCT prompt of the chunk
+   is prefilled once and its K/V rows are copied to its ``n`` completions' rows (shared-prompt
+   prefill: a GRPO group's G samples cost one prefill, not G); positions are ``cumsum(mask) - 1``,
+   exactly as ``CausalLM.construct`` numbers a left-padded batch, so the trainer's full-forward
+   log-probs equal the sampler's; prompts longer than ``prefill_chunk`` tokens are prefilled in
+   pieces of that many tokens;
 3. each decode step feeds one token per row, writing K/V at cache column P + step; the cache holds
    S = P + max_tokens columns rounded up to ``cache_bucket``, so one compiled graph serves every
    step of every request with the same (batch, S) and prompt lengths share a few cache sizes;
@@ -169,7 +171,9 @@ class NativeSampler(Sampler):
     caches and their compiled graphs stay allocated (each holds 2 × layers × B × kv_heads × S ×
     head_dim values); prompts longer than ``prefill_chunk`` tokens are prefilled in pieces of that
     many tokens, which bounds the prefill graph's activation memory; ``cache_bucket`` rounds the
-    cache length so that batches with different prompt lengths reuse the same compiled graphs.
+    cache length so that batches with different prompt lengths reuse the same compiled graphs;
+    ``share_prompts`` prefills each distinct prompt of a chunk once and copies its cache to the
+    rows that sample from it (off: every row is prefilled; results are the same either way).
 
     Memory on CPU: a compiled graph keeps all of its intermediate tensors allocated for the life
     of the process, so the prefill graph costs about B × prefill_chunk × cache_len × heads floats
@@ -180,7 +184,7 @@ class NativeSampler(Sampler):
     def __init__(self, model: CausalLM, *, max_batch_size: Optional[int] = None, length_bucket: int = 32,
                  jit: bool = True, jit_level: str = "O0", shrink_batch: bool = True, max_shrinks: int = 3,
                  max_len: Optional[int] = None, max_cached_graphs: int = 12, prefill_chunk: int = 32,
-                 cache_bucket: int = 128):
+                 cache_bucket: int = 128, share_prompts: bool = True):
         if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
             raise MindRLHFError(f"NativeSampler max_batch_size={max_batch_size!r} is invalid: use an integer >= 1 "
                                 f"or None (no limit)")
@@ -205,6 +209,7 @@ class NativeSampler(Sampler):
         self.max_cached_graphs = max_cached_graphs
         self.prefill_chunk = _bucket(prefill_chunk, length_bucket)
         self.cache_bucket = cache_bucket
+        self.share_prompts = share_prompts
         self._graphs: "OrderedDict[Tuple[int, int], Tuple[CachedDecoder, Any]]" = OrderedDict()
         self._storage: Optional[Tuple[int, ...]] = None
         #: How often compiled graphs were dropped because the model's Parameters were replaced
@@ -331,7 +336,8 @@ class NativeSampler(Sampler):
         results: List[Completion] = []
         for s in range(0, len(owners), chunk):
             rows = owners[s:s + chunk]
-            done, n_steps = self._generate_chunk([arrays[i] for i in rows], uniforms[s:s + chunk], params, stats)
+            done, n_steps = self._generate_chunk([arrays[i] for i in rows], uniforms[s:s + chunk], params, stats,
+                                                 np.array(rows))
             steps += n_steps
             results += [Completion(prompt_index=o, token_ids=t, logprobs=lp, finish_reason=r)
                         for o, (t, lp, r) in zip(rows, done)]
@@ -343,7 +349,8 @@ class NativeSampler(Sampler):
         return results
 
     def _generate_chunk(self, prompts: List[np.ndarray], uniforms: np.ndarray, params: SamplingParams,
-                        stats: Dict[str, float]):
+                        stats: Dict[str, float], owners: np.ndarray):
+        """Generate for the chunk's rows; ``owners[r]`` is the request prompt row ``r`` samples from."""
         B = len(prompts)
         T = params.max_tokens
         lens = np.array([p.size for p in prompts], np.int64)
@@ -366,10 +373,7 @@ class NativeSampler(Sampler):
         bias = np.where(key_ok[:, None, :] & causal[None], 0.0, MASK_VALUE).astype(np.float32)
         key_bias = np.where(key_ok, 0.0, MASK_VALUE).astype(np.float32)  # decode mask row, grows per step
 
-        cell, fn = self._graph(B, S)
-        for c0 in range(0, P, piece):
-            logits = self._run(cell, fn, stats, "prefill", ids[:, c0:c0 + piece], pos[:, c0:c0 + piece],
-                               bias[:, c0:c0 + piece], c0, S)
+        cell, fn, logits = self._prefill(ids, pos, bias, owners, piece, S, stats)
 
         stop = np.array(sorted(set(params.stop_token_ids)), np.int64)
         penalty = params.repetition_penalty != 1.0
@@ -421,7 +425,7 @@ class NativeSampler(Sampler):
                 # stop costing compute. (A short ladder bounds the number of compiled graphs.)
                 new_b = min(fits)
                 keep = np.concatenate([slot_of[active], np.full(new_b - active.size, slot_of[active[0]])])
-                cell, fn = self._shrink(cell, keep, new_b, S)
+                cell, fn = self._copy_rows(cell, keep, new_b, S)
                 key_bias = key_bias[keep]
                 slot_rows = np.concatenate([active, np.full(new_b - active.size, active[0])])
                 slot_of[active] = np.arange(active.size)
@@ -431,9 +435,28 @@ class NativeSampler(Sampler):
                                (lens[slot_rows] + step).reshape(nb, 1), key_bias[:, None, :], P + step, S)
         return [(tokens[r], logps[r], reasons[r]) for r in range(B)], steps
 
-    def _shrink(self, cell: CachedDecoder, keep: np.ndarray, new_b: int, cache_len: int):
-        """Copy cache rows ``keep`` (new_b of them) into the (new_b, cache_len) cell; return it and
-        its step function."""
+    def _prefill(self, ids: np.ndarray, pos: np.ndarray, bias: np.ndarray, owners: np.ndarray, piece: int,
+                 cache_len: int, stats: Dict[str, float]):
+        """Fill the (B, cache_len) cache with the prompts; return its cell, step function and the last
+        prompt position's logits (B, V). With ``share_prompts`` each distinct prompt runs once, in a
+        batch of the distinct prompts, and its cache rows are then copied to its completions' rows."""
+        B, P = ids.shape
+        _, first, row_of = np.unique(owners, return_index=True, return_inverse=True)
+        shared = self.share_prompts and first.size < B
+        run_rows = first if shared else np.arange(B)
+        cell, fn = self._graph(run_rows.size, cache_len)
+        for c0 in range(0, P, piece):
+            logits = self._run(cell, fn, stats, "prefill", ids[run_rows, c0:c0 + piece],
+                               pos[run_rows, c0:c0 + piece], bias[run_rows, c0:c0 + piece], c0, cache_len)
+        if not shared:
+            return cell, fn, logits
+        # Rows are ordered as the distinct prompts' first occurrences; row_of maps every row to one.
+        cell, fn = self._copy_rows(cell, row_of.ravel(), B, cache_len)
+        return cell, fn, logits[row_of.ravel()]
+
+    def _copy_rows(self, cell: CachedDecoder, keep: np.ndarray, new_b: int, cache_len: int):
+        """Copy cache rows ``keep`` (new_b of them, repeats allowed) into the (new_b, cache_len) cell;
+        return it and its step function (shrinking a batch, or spreading shared prompts to their rows)."""
         index = Tensor(keep.astype(np.int64), ms.int64)
         new_cell, fn = self._graph(new_b, cache_len)
         for old, new in zip(cell.kv, new_cell.kv):
