@@ -3,12 +3,14 @@
     python bench/grpo_step.py                       # tiny random Qwen2 + real Qwen tokenizer + GSM8K rows
     python bench/grpo_step.py --model HF_DIR_OR_CKPT --steps 3 --num_generations 8 --chunk_size 4
     python bench/grpo_step.py --model smollm2       # the embedded SmolLM2-135M-Instruct
+    python bench/grpo_step.py --model smollm2 --share_prompts false --dtype float16   # any config field too
 
 The first step includes compilation and is reported separately; the table averages the rest.
 """
 from __future__ import annotations
 
 import argparse
+import resource
 import shutil
 import sys
 import tempfile
@@ -40,7 +42,7 @@ def main() -> None:
     ap.add_argument("--micro_batch_size", type=int, default=8)
     ap.add_argument("--beta", type=float, default=0.04, help="> 0 so the reference phase is measured")
     ap.add_argument("--num_iterations", type=int, default=1)
-    args = ap.parse_args()
+    args, fields = ap.parse_known_args()  # the rest are config fields (--share_prompts false, --dtype float16)
 
     import mindspore as ms
     from mindrlhf.configs import parse_args
@@ -61,7 +63,8 @@ def main() -> None:
             "--max_completion_length", str(args.max_completion_length),
             "--micro_batch_size", str(args.micro_batch_size),
             "--beta", str(args.beta), "--num_iterations", str(args.num_iterations), "--save_steps", str(10 ** 6),
-            "--progress_bar", "false", "--tensorboard", "false", "--log_completions_steps", "0", "--lr", "1e-6"]
+            "--progress_bar", "false", "--tensorboard", "false", "--log_completions_steps", "0", "--lr", "1e-6",
+            *fields]
     cfg = parse_args(argv)
     setup_runtime(cfg)
     trainer = build_trainer(cfg)
@@ -71,7 +74,7 @@ def main() -> None:
     first, rest = rows[0], rows[1:] or rows[:1]
     print(f"\nGRPO step breakdown — model {model if args.model else 'tiny Qwen2 (random, Qwen vocab)'}; "
           f"{cfg.completions_per_step} completions/step (chunk {args.chunk_size} × G {args.num_generations}), "
-          f"max_completion_length {args.max_completion_length}, beta {args.beta}, "
+          f"max_completion_length {args.max_completion_length}, beta {args.beta}, {' '.join(fields)} "
           f"MindSpore {ms.__version__}, device {cfg.parallel.device_target}")
     print(f"{'phase':<16}{'seconds/step':>14}{'share':>8}")
     total = float(np.mean([r["step_time"] for r in rest]))
@@ -82,6 +85,8 @@ def main() -> None:
     print(f"{'first step':<16}{first['step_time']:>14.3f}   (includes compilation)")
     print(f"tokens/s (generated tokens / step time): {np.mean([r['tokens_per_second'] for r in rest]):.1f}; "
           f"mean completion length {np.mean([r['completions/mean_length'] for r in rest]):.1f}")
+    # ru_maxrss is in KiB on Linux: the process's peak resident memory over all steps.
+    print(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20:.2f} GiB")
     shutil.rmtree(root, ignore_errors=True)
 
 

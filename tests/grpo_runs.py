@@ -48,6 +48,27 @@ def grpo_args(assets, out: Path, **overrides) -> list:
     return args
 
 
+def assert_same_updated_weights(w1: dict, w2: dict, lr: float) -> None:
+    """Two runs that should compute the same update (in another float summation order) agree on
+    their updated weights (name -> MindSpore tensor).
+
+    Adam divides each element by sqrt(v) + eps, so an element whose gradient is near zero can move
+    by a fraction of lr on float noise alone. So: almost every element agrees to 1e-6, and none is
+    off by half an Adam step or more; a wrong shard, mask or scale would break both.
+    """
+    import numpy as np
+
+    assert set(w1) == set(w2)
+    off = total = 0
+    for name in w1:
+        a, b = w1[name].asnumpy(), w2[name].asnumpy()
+        assert a.shape == b.shape, name
+        off += int((~np.isclose(b, a, rtol=1e-5, atol=1e-6)).sum())
+        total += a.size
+        assert np.abs(b - a).max() < 0.5 * lr, name
+    assert off / total < 1e-4, (off, total)
+
+
 def read_rows(out: Path) -> list:
     """The rows of ``out/metrics.jsonl``."""
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -317,6 +317,13 @@ class ParallelConfig:
         False, "Compile the training forward+backward with mindspore.jit. Faster for tiny models, but on "
         "CPU a compiled graph keeps every activation alive: for SmolLM2-135M it doubles peak memory (17 GB vs "
         "9.7 GB at 4 completions per micro-batch) at the same speed, so the default is pynative.")
+    share_prompts: bool = config_field(
+        True, "Encode each prompt once for all completions that share it: the sampler prefills each distinct "
+        "prompt once and copies its KV cache to its num_generations rows, and the policy / reference / "
+        "old-policy passes pack a micro-batch's completions of one prompt into one row behind a single copy "
+        "of the prompt (Prefix Grouper's idea; same log-probs, loss and gradients up to float rounding). "
+        "Training under pipeline parallelism (train_pp > 1) uses padded rows. false = every row carries "
+        "its own prompt.")
 
 
 @dataclass

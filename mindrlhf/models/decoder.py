@@ -319,6 +319,16 @@ class CausalLM(nn.Cell):
         logits = self.construct(input_ids, attention_mask, None, completion_ids.shape[1])
         return self.token_logprobs(logits, completion_ids, temperature)
 
+    def packed_logprobs(self, input_ids: Tensor, position_ids: Tensor, attention_bias: Tensor,
+                        gather_index: Tensor, completion_ids: Tensor, temperature: float = 1.0) -> Tensor:
+        """Per-token log-probs (N, C) of N completions packed with their shared prompts
+        (``models.packing``): ``attention_bias`` (G, 1, T, T) says what each position sees and
+        ``gather_index`` (N, C) which positions' logits predict each completion token."""
+        x = self._layers(self.model.embed_tokens(input_ids), position_ids, attention_bias)
+        b, t, h = x.shape
+        x = ops.gather(x.reshape(b * t, h), gather_index.reshape(-1), 0).reshape(*gather_index.shape, h)
+        return self.token_logprobs(self.logits(self.model.norm(x)), completion_ids, temperature)
+
     def gathered_logits(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
                         position_ids: Optional[Tensor] = None, logits_to_keep: int = 0) -> Tensor:
         """Full-vocabulary logits on every tp rank (evaluation and tests)."""

@@ -22,6 +22,7 @@ shape in advance: every stage holds the micro-batch's ids and mask.
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -29,7 +30,10 @@ import mindspore as ms
 from mindspore import Tensor, ops
 
 from mindrlhf.errors import MindRLHFError
+from mindrlhf.models.packing import pack_shared_prompts
 from mindrlhf.parallel.groups import ParallelGroups
+
+log = logging.getLogger(__name__)
 
 P2P_BACKENDS = ("auto", "collective", "send_recv")
 
@@ -112,12 +116,17 @@ class PipelineRunner:
     """
 
     def __init__(self, model, groups: ParallelGroups, loss_fn: Optional[LossFn] = None, *, temperature: float = 1.0,
-                 jit: bool = False, p2p_backend: str = "auto"):
+                 jit: bool = False, p2p_backend: str = "auto", share_prompts: bool = False):
         self.model, self.groups, self.temperature = model, groups, float(temperature)
         self.loss_fn = loss_fn
         self.params = model.trainable_params()
         self.first, self.last = model.is_first, model.is_last
         self.pipelined = groups.pp > 1
+        # Shared-prompt packing (models.packing) for whole models; pipeline stages use padded rows.
+        self.share_prompts = share_prompts and not self.pipelined
+        if share_prompts and self.pipelined:
+            log.info("share_prompts: pipeline stages (pp > 1) train on padded rows; shared-prompt packing "
+                     "covers whole models and tensor-parallel shards")
         self.link = StageLink(groups, p2p_backend) if self.pipelined else None
         self.hidden = model.config.hidden_size
         self.dtype = model.compute_dtype
@@ -147,6 +156,13 @@ class PipelineRunner:
         def loss_full(input_ids, attention_mask, completion_ids, *rest):
             return loss_fn(model.sequence_logprobs(input_ids, attention_mask, completion_ids, temperature), *rest)
 
+        def logp_packed(input_ids, position_ids, bias, gather_index, completion_ids):
+            return model.packed_logprobs(input_ids, position_ids, bias, gather_index, completion_ids, temperature)
+
+        def loss_packed(input_ids, position_ids, bias, gather_index, completion_ids, *rest):
+            return loss_fn(model.packed_logprobs(input_ids, position_ids, bias, gather_index, completion_ids,
+                                                 temperature), *rest)
+
         def loss_last(hidden, attention_mask, completion_ids, *rest):
             out = model.stage_forward(hidden, attention_mask)
             return loss_fn(model.completion_logprobs(out, completion_ids, temperature), *rest)
@@ -159,7 +175,9 @@ class PipelineRunner:
             "stage": lambda: stage,
             "logp_full": lambda: logp_full,
             "logp_last": lambda: logp_last,
+            "logp_packed": lambda: logp_packed,
             "grad_full": lambda: ms.value_and_grad(loss_full, None, params, has_aux=True),
+            "grad_packed": lambda: ms.value_and_grad(loss_packed, None, params, has_aux=True),
             "grad_last": lambda: ms.value_and_grad(loss_last, 0, params, has_aux=True),
             "grad_first": lambda: ms.value_and_grad(vjp, None, params),
             "grad_middle": lambda: ms.value_and_grad(vjp, 0, params),
@@ -172,6 +190,15 @@ class PipelineRunner:
             self._fns[name] = ms.jit(fn) if self._jit else fn
         return self._fns[name]
 
+    def _model_inputs(self, mb) -> Tuple[str, List[Tensor]]:
+        """Which whole-model piece to run (``full`` or ``packed``) and its inputs before the loss's."""
+        packed = pack_shared_prompts(mb["input_ids"], mb["attention_mask"], mb["completion_ids"].shape[1]) \
+            if self.share_prompts else None
+        if packed is None:
+            return "full", [Tensor(mb["input_ids"]), Tensor(mb["attention_mask"]), Tensor(mb["completion_ids"])]
+        return "packed", [Tensor(packed.input_ids), Tensor(packed.position_ids), Tensor(packed.attention_bias),
+                          Tensor(packed.gather_index), Tensor(mb["completion_ids"])]
+
     def _hidden_shape(self, mb) -> Tuple[int, int, int]:
         b, t = mb["input_ids"].shape
         return (b, t, self.hidden)
@@ -180,9 +207,11 @@ class PipelineRunner:
     def logprobs(self, micro_batches: Sequence[Dict[str, np.ndarray]]) -> List[np.ndarray]:
         """Completion log-probs (B, C) of each micro-batch, on every stage of the pipeline."""
         if not self.pipelined:
-            fn = self._get("logp_full")
-            return [fn(Tensor(mb["input_ids"]), Tensor(mb["attention_mask"]),
-                       Tensor(mb["completion_ids"])).asnumpy() for mb in micro_batches]
+            out = []
+            for mb in micro_batches:
+                kind, inputs = self._model_inputs(mb)
+                out.append(self._get(f"logp_{kind}")(*inputs).asnumpy())
+            return out
         stage, last = self._get("stage"), self._get("logp_last")
         out = []
         for mb in micro_batches:
@@ -213,9 +242,10 @@ class PipelineRunner:
             return [Tensor(mb[k]) for k in loss_keys] + list(extra)
 
         if not self.pipelined:
-            grad_fn = self._get("grad_full")
-            results = [grad_fn(Tensor(mb["input_ids"]), Tensor(mb["attention_mask"]), Tensor(mb["completion_ids"]),
-                               *loss_inputs(mb)) for mb in micro_batches]
+            results = []
+            for mb in micro_batches:
+                kind, inputs = self._model_inputs(mb)
+                results.append(self._get(f"grad_{kind}")(*inputs, *loss_inputs(mb)))
             return self._accumulate(results)
         return self._pipelined_grads(micro_batches, loss_inputs)
 

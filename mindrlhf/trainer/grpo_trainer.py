@@ -68,7 +68,7 @@ class GRPOTrainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt = CheckpointManager(cfg.checkpoint_dir, t.keep_last)
         self.sampler_model = sampler_model if sampler_model is not None else policy
-        self.sampler = NativeSampler(self.sampler_model, jit=cfg.parallel.jit)
+        self.sampler = NativeSampler(self.sampler_model, jit=cfg.parallel.jit, share_prompts=cfg.parallel.share_prompts)
         self.ref_model = ref_model
         if a.beta > 0 and ref_model is None:
             raise MindRLHFError("beta > 0 needs a reference model; the trainer was built without one")
@@ -81,10 +81,12 @@ class GRPOTrainer:
                                  self.off_policy),
             lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
             max_grad_norm=o.max_grad_norm, jit=cfg.parallel.train_jit, groups=layout.groups, masters=policy_masters,
-            loss_scale_init=o.loss_scale_init, loss_scale_window=o.loss_scale_window)
+            loss_scale_init=o.loss_scale_init, loss_scale_window=o.loss_scale_window,
+            share_prompts=cfg.parallel.share_prompts)
         self.rewards = RewardManager(a.reward_funcs, a.reward_weights)
         self.ref_runner = PipelineRunner(ref_model, self.updater.groups, temperature=self.updater.loss.temperature,
-                                         jit=cfg.parallel.jit) if ref_model is not None else None
+                                         jit=cfg.parallel.jit, share_prompts=cfg.parallel.share_prompts) \
+            if ref_model is not None else None
         self.step = 0
         self.consecutive_nonfinite = 0
         self.skipped_updates = 0

@@ -1,0 +1,97 @@
+"""Shared-prompt packing: a GRPO group's prompt encoded once for all of its completions.
+
+A training row is ``[prompt (P) | completion (C)][:-1]``, and a group's G rows repeat the same
+prompt, so most of a forward/backward pass recomputes that prompt G times (the idea of Prefix
+Grouper, arXiv 2506.05433). Packed, the group is ONE row::
+
+    [prompt (P) | c_1[:-1] (C-1) | c_2[:-1] (C-1) | ... | c_k[:-1] (C-1)]
+
+with an attention mask under which prompt tokens see the (real) prompt causally and completion
+``j``'s tokens see the real prompt tokens plus completion ``j``'s own tokens up to themselves —
+exactly what each of them sees in its own padded row. Positions count real tokens as in the
+padded row (the prompt's real tokens from 0, completion ``j``'s tokens from the prompt's length).
+The logits that predict completion ``j``'s tokens sit at the prompt's last column (its first
+token: shared by the whole group) and at its own slot's columns; ``gather_index`` picks them in
+the original row order, so the log-probs come out as ``(rows, C)`` as before and the loss, the
+gradients and every metric are unchanged (up to float summation order).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from mindrlhf.models.decoder import MASK_VALUE
+
+
+@dataclass
+class PackedBatch:
+    """Inputs of ``CausalLM.packed_logprobs`` for one micro-batch."""
+
+    input_ids: np.ndarray       # (groups, T) int32
+    position_ids: np.ndarray    # (groups, T) int32
+    attention_bias: np.ndarray  # (groups, 1, T, T) float32, additive
+    gather_index: np.ndarray    # (rows, C) int32: flat index into (groups * T) of each logit used
+
+
+def group_rows(input_ids: np.ndarray, attention_mask: np.ndarray, prompt_width: int) -> np.ndarray:
+    """Group id of each row: consecutive rows with the same prompt (ids and mask) share one."""
+    prompt = np.concatenate([input_ids[:, :prompt_width], attention_mask[:, :prompt_width]], axis=1)
+    new = np.ones(len(prompt), bool)
+    new[1:] = (prompt[1:] != prompt[:-1]).any(axis=1)
+    return np.cumsum(new) - 1
+
+
+def pack_shared_prompts(input_ids: np.ndarray, attention_mask: np.ndarray,
+                        completion_width: int) -> Optional[PackedBatch]:
+    """Pack rows ``[prompt | completion][:-1]`` (prompts left-padded to a common width, completions
+    ``completion_width`` wide) so each run of rows with the same prompt becomes one row.
+
+    Returns None when no two rows share a prompt (packing would save nothing).
+    """
+    rows, width = input_ids.shape
+    c = completion_width
+    p = width - (c - 1)  # prompt columns
+    if p < 1 or c < 1:
+        raise ValueError(f"rows of width {width} cannot hold a prompt and {c} completion tokens")
+    group = group_rows(input_ids, attention_mask, p)
+    n_groups = int(group[-1]) + 1
+    if n_groups == rows:
+        return None
+    member = np.zeros(rows, np.int64)  # index of the row within its group
+    for r in range(1, rows):
+        member[r] = member[r - 1] + 1 if group[r] == group[r - 1] else 0
+    slots = int(member.max()) + 1
+    seg = c - 1  # each completion contributes its tokens but the last as inputs
+    t = p + slots * seg
+    ids = np.zeros((n_groups, t), np.int32)
+    mask = np.zeros((n_groups, t), bool)
+    pos = np.zeros((n_groups, t), np.int32)
+    segment = np.full((n_groups, t), -1, np.int64)  # -1: prompt column, j: completion slot j
+    segment[:, p:] = np.repeat(np.arange(slots), seg)[None]
+    offset = np.zeros(t, np.int64)
+    offset[p:] = np.tile(np.arange(seg), slots)
+    gather = np.zeros((rows, c), np.int32)
+    for r in range(rows):
+        g, j = int(group[r]), int(member[r])
+        prompt_mask = attention_mask[r, :p].astype(bool)
+        if j == 0:
+            ids[g, :p] = input_ids[r, :p]
+            mask[g, :p] = prompt_mask
+            pos[g, :p] = np.maximum(np.cumsum(prompt_mask) - 1, 0)
+        cols = slice(p + j * seg, p + (j + 1) * seg)
+        ids[g, cols] = input_ids[r, p:]
+        mask[g, cols] = attention_mask[r, p:].astype(bool)
+        pos[g, cols] = int(prompt_mask.sum()) + np.arange(seg)
+        gather[r, 0] = g * t + p - 1
+        gather[r, 1:] = g * t + p + j * seg + np.arange(seg)
+    same_slot = segment[:, :, None] == segment[:, None, :]
+    key_is_prompt = segment[:, None, :] == -1
+    causal = offset[None, :, None] >= offset[None, None, :]
+    prompt_causal = np.tril(np.ones((t, t), bool))[None]
+    query_is_prompt = segment[:, :, None] == -1
+    allowed = np.where(query_is_prompt, key_is_prompt & prompt_causal,
+                       key_is_prompt | (same_slot & causal)) & mask[:, None, :]
+    bias = np.where(allowed, 0.0, MASK_VALUE).astype(np.float32)[:, None]
+    return PackedBatch(ids, pos, bias, gather)
