@@ -25,12 +25,15 @@ WORKER = REPO / "tests" / "tp_worker.py"
 PROMPT, COMPLETION, BATCH = 6, 5, 4
 
 
-def _batch(vocab: int, seed: int) -> dict:
-    """A fixed GRPO micro-batch: left-padded prompts, right-padded completions, mixed advantages."""
+def _batch(vocab: int, seed: int, shared: bool = False) -> dict:
+    """A fixed GRPO micro-batch: left-padded prompts, right-padded completions, mixed advantages.
+    ``shared``: rows 0-1 and rows 2-3 are two completions of one prompt each (GRPO groups)."""
     rng = np.random.default_rng(seed)
-    prompt_len = np.array([6, 3, 4, 1])
+    prompt_len = np.array([6, 6, 4, 4]) if shared else np.array([6, 3, 4, 1])
     completion_len = np.array([5, 2, 4, 3])
     prompt = rng.integers(0, vocab, (BATCH, PROMPT)).astype(np.int32)
+    if shared:
+        prompt[1], prompt[3] = prompt[0], prompt[2]
     prompt_mask = (np.arange(PROMPT)[None, :] >= PROMPT - prompt_len[:, None]).astype(np.int32)
     completion = rng.integers(0, vocab, (BATCH, COMPLETION)).astype(np.int32)
     completion_mask = (np.arange(COMPLETION)[None, :] < completion_len[:, None]).astype(np.int32)
@@ -142,10 +145,11 @@ def _check_primitives(out: Path, dp: int, tp: int) -> None:
         np.testing.assert_array_equal(res["gather_grad"], weights[:, 3 * t:3 * (t + 1)])
 
 
-def _run_layout(tmp_path: Path, layout, port: int, cases, jit: bool, infer=None, sharded=()) -> Path:
+def _run_layout(tmp_path: Path, layout, port: int, cases, jit: bool, infer=None, sharded=(), share=False) -> Path:
     out = tmp_path / "out"
     argv = ["--dp", str(layout.dp), "--tp", str(layout.tp), "--pp", str(layout.pp),
-            "--micro", str(layout.micro_batches), "--out", str(out)] + (["--jit"] if jit else [])
+            "--micro", str(layout.micro_batches), "--out", str(out)] + (["--jit"] if jit else []) + \
+        (["--share"] if share else [])
     if infer is not None:
         argv += ["--infer", str(infer.dp), str(infer.tp)]
     for name, ckpt_dir in sharded:
@@ -178,12 +182,12 @@ def _check_resharded(out: Path, name: str, model_dir: Path, infer) -> None:
                                                               infer.coords(rank).tp), err_msg=f"{name} {pname}")
 
 
-def _cases(tiny_qwen2_dir: Path, tiny_llama_dir: Path):
+def _cases(tiny_qwen2_dir: Path, tiny_llama_dir: Path, shared: bool = False):
     from mindrlhf.models import DecoderConfig
 
     vocab = {d: DecoderConfig.from_file(d).vocab_size for d in (tiny_qwen2_dir, tiny_llama_dir)}
-    return [("qwen2", tiny_qwen2_dir, _batch(vocab[tiny_qwen2_dir], 1)),
-            ("llama", tiny_llama_dir, _batch(vocab[tiny_llama_dir], 2))]
+    return [("qwen2", tiny_qwen2_dir, _batch(vocab[tiny_qwen2_dir], 1, shared)),
+            ("llama", tiny_llama_dir, _batch(vocab[tiny_llama_dir], 2, shared))]
 
 
 @pytest.fixture(scope="module")
@@ -301,6 +305,18 @@ def test_tp2_matches_single_process(tiny_qwen2_dir, tiny_llama_dir, tmp_path):
 def test_dp2_tp2_matches_single_process(tiny_qwen2_dir, tiny_llama_dir, tmp_path):
     """dp=2 × tp=2 on 4 ranks, eager (PyNative): gradient slices summed over the dp group."""
     _run_layout(tmp_path, ParallelLayout(dp=2, tp=2), 8267, _cases(tiny_qwen2_dir, tiny_llama_dir), jit=False)
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+@pytest.mark.parametrize("pp", [1, 2])
+def test_shared_prompt_packing_under_tp2_and_pp2_matches_single_process(tiny_qwen2_dir, tiny_llama4_dir, tmp_path,
+                                                                        pp):
+    """Rows sharing prompts, packed on each tp rank (tp=2), or padded on pipeline stages (pp=2 falls
+    back): loss, log-probs and gradient slices equal the single-process padded step."""
+    layout = ParallelLayout(tp=2) if pp == 1 else ParallelLayout(pp=2, micro_batches=1)
+    _run_layout(tmp_path, layout, 8279 + pp, _cases(tiny_qwen2_dir, tiny_llama4_dir, shared=True), jit=False,
+                share=True)
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--case", nargs=3, action="append", required=True, metavar=("NAME", "MODEL_DIR", "BATCH"),
                    help="a case: its name, an HF model folder and the batch .npz (repeatable)")
     p.add_argument("--jit", action="store_true", help="compile the loss+gradient step with mindspore.jit")
+    p.add_argument("--share", action="store_true", help="pack rows that share a prompt (share_prompts)")
     p.add_argument("--infer", nargs=2, type=int, default=None, metavar=("DP", "TP"),
                    help="also reshard each case's model in memory into this generation layout and write the shards")
     p.add_argument("--sharded", nargs=2, action="append", default=[], metavar=("NAME", "DIR"),
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
         num_tokens = Tensor(np.float32(batch["completion_mask"].sum()))  # global: the whole batch
         loaded = time.perf_counter()
 
-        runner = PipelineRunner(model, groups, loss_fn, jit=args.jit)
+        runner = PipelineRunner(model, groups, loss_fn, jit=args.jit, share_prompts=args.share)
         grads, loss, _ = runner.loss_and_grads(micro, ("completion_mask", "advantages", "ref_logp"),
                                                extra=(num_tokens,))
         reducer = grad_reducer(runner.params, layout.dp, groups.dp_group)

@@ -9,7 +9,8 @@ Grouper, arXiv 2506.05433). Packed, the group is ONE row::
 with an attention mask under which prompt tokens see the (real) prompt causally and completion
 ``j``'s tokens see the real prompt tokens plus completion ``j``'s own tokens up to themselves —
 exactly what each of them sees in its own padded row. Positions count real tokens as in the
-padded row (the prompt's real tokens from 0, completion ``j``'s tokens from the prompt's length).
+padded row (the prompt's real tokens from 0, completion ``j``'s tokens from the prompt's length),
+so even the (unused) logits at padding positions are the padded row's.
 The logits that predict completion ``j``'s tokens sit at the prompt's last column (its first
 token: shared by the whole group) and at its own slot's columns; ``gather_index`` picks them in
 the original row order, so the log-probs come out as ``(rows, C)`` as before and the loss, the
@@ -83,7 +84,8 @@ def pack_shared_prompts(input_ids: np.ndarray, attention_mask: np.ndarray,
         cols = slice(p + j * seg, p + (j + 1) * seg)
         ids[g, cols] = input_ids[r, p:]
         mask[g, cols] = attention_mask[r, p:].astype(bool)
-        pos[g, cols] = int(prompt_mask.sum()) + np.arange(seg)
+        # As the padded row counts them: real tokens so far minus one (padding repeats the last).
+        pos[g, cols] = int(prompt_mask.sum()) + np.cumsum(mask[g, cols]) - 1
         gather[r, 0] = g * t + p - 1
         gather[r, 1:] = g * t + p + j * seg + np.arange(seg)
     same_slot = segment[:, :, None] == segment[:, None, :]
