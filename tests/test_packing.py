@@ -65,7 +65,6 @@ def test_packed_logprobs_and_gradients_equal_the_padded_rows(which, request):
                                      Tensor(packed.attention_bias), Tensor(packed.gather_index), Tensor(comp), 0.7)
 
     want, got = padded().asnumpy(), shared().asnumpy()
-    real = present > 0
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # padding positions included
     params = model.trainable_params()
     g_pad = ms.grad(lambda: (padded() * weights).sum(), None, params)()

@@ -362,7 +362,7 @@ class GRPOTrainer:
                 raise MindRLHFError(f"checkpoint {path} is unusable ({problem}); pass another one or --resume latest")
         state = CheckpointManager.read_state(path)
         self._load_state(self.updater.master_weights(), path / "policy.ckpt")
-        self.updater.optimizer.refresh()  # the compute copy from the masters
+        self.updater.refresh_weights()
         self._load_state(self.updater.optimizer_state(), path / "optimizer.ckpt")
         if state.get("ref_synced"):
             self._load_state(dict(self.ref_model.parameters_and_names()), path / "ref.ckpt")

@@ -180,6 +180,10 @@ class PolicyUpdater:
         """The float32 master weights by parameter name (what checkpoints store as the policy)."""
         return self.optimizer.master_weights()
 
+    def refresh_weights(self) -> None:
+        """Recast the model's compute copy from the master weights (after they were loaded)."""
+        self.optimizer.refresh()
+
 
 def _norm_weights(names: Sequence[str], groups: ParallelGroups, tied: bool) -> np.ndarray:
     """Per-parameter weight of its squared gradient in the global norm (see ``global_grad_norm``)."""
