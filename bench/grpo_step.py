@@ -23,6 +23,34 @@ sys.path.insert(0, str(REPO / "tests"))
 PHASES = ("time/generate", "time/reward", "time/ref", "time/old_logp", "time/train", "time/sync")
 
 
+def _rss_gib(field: str) -> float:
+    """A /proc/self/status memory figure (VmRSS now, VmHWM peak since the last reset) in GiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 2 ** 20
+    return float("nan")
+
+
+def _track_phase_peaks(trainer, peaks: dict) -> None:
+    """Record each phase's peak RSS: the kernel's peak (VmHWM) is reset before the phase and read after
+    it (Linux ``clear_refs``), so the figure says which phase sets the process's peak."""
+    def wrap(name, fn, label):
+        def run(*args, **kwargs):
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            out = fn(*args, **kwargs)
+            key = label(*args) if callable(label) else label
+            peaks[key] = max(peaks.get(key, 0.0), _rss_gib("VmHWM"))
+            return out
+        setattr(trainer, name, run)
+
+    wrap("generate", trainer.generate, "generate")
+    wrap("_batched_logp", trainer._batched_logp,
+         lambda runner, exp: "ref" if runner is trainer.ref_runner else "old_logp")
+    wrap("train_on", trainer.train_on, "train")
+
+
 def _tiny_model(root: Path, tokenizer_dir: Path) -> Path:
     from tiny_models import add_tokenizer, make_tiny_qwen2
 
@@ -68,6 +96,9 @@ def main() -> None:
     cfg = parse_args(argv)
     setup_runtime(cfg)
     trainer = build_trainer(cfg)
+    peaks: dict = {}
+    if Path("/proc/self/clear_refs").exists():
+        _track_phase_peaks(trainer, peaks)
     rows = []
     for _ in range(args.steps):
         rows.append(trainer.train_one_step())
@@ -86,7 +117,9 @@ def main() -> None:
     print(f"tokens/s (generated tokens / step time): {np.mean([r['tokens_per_second'] for r in rest]):.1f}; "
           f"mean completion length {np.mean([r['completions/mean_length'] for r in rest]):.1f}")
     # ru_maxrss is in KiB on Linux: the process's peak resident memory over all steps.
-    print(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20:.2f} GiB")
+    print(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20:.2f} GiB" +
+          (" (by phase: " + ", ".join(f"{k} {v:.2f}" for k, v in peaks.items()) + ")" if peaks else "") +
+          f"; RSS after the last step {_rss_gib('VmRSS'):.2f} GiB")
     shutil.rmtree(root, ignore_errors=True)
 
 

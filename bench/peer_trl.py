@@ -322,6 +322,8 @@ def print_report(results: List[Dict[str, Any]]) -> None:
     print(f"{'config':<9}{'side':<6}{'s/step':>9}{'generate s':>12}{'train s':>9}{'tokens/s':>10}{'peak RSS GiB':>14}")
     for spec, ours, trl in results:
         for res in (ours, trl):
+            if res.get("skipped"):
+                continue
             if not res["ok"]:
                 print(f"{spec['config']:<9}{res['side']:<6}  FAILED (see below)")
                 continue
@@ -340,13 +342,13 @@ def print_report(results: List[Dict[str, Any]]) -> None:
                   f"trainable params x {ours['trained_positions']:.0f} trained token positions / train s "
                   f"(approximate); MindSpore float32 1024^3 matmul in the same process: "
                   f"{ours['matmul_peak_gflops']:.1f} GFLOP/s")
-        else:
+        elif not ours.get("skipped"):
             print(f"  ours FAILED: {ours['error']}")
         if trl["ok"]:
             print(f"  TRL: first step {trl['first_step_s']:.1f} s; mean completion length "
                   f"{trl['mean_completion_length']:.1f}; gradient checkpointing {trl['gradient_checkpointing']}; "
                   f"versions {trl['versions']}")
-        else:
+        elif not trl.get("skipped"):
             print(f"  TRL FAILED: {trl['error']}")
         if ours["ok"] and trl["ok"]:
             gen = (f", generate ours/TRL = {ours['generate_s'] / trl['generate_s']:.2f}"
@@ -372,6 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--work_dir", default="",
                     help="folder for the models, prompts, outputs and child logs (default: a temporary folder, "
                          "deleted at the end unless a side failed)")
+    ap.add_argument("--sides", choices=("both", "ours", "trl"), default="both",
+                    help="which sides to run (default both); one side alone prints its figures without ratios, "
+                         "e.g. to re-measure ours after a change")
     ap.add_argument("--side", choices=("ours", "trl"), default=None, help=argparse.SUPPRESS)  # internal: child
     ap.add_argument("--spec", default="", help=argparse.SUPPRESS)  # internal: the child's job file
     return ap
@@ -395,7 +400,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     trl_error = ""
     try:
         try:
-            trl_python: Optional[Path] = ensure_trl_venv(venv)
+            trl_python: Optional[Path] = ensure_trl_venv(venv) if args.sides != "ours" else None
         except (subprocess.CalledProcessError, OSError) as err:
             trl_python, trl_error = None, f"could not create the TRL virtualenv {venv}: {err}"
         for name in (("tiny", "smollm2") if args.config == "both" else (args.config,)):
@@ -404,9 +409,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             spec = make_spec(name, args.steps, cwork)
             spec_file = cwork / "spec.json"
             spec_file.write_text(json.dumps(spec, indent=1), encoding="utf-8")
-            print(f"[{name}] ours (MindSpore, {sys.executable})", flush=True)
-            ours = run_side("ours", sys.executable, spec_file, cwork / "ours.log")
-            if trl_python is None:
+            skipped = {"ok": False, "skipped": True, "error": "not run (--sides)"}
+            if args.sides == "trl":
+                ours = dict(skipped, side="ours")
+            else:
+                print(f"[{name}] ours (MindSpore, {sys.executable})", flush=True)
+                ours = run_side("ours", sys.executable, spec_file, cwork / "ours.log")
+            if args.sides == "ours":
+                trl = dict(skipped, side="trl")
+            elif trl_python is None:
                 trl = {"side": "trl", "ok": False, "error": trl_error}
             else:
                 print(f"[{name}] TRL ({trl_python})", flush=True)
@@ -415,7 +426,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         if results:
             print_report(results)
-        failed = not results or any(not r["ok"] for _, *sides in results for r in sides)
+        failed = not results or any(not r["ok"] and not r.get("skipped") for _, *sides in results for r in sides)
         if not args.work_dir and not failed:
             shutil.rmtree(work, ignore_errors=True)
         elif failed:

@@ -28,7 +28,8 @@ def test_groups_and_layout_by_hand():
     assert group_rows(ids, mask, 8).tolist() == [0, 0, 0, 1, 1, 2]
     packed = pack_shared_prompts(ids, mask, 6)
     # 3 groups; the widest has 3 completion slots of 5 input tokens behind the 8 prompt columns.
-    assert packed.input_ids.shape == (3, 8 + 3 * 5) and packed.attention_bias.shape == (3, 1, 23, 23)
+    assert packed.input_ids.shape == (3, 8 + 3 * 5)
+    assert packed.prompt_bias.shape == (3, 1, 8, 8) and packed.completion_bias.shape == (3 * 3, 1, 5, 8 + 5)
     # Row 1 (group 0, slot 1): its first token is predicted at the prompt's last column, the rest
     # at slot 1's columns 8 + 5 .. 8 + 9.
     assert packed.gather_index[1].tolist() == [7, 13, 14, 15, 16, 17]
@@ -38,10 +39,15 @@ def test_groups_and_layout_by_hand():
     assert packed.position_ids[0, 3:8].tolist() == [0, 1, 2, 3, 4]
     assert packed.position_ids[0, 8:13].tolist() == [5, 6, 7, 8, 9]
     assert packed.position_ids[0, 13:18].tolist() == [5, 6, 6, 6, 6]
-    allowed = packed.attention_bias[0, 0] == 0
-    assert allowed[14, 3:8].all() and not allowed[14, :3].any()   # sees the real prompt only
-    assert allowed[14, 13:15].all() and not allowed[14, 15:18].any()  # its own slot, causally
-    assert not allowed[14, 8:13].any()                              # never another completion
+    prompt = packed.prompt_bias[0, 0] == 0  # prompt A over itself: real tokens (columns 3-7), causally
+    assert prompt[5, 3:6].all() and not prompt[5, :3].any() and not prompt[5, 6:].any()
+    # Packed column 14 is group 0, slot 1, token 1: the real prompt, then its own slot causally.
+    slot = packed.completion_bias[0 * 3 + 1, 0] == 0
+    assert slot[1, 3:8].all() and not slot[1, :3].any()
+    assert slot[1, 8:10].all() and not slot[1, 10:].any()
+    # Group 1 has two completions: its third slot is empty and sees only the real prompt.
+    empty = packed.completion_bias[1 * 3 + 2, 0] == 0
+    assert empty[:, 5:8].all() and not empty[:, :5].any() and not empty[:, 8:].any()
     assert pack_shared_prompts(ids[[0, 3, 5]], mask[[0, 3, 5]], 6) is None  # nothing shared
 
 
@@ -61,8 +67,8 @@ def test_packed_logprobs_and_gradients_equal_the_padded_rows(which, request):
         return model.sequence_logprobs(Tensor(ids), Tensor(mask), Tensor(comp), 0.7)
 
     def shared():
-        return model.packed_logprobs(Tensor(packed.input_ids), Tensor(packed.position_ids),
-                                     Tensor(packed.attention_bias), Tensor(packed.gather_index), Tensor(comp), 0.7)
+        return model.packed_logprobs(Tensor(packed.input_ids), Tensor(packed.position_ids), Tensor(packed.prompt_bias),
+                                     Tensor(packed.completion_bias), Tensor(packed.gather_index), Tensor(comp), 0.7)
 
     want, got = padded().asnumpy(), shared().asnumpy()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # padding positions included

@@ -121,9 +121,11 @@ class Attention(nn.Cell):
         self.bmm_qk = ops.BatchMatMul(transpose_b=True)
         self.bmm_pv = ops.BatchMatMul()
 
-    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor) -> Tensor:
+    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, bias) -> Tensor:
+        """``bias``: an additive mask (B, 1, T, T) for padded rows, or the pair (prompt bias,
+        completion bias) of shared-prompt packed rows (``models.packing``)."""
         b, t, _ = x.shape
-        hk, g, d = self.num_kv_heads, self.group, self.head_dim
+        hk, d = self.num_kv_heads, self.head_dim
         if self.copy is not None:
             x = self.copy(x)
         q = self.q_proj(x).reshape(b, t, self.num_heads, d)
@@ -132,15 +134,42 @@ class Attention(nn.Cell):
         cos, sin = cos.expand_dims(2).astype(q.dtype), sin.expand_dims(2).astype(q.dtype)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        # (b, hk, g*t, d): query head j*g+r attends with kv head j, as HF's repeat_kv does.
-        q = q.reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, g * t, d)
+        if isinstance(bias, tuple):
+            out = self._shared_prompt(q, k, v, bias[0], bias[1])
+        else:
+            out = self._attend(q, k, v, bias)
+        return self.o_proj(out.reshape(b, t, -1))
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+        """Softmax attention: q (B, Tq, H, d), k/v (B, Tk, KV, d), additive float32 bias (B, 1, Tq, Tk)
+        → (B, Tq, H, d)."""
+        b, tq, _, d = q.shape
+        tk, hk, g = k.shape[1], self.num_kv_heads, self.group
+        # (b, hk, g*tq, d): query head j*g+r attends with kv head j, as HF's repeat_kv does.
+        q = q.reshape(b, tq, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, g * tq, d)
         k = k.transpose(0, 2, 1, 3)
         v = v.transpose(0, 2, 1, 3)
         scores = self.bmm_qk(q, k).astype(ms.float32) * self.scale
-        scores = scores.reshape(b, hk, g, t, t) + bias.expand_dims(1)
-        probs = ops.softmax(scores, axis=-1).astype(v.dtype).reshape(b, hk, g * t, t)
-        out = self.bmm_pv(probs, v).reshape(b, hk, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, -1)
-        return self.o_proj(out)
+        scores = scores.reshape(b, hk, g, tq, tk) + bias.expand_dims(1)
+        probs = ops.softmax(scores, axis=-1).astype(v.dtype).reshape(b, hk, g * tq, tk)
+        return self.bmm_pv(probs, v).reshape(b, hk, g, tq, d).transpose(0, 3, 1, 2, 4).reshape(b, tq, hk * g, d)
+
+    def _shared_prompt(self, q: Tensor, k: Tensor, v: Tensor, prompt_bias: Tensor, completion_bias: Tensor) -> Tensor:
+        """Attention over packed rows ``[prompt (P) | slot 1 (S) | ... | slot n (S)]``: the prompt attends
+        to itself (``prompt_bias`` (B, 1, P, P)), and each slot's queries to the prompt's keys plus
+        its own (``completion_bias`` (B*n, 1, S, P+S)). Never forming the score blocks where one
+        completion would see another is what makes this cheaper than one (P+nS)² mask."""
+        b, t, h, d = q.shape
+        p, s, hk = prompt_bias.shape[2], completion_bias.shape[2], self.num_kv_heads
+        n = completion_bias.shape[0] // b
+        out_prompt = self._attend(q[:, :p], k[:, :p], v[:, :p], prompt_bias)
+
+        def per_slot(x, heads):  # (b, p+n*s, heads, d) → the prompt's rows ahead of each slot's: (b*n, p+s, heads, d)
+            shared = ops.broadcast_to(x[:, :p].expand_dims(1), (b, n, p, heads, d))
+            return ops.concat((shared, x[:, p:].reshape(b, n, s, heads, d)), axis=2).reshape(b * n, p + s, heads, d)
+
+        out_slots = self._attend(q[:, p:].reshape(b * n, s, h, d), per_slot(k, hk), per_slot(v, hk), completion_bias)
+        return ops.concat((out_prompt, out_slots.reshape(b, n * s, h, d)), axis=1)
 
 
 class MLP(nn.Cell):
@@ -319,12 +348,12 @@ class CausalLM(nn.Cell):
         logits = self.construct(input_ids, attention_mask, None, completion_ids.shape[1])
         return self.token_logprobs(logits, completion_ids, temperature)
 
-    def packed_logprobs(self, input_ids: Tensor, position_ids: Tensor, attention_bias: Tensor,
+    def packed_logprobs(self, input_ids: Tensor, position_ids: Tensor, prompt_bias: Tensor, completion_bias: Tensor,
                         gather_index: Tensor, completion_ids: Tensor, temperature: float = 1.0) -> Tensor:
         """Per-token log-probs (N, C) of N completions packed with their shared prompts
-        (``models.packing``): ``attention_bias`` (G, 1, T, T) says what each position sees and
+        (``models.packing``): the biases say what each prompt / completion-slot position sees and
         ``gather_index`` (N, C) which positions' logits predict each completion token."""
-        x = self._layers(self.model.embed_tokens(input_ids), position_ids, attention_bias)
+        x = self._layers(self.model.embed_tokens(input_ids), position_ids, (prompt_bias, completion_bias))
         b, t, h = x.shape
         x = ops.gather(x.reshape(b * t, h), gather_index.reshape(-1), 0).reshape(*gather_index.shape, h)
         return self.token_logprobs(self.logits(self.model.norm(x)), completion_ids, temperature)

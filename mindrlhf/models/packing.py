@@ -6,9 +6,11 @@ Grouper, arXiv 2506.05433). Packed, the group is ONE row::
 
     [prompt (P) | c_1[:-1] (C-1) | c_2[:-1] (C-1) | ... | c_k[:-1] (C-1)]
 
-with an attention mask under which prompt tokens see the (real) prompt causally and completion
-``j``'s tokens see the real prompt tokens plus completion ``j``'s own tokens up to themselves —
-exactly what each of them sees in its own padded row. Positions count real tokens as in the
+under which prompt tokens see the (real) prompt causally and completion ``j``'s tokens see the
+real prompt tokens plus completion ``j``'s own tokens up to themselves — exactly what each of them
+sees in its own padded row. The mask comes in two blocks (``Attention._shared_prompt``): the prompt
+over itself (P × P) and each slot over the prompt and itself (C-1 × P+C-1), so the score blocks in
+which one completion would see another (masked anyway) are never computed. Positions count real tokens as in the
 padded row (the prompt's real tokens from 0, completion ``j``'s tokens from the prompt's length),
 so even the (unused) logits at padding positions are the padded row's.
 The logits that predict completion ``j``'s tokens sit at the prompt's last column (its first
@@ -30,10 +32,11 @@ from mindrlhf.models.decoder import MASK_VALUE
 class PackedBatch:
     """Inputs of ``CausalLM.packed_logprobs`` for one micro-batch."""
 
-    input_ids: np.ndarray       # (groups, T) int32
-    position_ids: np.ndarray    # (groups, T) int32
-    attention_bias: np.ndarray  # (groups, 1, T, T) float32, additive
-    gather_index: np.ndarray    # (rows, C) int32: flat index into (groups * T) of each logit used
+    input_ids: np.ndarray        # (groups, T) int32, T = P + slots * S
+    position_ids: np.ndarray     # (groups, T) int32
+    prompt_bias: np.ndarray      # (groups, 1, P, P) float32, additive: the prompt over itself
+    completion_bias: np.ndarray  # (groups * slots, 1, S, P + S) float32: a slot over the prompt and itself
+    gather_index: np.ndarray     # (rows, C) int32: flat index into (groups * T) of each logit used
 
 
 def group_rows(input_ids: np.ndarray, attention_mask: np.ndarray, prompt_width: int) -> np.ndarray:
@@ -69,10 +72,6 @@ def pack_shared_prompts(input_ids: np.ndarray, attention_mask: np.ndarray,
     ids = np.zeros((n_groups, t), np.int32)
     mask = np.zeros((n_groups, t), bool)
     pos = np.zeros((n_groups, t), np.int32)
-    segment = np.full((n_groups, t), -1, np.int64)  # -1: prompt column, j: completion slot j
-    segment[:, p:] = np.repeat(np.arange(slots), seg)[None]
-    offset = np.zeros(t, np.int64)
-    offset[p:] = np.tile(np.arange(seg), slots)
     gather = np.zeros((rows, c), np.int32)
     for r in range(rows):
         g, j = int(group[r]), int(member[r])
@@ -88,12 +87,17 @@ def pack_shared_prompts(input_ids: np.ndarray, attention_mask: np.ndarray,
         pos[g, cols] = int(prompt_mask.sum()) + np.cumsum(mask[g, cols]) - 1
         gather[r, 0] = g * t + p - 1
         gather[r, 1:] = g * t + p + j * seg + np.arange(seg)
-    same_slot = segment[:, :, None] == segment[:, None, :]
-    key_is_prompt = segment[:, None, :] == -1
-    causal = offset[None, :, None] >= offset[None, None, :]
-    prompt_causal = np.tril(np.ones((t, t), bool))[None]
-    query_is_prompt = segment[:, :, None] == -1
-    allowed = np.where(query_is_prompt, key_is_prompt & prompt_causal,
-                       key_is_prompt | (same_slot & causal)) & mask[:, None, :]
-    bias = np.where(allowed, 0.0, MASK_VALUE).astype(np.float32)[:, None]
-    return PackedBatch(ids, pos, bias, gather)
+    prompt_mask = mask[:, :p]
+    prompt_allowed = np.tril(np.ones((p, p), bool))[None] & prompt_mask[:, None, :]
+    slot_mask = mask[:, p:].reshape(n_groups, slots, seg)
+    # Keys of a slot's queries: the prompt's columns, then the slot's own (causally).
+    slot_allowed = np.concatenate([
+        np.broadcast_to(prompt_mask[:, None, None, :], (n_groups, slots, seg, p)),
+        np.tril(np.ones((seg, seg), bool))[None, None] & slot_mask[:, :, None, :]], axis=3)
+    return PackedBatch(ids, pos, _bias(prompt_allowed), _bias(slot_allowed.reshape(n_groups * slots, seg, p + seg)),
+                       gather)
+
+
+def _bias(allowed: np.ndarray) -> np.ndarray:
+    """Additive float32 mask (N, 1, Tq, Tk) from a boolean (N, Tq, Tk)."""
+    return np.where(allowed, 0.0, MASK_VALUE).astype(np.float32)[:, None]

@@ -156,12 +156,13 @@ class PipelineRunner:
         def loss_full(input_ids, attention_mask, completion_ids, *rest):
             return loss_fn(model.sequence_logprobs(input_ids, attention_mask, completion_ids, temperature), *rest)
 
-        def logp_packed(input_ids, position_ids, bias, gather_index, completion_ids):
-            return model.packed_logprobs(input_ids, position_ids, bias, gather_index, completion_ids, temperature)
+        def logp_packed(input_ids, position_ids, prompt_bias, completion_bias, gather_index, completion_ids):
+            return model.packed_logprobs(input_ids, position_ids, prompt_bias, completion_bias, gather_index,
+                                         completion_ids, temperature)
 
-        def loss_packed(input_ids, position_ids, bias, gather_index, completion_ids, *rest):
-            return loss_fn(model.packed_logprobs(input_ids, position_ids, bias, gather_index, completion_ids,
-                                                 temperature), *rest)
+        def loss_packed(input_ids, position_ids, prompt_bias, completion_bias, gather_index, completion_ids, *rest):
+            return loss_fn(model.packed_logprobs(input_ids, position_ids, prompt_bias, completion_bias, gather_index,
+                                                 completion_ids, temperature), *rest)
 
         def loss_last(hidden, attention_mask, completion_ids, *rest):
             out = model.stage_forward(hidden, attention_mask)
@@ -196,8 +197,8 @@ class PipelineRunner:
             if self.share_prompts else None
         if packed is None:
             return "full", [Tensor(mb["input_ids"]), Tensor(mb["attention_mask"]), Tensor(mb["completion_ids"])]
-        return "packed", [Tensor(packed.input_ids), Tensor(packed.position_ids), Tensor(packed.attention_bias),
-                          Tensor(packed.gather_index), Tensor(mb["completion_ids"])]
+        return "packed", [Tensor(packed.input_ids), Tensor(packed.position_ids), Tensor(packed.prompt_bias),
+                          Tensor(packed.completion_bias), Tensor(packed.gather_index), Tensor(mb["completion_ids"])]
 
     def _hidden_shape(self, mb) -> Tuple[int, int, int]:
         b, t = mb["input_ids"].shape
