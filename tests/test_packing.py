@@ -45,6 +45,8 @@ def test_groups_and_layout_by_hand():
     slot = packed.completion_bias[0 * 3 + 1, 0] == 0
     assert slot[1, 3:8].all() and not slot[1, :3].any()
     assert slot[1, 8:10].all() and not slot[1, 10:].any()
+    # Slot j's keys: the 8 prompt columns, then its own 5 columns.
+    assert packed.slot_keys.tolist() == [*range(8), *range(8, 13), *range(8), *range(13, 18), *range(8), *range(18, 23)]
     # Group 1 has two completions: its third slot is empty and sees only the real prompt.
     empty = packed.completion_bias[1 * 3 + 2, 0] == 0
     assert empty[:, 5:8].all() and not empty[:, :5].any() and not empty[:, 8:].any()
@@ -68,7 +70,8 @@ def test_packed_logprobs_and_gradients_equal_the_padded_rows(which, request):
 
     def shared():
         return model.packed_logprobs(Tensor(packed.input_ids), Tensor(packed.position_ids), Tensor(packed.prompt_bias),
-                                     Tensor(packed.completion_bias), Tensor(packed.gather_index), Tensor(comp), 0.7)
+                                     Tensor(packed.completion_bias), Tensor(packed.slot_keys),
+                                     Tensor(packed.gather_index), Tensor(comp), 0.7)
 
     want, got = padded().asnumpy(), shared().asnumpy()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # padding positions included

@@ -24,7 +24,6 @@ read directly, so new policy weights never trigger a recompilation.
 """
 from __future__ import annotations
 
-import math
 import time
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -89,27 +88,10 @@ class CachedDecoder(nn.Cell):
         self.phases: set = set()       # MindSpore compile phases of this cell's graphs
         self.dtype = model.compute_dtype
         self.cast = model.compute_dtype != ms.float32  # skip no-op casts (each is a kernel launch)
-        self.scale = 1.0 / math.sqrt(c.head_dim)
-        # rotate_half(x) == x @ rotation: out[:h] = -x[h:], out[h:] = x[:h]
-        d, h = c.head_dim, c.head_dim // 2
-        rot = np.zeros((d, d), np.float32)
-        rot[np.arange(h) + h, np.arange(h)] = -1.0
-        rot[np.arange(h), np.arange(h) + h] = 1.0
-        self.rotation = Tensor(rot, model.compute_dtype)
-        self.rot = ops.MatMul()
-
     def _attention(self, attn, x, rope, bias, k_cache, v_cache, index):
         b, t, _ = x.shape
         hk, g, d = attn.num_kv_heads, attn.group, attn.head_dim
-        cos_q, sin_q, cos_k, sin_k = rope
-        if attn.copy is not None:
-            x = attn.copy(x)
-        q = attn.q_proj(x).reshape(b, t, attn.num_heads, d)
-        k = attn.k_proj(x).reshape(b, t, hk, d)
-        v = attn.v_proj(x).reshape(b, t, hk, d)
-        # RoPE (q already carries the 1/sqrt(d) score scale); rotate_half as one small matmul
-        q = q * cos_q + self.rot(q.reshape(-1, d), self.rotation).reshape(q.shape) * sin_q
-        k = k * cos_k + self.rot(k.reshape(-1, d), self.rotation).reshape(k.shape) * sin_k
+        q, k, v = attn.project(x, rope)  # q carries the 1/sqrt(d) score scale
         q = q.reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, g * t, d)
         self.scatter(k_cache, index, k.transpose(0, 2, 1, 3))
         self.scatter(v_cache, index, v.transpose(0, 2, 1, 3))
@@ -136,11 +118,7 @@ class CachedDecoder(nn.Cell):
         heads = ops.broadcast_to(ops.arange(hk, dtype=ms.int64).reshape(1, hk, 1, 1), (b, hk, t, 1))
         cols = ops.broadcast_to((ops.arange(t, dtype=ms.int64) + cache_index).reshape(1, 1, t, 1), (b, hk, t, 1))
         index = ops.concat((rows, heads, cols), axis=-1)
-        # cos/sin once per step for all layers, (B, t, 1, D); the score scale folded into q's
-        cos, sin = model.rope(position_ids)
-        cos = cos.expand_dims(2).astype(self.dtype)
-        sin = sin.expand_dims(2).astype(self.dtype)
-        rope = (cos * self.scale, sin * self.scale, cos, sin)
+        rope = model.rope_tables(position_ids)  # once per step for all layers
         bias = attn_bias.expand_dims(1).expand_dims(1)  # (B, 1, 1, t, S): broadcast over kv heads, groups
         x = model.model.embed_tokens(input_ids)
         for i in range(self.num_layers):

@@ -79,11 +79,6 @@ class RMSNorm(nn.Cell):
         return self.weight * x32.astype(x.dtype)
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return ops.concat((-x[..., half:], x[..., :half]), axis=-1)
-
-
 def attention_bias(attention_mask: Tensor) -> Tensor:
     """Additive float32 mask (B, 1, T, T): causal and no attending to padding (mask 0)."""
     b, t = attention_mask.shape
@@ -107,7 +102,6 @@ class Attention(nn.Cell):
         self.num_heads, self.num_kv_heads = config.num_attention_heads // tp, config.num_key_value_heads // tp
         self.head_dim = d
         self.group = self.num_heads // self.num_kv_heads
-        self.scale = 1.0 / math.sqrt(d)
         bias = config.attention_bias
         # One gradient AllReduce for q, k and v together (they share the input).
         self.copy = CopyToTP(tp, group) if tp > 1 else None
@@ -120,10 +114,19 @@ class Attention(nn.Cell):
                                         group=group, dtype=dtype)
         self.bmm_qk = ops.BatchMatMul(transpose_b=True)
         self.bmm_pv = ops.BatchMatMul()
+        # rotate_half(x) = [-x[d/2:], x[:d/2]] as one small matmul with a signed permutation
+        # (exact): on CPU a matmul is several times faster than the slices, negation and concat.
+        half = d // 2
+        rot = np.zeros((d, d), np.float32)
+        rot[np.arange(half) + half, np.arange(half)] = -1.0
+        rot[np.arange(half), np.arange(half) + half] = 1.0
+        self.rotation = Tensor(rot, dtype)
+        self.matmul = ops.MatMul()
 
-    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, bias) -> Tensor:
-        """``bias``: an additive mask (B, 1, T, T) for padded rows, or the pair (prompt bias,
-        completion bias) of shared-prompt packed rows (``models.packing``)."""
+    def project(self, x: Tensor, rope: Tuple[Tensor, ...]) -> Tuple[Tensor, Tensor, Tensor]:
+        """q (B, T, H, d) carrying the 1/sqrt(d) score scale, k (B, T, KV, d) after RoPE, and v.
+
+        ``rope``: ``CausalLM.rope_tables`` (cos/sin already per head and scaled for q)."""
         b, t, _ = x.shape
         hk, d = self.num_kv_heads, self.head_dim
         if self.copy is not None:
@@ -131,11 +134,18 @@ class Attention(nn.Cell):
         q = self.q_proj(x).reshape(b, t, self.num_heads, d)
         k = self.k_proj(x).reshape(b, t, hk, d)
         v = self.v_proj(x).reshape(b, t, hk, d)
-        cos, sin = cos.expand_dims(2).astype(q.dtype), sin.expand_dims(2).astype(q.dtype)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        cos_q, sin_q, cos_k, sin_k = rope
+        q = q * cos_q + self.matmul(q.reshape(-1, d), self.rotation).reshape(q.shape) * sin_q
+        k = k * cos_k + self.matmul(k.reshape(-1, d), self.rotation).reshape(k.shape) * sin_k
+        return q, k, v
+
+    def construct(self, x: Tensor, rope: Tuple[Tensor, ...], bias) -> Tensor:
+        """``bias``: an additive mask (B, 1, T, T) for padded rows, or (prompt bias, completion bias,
+        slot key index) of shared-prompt packed rows (``models.packing``)."""
+        b, t, _ = x.shape
+        q, k, v = self.project(x, rope)
         if isinstance(bias, tuple):
-            out = self._shared_prompt(q, k, v, bias[0], bias[1])
+            out = self._shared_prompt(q, k, v, bias[0], bias[1], bias[2])
         else:
             out = self._attend(q, k, v, bias)
         return self.o_proj(out.reshape(b, t, -1))
@@ -149,26 +159,27 @@ class Attention(nn.Cell):
         q = q.reshape(b, tq, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, g * tq, d)
         k = k.transpose(0, 2, 1, 3)
         v = v.transpose(0, 2, 1, 3)
-        scores = self.bmm_qk(q, k).astype(ms.float32) * self.scale
+        scores = self.bmm_qk(q, k).astype(ms.float32)  # q carries the 1/sqrt(d) scale
         scores = scores.reshape(b, hk, g, tq, tk) + bias.expand_dims(1)
         probs = ops.softmax(scores, axis=-1).astype(v.dtype).reshape(b, hk, g * tq, tk)
         return self.bmm_pv(probs, v).reshape(b, hk, g, tq, d).transpose(0, 3, 1, 2, 4).reshape(b, tq, hk * g, d)
 
-    def _shared_prompt(self, q: Tensor, k: Tensor, v: Tensor, prompt_bias: Tensor, completion_bias: Tensor) -> Tensor:
+    def _shared_prompt(self, q: Tensor, k: Tensor, v: Tensor, prompt_bias: Tensor, completion_bias: Tensor,
+                       slot_keys: Tensor) -> Tensor:
         """Attention over packed rows ``[prompt (P) | slot 1 (S) | ... | slot n (S)]``: the prompt attends
         to itself (``prompt_bias`` (B, 1, P, P)), and each slot's queries to the prompt's keys plus
-        its own (``completion_bias`` (B*n, 1, S, P+S)). Never forming the score blocks where one
-        completion would see another is what makes this cheaper than one (P+nS)² mask."""
+        its own (``completion_bias`` (B*n, 1, S, P+S)); ``slot_keys`` (n*(P+S),) lists those key
+        columns slot after slot. Never forming the score blocks where one completion would see
+        another is what makes this cheaper than one (P+nS)² mask."""
         b, t, h, d = q.shape
         p, s, hk = prompt_bias.shape[2], completion_bias.shape[2], self.num_kv_heads
         n = completion_bias.shape[0] // b
         out_prompt = self._attend(q[:, :p], k[:, :p], v[:, :p], prompt_bias)
-
-        def per_slot(x, heads):  # (b, p+n*s, heads, d) → the prompt's rows ahead of each slot's: (b*n, p+s, heads, d)
-            shared = ops.broadcast_to(x[:, :p].expand_dims(1), (b, n, p, heads, d))
-            return ops.concat((shared, x[:, p:].reshape(b, n, s, heads, d)), axis=2).reshape(b * n, p + s, heads, d)
-
-        out_slots = self._attend(q[:, p:].reshape(b * n, s, h, d), per_slot(k, hk), per_slot(v, hk), completion_bias)
+        # One gather builds every slot's keys (the prompt's, then its own): on CPU several times
+        # faster, forward and backward, than broadcasting the prompt and concatenating.
+        k_slots = ops.gather(k, slot_keys, 1).reshape(b * n, p + s, hk, d)
+        v_slots = ops.gather(v, slot_keys, 1).reshape(b * n, p + s, hk, d)
+        out_slots = self._attend(q[:, p:].reshape(b * n, s, h, d), k_slots, v_slots, completion_bias)
         return ops.concat((out_prompt, out_slots.reshape(b, n * s, h, d)), axis=1)
 
 
@@ -198,8 +209,8 @@ class DecoderLayer(nn.Cell):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype, shard)
 
-    def construct(self, x, cos, sin, bias):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, bias)
+    def construct(self, x, rope, bias):
+        x = x + self.self_attn(self.input_layernorm(x), rope, bias)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -267,6 +278,20 @@ class CausalLM(nn.Cell):
         emb = ops.concat((freqs, freqs), axis=-1)
         return ops.cos(emb), ops.sin(emb)
 
+    def rope_tables(self, position_ids: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(cos_q, sin_q, cos_k, sin_k) for ``Attention.project``, made once per forward for all layers:
+        (B, T, heads, d) in the compute dtype, q's carrying the 1/sqrt(d) score scale. Materialised
+        per head because MindSpore's CPU kernels multiply equal shapes far faster than broadcasts."""
+        cos, sin = self.rope(position_ids)
+        cos, sin = cos.expand_dims(2), sin.expand_dims(2)
+        scale = 1.0 / math.sqrt(self.config.head_dim)
+        heads, kv_heads = self.config.num_attention_heads // self.tp, self.config.num_key_value_heads // self.tp
+        tables = (ops.tile(cos * scale, (1, 1, heads, 1)), ops.tile(sin * scale, (1, 1, heads, 1)),
+                  ops.tile(cos, (1, 1, kv_heads, 1)), ops.tile(sin, (1, 1, kv_heads, 1)))
+        if self.compute_dtype == ms.float32:
+            return tables
+        return tuple(x.astype(self.compute_dtype) for x in tables)
+
     def head_table(self) -> Tensor:
         """This rank's rows of the output projection (the embedding table when tied)."""
         return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
@@ -304,10 +329,10 @@ class CausalLM(nn.Cell):
         return self._layers(self.model.embed_tokens(inputs) if self.is_first else inputs,
                             position_ids, attention_bias(mask))
 
-    def _layers(self, x: Tensor, position_ids: Tensor, bias: Tensor) -> Tensor:
-        cos, sin = self.rope(position_ids)
+    def _layers(self, x: Tensor, position_ids: Tensor, bias) -> Tensor:
+        rope = self.rope_tables(position_ids)
         for i in self.layer_range:
-            x = self.model.layers[i](x, cos, sin, bias)
+            x = self.model.layers[i](x, rope, bias)
         return x
 
     def completion_logprobs(self, hidden: Tensor, completion_ids: Tensor, temperature: float = 1.0) -> Tensor:
@@ -349,11 +374,12 @@ class CausalLM(nn.Cell):
         return self.token_logprobs(logits, completion_ids, temperature)
 
     def packed_logprobs(self, input_ids: Tensor, position_ids: Tensor, prompt_bias: Tensor, completion_bias: Tensor,
-                        gather_index: Tensor, completion_ids: Tensor, temperature: float = 1.0) -> Tensor:
+                        slot_keys: Tensor, gather_index: Tensor, completion_ids: Tensor,
+                        temperature: float = 1.0) -> Tensor:
         """Per-token log-probs (N, C) of N completions packed with their shared prompts
         (``models.packing``): the biases say what each prompt / completion-slot position sees and
         ``gather_index`` (N, C) which positions' logits predict each completion token."""
-        x = self._layers(self.model.embed_tokens(input_ids), position_ids, (prompt_bias, completion_bias))
+        x = self._layers(self.model.embed_tokens(input_ids), position_ids, (prompt_bias, completion_bias, slot_keys))
         b, t, h = x.shape
         x = ops.gather(x.reshape(b * t, h), gather_index.reshape(-1), 0).reshape(*gather_index.shape, h)
         return self.token_logprobs(self.logits(self.model.norm(x)), completion_ids, temperature)

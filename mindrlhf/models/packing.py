@@ -36,6 +36,7 @@ class PackedBatch:
     position_ids: np.ndarray     # (groups, T) int32
     prompt_bias: np.ndarray      # (groups, 1, P, P) float32, additive: the prompt over itself
     completion_bias: np.ndarray  # (groups * slots, 1, S, P + S) float32: a slot over the prompt and itself
+    slot_keys: np.ndarray        # (slots * (P + S),) int32: each slot's key columns, the prompt's then its own
     gather_index: np.ndarray     # (rows, C) int32: flat index into (groups * T) of each logit used
 
 
@@ -94,8 +95,9 @@ def pack_shared_prompts(input_ids: np.ndarray, attention_mask: np.ndarray,
     slot_allowed = np.concatenate([
         np.broadcast_to(prompt_mask[:, None, None, :], (n_groups, slots, seg, p)),
         np.tril(np.ones((seg, seg), bool))[None, None] & slot_mask[:, :, None, :]], axis=3)
+    slot_keys = np.concatenate([np.r_[np.arange(p), p + j * seg + np.arange(seg)] for j in range(slots)])
     return PackedBatch(ids, pos, _bias(prompt_allowed), _bias(slot_allowed.reshape(n_groups * slots, seg, p + seg)),
-                       gather)
+                       slot_keys.astype(np.int32), gather)
 
 
 def _bias(allowed: np.ndarray) -> np.ndarray:

@@ -36,6 +36,7 @@ from mindrlhf.parallel.groups import ParallelGroups
 log = logging.getLogger(__name__)
 
 P2P_BACKENDS = ("auto", "collective", "send_recv")
+PACKED_INPUTS = 7  # CausalLM.packed_logprobs' tensor arguments
 
 # loss_fn(logp (B, C), *loss_inputs) -> (scalar loss, tuple of scalar aux values)
 LossFn = Callable[..., Tuple[Tensor, Tuple[Tensor, ...]]]
@@ -156,13 +157,12 @@ class PipelineRunner:
         def loss_full(input_ids, attention_mask, completion_ids, *rest):
             return loss_fn(model.sequence_logprobs(input_ids, attention_mask, completion_ids, temperature), *rest)
 
-        def logp_packed(input_ids, position_ids, prompt_bias, completion_bias, gather_index, completion_ids):
-            return model.packed_logprobs(input_ids, position_ids, prompt_bias, completion_bias, gather_index,
-                                         completion_ids, temperature)
+        def logp_packed(*packed):  # input_ids, position_ids, prompt_bias, completion_bias, slot_keys, gather_index,
+            return model.packed_logprobs(*packed, temperature)  # completion_ids: models.packing.PackedBatch
 
-        def loss_packed(input_ids, position_ids, prompt_bias, completion_bias, gather_index, completion_ids, *rest):
-            return loss_fn(model.packed_logprobs(input_ids, position_ids, prompt_bias, completion_bias, gather_index,
-                                                 completion_ids, temperature), *rest)
+        def loss_packed(*inputs):
+            packed, rest = inputs[:PACKED_INPUTS], inputs[PACKED_INPUTS:]
+            return loss_fn(model.packed_logprobs(*packed, temperature), *rest)
 
         def loss_last(hidden, attention_mask, completion_ids, *rest):
             out = model.stage_forward(hidden, attention_mask)
@@ -198,7 +198,8 @@ class PipelineRunner:
         if packed is None:
             return "full", [Tensor(mb["input_ids"]), Tensor(mb["attention_mask"]), Tensor(mb["completion_ids"])]
         return "packed", [Tensor(packed.input_ids), Tensor(packed.position_ids), Tensor(packed.prompt_bias),
-                          Tensor(packed.completion_bias), Tensor(packed.gather_index), Tensor(mb["completion_ids"])]
+                          Tensor(packed.completion_bias), Tensor(packed.slot_keys), Tensor(packed.gather_index),
+                          Tensor(mb["completion_ids"])]
 
     def _hidden_shape(self, mb) -> Tuple[int, int, int]:
         b, t = mb["input_ids"].shape
