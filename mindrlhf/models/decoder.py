@@ -79,6 +79,12 @@ class RMSNorm(nn.Cell):
         return self.weight * x32.astype(x.dtype)
 
 
+def real_token_positions(attention_mask: Tensor) -> Tensor:
+    """Positions (B, T) counting real tokens only (``cumsum(mask) - 1``; padding repeats the previous
+    real position, left padding gets 0): what the sampler and ``models.packing`` use too."""
+    return ops.relu(ops.cumsum(attention_mask.astype(ms.int32), 1) - 1)
+
+
 def attention_bias(attention_mask: Tensor) -> Tensor:
     """Additive float32 mask (B, 1, T, T): causal and no attending to padding (mask 0)."""
     b, t = attention_mask.shape
@@ -237,6 +243,58 @@ class DecoderModel(nn.Cell):
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
+class ChunkedTokenLogProb(nn.Cell):
+    """``log softmax(h·Wᵀ · inv_t)[token]`` for hidden rows h (N, H) and an output projection W (V, H),
+    a chunk of rows at a time, with a hand-written backward that recomputes each chunk's logits.
+
+    The plain path keeps (N, V) float32 logits, their log-softmax and the gradients of both alive
+    at once (for the 151,936-token Qwen vocabulary, ~0.3 GB per copy at 512 rows); here at most one
+    chunk's logits exist and the backward needs nothing saved beyond h. With p = softmax and
+    g the upstream gradient, d logp / d logits = inv_t · (onehot - p), so
+
+        dh = g·inv_t ⊙ (W[token] - p·W)        dW = -pᵀ·(g·inv_t ⊙ h) + Σ_rows onehotᵀ·(g·inv_t ⊙ h)
+
+    and the only (chunk, V)-sized work besides the matmuls is one softmax: on CPU, elementwise
+    kernels over the vocabulary cost as much as the matmuls. One extra output-projection matmul
+    per backward is the price.
+    """
+
+    def __init__(self, chunk_rows: int):
+        super().__init__()
+        self.chunk = max(1, int(chunk_rows))
+        self.matmul_bt = ops.MatMul(transpose_b=True)
+        self.matmul = ops.MatMul()
+        self.matmul_at = ops.MatMul(transpose_a=True)
+
+    def _logits(self, h: Tensor, weight: Tensor, inv_t: Tensor) -> Tensor:
+        if h.dtype == ms.float32:  # scale the (rows, H) input, not the (rows, V) output
+            return self.matmul_bt(h * inv_t, weight)
+        return self.matmul_bt(h, weight).astype(ms.float32) * inv_t
+
+    def construct(self, hidden: Tensor, weight: Tensor, token_ids: Tensor, inv_t: Tensor) -> Tensor:
+        """hidden (N, H), weight (V, H), token_ids (N,) int32, inv_t: 1/temperature (0-d float32) → (N,)."""
+        out = []
+        for s in range(0, hidden.shape[0], self.chunk):
+            logp = ops.log_softmax(self._logits(hidden[s:s + self.chunk], weight, inv_t), -1)
+            out.append(ops.gather_elements(logp, 1, token_ids[s:s + self.chunk].expand_dims(-1)).squeeze(-1))
+        return out[0] if len(out) == 1 else ops.concat(out)
+
+    def bprop(self, hidden, weight, token_ids, inv_t, out, dout):
+        dh, scaled, dw = [], [], None
+        for s in range(0, hidden.shape[0], self.chunk):
+            h, ids = hidden[s:s + self.chunk], token_ids[s:s + self.chunk]
+            g = (dout[s:s + self.chunk] * inv_t).expand_dims(-1).astype(h.dtype)  # (rows, 1)
+            p = ops.softmax(self._logits(h, weight, inv_t), -1).astype(h.dtype)
+            dh.append(g * (ops.gather(weight, ids, 0) - self.matmul(p, weight)))
+            gh = g * h
+            scaled.append(gh)
+            part = self.matmul_at(p, gh)
+            dw = part if dw is None else dw + part
+        gh = scaled[0] if len(scaled) == 1 else ops.concat(scaled)
+        dw = ops.unsorted_segment_sum(gh, token_ids, weight.shape[0]) - dw
+        return (dh[0] if len(dh) == 1 else ops.concat(dh)), dw, ops.zeros_like(token_ids), ops.zeros_like(inv_t)
+
+
 class CausalLM(nn.Cell):
     """Qwen2 / Llama causal language model (or one tp × pp shard of it) with float32 logits.
 
@@ -267,6 +325,8 @@ class CausalLM(nn.Cell):
         self.gather_vocab = GatherFromTP(shard.tp, shard.tp_rank, shard.tp_group) if shard.tp > 1 else None
         self.vocab_logprob = VocabParallelLogProb(config.vocab_size, shard.tp, shard.tp_rank,
                                                   group=shard.tp_group) if shard.tp > 1 else None
+        # Whole-vocabulary log-probs a chunk of rows at a time: ~64 MB of float32 logits per chunk.
+        self.chunked_logprob = ChunkedTokenLogProb((1 << 24) // config.vocab_size) if shard.tp == 1 else None
         self.inv_freq = Tensor(rope_inv_freq(config))
         self.head_matmul = ops.MatMul(transpose_b=True)
         self.num_layers = config.num_hidden_layers
@@ -320,14 +380,23 @@ class CausalLM(nn.Cell):
         logp = ops.log_softmax(logits, axis=-1)
         return ops.gather_elements(logp, 2, token_ids.astype(ms.int32).expand_dims(-1)).squeeze(-1)
 
+    def head_logprobs(self, hidden: Tensor, token_ids: Tensor, temperature: float = 1.0) -> Tensor:
+        """Final hidden states (B, C, H) (after the norm) → log-probs (B, C) float32 of ``token_ids``
+        under ``softmax(logits / temperature)``: chunked without tp, vocab-parallel under tp."""
+        if self.chunked_logprob is None:
+            return self.token_logprobs(self.logits(hidden), token_ids, temperature)
+        b, c, h = hidden.shape
+        inv_t = ops.fill(ms.float32, (), 1.0 / temperature)
+        logp = self.chunked_logprob(hidden.reshape(b * c, h), self.head_table(),
+                                    token_ids.astype(ms.int32).reshape(-1), inv_t)
+        return logp.reshape(b, c)
+
     # -- per-stage pieces (pipeline parallel) --------------------------------------------------
     def stage_forward(self, inputs: Tensor, attention_mask: Tensor) -> Tensor:
         """This stage's layers: token ids (first stage) or the previous stage's hidden states
         (B, T, H) in, hidden states (B, T, H) out (before the final norm)."""
-        mask = attention_mask.astype(ms.int32)
-        position_ids = ops.relu(ops.cumsum(mask, 1) - 1)
         return self._layers(self.model.embed_tokens(inputs) if self.is_first else inputs,
-                            position_ids, attention_bias(mask))
+                            real_token_positions(attention_mask), attention_bias(attention_mask))
 
     def _layers(self, x: Tensor, position_ids: Tensor, bias) -> Tensor:
         rope = self.rope_tables(position_ids)
@@ -338,8 +407,7 @@ class CausalLM(nn.Cell):
     def completion_logprobs(self, hidden: Tensor, completion_ids: Tensor, temperature: float = 1.0) -> Tensor:
         """Last stage: final norm, output projection and log-probs of the last C positions → (B, C)."""
         t, c = hidden.shape[1], completion_ids.shape[1]
-        logits = self.logits(self.model.norm(hidden[:, t - c:]))
-        return self.token_logprobs(logits, completion_ids, temperature)
+        return self.head_logprobs(self.model.norm(hidden[:, t - c:]), completion_ids, temperature)
 
     # -- whole-model entry points (pp == 1) ----------------------------------------------------
     def construct(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
@@ -354,10 +422,9 @@ class CausalLM(nn.Cell):
         b, t = input_ids.shape
         if attention_mask is None:
             attention_mask = ops.ones((b, t), ms.int32)
-        mask = attention_mask.astype(ms.int32)
         if position_ids is None:
-            position_ids = ops.relu(ops.cumsum(mask, 1) - 1)
-        x = self._layers(self.model.embed_tokens(input_ids), position_ids, attention_bias(mask))
+            position_ids = real_token_positions(attention_mask)
+        x = self._layers(self.model.embed_tokens(input_ids), position_ids, attention_bias(attention_mask))
         x = self.model.norm(x)
         if logits_to_keep > 0:
             x = x[:, t - logits_to_keep:]
@@ -370,8 +437,10 @@ class CausalLM(nn.Cell):
         ``input_ids``/``attention_mask`` are the full sequence minus its last token, so the last
         ``C`` logits predict exactly the ``C`` completion tokens. The same values on every tp rank.
         """
-        logits = self.construct(input_ids, attention_mask, None, completion_ids.shape[1])
-        return self.token_logprobs(logits, completion_ids, temperature)
+        t, c = input_ids.shape[1], completion_ids.shape[1]
+        x = self._layers(self.model.embed_tokens(input_ids), real_token_positions(attention_mask),
+                         attention_bias(attention_mask))
+        return self.head_logprobs(self.model.norm(x[:, t - c:]), completion_ids, temperature)
 
     def packed_logprobs(self, input_ids: Tensor, position_ids: Tensor, prompt_bias: Tensor, completion_bias: Tensor,
                         slot_keys: Tensor, gather_index: Tensor, completion_ids: Tensor,
@@ -382,7 +451,7 @@ class CausalLM(nn.Cell):
         x = self._layers(self.model.embed_tokens(input_ids), position_ids, (prompt_bias, completion_bias, slot_keys))
         b, t, h = x.shape
         x = ops.gather(x.reshape(b * t, h), gather_index.reshape(-1), 0).reshape(*gather_index.shape, h)
-        return self.token_logprobs(self.logits(self.model.norm(x)), completion_ids, temperature)
+        return self.head_logprobs(self.model.norm(x), completion_ids, temperature)
 
     def gathered_logits(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
                         position_ids: Optional[Tensor] = None, logits_to_keep: int = 0) -> Tensor:
