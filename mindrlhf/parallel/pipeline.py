@@ -244,11 +244,11 @@ class PipelineRunner:
             return [Tensor(mb[k]) for k in loss_keys] + list(extra)
 
         if not self.pipelined:
-            results = []
+            total = _GradientSum()
             for mb in micro_batches:
                 kind, inputs = self._model_inputs(mb)
-                results.append(self._get(f"grad_{kind}")(*inputs, *loss_inputs(mb)))
-            return self._accumulate(results)
+                total.add(*self._get(f"grad_{kind}")(*inputs, *loss_inputs(mb)))
+            return self._finish(total)
         return self._pipelined_grads(micro_batches, loss_inputs)
 
     def _pipelined_grads(self, micro_batches, loss_inputs):
@@ -262,7 +262,7 @@ class PipelineRunner:
             if not self.last:
                 self.link.send_next(stage(x, mask))
         # Backward, micro-batches in reverse order (the order the neighbours expect).
-        results = [None] * len(micro_batches)
+        total = _GradientSum()
         for m in reversed(range(len(micro_batches))):
             mb, x = micro_batches[m], stash[m]
             mask = Tensor(mb["attention_mask"])
@@ -278,21 +278,12 @@ class PipelineRunner:
                 loss, aux = None, None
             if not self.first:
                 self.link.send_prev(gx)
-            results[m] = ((loss, aux), gp)
-        return self._accumulate(results)
+            total.add((loss, aux), gp)
+            stash[m] = None  # this micro-batch's stage input is no longer needed
+        return self._finish(total)
 
-    def _accumulate(self, results):
-        # Gradients are accumulated (and later reduced, clipped and applied) in float32, whatever
-        # the compute dtype: summing many bf16/fp16 micro-batch gradients would round each sum.
-        grads, loss_sum, aux_sums = None, 0.0, None
-        for (loss, aux), g in results:
-            g = tuple(x.astype(ms.float32) for x in g)
-            grads = g if grads is None else tuple(a + b for a, b in zip(grads, g))
-            if loss is not None:
-                loss_sum += float(loss.asnumpy())
-                vals = np.array([float(v.asnumpy()) for v in aux], np.float64)
-                aux_sums = vals if aux_sums is None else aux_sums + vals
-        return self.sync_tied(grads), loss_sum, aux_sums
+    def _finish(self, total: "_GradientSum"):
+        return self.sync_tied(total.grads), total.loss_sum, total.aux_sums
 
     def sync_tied(self, grads: Tuple[Tensor, ...]) -> Tuple[Tensor, ...]:
         """Sum the gradients of the tied embedding's copies on the first and last stage."""
@@ -300,3 +291,32 @@ class PipelineRunner:
             return grads
         names = [p.name for p in self.params]
         return tuple(self._tied_reduce(g) if n == "model.embed_tokens.weight" else g for n, g in zip(names, grads))
+
+
+class _GradientSum:
+    """Running sum of micro-batch gradients, losses and aux values.
+
+    Summed as each micro-batch finishes, so at most two gradient sets (the sum and the newest)
+    exist at once rather than one per micro-batch. Gradients are summed (and later reduced,
+    clipped and applied) in float32 whatever the compute dtype: adding many bf16/fp16
+    micro-batch gradients would round every partial sum.
+    """
+
+    def __init__(self):
+        self.grads: Optional[Tuple[Tensor, ...]] = None
+        self.loss_sum = 0.0
+        self.aux_sums: Optional[np.ndarray] = None
+
+    def add(self, loss_aux, grads) -> None:
+        loss, aux = loss_aux
+        if self.grads is None:
+            self.grads = tuple(g if g.dtype == ms.float32 else g.astype(ms.float32) for g in grads)
+        else:  # one tensor at a time, so each old partial sum is freed as its successor exists
+            total, self.grads = list(self.grads), None
+            for i, g in enumerate(grads):
+                total[i] = total[i] + g.astype(ms.float32)
+            self.grads = tuple(total)
+        if loss is not None:
+            self.loss_sum += float(loss.asnumpy())
+            vals = np.array([float(v.asnumpy()) for v in aux], np.float64)
+            self.aux_sums = vals if self.aux_sums is None else self.aux_sums + vals

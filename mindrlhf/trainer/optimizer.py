@@ -13,6 +13,7 @@ float32 parameter is its own master (no copy, no extra memory).
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, Optional, Sequence
 
 import numpy as np
@@ -54,25 +55,30 @@ class AdamW(nn.Cell):
         self.exp_avg_sq = ms.ParameterTuple([Parameter(ops.zeros(p.shape, ms.float32), name=f"adam_v.{p.name}",
                                                        requires_grad=False) for p in self.params])
         self.step = Parameter(Tensor(np.zeros((), np.int32)), name="adam_step", requires_grad=False)
+        self._fused = ops.AdamWeightDecay()
 
-    def apply(self, grads: Sequence[Tensor], lr: float) -> None:
-        """One update of every parameter with ``grads`` (same order as the params)."""
+    def apply(self, grads: Sequence[Tensor], lr: float, grad_scale: float = 1.0) -> None:
+        """One update of every parameter with ``grads`` (same order as the params), each multiplied
+        by ``grad_scale`` first (gradient clipping, one tensor at a time)."""
         t = int(self.step.asnumpy()) + 1
         self.step.copy_(Tensor(np.int32(t)))
         c1, c2 = 1.0 - self.beta1 ** t, 1.0 - self.beta2 ** t
-        step_size = lr / c1
-        for p, w_master, g, m, v, wd in zip(self.params, self.masters, grads, self.exp_avg, self.exp_avg_sq,
-                                            self.decay):
-            g = g.astype(ms.float32)
-            m.copy_(m * self.beta1 + g * (1.0 - self.beta1))
-            v.copy_(v * self.beta2 + ops.square(g) * (1.0 - self.beta2))
-            w = w_master.value()
-            if wd:
-                w = w * (1.0 - lr * wd)
-            w = w - step_size * m / (ops.sqrt(v / c2) + self.eps)
-            w_master.copy_(w)
-            if w_master is not p:  # in place: compiled graphs keep reading the model's storage
-                p.copy_(w.astype(p.dtype))
+        # MindSpore's fused AdamWeightDecay kernel updates w, m, v in place (no temporaries the size
+        # of a parameter) as w -= lr'·(m/(√v + ε') + wd'·w). Bias correction and decoupled decay
+        # fold into its scalars: lr' = lr·√c2/c1, ε' = ε·√c2, wd' = lr·wd/lr', which gives
+        # w·(1 - lr·wd) - lr/c1 · m/(√(v/c2) + ε), torch's AdamW.
+        lr_op = lr * math.sqrt(c2) / c1
+        scalars = [Tensor(np.float32(x)) for x in (lr_op, self.beta1, self.beta2, self.eps * math.sqrt(c2))]
+        decays: Dict[float, Tensor] = {}
+        for p, w, g, m, v, wd in zip(self.params, self.masters, grads, self.exp_avg, self.exp_avg_sq, self.decay):
+            if wd not in decays:
+                decays[wd] = Tensor(np.float32(lr * wd / lr_op if lr_op else 0.0))
+            g = g if g.dtype == ms.float32 else g.astype(ms.float32)
+            if grad_scale != 1.0:
+                g = g * grad_scale
+            self._fused(w, m, v, *scalars, decays[wd], g)
+            if w is not p:  # in place: compiled graphs keep reading the model's storage
+                p.copy_(w.value().astype(p.dtype))
 
     def refresh(self) -> None:
         """Write the masters into the model's low-precision copies (after loading masters)."""

@@ -160,10 +160,8 @@ class PolicyUpdater:
         norm = self.global_grad_norm(grads)
         finite = bool(np.isfinite(loss_sum) and np.isfinite(norm))
         if finite:
-            if self.max_grad_norm > 0 and norm > self.max_grad_norm:
-                scale = Tensor(np.float32(self.max_grad_norm / (norm + 1e-6)))
-                grads = tuple(g * scale.astype(g.dtype) for g in grads)
-            self.optimizer.apply(grads, self.lr)
+            clip = self.max_grad_norm / (norm + 1e-6) if 0 < self.max_grad_norm < norm else 1.0
+            self.optimizer.apply(grads, self.lr, grad_scale=float(np.float32(clip)))
         if self.scaler is not None:  # the same decision on every rank: loss and norm are global
             self.scaler.adjust(Tensor(finite))
         out = {"loss": loss_sum, "grad_norm": norm, "skipped": 0.0 if finite else 1.0,
