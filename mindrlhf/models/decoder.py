@@ -437,10 +437,7 @@ class CausalLM(nn.Cell):
         ``input_ids``/``attention_mask`` are the full sequence minus its last token, so the last
         ``C`` logits predict exactly the ``C`` completion tokens. The same values on every tp rank.
         """
-        t, c = input_ids.shape[1], completion_ids.shape[1]
-        x = self._layers(self.model.embed_tokens(input_ids), real_token_positions(attention_mask),
-                         attention_bias(attention_mask))
-        return self.head_logprobs(self.model.norm(x[:, t - c:]), completion_ids, temperature)
+        return self.completion_logprobs(self.stage_forward(input_ids, attention_mask), completion_ids, temperature)
 
     def packed_logprobs(self, input_ids: Tensor, position_ids: Tensor, prompt_bias: Tensor, completion_bias: Tensor,
                         slot_keys: Tensor, gather_index: Tensor, completion_ids: Tensor,

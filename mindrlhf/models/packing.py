@@ -88,12 +88,12 @@ def pack_shared_prompts(input_ids: np.ndarray, attention_mask: np.ndarray,
         pos[g, cols] = int(prompt_mask.sum()) + np.cumsum(mask[g, cols]) - 1
         gather[r, 0] = g * t + p - 1
         gather[r, 1:] = g * t + p + j * seg + np.arange(seg)
-    prompt_mask = mask[:, :p]
-    prompt_allowed = np.tril(np.ones((p, p), bool))[None] & prompt_mask[:, None, :]
+    prompt_real = mask[:, :p]  # (groups, P): real prompt tokens
+    prompt_allowed = np.tril(np.ones((p, p), bool))[None] & prompt_real[:, None, :]
     slot_mask = mask[:, p:].reshape(n_groups, slots, seg)
     # Keys of a slot's queries: the prompt's columns, then the slot's own (causally).
     slot_allowed = np.concatenate([
-        np.broadcast_to(prompt_mask[:, None, None, :], (n_groups, slots, seg, p)),
+        np.broadcast_to(prompt_real[:, None, None, :], (n_groups, slots, seg, p)),
         np.tril(np.ones((seg, seg), bool))[None, None] & slot_mask[:, :, None, :]], axis=3)
     slot_keys = np.concatenate([np.r_[np.arange(p), p + j * seg + np.arange(seg)] for j in range(slots)])
     return PackedBatch(ids, pos, _bias(prompt_allowed), _bias(slot_allowed.reshape(n_groups * slots, seg, p + seg)),

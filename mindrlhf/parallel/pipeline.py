@@ -36,7 +36,6 @@ from mindrlhf.parallel.groups import ParallelGroups
 log = logging.getLogger(__name__)
 
 P2P_BACKENDS = ("auto", "collective", "send_recv")
-PACKED_INPUTS = 7  # CausalLM.packed_logprobs' tensor arguments
 
 # loss_fn(logp (B, C), *loss_inputs) -> (scalar loss, tuple of scalar aux values)
 LossFn = Callable[..., Tuple[Tensor, Tuple[Tensor, ...]]]
@@ -157,12 +156,14 @@ class PipelineRunner:
         def loss_full(input_ids, attention_mask, completion_ids, *rest):
             return loss_fn(model.sequence_logprobs(input_ids, attention_mask, completion_ids, temperature), *rest)
 
-        def logp_packed(*packed):  # input_ids, position_ids, prompt_bias, completion_bias, slot_keys, gather_index,
-            return model.packed_logprobs(*packed, temperature)  # completion_ids: models.packing.PackedBatch
+        def logp_packed(input_ids, position_ids, prompt_bias, completion_bias, slot_keys, gather_index, completion_ids):
+            return model.packed_logprobs(input_ids, position_ids, prompt_bias, completion_bias, slot_keys, gather_index,
+                                         completion_ids, temperature)
 
-        def loss_packed(*inputs):
-            packed, rest = inputs[:PACKED_INPUTS], inputs[PACKED_INPUTS:]
-            return loss_fn(model.packed_logprobs(*packed, temperature), *rest)
+        def loss_packed(input_ids, position_ids, prompt_bias, completion_bias, slot_keys, gather_index, completion_ids,
+                        *rest):
+            return loss_fn(logp_packed(input_ids, position_ids, prompt_bias, completion_bias, slot_keys, gather_index,
+                                       completion_ids), *rest)
 
         def loss_last(hidden, attention_mask, completion_ids, *rest):
             out = model.stage_forward(hidden, attention_mask)
