@@ -317,6 +317,11 @@ class ParallelConfig:
         False, "Compile the training forward+backward with mindspore.jit. About 2x faster on CPU, but a "
         "compiled CPU graph keeps all of its intermediate tensors allocated: for one SmolLM2-135M micro-batch "
         "of 4 packed completions, 9.6 GiB peak vs 4.3 GiB in pynative, so the default is pynative.")
+    layer_graphs: bool = config_field(
+        True, "With train_jit false, run the policy's decoder layers in training and in its log-prob passes "
+        "as two compiled graphs (forward; recomputed forward + backward) that every layer shares, loading its "
+        "weights before each call: SmolLM2-135M trains a packed micro-batch ~1.6x faster than pynative layers "
+        "with a lower peak (only each layer's input is kept for the backward). false = pynative layers.")
     share_prompts: bool = config_field(
         True, "Encode each prompt once for all completions that share it: the sampler prefills each distinct "
         "prompt once and copies its KV cache to its num_generations rows, and the policy / reference / "

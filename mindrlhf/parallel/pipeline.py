@@ -22,6 +22,7 @@ shape in advance: every stage holds the micro-batch's ids and mask.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -116,7 +117,10 @@ class PipelineRunner:
     """
 
     def __init__(self, model, groups: ParallelGroups, loss_fn: Optional[LossFn] = None, *, temperature: float = 1.0,
-                 jit: bool = False, p2p_backend: str = "auto", share_prompts: bool = False):
+                 jit: bool = False, p2p_backend: str = "auto", share_prompts: bool = False,
+                 layer_graphs: bool = False):
+        """``jit``: compile each piece whole. ``layer_graphs`` (pynative only): run the decoder layers as
+        the model's shared compiled layer graphs (``CausalLM.compiled_layers``)."""
         self.model, self.groups, self.temperature = model, groups, float(temperature)
         self.loss_fn = loss_fn
         self.params = model.trainable_params()
@@ -131,6 +135,7 @@ class PipelineRunner:
         self.hidden = model.config.hidden_size
         self.dtype = model.compute_dtype
         self._jit = jit
+        self._layer_graphs = layer_graphs and not jit
         self._fns: Dict[str, Callable] = {}
         self._builders = self._pieces()
         # Only a tied model keeps an embedding copy on the last stage (layout.param_stages).
@@ -185,6 +190,9 @@ class PipelineRunner:
             "grad_middle": lambda: ms.value_and_grad(vjp, 0, params),
         }
 
+    def _execution(self):
+        return self.model.compiled_layers() if self._layer_graphs else contextlib.nullcontext()
+
     def _get(self, name: str) -> Callable:
         """The named piece, built (and compiled when jit) on first use."""
         if name not in self._fns:
@@ -209,6 +217,10 @@ class PipelineRunner:
     # -- forward only --------------------------------------------------------------------------
     def logprobs(self, micro_batches: Sequence[Dict[str, np.ndarray]]) -> List[np.ndarray]:
         """Completion log-probs (B, C) of each micro-batch, on every stage of the pipeline."""
+        with self._execution():
+            return self._logprobs(micro_batches)
+
+    def _logprobs(self, micro_batches):
         if not self.pipelined:
             out = []
             for mb in micro_batches:
@@ -244,13 +256,14 @@ class PipelineRunner:
         def loss_inputs(mb):
             return [Tensor(mb[k]) for k in loss_keys] + list(extra)
 
-        if not self.pipelined:
-            total = _GradientSum()
-            for mb in micro_batches:
-                kind, inputs = self._model_inputs(mb)
-                total.add(*self._get(f"grad_{kind}")(*inputs, *loss_inputs(mb)))
-            return self._finish(total)
-        return self._pipelined_grads(micro_batches, loss_inputs)
+        with self._execution():
+            if not self.pipelined:
+                total = _GradientSum()
+                for mb in micro_batches:
+                    kind, inputs = self._model_inputs(mb)
+                    total.add(*self._get(f"grad_{kind}")(*inputs, *loss_inputs(mb)))
+                return self._finish(total)
+            return self._pipelined_grads(micro_batches, loss_inputs)
 
     def _pipelined_grads(self, micro_batches, loss_inputs):
         stage = self._get("stage")

@@ -82,7 +82,7 @@ class GRPOTrainer:
             lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
             max_grad_norm=o.max_grad_norm, jit=cfg.parallel.train_jit, groups=layout.groups, masters=policy_masters,
             loss_scale_init=o.loss_scale_init, loss_scale_window=o.loss_scale_window,
-            share_prompts=cfg.parallel.share_prompts)
+            share_prompts=cfg.parallel.share_prompts, layer_graphs=cfg.parallel.layer_graphs)
         self.rewards = RewardManager(a.reward_funcs, a.reward_weights)
         self.ref_runner = PipelineRunner(ref_model, self.updater.groups, temperature=self.updater.loss.temperature,
                                          jit=cfg.parallel.jit, share_prompts=cfg.parallel.share_prompts) \

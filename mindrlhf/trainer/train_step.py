@@ -54,16 +54,18 @@ class PolicyUpdater:
     def __init__(self, model: nn.Cell, loss: LossSettings, *, lr: float, weight_decay: float,
                  betas: Sequence[float], eps: float, max_grad_norm: float, jit: bool = True,
                  groups: Optional[ParallelGroups] = None, masters: Optional[Sequence[Parameter]] = None,
-                 loss_scale_init: float = 65536.0, loss_scale_window: int = 1000, share_prompts: bool = False):
+                 loss_scale_init: float = 65536.0, loss_scale_window: int = 1000, share_prompts: bool = False,
+                 layer_graphs: bool = False):
         """``masters``: float32 master weights in the order of the model's trainable parameters (see
         ``AdamW``). ``loss_scale_init`` / ``loss_scale_window``: dynamic loss scaling, float16 only.
-        ``share_prompts``: pack completions that share a prompt (``models.packing``)."""
+        ``share_prompts``: pack completions that share a prompt (``models.packing``). ``layer_graphs``:
+        without ``jit``, run the decoder layers as shared compiled graphs (``models.layer_graphs``)."""
         self.model = model
         self.loss = loss
         self.max_grad_norm = max_grad_norm
         self.groups = groups or data_parallel_groups(comm.rank(), comm.world_size())
         self.runner = PipelineRunner(model, self.groups, self._loss_from_logp, temperature=loss.temperature, jit=jit,
-                                     share_prompts=share_prompts)
+                                     share_prompts=share_prompts, layer_graphs=layer_graphs)
         self.params = self.runner.params
         # Decay matrices only: biases and norm scales (1-D) are not weight-decayed.
         self.optimizer = AdamW(self.params, masters=masters, betas=betas, eps=eps, weight_decay=weight_decay)

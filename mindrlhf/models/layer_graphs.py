@@ -1,0 +1,125 @@
+"""Decoder layers of pynative training run as two compiled graphs shared by every layer.
+
+Why: a decoder layer compiled with ``mindspore.jit`` runs its forward and backward ~1.7x faster on
+CPU than pynative (no per-kernel dispatch, graph-mode kernels), but compiling the whole training
+step keeps every intermediate tensor of every layer allocated (SmolLM2-135M: 9.6 GiB vs 4.3), and a
+compiled graph per layer keeps ~110 MB each. So one *template* layer is compiled twice — forward,
+and backward (the forward recomputed, then its vector-Jacobian product) — and each real layer
+loads its weights into the template before running either graph. Only each layer's input
+survives between the forward and the backward (activation checkpointing at layer granularity),
+and the inputs are declared dynamic-shaped so a new sequence length does not compile again.
+
+The layer's own ``construct`` is the only definition of its maths: both graphs trace the template,
+a ``DecoderLayer`` of the same config, dtype and shard (so tensor-parallel collectives are in the
+graph too). Gradients reach the real layer's parameters because they are passed to a custom-bprop
+cell as inputs; they equal the pynative path's to float rounding (tests/test_layer_graphs.py).
+"""
+from __future__ import annotations
+
+from typing import Dict, Sequence, Tuple
+
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+
+from mindrlhf.errors import MindRLHFError
+
+
+def _dynamic(arg):
+    """The all-dynamic signature of a tensor (or a tuple of tensors) for ``mindspore.enable_dynamic``."""
+    if isinstance(arg, (tuple, list)):
+        return tuple(_dynamic(a) for a in arg)
+    return Tensor(shape=[None] * arg.ndim, dtype=arg.dtype)
+
+
+def _inputs(rope, bias):
+    """Tuples go in as ``mutable`` (graph inputs, as ``enable_dynamic`` needs, not constants)."""
+    return ms.mutable(tuple(rope)), (ms.mutable(bias) if isinstance(bias, tuple) else bias)
+
+
+class LayerGraphs:
+    """Runs decoder layers through the compiled forward/backward graphs of ``template``
+    (a layer built like them and never trained itself)."""
+
+    def __init__(self, template: nn.Cell):
+        self.template = template
+        self.weights = tuple(template.trainable_params())
+        self._graphs: Dict[bool, Tuple] = {}
+        self._layer_weights: Dict[int, Tuple] = {}
+        self._cells = {True: _GraphLayer(self, packed=True), False: _GraphLayer(self, packed=False)}
+
+    def run(self, layer: nn.Cell, x: Tensor, rope: Tuple[Tensor, ...], bias) -> Tensor:
+        """``layer(x, rope, bias)`` computed by the shared graphs (differentiable in pynative)."""
+        packed = isinstance(bias, tuple)
+        return self._cells[packed](x, *rope, *(bias if packed else (bias,)), *self._weights_of(layer))
+
+    def _weights_of(self, layer: nn.Cell) -> Tuple:
+        key = id(layer)
+        if key not in self._layer_weights:
+            weights = tuple(layer.trainable_params())
+            for t, w in zip(self.weights, weights):
+                if t.shape != w.shape or t.dtype != w.dtype:
+                    raise MindRLHFError(f"layer graphs: {w.name} is {w.dtype}{w.shape} but the compiled template "
+                                        f"holds {t.dtype}{t.shape}; build the template like the model's layers")
+            if len(weights) != len(self.weights):
+                raise MindRLHFError(f"layer graphs: a layer has {len(weights)} trainable parameters, the template "
+                                    f"{len(self.weights)}; build the template like the model's layers")
+            self._layer_weights[key] = weights
+        return self._layer_weights[key]
+
+    def _load(self, weights: Sequence[Tensor]) -> None:
+        for t, w in zip(self.weights, weights):
+            ops.assign(t, w)
+
+    def _compiled(self, packed: bool, x: Tensor, rope, bias):
+        """(forward, backward) graphs for packed or padded rows, compiled on first use."""
+        if packed not in self._graphs:
+            layer, weights = self.template, self.weights
+
+            def forward(x, rope, bias):
+                return layer(x, rope, bias)
+
+            def weighted_sum(x, rope, bias, dout):  # its gradient is the vector-Jacobian product
+                return (layer(x, rope, bias) * dout).sum()
+
+            def backward(x, rope, bias, dout):
+                return ms.grad(weighted_sum, 0, weights)(x, rope, bias, dout)
+
+            sig = dict(x=_dynamic(x), rope=_dynamic(rope), bias=_dynamic(bias))
+            self._graphs[packed] = (ms.enable_dynamic(**sig)(ms.jit(forward)),
+                                    ms.enable_dynamic(dout=_dynamic(x), **sig)(ms.jit(backward)))
+        return self._graphs[packed]
+
+    def forward(self, x: Tensor, rope, bias, weights) -> Tensor:
+        self._load(weights)
+        return self._compiled(isinstance(bias, tuple), x, rope, bias)[0](x, *_inputs(rope, bias))
+
+    def backward(self, x: Tensor, rope, bias, weights, dout: Tensor):
+        """(input gradient, weight gradients) for upstream gradient ``dout``."""
+        self._load(weights)
+        return self._compiled(isinstance(bias, tuple), x, rope, bias)[1](x, *_inputs(rope, bias), dout)
+
+
+class _GraphLayer(nn.Cell):
+    """One layer call as a single differentiable pynative op: inputs (x, 4 rope tables, 3 packed-row
+    masks or 1 padded mask, the layer's weights), backward by the compiled graph."""
+
+    def __init__(self, graphs: LayerGraphs, packed: bool):
+        super().__init__()
+        self.graphs = graphs
+        self.num_bias = 3 if packed else 1
+
+    def _split(self, args):
+        n = self.num_bias
+        rope, bias, weights = tuple(args[:4]), tuple(args[4:4 + n]), args[4 + n:]
+        return rope, (bias if n == 3 else bias[0]), weights
+
+    def construct(self, x, *args):
+        rope, bias, weights = self._split(args)
+        return self.graphs.forward(x, rope, bias, weights)
+
+    def bprop(self, x, *args):
+        inputs, dout = args[:-2], args[-1]  # args[-2] is the forward's output
+        rope, bias, weights = self._split(inputs)
+        dx, dweights = self.graphs.backward(x, rope, bias, weights, dout)
+        masks = tuple(ops.zeros_like(a) for a in inputs[:4 + self.num_bias])
+        return (dx,) + masks + tuple(dweights)
