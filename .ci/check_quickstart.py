@@ -20,7 +20,7 @@ def main(out: Path, steps: int) -> None:
     from mindrlhf.models import load_model
     from mindrlhf.tokenizer import resolve_tokenizer
     from mindrlhf.trainer.metrics import read_metrics
-    from mindrlhf.utils.plot import read_png
+    from matplotlib.image import imread
 
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, steps + 1)), [r.get("step") for r in rows]
@@ -36,7 +36,7 @@ def main(out: Path, steps: int) -> None:
     logits = model(ms.Tensor(ids)).asnumpy()
     assert logits.shape == (1, ids.shape[1], model.config.vocab_size) and np.isfinite(logits).all()
     for name in ("reward.png", "accuracy.png"):
-        image = read_png(out / name)
+        image = imread(out / name)
         assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100, (name, image.shape)
     assert any((out / "tensorboard").glob("events.out.tfevents.*")), "no TensorBoard events"
     print(f"quickstart output OK: {len(rows)} metrics rows (reward {rows[-1]['reward']:.3f}), "

@@ -1,67 +1,50 @@
-"""The hand-rolled TensorBoard writer: CRC32C against the standard check value, TFRecord framing,
-and the scalar Event protobuf decoded back field by field."""
+"""Metrics outputs: TensorBoard event records read back (TFRecord framing with masked CRC32C, Event
+protobufs), the console line, trailing means and the curve PNGs."""
 from __future__ import annotations
 
+import math
 import struct
 
-from mindrlhf.trainer.metrics import TensorBoardWriter, _masked_crc, console_line, crc32c
+
+from mindrlhf.trainer.metrics import TensorBoardWriter, console_line, rolling_mean, write_curves
 
 
-def _varint(buf: bytes, i: int):
-    shift = value = 0
-    while True:
-        b = buf[i]
-        value |= (b & 0x7F) << shift
-        i += 1
-        if not b & 0x80:
-            return value, i
-        shift += 7
+def _crc32c(data: bytes) -> int:
+    """CRC-32C (Castagnoli), bit by bit: the checksum TFRecord framing uses."""
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
+    return crc ^ 0xFFFFFFFF
 
 
-def _fields(buf: bytes) -> dict:
-    """Decode one protobuf message into {field number: [values]} (wire types 0, 1, 2, 5)."""
-    out, i = {}, 0
-    while i < len(buf):
-        key, i = _varint(buf, i)
-        num, wire = key >> 3, key & 7
-        if wire == 0:
-            v, i = _varint(buf, i)
-        elif wire == 1:
-            v, i = struct.unpack("<d", buf[i:i + 8])[0], i + 8
-        elif wire == 5:
-            v, i = struct.unpack("<f", buf[i:i + 4])[0], i + 4
-        else:
-            n, i = _varint(buf, i)
-            v, i = buf[i:i + n], i + n
-        out.setdefault(num, []).append(v)
-    return out
-
-
-def test_crc32c_check_value():
-    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C (Castagnoli) check value
+def _masked(data: bytes) -> int:
+    crc = _crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
 def test_event_file_round_trip(tmp_path):
-    w = TensorBoardWriter(tmp_path)
-    w.add_scalars(7, {"reward": 0.25, "loss": -1.5, "skip_me": "text"})
+    from tensorboardX.proto.event_pb2 import Event
+
+    assert _crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value: the reader below is right
+    w = TensorBoardWriter(tmp_path / "tb")
+    w.add_scalars(7, {"reward": 0.25, "loss": -1.5, "skip_me": "text", "flag": True})
+    w.add_scalars(8, {"reward": 0.5})
     w.close()
-    data = w.path.read_bytes()
-    records, i = [], 0
+    (path,) = (tmp_path / "tb").glob("events.out.tfevents.*")
+    data, i, events = path.read_bytes(), 0, []
     while i < len(data):
         header = data[i:i + 8]
         (length,) = struct.unpack("<Q", header)
-        assert struct.unpack("<I", data[i + 8:i + 12])[0] == _masked_crc(header)
+        assert struct.unpack("<I", data[i + 8:i + 12])[0] == _masked(header)
         body = data[i + 12:i + 12 + length]
-        assert struct.unpack("<I", data[i + 12 + length:i + 16 + length])[0] == _masked_crc(body)
-        records.append(_fields(body))
+        assert struct.unpack("<I", data[i + 12 + length:i + 16 + length])[0] == _masked(body)
+        events.append(Event.FromString(body))
         i += 16 + length
-    assert records[0][3] == [b"brain.Event:2"]  # file_version event first
-    scalars = {}
-    for ev in records[1:]:
-        assert ev[2] == [7]
-        value = _fields(_fields(ev[5][0])[1][0])
-        scalars[value[1][0].decode()] = value[2][0]
-    assert scalars == {"reward": 0.25, "loss": -1.5}
+    assert events[0].file_version == "brain.Event:2"
+    scalars = [(e.step, v.tag, v.simple_value) for e in events[1:] for v in e.summary.value]
+    assert scalars == [(7, "reward", 0.25), (7, "loss", -1.5), (8, "reward", 0.5)]
 
 
 def test_console_line_shows_headline_metrics():
@@ -70,10 +53,7 @@ def test_console_line_shows_headline_metrics():
 
 
 def test_rolling_mean_and_curves(tmp_path):
-    import math
-
-    from mindrlhf.trainer.metrics import rolling_mean, write_curves
-    from mindrlhf.utils.plot import read_png
+    from matplotlib.image import imread
 
     assert rolling_mean([1.0, 3.0, float("nan"), 5.0], 2) == [1.0, 2.0, 3.0, 5.0]
     assert math.isnan(rolling_mean([float("nan")], 3)[0])
@@ -82,7 +62,8 @@ def test_rolling_mean_and_curves(tmp_path):
     written = write_curves(rows, tmp_path)
     assert [p.name for p in written] == ["reward.png", "accuracy.png"]
     for p in written:
-        img = read_png(p)
-        assert img.ndim == 3 and img.shape[2] == 3 and (img != 255).any()
+        img = imread(p)
+        assert img.shape[:2] == (400, 640) and (img[..., :3] < 0.9).any()
     # No accuracy column: only the reward curve.
     assert [p.name for p in write_curves([{"step": 1, "reward": 0.5}], tmp_path / "b")] == ["reward.png"]
+    assert not list(tmp_path.glob(".*.tmp"))  # atomic writes leave no temporary files

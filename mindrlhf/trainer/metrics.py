@@ -1,93 +1,33 @@
-"""Where per-step metrics go: a jsonl file, TensorBoard event files, and a one-line console summary.
-
-The TensorBoard writer encodes the few protobuf fields of a scalar ``Event`` by hand, inside the
-TFRecord framing (length, masked CRC32C), so no TensorFlow/TensorBoard package is needed to write.
-"""
+"""Where per-step metrics go: a jsonl file, TensorBoard event files (tensorboardX), and a one-line
+console summary."""
 from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import struct
-import time
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from mindrlhf.errors import MindRLHFError
 
-# -- CRC32C (Castagnoli), as TFRecord framing requires ---------------------------------------
-_CRC_TABLE = []
-for _i in range(256):
-    _c = _i
-    for _ in range(8):
-        _c = (_c >> 1) ^ 0x82F63B78 if _c & 1 else _c >> 1
-    _CRC_TABLE.append(_c)
-
-
-def crc32c(data: bytes) -> int:
-    crc = 0xFFFFFFFF
-    for b in data:
-        crc = _CRC_TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
-
-
-def _masked_crc(data: bytes) -> int:
-    crc = crc32c(data)
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-# -- minimal protobuf encoding ---------------------------------------------------------------
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _field_bytes(num: int, payload: bytes) -> bytes:
-    return _varint(num << 3 | 2) + _varint(len(payload)) + payload
-
-
-def _scalar_event(wall_time: float, step: int, tag: str, value: float) -> bytes:
-    # Event{1: wall_time double, 2: step int64, 5: Summary{1: Value{1: tag, 2: simple_value float}}}
-    val = _field_bytes(1, tag.encode()) + _varint(2 << 3 | 5) + struct.pack("<f", value)
-    summary = _field_bytes(1, val)
-    return _varint(1 << 3 | 1) + struct.pack("<d", wall_time) + _varint(2 << 3 | 0) + _varint(step) + \
-        _field_bytes(5, summary)
-
-
-def _version_event(wall_time: float) -> bytes:
-    return _varint(1 << 3 | 1) + struct.pack("<d", wall_time) + _field_bytes(3, b"brain.Event:2")
-
 
 class TensorBoardWriter:
-    """Appends scalar summaries to ``<logdir>/events.out.tfevents.<time>.<host>``."""
+    """Scalar summaries in ``<logdir>/events.out.tfevents.*`` (tensorboardX's ``SummaryWriter``)."""
 
     def __init__(self, logdir: Path):
-        logdir.mkdir(parents=True, exist_ok=True)
-        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
-        self.path = logdir / name
-        self._f = open(self.path, "ab")
-        self._write(_version_event(time.time()))
+        from tensorboardX import SummaryWriter
 
-    def _write(self, record: bytes) -> None:
-        header = struct.pack("<Q", len(record))
-        self._f.write(header + struct.pack("<I", _masked_crc(header)) + record +
-                      struct.pack("<I", _masked_crc(record)))
+        logdir.mkdir(parents=True, exist_ok=True)
+        self._writer = SummaryWriter(logdir=str(logdir))
 
     def add_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
-        now = time.time()
+        """One scalar per numeric entry (strings and bools, e.g. a logged ``"nan"``, are skipped)."""
         for tag, value in scalars.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._write(_scalar_event(now, step, tag, float(value)))
-        self._f.flush()
+                self._writer.add_scalar(tag, float(value), step)
+        self._writer.flush()
 
     def close(self) -> None:
-        self._f.close()
+        self._writer.close()
 
 
 CONSOLE_KEYS = (("reward", "reward"), ("reward_std", "std"), ("kl", "kl"), ("loss", "loss"),
