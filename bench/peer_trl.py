@@ -21,7 +21,8 @@ completion has exactly ``max_completion_length`` tokens (stop tokens are suppres
 completions, as micro-batches of G completions (ours ``micro_batch_size = G``; TRL
 ``per_device_train_batch_size = G``, ``gradient_accumulation_steps = P``, one generation per step).
 TRL runs with ``torch.set_num_threads(2)``, no vLLM, no gradient checkpointing, no bf16 (our training
-does not recompute activations and computes in float32).
+computes in float32 and, with its default ``layer_graphs``, recomputes each layer's forward in the
+backward: more work than TRL does, for less memory).
 
 Timing. Per-step figures are medians over steps 2..N (step 1 compiles on our side and warms up on
 TRL's). Ours: the trainer's own phase timers. TRL: a ``TrainerCallback`` times on_step_begin ..

@@ -320,8 +320,9 @@ class ParallelConfig:
     layer_graphs: bool = config_field(
         True, "With train_jit false, run the policy's decoder layers in training and in its log-prob passes "
         "as two compiled graphs (forward; recomputed forward + backward) that every layer shares, loading its "
-        "weights before each call: SmolLM2-135M trains a packed micro-batch ~1.6x faster than pynative layers "
-        "with a lower peak (only each layer's input is kept for the backward). false = pynative layers.")
+        "weights before each call. Same gradients; on the SmolLM2-135M benchmark step the update took 29.7 s "
+        "instead of 33.8 and peak RSS fell from 6.0 to 4.45 GiB (only each layer's input is kept for the "
+        "backward). false = pynative layers.")
     share_prompts: bool = config_field(
         True, "Encode each prompt once for all completions that share it: the sampler prefills each distinct "
         "prompt once and copies its KV cache to its num_generations rows, and the policy / reference / "
