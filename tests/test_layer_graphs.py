@@ -44,9 +44,7 @@ def _check_batch(model, seed: int, rows: slice) -> None:
         return (model.sequence_logprobs(Tensor(ids), Tensor(mask), Tensor(comp), 0.7) * weights).sum()
 
     def packed_loss():
-        logp = model.packed_logprobs(Tensor(packed.input_ids), Tensor(packed.position_ids),
-                                     Tensor(packed.prompt_bias), Tensor(packed.completion_bias),
-                                     Tensor(packed.slot_keys), Tensor(packed.gather_index), Tensor(comp), 0.7)
+        logp = model.packed_logprobs(*(Tensor(a) for a in packed.arrays()), Tensor(comp), 0.7)
         return (logp * weights).sum()
 
     _assert_same(*_grads_both_ways(model, padded_loss))

@@ -20,8 +20,8 @@ gradients and every metric are unchanged (up to float summation order).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, fields
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -38,6 +38,10 @@ class PackedBatch:
     completion_bias: np.ndarray  # (groups * slots, 1, S, P + S) float32: a slot over the prompt and itself
     slot_keys: np.ndarray        # (slots * (P + S),) int32: each slot's key columns, the prompt's then its own
     gather_index: np.ndarray     # (rows, C) int32: flat index into (groups * T) of each logit used
+
+    def arrays(self) -> Tuple[np.ndarray, ...]:
+        """The fields in ``CausalLM.packed_logprobs``'s argument order (their declaration order)."""
+        return tuple(getattr(self, f.name) for f in fields(self))  # no copies (astuple deep-copies)
 
 
 def group_rows(input_ids: np.ndarray, attention_mask: np.ndarray, prompt_width: int) -> np.ndarray:

@@ -206,9 +206,7 @@ class PipelineRunner:
             if self.share_prompts else None
         if packed is None:
             return "full", [Tensor(mb["input_ids"]), Tensor(mb["attention_mask"]), Tensor(mb["completion_ids"])]
-        return "packed", [Tensor(packed.input_ids), Tensor(packed.position_ids), Tensor(packed.prompt_bias),
-                          Tensor(packed.completion_bias), Tensor(packed.slot_keys), Tensor(packed.gather_index),
-                          Tensor(mb["completion_ids"])]
+        return "packed", [Tensor(a) for a in packed.arrays()] + [Tensor(mb["completion_ids"])]
 
     def _hidden_shape(self, mb) -> Tuple[int, int, int]:
         b, t = mb["input_ids"].shape
