@@ -311,8 +311,8 @@ class ParallelConfig:
         False, "Cache compiled graphs on disk (MindSpore compile cache, under output_dir) so a restart "
         "skips compilation.")
     jit: bool = config_field(
-        True, "Compile the decode step and the reference/old-policy forward passes with mindspore.jit "
-        "(decoding is dominated by per-kernel overhead, which jit removes); false = pynative, for debugging.")
+        True, "Compile the decode step and the reference model's forward pass with mindspore.jit (decoding is "
+        "dominated by per-kernel overhead, which jit removes); false = pynative, for debugging.")
     train_jit: bool = config_field(
         False, "Compile the training forward+backward with mindspore.jit. About 2x faster on CPU, but a "
         "compiled CPU graph keeps all of its intermediate tensors allocated: for one SmolLM2-135M micro-batch "

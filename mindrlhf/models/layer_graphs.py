@@ -84,6 +84,10 @@ class LayerGraphs:
             def backward(x, rope, bias, dout):
                 return ms.grad(weighted_sum, 0, weights)(x, rope, bias, dout)
 
+            # Each template's graphs are distinct by design; distinct names keep MindSpore from warning
+            # that one function "has been compiled again" (it keys functions by name and source line).
+            for fn in (forward, backward):
+                fn.__name__ = f"{'packed' if packed else 'padded'}_layer_{fn.__name__}_{id(self):x}"
             sig = dict(x=_dynamic(x), rope=_dynamic(rope), bias=_dynamic(bias))
             self._graphs[packed] = (ms.enable_dynamic(**sig)(ms.jit(forward)),
                                     ms.enable_dynamic(dout=_dynamic(x), **sig)(ms.jit(backward)))
