@@ -56,13 +56,13 @@ class LayerGraphs:
         key = id(layer)
         if key not in self._layer_weights:
             weights = tuple(layer.trainable_params())
+            if len(weights) != len(self.weights):
+                raise MindRLHFError(f"layer graphs: a layer has {len(weights)} trainable parameters, the template "
+                                    f"{len(self.weights)}; build the template like the model's layers")
             for t, w in zip(self.weights, weights):
                 if t.shape != w.shape or t.dtype != w.dtype:
                     raise MindRLHFError(f"layer graphs: {w.name} is {w.dtype}{w.shape} but the compiled template "
                                         f"holds {t.dtype}{t.shape}; build the template like the model's layers")
-            if len(weights) != len(self.weights):
-                raise MindRLHFError(f"layer graphs: a layer has {len(weights)} trainable parameters, the template "
-                                    f"{len(self.weights)}; build the template like the model's layers")
             self._layer_weights[key] = weights
         return self._layer_weights[key]
 
@@ -111,6 +111,7 @@ class _GraphLayer(nn.Cell):
         super().__init__()
         self.graphs = graphs
         self.num_bias = 3 if packed else 1
+        self._zeros: Tuple[Tuple, Tuple] = ((), ())  # (input signature, zero gradients for it)
 
     def _split(self, args):
         n = self.num_bias
@@ -125,5 +126,12 @@ class _GraphLayer(nn.Cell):
         inputs, dout = args[:-2], args[-1]  # args[-2] is the forward's output
         rope, bias, weights = self._split(inputs)
         dx, dweights = self.graphs.backward(x, rope, bias, weights, dout)
-        masks = tuple(ops.zeros_like(a) for a in inputs[:4 + self.num_bias])
-        return (dx,) + masks + tuple(dweights)
+        return (dx,) + self._constant_grads(inputs[:4 + self.num_bias]) + tuple(dweights)
+
+    def _constant_grads(self, constants) -> Tuple:
+        """Zero gradients for the rope tables and masks (they hold no parameters). Every layer of a
+        step gets the same ones, so they are allocated once per shape, not once per layer."""
+        signature = tuple((a.shape, a.dtype) for a in constants)
+        if signature != self._zeros[0]:
+            self._zeros = (signature, tuple(ops.zeros(shape, dtype) for shape, dtype in signature))
+        return self._zeros[1]

@@ -108,9 +108,6 @@ def write_curves(rows: Sequence[Mapping], out_dir: Path, window: int = 5) -> Lis
     each with its ``window``-step trailing mean; returns the files written."""
     from mindrlhf.utils.plot import line_chart_png
 
-    def number(v):
-        return float(v) if isinstance(v, (int, float)) else math.nan
-
     steps = [int(r["step"]) for r in rows]
     written = []
     for key, name, title, label in (("reward", "reward.png", "GRPO mean training reward", "mean reward"),
@@ -118,7 +115,7 @@ def write_curves(rows: Sequence[Mapping], out_dir: Path, window: int = 5) -> Lis
                                      "accuracy reward")):
         if not any(key in r for r in rows):
             continue
-        ys = [number(r.get(key)) for r in rows]
+        ys = [r.get(key) for r in rows]  # the chart and rolling_mean both skip non-numbers
         line_chart_png(out_dir / name, {label: (steps, ys), f"{window}-step mean": (steps, rolling_mean(ys, window))},
                        title=title, xlabel="training step", ylabel=label)
         written.append(out_dir / name)
