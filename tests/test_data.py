@@ -296,6 +296,11 @@ def test_resume_matches_uninterrupted_read(small_mindrecord):
         assert (e1, s1) == (e2, s2)
         np.testing.assert_array_equal(b1["index"], b2["index"])
         np.testing.assert_array_equal(b1["prompt_ids"], b2["prompt_ids"])
+    # nth_batch counts the same pass: batch k of it is iter_from's k-th item (6 batches per epoch).
+    for k, (_, _, batch) in enumerate(straight):
+        np.testing.assert_array_equal(ds.nth_batch(k)["index"], batch["index"])
+    with pytest.raises(MindRLHFError, match="batch number -1 is negative"):
+        ds.nth_batch(-1)
 
 
 def test_epoch_and_seed_orders(small_mindrecord):

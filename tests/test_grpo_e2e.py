@@ -41,6 +41,21 @@ def _msrun(n: int, argv, log_dir: Path, port: int) -> subprocess.CompletedProces
 
 
 @pytest.mark.slow
+def test_epoch_zero_trains_on_every_prompt_once(grpo_assets, tmp_path):
+    """16 prompts, 2 per rollout batch, 2 rollouts per step: steps 1-4 are epoch 0, and together they
+    see each prompt exactly once, in the epoch's shuffled order (step 1 starts at batch 0)."""
+    from mindrlhf.data.dataset import PromptDataset
+    from mindrlhf.trainer.experience import load_experience, step_file
+
+    dump = tmp_path / "exp" / "rollouts.npz"
+    assert _run_inprocess(_args(grpo_assets, tmp_path / "run", max_steps=4, num_rollouts=2, save_data_file=dump,
+                                max_completion_length=4, save_steps=4, tensorboard="false")) == 0
+    seen = [int(i) for step in range(1, 5) for i in load_experience(step_file(str(dump), step)).prompt_index[::4]]
+    order = PromptDataset(grpo_assets["data"], batch_size=2, seed=42).permutation(0)
+    assert seen == [int(i) for i in order]
+    assert sorted(seen) == list(range(16))
+
+
 def test_three_steps_metrics_finite_and_on_policy(grpo_assets, tmp_path):
     out = tmp_path / "run"
     assert _run_inprocess(_args(grpo_assets, out)) == 0

@@ -120,6 +120,13 @@ class PromptDataset:
             "index": index.astype(np.int64),
         }
 
+    def nth_batch(self, k: int) -> Dict[str, Any]:
+        """This shard's part of the ``k``-th global batch (0-based) of a pass over epochs 0, 1, … in order."""
+        if k < 0:
+            raise MindRLHFError(f"batch number {k} is negative; batches are counted from 0")
+        epoch, step = divmod(k, len(self))
+        return self.batch(epoch, step)
+
     def iter_from(self, epoch: int = 0, step: int = 0) -> Iterator[Tuple[int, int, Dict[str, Any]]]:
         """Yield ``(epoch, step, batch)`` from the given position on, across epochs, forever."""
         self.global_indices(epoch, step)  # validate the start before the first yield

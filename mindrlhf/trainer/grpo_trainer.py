@@ -105,11 +105,10 @@ class GRPOTrainer:
                               stop_token_ids=self.stop_ids, seed=seed)
 
     def _prompt_batches(self, step: int):
-        """The ``num_rollouts`` dataset batches (this rank's share) consumed by GRPO step ``step``."""
-        per_epoch = len(self.dataset)
+        """The ``num_rollouts`` dataset batches (this rank's share) consumed by GRPO step ``step`` (from 1)."""
+        first = (step - 1) * self.cfg.algorithm.num_rollouts
         for r in range(self.cfg.algorithm.num_rollouts):
-            k = step * self.cfg.algorithm.num_rollouts + r
-            yield r, self.dataset.batch(k // per_epoch, k % per_epoch)
+            yield r, self.dataset.nth_batch(first + r)
 
     def generate(self, step: int) -> Tuple[Experience, List[str], Dict[str, list]]:
         """Generate G completions per local prompt, score them, and build the step's arrays."""
