@@ -9,3 +9,17 @@ from typing import List, Optional, Sequence
 def length_reward(completions: Sequence[str], **kwargs) -> List[Optional[float]]:
     """Characters in the completion / 40 (different for almost every sample)."""
     return [len(c) / 40.0 for c in completions]
+
+
+def trl_signature_reward(prompts, completions, completion_ids, **kwargs):
+    """Written as TRL documents reward functions; checks what it is given (an assert stops the run)."""
+    assert len(prompts) == len(completions) == len(completion_ids) == len(kwargs["solution"])
+    for prompt, question, ids in zip(prompts, kwargs["question"], completion_ids):
+        assert isinstance(prompt, str) and question in prompt, (prompt, question)
+        assert all(isinstance(i, int) for i in ids)
+    return [len(ids) / 8.0 for ids in completion_ids]
+
+
+def broken_reward(completions, **kwargs):
+    """A reward with a bug."""
+    raise ValueError("this reward has a bug")

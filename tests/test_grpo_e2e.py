@@ -56,6 +56,25 @@ def test_epoch_zero_trains_on_every_prompt_once(grpo_assets, tmp_path):
     assert sorted(seen) == list(range(16))
 
 
+def test_trl_style_reward_trains_and_a_raising_reward_stops_the_run(grpo_assets, tmp_path, capsys):
+    out = tmp_path / "trl"
+    assert _run_inprocess(_args(grpo_assets, out, max_steps=1, max_completion_length=6, tensorboard="false",
+                                reward_funcs=["e2e_rewards:trl_signature_reward"])) == 0
+    row = _metrics(out)[0]
+    assert math.isfinite(row["reward"]) and row["reward"] > 0 and row["reward_fn_failures"] == 0
+    capsys.readouterr()
+    broken = dict(max_steps=1, max_completion_length=6, reward_funcs=["accuracy", "e2e_rewards:broken_reward"])
+    assert _run_inprocess(_args(grpo_assets, tmp_path / "broken", **broken)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: reward function 'e2e_rewards:broken_reward' raised ValueError: this reward "
+                              "has a bug;"), err[-1]
+    # Opting in to skipping: the run goes on and counts the failed call per function.
+    skip = tmp_path / "skip"
+    assert _run_inprocess(_args(grpo_assets, skip, reward_errors="skip", **broken)) == 0
+    row = _metrics(skip)[0]
+    assert row["rewards/e2e_rewards:broken_reward/failures"] == 1.0 and row["reward_fn_failures"] == 1.0
+
+
 def test_three_steps_metrics_finite_and_on_policy(grpo_assets, tmp_path):
     out = tmp_path / "run"
     assert _run_inprocess(_args(grpo_assets, out)) == 0

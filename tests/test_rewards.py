@@ -245,11 +245,39 @@ def test_manager_none_is_nan_and_all_none_total_is_nan():
     assert total[1] == 2.0  # NaN terms are skipped, not propagated
 
 
-def test_manager_failing_function_scores_none_counts_and_logs_once(caplog):
+def test_manager_stops_on_a_failing_function_by_default():
     def broken(completions, solution, **kw):
         raise ZeroDivisionError("oops")
 
-    manager = RewardManager(["accuracy", broken], weights=[1.0, 3.0])
+    with pytest.raises(MindRLHFError, match="reward function 'broken' raised ZeroDivisionError: oops; .*"
+                                            "reward_errors: skip") as info:
+        RewardManager(["accuracy", broken])(["42"], ["42"])
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    with pytest.raises(MindRLHFError, match="reward_errors='ignore' is not one of raise, skip"):
+        RewardManager(["accuracy"], errors="ignore")
+
+
+def test_manager_calls_functions_with_trl_arguments():
+    seen = {}
+
+    def trl_style(prompts, completions, completion_ids, **kwargs):  # TRL's documented signature
+        seen.update(prompts=prompts, completion_ids=completion_ids, kwargs=kwargs)
+        return [float(len(ids)) for ids in completion_ids]
+
+    total, _ = RewardManager([trl_style])(["ab", "c"], ["1", "2"], prompts=["p0", "p1"], completion_ids=[[5, 6], [7]],
+                                          question=["q0", "q1"])
+    np.testing.assert_array_equal(total, [2.0, 1.0])
+    assert seen == {"prompts": ["p0", "p1"], "completion_ids": [[5, 6], [7]],
+                    "kwargs": {"solution": ["1", "2"], "question": ["q0", "q1"]}}
+    with pytest.raises(MindRLHFError, match="reward inputs: 1 values of 'prompts' for 2 completions"):
+        RewardManager([trl_style])(["ab", "c"], ["1", "2"], prompts=["p0"], completion_ids=[[5, 6], [7]])
+
+
+def test_manager_skip_mode_scores_none_counts_and_logs_once(caplog):
+    def broken(completions, solution, **kw):
+        raise ZeroDivisionError("oops")
+
+    manager = RewardManager(["accuracy", broken], weights=[1.0, 3.0], errors="skip")
     with caplog.at_level(logging.WARNING, logger="mindrlhf.rewards"):
         for _ in range(3):
             total, per_fn = manager(["42", "7"], ["42", "42"])

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from mindrlhf.configs.base import GroupedConfig, config_field
+from mindrlhf.rewards.manager import REWARD_ERRORS
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_TYPES = ("grpo", "gspo", "gspo-token")
@@ -120,6 +121,12 @@ class AlgorithmConfig:
     reward_weights: Optional[List[float]] = config_field(
         None, "Weight of each reward function, in reward_funcs order; null = 1.0 for all. Length must equal "
         "len(reward_funcs). Negative weights turn a reward into a penalty.")
+    reward_errors: str = config_field(
+        "raise", "What a reward function that raises does: raise = stop the run with one error naming the function "
+        "and its exception; skip = score that call's completions None (they get no advantage) and train on, counting "
+        "failed calls per function (metric rewards/<name>/failures). Reward functions are called as TRL calls them: "
+        "fn(prompts=, completions=, completion_ids=, solution=, question=), all by keyword.",
+        choices=REWARD_ERRORS)
 
 
 @dataclass

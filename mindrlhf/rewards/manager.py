@@ -1,4 +1,4 @@
-"""Weighted sum of reward functions, robust to functions that fail."""
+"""Weighted sum of reward functions, called with TRL's reward-function arguments."""
 from __future__ import annotations
 
 import logging
@@ -12,17 +12,27 @@ from mindrlhf.rewards.registry import RewardFn, get_reward_fn
 
 logger = logging.getLogger(__name__)
 
+#: What a reward function that raises does to the run: stop it, or score that call None and go on.
+REWARD_ERRORS = ("raise", "skip")
+
 
 class RewardManager:
     """Scores completions with several reward functions and combines them with weights.
 
     ``funcs``: built-in names, ``"package.module:function"`` paths, or callables. ``weights``: one
-    per function (default all 1.0). A function that raises does not stop training: every sample of
-    that call scores None, ``failures[name]`` counts the failed calls, and the first failure of each
-    function is logged (warning, with traceback).
+    per function (default all 1.0). Every function is called as TRL calls its reward functions:
+    ``fn(prompts=, completions=, completion_ids=, **dataset_columns)`` (here ``solution``,
+    ``question``), all by keyword. ``errors``: a function that raises stops the run with one error
+    naming it (``"raise"``), or (``"skip"``) every sample of that call scores None,
+    ``failures[name]`` counts the failed calls and the first failure of each function is logged
+    (warning, with traceback).
     """
 
-    def __init__(self, funcs: Sequence[Union[str, RewardFn]], weights: Optional[Sequence[float]] = None):
+    def __init__(self, funcs: Sequence[Union[str, RewardFn]], weights: Optional[Sequence[float]] = None,
+                 errors: str = "raise"):
+        if errors not in REWARD_ERRORS:
+            raise MindRLHFError(f"reward_errors={errors!r} is not one of {', '.join(REWARD_ERRORS)}")
+        self.errors = errors
         if isinstance(funcs, str) or not funcs:
             raise MindRLHFError(f"reward funcs must be a non-empty list, e.g. ['accuracy', 'format']; got {funcs!r}")
         self.names: List[str] = []
@@ -48,29 +58,39 @@ class RewardManager:
         self._logged: set = set()
 
     def __call__(
-        self, completions: Sequence[str], solution: Sequence[str], **columns
+        self, completions: Sequence[str], solution: Sequence[str], *, prompts: Optional[Sequence[str]] = None,
+        completion_ids: Optional[Sequence[Sequence[int]]] = None, **columns
     ) -> Tuple[np.ndarray, Dict[str, np.ndarray]]:
         """``(total (B,) float32, {name: (B,) float32})``; None scores are NaN in ``per_fn``.
 
-        ``total`` is the weighted sum over the functions that scored a sample (NaN terms are
-        skipped); it is NaN only when no function scored it, which the advantage code excludes.
+        ``prompts`` (text) and ``completion_ids`` (token ids) are passed on with ``columns`` (lists of
+        B values each). ``total`` is the weighted sum over the functions that scored a sample (NaN
+        terms are skipped); it is NaN only when no function scored it, which the advantage code excludes.
         """
         n = len(completions)
-        if len(solution) != n:
-            raise MindRLHFError(f"reward inputs: {len(solution)} solutions for {n} completions")
-        per_fn = {
-            name: self._score(name, fn, completions, solution, columns) for name, fn in zip(self.names, self.funcs)
-        }
+        kwargs = dict(columns, prompts=prompts, completions=completions, completion_ids=completion_ids,
+                      solution=solution)
+        for key, values in kwargs.items():
+            if values is not None and len(values) != n:
+                raise MindRLHFError(f"reward inputs: {len(values)} values of {key!r} for {n} completions")
+        per_fn = {name: self._score(name, fn, kwargs) for name, fn in zip(self.names, self.funcs)}
         scores = np.stack([per_fn[name] for name in self.names]).astype(np.float64)  # (F, B)
         weighted = np.where(np.isnan(scores), 0.0, scores * self.weights[:, None])
         total = np.where(np.isnan(scores).all(axis=0), np.nan, weighted.sum(axis=0))
         return total.astype(np.float32), per_fn
 
-    def _score(self, name: str, fn: Callable, completions, solution, columns) -> np.ndarray:
-        n = len(completions)
+    def _score(self, name: str, fn: Callable, kwargs: Dict[str, Sequence]) -> np.ndarray:
+        n = len(kwargs["completions"])
         try:
-            out = fn(completions=completions, solution=solution, **columns)
-        except Exception:  # a user reward bug must not kill a long run: score None, count, log once
+            out = fn(**kwargs)
+        except Exception as err:
+            if self.errors == "raise":
+                raise MindRLHFError(
+                    f"reward function {name!r} raised {type(err).__name__}: {err}; fix the function (it is called "
+                    f"as fn(prompts=, completions=, completion_ids=, solution=, question=), so it needs **kwargs), "
+                    f"or set reward_errors: skip to score such calls None and train on"
+                ) from err
+            # skip: a user reward bug does not kill a long run; score None, count, log once
             self.failures[name] += 1
             if name not in self._logged:
                 self._logged.add(name)

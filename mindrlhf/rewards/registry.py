@@ -1,8 +1,10 @@
 """Reward-function registry: built-ins by name, user functions by dotted path.
 
-A reward function has TRL's signature ``fn(completions: list[str], solution: list[str], **columns)
--> list[float | None]``: one score per completion, None meaning "not applicable". Extra dataset
-columns arrive as keyword arguments, so functions should accept ``**kwargs``.
+A reward function has TRL's signature ``fn(prompts, completions, completion_ids, **kwargs) ->
+list[float | None]``: one score per completion, None meaning "not applicable". Everything arrives
+by keyword: ``prompts`` (prompt text, chat template included), ``completions`` (text),
+``completion_ids`` (token ids) and the dataset's columns (``solution``, ``question``), so a
+function names what it reads and takes the rest as ``**kwargs``.
 """
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ class GRPOTrainer:
             max_grad_norm=o.max_grad_norm, jit=cfg.parallel.train_jit, groups=layout.groups, masters=policy_masters,
             loss_scale_init=o.loss_scale_init, loss_scale_window=o.loss_scale_window,
             share_prompts=cfg.parallel.share_prompts, layer_graphs=cfg.parallel.layer_graphs)
-        self.rewards = RewardManager(a.reward_funcs, a.reward_weights)
+        self.rewards = RewardManager(a.reward_funcs, a.reward_weights, a.reward_errors)
         self.ref_runner = PipelineRunner(ref_model, self.updater.groups, temperature=self.updater.loss.temperature,
                                          jit=cfg.parallel.jit, share_prompts=cfg.parallel.share_prompts) \
             if ref_model is not None else None
@@ -136,7 +136,10 @@ class GRPOTrainer:
         truncated = np.array([c.finish_reason == "length" for c in completions])
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         t0 = time.perf_counter()
-        total, per_fn = self.rewards(texts, solution_rep, question=rep(questions))
+        # TRL's reward arguments: the prompt text as the model saw it (chat template included) and the ids.
+        prompt_texts = rep(self.tokenizer.batch_decode(prompts, skip_special_tokens=False))
+        total, per_fn = self.rewards(texts, solution_rep, prompts=prompt_texts,
+                                     completion_ids=[list(c.token_ids) for c in completions], question=rep(questions))
         reward_time = time.perf_counter() - t0
         mask = present.astype(np.float32)
         if a.mask_truncated_completions:
@@ -448,6 +451,8 @@ class GRPOTrainer:
         if self.updater.scaler is not None:
             metrics["loss_scale"] = self.updater.loss_scale
         metrics["reward_fn_failures"] = float(sum(self.rewards.failures.values()))
+        if a.reward_errors == "skip":
+            metrics.update({f"rewards/{name}/failures": float(n) for name, n in self.rewards.failures.items()})
         metrics.update(times)
         metrics["step_time"] = time.perf_counter() - t0
         tokens = float(self._sum_replicas(np.array([exp.extras["completion_present"].sum()]))[0])
