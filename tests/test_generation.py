@@ -94,14 +94,17 @@ def test_sampled_logprobs_equal_full_forward_log_softmax(which, request):
     model = request.getfixturevalue(which)
     sampler = request.getfixturevalue(f"{which}_sampler")
     prompts = _prompts(model.config.vocab_size, (5, 2, 9), seed=1)
-    params = SamplingParams(n=2, temperature=0.7, top_k=50, top_p=0.9, max_tokens=6, seed=3)
+    params = SamplingParams(n=2, temperature=0.7, top_k=50, top_p=0.9, max_tokens=6, seed=3, entropy=True)
     out = sampler.generate(prompts, params)
     assert [c.prompt_index for c in out] == [0, 0, 1, 1, 2, 2]
     for comp in out:
         logits = _full_logits(model, prompts[comp.prompt_index], comp.token_ids)
-        ref = _log_softmax(logits / 0.7)[np.arange(len(comp.token_ids)), comp.token_ids]
-        assert len(comp.logprobs) == len(comp.token_ids) == 6
+        logp_all = _log_softmax(logits / 0.7)
+        ref = logp_all[np.arange(len(comp.token_ids)), comp.token_ids]
+        assert len(comp.logprobs) == len(comp.token_ids) == len(comp.entropies) == 6
         np.testing.assert_allclose(comp.logprobs, ref, atol=1e-4)
+        # entropy of the temperature-scaled policy (before top-k/top-p), as the trainer would compute it
+        np.testing.assert_allclose(comp.entropies, -(np.exp(logp_all) * logp_all).sum(-1), atol=1e-4)
         # every sampled token survived top-k = 50 of the full-forward logits
         kth = np.sort(logits, axis=-1)[:, -50]
         assert np.all(logits[np.arange(6), comp.token_ids] >= kth - 1e-4)
@@ -327,6 +330,19 @@ def test_filters_match_numpy_reference(top_k, top_p, min_p):
                                 return_weights=True)
         got = w / w.sum(-1, keepdims=True)
         np.testing.assert_allclose(got, _np_filter(logits.astype(np.float64), t, top_k, top_p, min_p), atol=1e-6)
+
+
+def test_entropy_equals_numpy_on_the_same_logits():
+    rng = np.random.default_rng(7)
+    logits = (rng.standard_normal((5, 1000)) * 4 + 20).astype(np.float32)  # large offsets, peaked rows
+    logits[0] = 0.0  # uniform: entropy log(V)
+    for t in (0.5, 1.0):
+        _, _, ent = select_tokens(logits, rng.random(5), temperature=t, top_k=10, top_p=0.9, entropy=True)
+        logp = _log_softmax(logits.astype(np.float64) / t)
+        np.testing.assert_allclose(ent, -(np.exp(logp) * logp).sum(-1), rtol=1e-5, atol=1e-5)
+        assert ent[0] == pytest.approx(np.log(1000), rel=1e-6)
+    tok, lp = select_tokens(logits, rng.random(5))  # two values unless asked
+    assert tok.shape == lp.shape == (5,)
 
 
 def test_filters_match_hugging_face_warpers():

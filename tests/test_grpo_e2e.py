@@ -62,6 +62,7 @@ def test_trl_style_reward_trains_and_a_raising_reward_stops_the_run(grpo_assets,
                                 reward_funcs=["e2e_rewards:trl_signature_reward"])) == 0
     row = _metrics(out)[0]
     assert math.isfinite(row["reward"]) and row["reward"] > 0 and row["reward_fn_failures"] == 0
+    assert 0 < row["entropy"] < math.log(151936)  # a random tiny model: high, but below uniform
     capsys.readouterr()
     broken = dict(max_steps=1, max_completion_length=6, reward_funcs=["accuracy", "e2e_rewards:broken_reward"])
     assert _run_inprocess(_args(grpo_assets, tmp_path / "broken", **broken)) == 2

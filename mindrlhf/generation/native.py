@@ -318,8 +318,8 @@ class NativeSampler(Sampler):
             done, n_steps = self._generate_chunk([arrays[i] for i in rows], uniforms[s:s + chunk], params, stats,
                                                  np.array(rows))
             steps += n_steps
-            results += [Completion(prompt_index=o, token_ids=t, logprobs=lp, finish_reason=r)
-                        for o, (t, lp, r) in zip(rows, done)]
+            results += [Completion(prompt_index=o, token_ids=t, logprobs=lp, finish_reason=r, entropies=h)
+                        for o, (t, lp, r, h) in zip(rows, done)]
         total = time.perf_counter() - t0
         tokens = sum(len(c.token_ids) for c in results)
         self.tokens_generated += tokens
@@ -360,6 +360,7 @@ class NativeSampler(Sampler):
         present_lists = [np.array(sorted(s), np.int64) for s in present_sets] if penalty else None
         tokens: List[List[int]] = [[] for _ in range(B)]
         logps: List[List[float]] = [[] for _ in range(B)]
+        entropies: List[List[float]] = [[] for _ in range(B)]
         reasons: List[str] = ["length"] * B
         last = np.zeros(B, np.int64)
         active = np.arange(B)          # chunk rows still generating
@@ -377,14 +378,17 @@ class NativeSampler(Sampler):
                 counts = [present_lists[r].size for r in active]
                 present = (np.repeat(np.arange(active.size), counts),
                            np.concatenate([present_lists[r] for r in active]))
-            tok, lp = select_tokens(
+            tok, lp, *ent = select_tokens(
                 lg, uniforms[active, step], temperature=params.temperature, top_k=params.top_k,
                 top_p=params.top_p, min_p=params.min_p, repetition_penalty=params.repetition_penalty,
-                present=present, banned=stop if step < params.min_tokens and stop.size else None)
+                present=present, banned=stop if step < params.min_tokens and stop.size else None,
+                entropy=params.entropy)
             for i, r in enumerate(active):
                 t = int(tok[i])
                 tokens[r].append(t)
                 logps[r].append(float(lp[i]))
+                if ent:
+                    entropies[r].append(float(ent[0][i]))
                 if penalty and t not in present_sets[r]:
                     present_sets[r].add(t)
                     present_lists[r] = np.append(present_lists[r], t)
@@ -412,7 +416,7 @@ class NativeSampler(Sampler):
             key_bias[:, P + step] = 0.0
             logits = self._run(cell, fn, stats, "decode", last[slot_rows].reshape(nb, 1).astype(np.int32),
                                (lens[slot_rows] + step).reshape(nb, 1), key_bias[:, None, :], P + step, S)
-        return [(tokens[r], logps[r], reasons[r]) for r in range(B)], steps
+        return [(tokens[r], logps[r], reasons[r], entropies[r]) for r in range(B)], steps
 
     def _prefill(self, ids: np.ndarray, pos: np.ndarray, bias: np.ndarray, owners: np.ndarray, piece: int,
                  cache_len: int, stats: Dict[str, float]):

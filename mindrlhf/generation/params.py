@@ -27,6 +27,8 @@ class SamplingParams:
       IS included in the completion (the policy must learn to emit it).
     - ``seed``: every ``generate`` call derives its random numbers from this seed alone, so the
       same request with the same seed gives the same completions whatever ran before.
+    - ``entropy``: also report, per generated token, the entropy of softmax(logits / T) it was
+      drawn from (``Completion.entropies``; before top-k/top-p, like ``logprobs``).
     """
 
     n: int = 1
@@ -39,6 +41,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: List[int] = field(default_factory=list)
     seed: int = 0
+    entropy: bool = False
 
     def validate(self, vocab_size: Optional[int] = None) -> "SamplingParams":
         """Raise ``MindRLHFError`` (a ``ValueError``) naming the first bad field; return self."""
@@ -96,3 +99,4 @@ class Completion:
     token_ids: List[int]
     logprobs: List[float]
     finish_reason: str  # "stop" | "length"
+    entropies: List[float] = field(default_factory=list)  # per token, when SamplingParams.entropy

@@ -158,6 +158,7 @@ def select_tokens(
     present: Optional[Tuple[np.ndarray, np.ndarray]] = None,
     banned: Optional[Sequence[int]] = None,
     return_weights: bool = False,
+    entropy: bool = False,
 ):
     """Pick one token per row of ``logits`` (B, V) and return (tokens int64, logprobs float32).
 
@@ -166,6 +167,8 @@ def select_tokens(
     temperature; top-k; top-p; min-p; then a draw by inverse CDF with ``uniforms`` (B,) in [0, 1),
     or argmax when ``temperature == 0``. ``logprobs`` are log_softmax(logits / T)[token] of the raw
     logits (T = 1 when greedy): what the policy assigns, before any processing. With
+    ``entropy`` also returns each row's entropy (float32, B) of that same distribution
+    softmax(logits / T), after them and before the weights if both are asked for. With
     ``return_weights`` also returns the final unnormalised sampling weights (B, V). Uses a
     module-level work buffer: call it from one thread at a time.
     """
@@ -178,9 +181,15 @@ def select_tokens(
     np.subtract(logits, mx[:, None], out=w)
     if t != 1.0:
         np.multiply(w, np.float32(1.0 / t), out=w)
+    if entropy:  # keep z = (logits − max) / T: its values are small, so Σ p·z keeps float32 precision
+        z = _scratch(b, v, "z")
+        np.copyto(z, w)
     np.exp(w, out=w)
     block_sums = _block_sums(w)
-    log_total = np.log(block_sums.sum(axis=1))
+    total = block_sums.sum(axis=1)
+    log_total = np.log(total)
+    if entropy:  # H = −Σ p log p = log Z − Σ p·z, with p = w / Z and w = exp(z)
+        ent = (log_total - np.einsum("ij,ij->i", w, z).astype(np.float64) / total).astype(np.float32)
     # From here on ``w`` becomes the sampling weights (its normaliser is no longer needed).
     modified = False
     if repetition_penalty != 1.0 and present is not None and len(present[0]):
@@ -200,18 +209,18 @@ def select_tokens(
             modified = True
         tok = _inverse_cdf(w, uniforms, None if modified else block_sums)
     logp = (logits[rows_all, tok].astype(np.float64) - mx) / t - log_total
-    if return_weights:
-        return tok, logp.astype(np.float32), w.copy()
-    return tok, logp.astype(np.float32)
+    out = (tok, logp.astype(np.float32)) + ((ent,) if entropy else ())
+    return out + (w.copy(),) if return_weights else out
 
 
 _SCRATCH: dict = {}
 
 
-def _scratch(b: int, v: int) -> np.ndarray:
+def _scratch(b: int, v: int, name: str = "w") -> np.ndarray:
     """A reused (b, v) float32 work buffer: allocating 10 MB per decode step costs page faults."""
-    buf = _SCRATCH.get((b, v))
+    buf = _SCRATCH.get((name, b, v))
     if buf is None:
-        _SCRATCH.clear()
-        buf = _SCRATCH[(b, v)] = np.empty((b, v), np.float32)
+        for key in [k for k in _SCRATCH if k[0] == name]:
+            del _SCRATCH[key]
+        buf = _SCRATCH[(name, b, v)] = np.empty((b, v), np.float32)
     return buf

@@ -102,7 +102,7 @@ class GRPOTrainer:
         return SamplingParams(n=self.cfg.algorithm.num_generations, temperature=g.temperature, top_p=g.top_p,
                               top_k=g.top_k, min_p=g.min_p, repetition_penalty=g.repetition_penalty,
                               max_tokens=g.max_completion_length, min_tokens=g.min_new_tokens,
-                              stop_token_ids=self.stop_ids, seed=seed)
+                              stop_token_ids=self.stop_ids, seed=seed, entropy=True)
 
     def _prompt_batches(self, step: int):
         """The ``num_rollouts`` dataset batches (this rank's share) consumed by GRPO step ``step`` (from 1)."""
@@ -149,7 +149,8 @@ class GRPOTrainer:
             sampler_logp=sampler_logp, truncated=truncated, rewards=total.astype(np.float32),
             reward_per_fn=np.stack([per_fn[k] for k in self.rewards.names], axis=1).astype(np.float32),
             advantages=np.zeros(len(completions), np.float32), prompt_index=np.array(rep(index), np.int64),
-            extras={"completion_present": present})
+            extras={"completion_present": present,
+                    "sampler_entropy": right_pad([c.entropies for c in completions], C, 0.0, np.float32)})
         if self.layout.pure_dp:
             exp.advantages = self._advantages(exp.rewards)
         else:
@@ -393,6 +394,10 @@ class GRPOTrainer:
         truncated = self._gather_rows(exp.truncated.astype(np.float32))
         m.update({"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
                   "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.mean())})
+        if "sampler_entropy" in exp.extras:  # a generated step (replayed dumps do not carry it)
+            mask = exp.completion_mask
+            sums = self._gather_rows(np.stack([(exp.extras["sampler_entropy"] * mask).sum(1), mask.sum(1)], 1))
+            m["entropy"] = float(sums[:, 0].sum() / max(sums[:, 1].sum(), 1.0))
         return m
 
     def _dump_completions(self, step: int, texts: List[str], info, exp: Experience) -> None:
