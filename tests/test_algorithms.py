@@ -397,6 +397,21 @@ def test_micro_batches_sum_to_the_unsplit_loss(mode, loss_type):
         np.testing.assert_allclose(np.concatenate(grads), full_grad, rtol=1e-5, atol=1e-8)
 
 
+def test_log_ratio_outlier_is_clamped_not_inf():
+    # One token 100 nats more likely under the policy than when sampled: exp(100) overflows float32.
+    # Clamped at 20: with A = -1 the loss is -min(rA, clip(r)A) = exp(20) (finite, no gradient past the
+    # bound); with A = +1 it is clipped at 1 + ε = 1.2 as before. The KL term is clamped the same way.
+    logp, old = np.array([[100.0]]), np.zeros((1, 1))
+    loss, _, grad = ms_loss_grad(logp, old, np.array([-1.0]), np.ones((1, 1)), loss_agg_mode="token-mean")
+    assert loss == pytest.approx(math.exp(20.0), rel=1e-5) and float(grad[0, 0]) == 0.0
+    loss, _, grad = ms_loss_grad(logp, old, np.array([1.0]), np.ones((1, 1)), loss_agg_mode="token-mean")
+    assert (loss, float(grad[0, 0])) == pytest.approx((-1.2, 0.0))
+    # k3 with d = logp - ref = -100 would be exp(100) - 101; clamped, d = -20: exp(20) - 21.
+    loss, metrics, _ = ms_loss_grad(np.array([[-100.0]]), np.array([[-100.0]]), np.array([0.0]), np.ones((1, 1)),
+                                    ref_logp=np.zeros((1, 1)), beta=1.0, loss_agg_mode="token-mean")
+    assert metrics["kl"] == pytest.approx(math.exp(20.0) - 21.0, rel=1e-5) and loss == pytest.approx(metrics["kl"])
+
+
 def test_padding_garbage_does_not_leak():
     # Padded positions holding -inf/NaN log-probs must not turn the loss or gradient into NaN.
     logp = np.array([[-1.0, -np.inf, np.nan], [-0.5, -0.7, -np.inf]])

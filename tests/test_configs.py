@@ -464,3 +464,22 @@ def test_preset_values():
     assert (p.train_dp, p.train_tp, p.train_pp, p.infer_dp, p.infer_tp) == (1, 4, 2, 2, 4)
     assert p.device_target == "Ascend" and p.use_parallel and big.world_size == 8
     assert big.model.dtype == "bfloat16" and big.algorithm.num_generations == 8 and big.algorithm.beta == 0.04
+
+
+@pytest.mark.parametrize("loss_type,expected", [
+    ("grpo", ("grpo", "seq-mean-token-mean")), ("gspo", ("gspo", "seq-mean-token-mean")),
+    ("bnpo", ("grpo", "token-mean")), ("dapo", ("grpo", "token-mean")),
+    ("dr_grpo", ("grpo", "seq-mean-token-sum-norm"))])
+def test_trl_loss_type_names_resolve_to_loss_and_aggregation(loss_type, expected):
+    assert parse_args(["--loss_type", loss_type]).policy_loss == expected
+    # The alias's own aggregation may be given too; our names keep whatever aggregation is configured.
+    assert parse_args(["--loss_type", loss_type, "--loss_agg_mode", expected[1]]).policy_loss == expected
+    if loss_type in ("grpo", "gspo"):
+        assert parse_args(["--loss_type", loss_type, "--loss_agg_mode", "token-mean"]).policy_loss == \
+            (loss_type, "token-mean")
+
+
+def test_trl_loss_type_with_a_different_aggregation_is_an_error():
+    with pytest.raises(MindRLHFError, match="loss_type = 'dapo' \\(TRL's name\\) means loss_agg_mode = 'token-mean', "
+                                            "but loss_agg_mode = 'seq-mean-token-sum-norm'"):
+        parse_args(["--loss_type", "dapo", "--loss_agg_mode", "seq-mean-token-sum-norm"])

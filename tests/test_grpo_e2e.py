@@ -89,7 +89,7 @@ def test_three_steps_metrics_finite_and_on_policy(grpo_assets, tmp_path):
             assert k in r, k
             assert isinstance(r[k], float) and math.isfinite(r[k]), (k, r[k])
         # One on-policy update per step: the ratio is exactly 1, nothing is clipped.
-        assert r["clip_ratio/region_mean"] == 0.0
+        assert r["clip_ratio/region_mean"] == 0.0 == r["clip_ratio/low_min"] == r["clip_ratio/high_max"]
         assert "kl" not in r  # beta == 0: no KL term, no reference
         assert 0 < r["completions/mean_length"] <= 12
     assert (out / "completions_step_3.jsonl").is_file()
@@ -226,6 +226,19 @@ def test_nonfinite_updates_are_skipped_then_stop(grpo_assets, tmp_path):
                    env_extra={"PYTHONPATH": str(tmp_path)})
     assert res.returncode == 2
     assert "2 consecutive updates had non-finite" in res.stderr
+
+
+def test_clip_extremes_over_the_steps_updates(grpo_assets, tmp_path):
+    # 8 completions, mini-batches of 4, 3 passes: 6 updates. The first is on-policy (nothing clipped),
+    # a large lr makes later ones clip; the extremes are taken over the updates.
+    out = tmp_path / "run"
+    assert _run_inprocess(_args(grpo_assets, out, max_steps=1, num_iterations=3, mini_batch_size=4, lr=0.05,
+                                max_completion_length=8, tensorboard="false",
+                                reward_funcs=["e2e_rewards:length_reward"])) == 0
+    r = _metrics(out)[0]
+    assert r["clip_ratio/region_mean"] > 0
+    assert r["clip_ratio/low_min"] == 0.0 and r["clip_ratio/high_max"] >= r["clip_ratio/high_mean"]
+    assert max(r["clip_ratio/high_max"] - r["clip_ratio/high_mean"], r["clip_ratio/low_mean"]) > 0
 
 
 @pytest.mark.slow

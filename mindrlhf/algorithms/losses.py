@@ -22,6 +22,10 @@ from mindrlhf.algorithms.registry import check_registered, new_registry, registr
 from mindrlhf.errors import MindRLHFError
 
 LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+#: Log-ratios (policy vs old, policy vs reference) are clamped to ±this before ``exp`` (as verl does):
+#: exp(20) ≈ 4.9e8 is far outside any clip range, yet one off-policy outlier can no longer overflow
+#: float32 (exp(89) = inf) and turn the whole update non-finite.
+LOG_RATIO_BOUND = 20.0
 Count = Union[int, float, Tensor]
 
 
@@ -194,6 +198,7 @@ def policy_loss(
     per-token for "grpo"/"gspo-token"). Per token: ``ℓ = policy_loss + beta·KL`` where the KL term
     is used only when ``beta > 0`` (then ``ref_logp`` is required), then
     ``aggregate_loss(ℓ, mask, loss_agg_mode, ...)``. ``old_logp`` and ``ref_logp`` get no gradient.
+    Both log-ratios are clamped to ±``LOG_RATIO_BOUND`` (no gradient beyond it).
 
     Loss types (``POLICY_LOSSES``): "grpo" (token ratio), "gspo" (sequence ratio), "gspo-token".
     Recipes: DAPO = ``loss_type="grpo"``, ``epsilon_high > epsilon_low`` (clip-higher, e.g. 0.2/0.28)
@@ -215,12 +220,14 @@ def policy_loss(
     if advantages.ndim == 1:
         advantages = advantages.reshape(-1, 1)
     advantages = ops.stop_gradient(advantages.astype(dtype))
-    # Mask before exp: padding positions may hold garbage (even -inf) log-probs.
-    log_ratio = ops.where(valid, logp - ops.stop_gradient(old_logp), 0.0)
+    # Mask before exp: padding positions may hold garbage (even -inf) log-probs. Clamp: LOG_RATIO_BOUND.
+    log_ratio = ops.clamp(ops.where(valid, logp - ops.stop_gradient(old_logp), 0.0), -LOG_RATIO_BOUND,
+                          LOG_RATIO_BOUND)
     per_token, ratio = loss_fn(log_ratio, advantages, mask, epsilon_low, epsilon_high)
 
     if beta > 0:
-        kl = get_kl_estimator(kl_estimator)(ops.where(valid, logp - ops.stop_gradient(ref_logp), 0.0))
+        ref_log_ratio = ops.where(valid, logp - ops.stop_gradient(ref_logp), 0.0)
+        kl = get_kl_estimator(kl_estimator)(ops.clamp(ref_log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
         per_token = per_token + beta * kl
         kl_mean = masked_mean(ops.stop_gradient(kl), mask)
     else:

@@ -16,13 +16,16 @@ import dataclasses
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from mindrlhf.configs.base import GroupedConfig, config_field
 from mindrlhf.rewards.manager import REWARD_ERRORS
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_TYPES = ("grpo", "gspo", "gspo-token")
+POLICY_LOSS_TYPES = ("grpo", "gspo", "gspo-token")
+#: TRL's loss_type names that are an aggregation of our token-level "grpo" loss (TRL's own "grpo" is ours).
+TRL_LOSS_TYPES = {"bnpo": "token-mean", "dapo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
+LOSS_TYPES = POLICY_LOSS_TYPES + tuple(TRL_LOSS_TYPES)
 LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 REWARD_SCALINGS = ("group", "batch", "none")
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -76,7 +79,11 @@ class AlgorithmConfig:
     loss_type: str = config_field(
         "grpo", "Policy loss: grpo = per-token clipped ratio exp(logp - logp_old) (PPO-style); gspo = "
         "sequence-level ratio exp(mean_t(logp - logp_old)) clipped with the sequence advantage (GSPO; use "
-        "much smaller epsilons, e.g. 3e-4 / 4e-4); gspo-token = GSPO's value with a per-token gradient.",
+        "much smaller epsilons, e.g. 3e-4 / 4e-4); gspo-token = GSPO's value with a per-token gradient. TRL's "
+        "names are accepted and mean loss grpo with an aggregation: bnpo = token-mean, dapo = token-mean, dr_grpo = "
+        "seq-mean-token-sum-norm (TRL's grpo is ours with the default seq-mean-token-mean); loss_agg_mode must then "
+        "be left at its default or equal that aggregation. Log-ratios are clamped to +-20 before exp (verl's "
+        "bound), so one off-policy outlier cannot overflow the update.",
         choices=LOSS_TYPES)
     loss_agg_mode: str = config_field(
         "seq-mean-token-mean", "How per-token losses become one number: seq-mean-token-mean = mean over each "
@@ -476,8 +483,22 @@ class GRPOConfig(GroupedConfig):
         return self.train.save_ckpt_dir or os.path.join(self.train.output_dir, "checkpoints")
 
     # ---------------------------------------------------------------- cross-field rules
+    @property
+    def policy_loss(self) -> Tuple[str, str]:
+        """(policy loss, loss aggregation) the run uses: TRL's loss_type names resolved (TRL_LOSS_TYPES)."""
+        a = self.algorithm
+        if a.loss_type in TRL_LOSS_TYPES:
+            return "grpo", TRL_LOSS_TYPES[a.loss_type]
+        return a.loss_type, a.loss_agg_mode
+
     def _check_combinations(self, errors: List[str]) -> None:
         a, g, o, m, p, t = self.algorithm, self.generation, self.optimizer, self.model, self.parallel, self.train
+
+        # TRL loss names carry their aggregation; a different explicit one is a contradiction.
+        default_agg = AlgorithmConfig.__dataclass_fields__["loss_agg_mode"].default
+        if a.loss_type in TRL_LOSS_TYPES and a.loss_agg_mode not in (default_agg, TRL_LOSS_TYPES[a.loss_type]):
+            errors.append(f"loss_type = {a.loss_type!r} (TRL's name) means loss_agg_mode = "
+                          f"{TRL_LOSS_TYPES[a.loss_type]!r}, but loss_agg_mode = {a.loss_agg_mode!r}; drop one of them")
 
         # Rewards.
         if not a.reward_funcs:

@@ -76,7 +76,7 @@ class GRPOTrainer:
         self.stop_ids = list(g.stop_token_ids) or list(tokenizer.stop_token_ids)
         self.off_policy = cfg.needs_old_logprobs
         self.updater = PolicyUpdater(
-            policy, LossSettings(a.loss_type, a.loss_agg_mode, a.epsilon_low, a.epsilon_high, a.beta,
+            policy, LossSettings(*cfg.policy_loss, a.epsilon_low, a.epsilon_high, a.beta,
                                  a.kl_estimator, g.max_completion_length, g.temperature if g.temperature > 0 else 1.0,
                                  self.off_policy),
             lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
@@ -251,7 +251,12 @@ class GRPOTrainer:
                 res["learning_rate"] = lr
                 self._count_nonfinite(res)
                 results.append(res)
-        return {k: float(np.mean([r[k] for r in results])) for k in results[0]}
+        out = {k: float(np.mean([r[k] for r in results])) for k in results[0]}
+        # TRL's extremes of the clip fractions (over its processes); here over the step's updates, each a
+        # global mean, so they do not depend on how rows are split over ranks and micro-batches.
+        out["clip_ratio/low_min"] = float(np.min([r["clip_ratio/low_mean"] for r in results]))
+        out["clip_ratio/high_max"] = float(np.max([r["clip_ratio/high_mean"] for r in results]))
+        return out
 
     def _count_nonfinite(self, res: Dict[str, float]) -> None:
         if res["overflow"]:  # float16: the loss scale halves and the next update tries again
