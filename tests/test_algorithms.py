@@ -150,8 +150,21 @@ def test_group_advantages_registry():
     assert set(ADVANTAGE_ESTIMATORS) >= {"grpo", "dr_grpo", "batch_std"}
     for name, mode in [("grpo", "group"), ("dr_grpo", "none"), ("batch_std", "batch")]:
         np.testing.assert_allclose(get_advantage_estimator(name)(r, 3), group_advantages(r, 3, mode))
-    with pytest.raises(MindRLHFError, match=r"unknown advantage estimator 'ppo'.*batch_std, dr_grpo, grpo"):
+    with pytest.raises(MindRLHFError, match=r"unknown advantage estimator 'ppo'.*batch_std, dr_grpo, grpo, rloo"):
         get_advantage_estimator("ppo")
+
+
+def test_rloo_hand_cases():
+    rloo = get_advantage_estimator("rloo")
+    # group [3, 1, 0, 2]: each minus the mean of the other three, e.g. 3 - (1 + 0 + 2) / 3 = 2
+    np.testing.assert_allclose(rloo(np.array([3.0, 1.0, 0.0, 2.0]), 4), [2.0, -2 / 3, -2.0, 2 / 3], atol=1e-12)
+    # NaN rewards: left out of the baseline, advantage 0; one valid reward has no baseline → 0
+    r = np.array([1.0, np.nan, 4.0, 1.0, 5.0, np.nan, np.nan, np.nan], np.float32)
+    np.testing.assert_allclose(rloo(r, 4), [1 - 2.5, 0, 4 - 1, 1 - 2.5, 0, 0, 0, 0], atol=1e-6)
+    assert rloo(r, 4).dtype == np.float32
+    # equal to n/(n-1) times Dr.GRPO's centred reward on a full group
+    x = np.array([0.3, 0.9, 0.1, 0.5, 0.7, 0.2])
+    np.testing.assert_allclose(rloo(x, 3), 1.5 * group_advantages(x, 3, "none"), atol=1e-12)
 
 
 def test_group_advantages_nan_rewards_are_excluded():

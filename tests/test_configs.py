@@ -483,3 +483,12 @@ def test_trl_loss_type_with_a_different_aggregation_is_an_error():
     with pytest.raises(MindRLHFError, match="loss_type = 'dapo' \\(TRL's name\\) means loss_agg_mode = 'token-mean', "
                                             "but loss_agg_mode = 'seq-mean-token-sum-norm'"):
         parse_args(["--loss_type", "dapo", "--loss_agg_mode", "seq-mean-token-sum-norm"])
+
+
+def test_advantage_estimator_resolves_with_scale_rewards():
+    assert parse_args([]).advantage_estimator == "grpo"
+    assert parse_args(["--scale_rewards", "none"]).advantage_estimator == "dr_grpo"
+    assert parse_args(["--scale_rewards", "batch"]).advantage_estimator == "batch_std"
+    assert parse_args(["--advantage_estimator", "rloo"]).advantage_estimator == "rloo"
+    with pytest.raises(MindRLHFError, match="scale_rewards = 'none' applies to advantage_estimator grpo only"):
+        parse_args(["--advantage_estimator", "rloo", "--scale_rewards", "none"])

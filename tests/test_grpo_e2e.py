@@ -228,6 +228,20 @@ def test_nonfinite_updates_are_skipped_then_stop(grpo_assets, tmp_path):
     assert "2 consecutive updates had non-finite" in res.stderr
 
 
+def test_rloo_advantages_reach_the_update(grpo_assets, tmp_path):
+    from mindrlhf.trainer.experience import load_experience, step_file
+
+    dump = tmp_path / "exp" / "rollouts.npz"
+    assert _run_inprocess(_args(grpo_assets, tmp_path / "run", max_steps=1, advantage_estimator="rloo",
+                                max_completion_length=8, save_data_file=dump, tensorboard="false",
+                                reward_funcs=["e2e_rewards:length_reward"])) == 0
+    exp = load_experience(step_file(str(dump), 1))
+    r = exp.rewards.astype(np.float64).reshape(-1, 4)
+    leave_one_out = r - (r.sum(1, keepdims=True) - r) / 3  # each reward minus the mean of the other three
+    assert np.abs(leave_one_out).max() > 0
+    np.testing.assert_allclose(exp.advantages, leave_one_out.reshape(-1), rtol=1e-6, atol=1e-6)
+
+
 def test_clip_extremes_over_the_steps_updates(grpo_assets, tmp_path):
     # 8 completions, mini-batches of 4, 3 passes: 6 updates. The first is on-policy (nothing clipped),
     # a large lr makes later ones clip; the extremes are taken over the updates.

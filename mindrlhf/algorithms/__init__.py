@@ -12,6 +12,7 @@ from mindrlhf.algorithms.advantages import (
     group_advantages,
     grpo_advantages,
     register_advantage_estimator,
+    rloo_advantages,
 )
 from mindrlhf.algorithms.kl import KL_ESTIMATORS, get_kl_estimator, kl_penalty, register_kl_estimator
 from mindrlhf.algorithms.losses import (
@@ -52,4 +53,5 @@ __all__ = [
     "register_advantage_estimator",
     "register_kl_estimator",
     "register_policy_loss",
+    "rloo_advantages",
 ]

@@ -43,6 +43,21 @@ def _group_std(dev: np.ndarray, valid: np.ndarray) -> np.ndarray:
     return np.where(count >= 2, np.sqrt(sq / np.maximum(count - 1, 1)), 0.0)
 
 
+def _group_deviations(arr: np.ndarray, num_generations: int):
+    """(valid (n, G) bool, valid count (n, 1), reward − group mean over valid rewards (n, G), 0 where invalid)."""
+    if arr.ndim != 1:
+        raise MindRLHFError(f"rewards must have shape (B,), got {arr.shape}")
+    if num_generations < 1 or arr.shape[0] % num_generations:
+        raise MindRLHFError(
+            f"num_generations={num_generations} must be >= 1 and divide the number of rewards ({arr.shape[0]})"
+        )
+    grouped = arr.reshape(-1, num_generations)
+    valid = ~np.isnan(grouped)
+    count = valid.sum(axis=1, keepdims=True)
+    mean = np.where(valid, grouped, 0.0).sum(axis=1, keepdims=True) / np.maximum(count, 1)
+    return valid, count, np.where(valid, grouped - mean, 0.0)
+
+
 def group_advantages(rewards, num_generations: int, scale_rewards: str = "group", eps: float = 1e-6):
     """Per-sample advantages from per-group reward statistics.
 
@@ -61,17 +76,7 @@ def group_advantages(rewards, num_generations: int, scale_rewards: str = "group"
     if scale_rewards not in SCALE_REWARDS:
         raise MindRLHFError(f"scale_rewards={scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}")
     arr, back = _to_numpy(rewards)
-    if arr.ndim != 1:
-        raise MindRLHFError(f"rewards must have shape (B,), got {arr.shape}")
-    if num_generations < 1 or arr.shape[0] % num_generations:
-        raise MindRLHFError(
-            f"num_generations={num_generations} must be >= 1 and divide the number of rewards ({arr.shape[0]})"
-        )
-    grouped = arr.reshape(-1, num_generations)
-    valid = ~np.isnan(grouped)
-    count = valid.sum(axis=1, keepdims=True)
-    mean = np.where(valid, grouped, 0.0).sum(axis=1, keepdims=True) / np.maximum(count, 1)
-    dev = np.where(valid, grouped - mean, 0.0)
+    valid, count, dev = _group_deviations(arr, num_generations)
     if scale_rewards == "group":
         scale = _group_std(dev, valid)[:, None] + eps
     elif scale_rewards == "batch":
@@ -115,3 +120,13 @@ def dr_grpo_advantages(rewards, num_generations: int, eps: float = 1e-6):
 def batch_std_advantages(rewards, num_generations: int, eps: float = 1e-6):
     """LitePPO: group mean subtracted, scaled by the std of the whole batch."""
     return group_advantages(rewards, num_generations, "batch", eps)
+
+
+@register_advantage_estimator("rloo")
+def rloo_advantages(rewards, num_generations: int, eps: float = 1e-6):
+    """RLOO: a reward minus the mean of the other valid rewards of its group, n/(n−1)·(r − group mean)
+    for n valid rewards; 0 in a group with fewer than two (no baseline). ``eps`` is unused (no division)."""
+    arr, back = _to_numpy(rewards)
+    valid, count, dev = _group_deviations(arr, num_generations)
+    factor = np.where(count >= 2, count / np.maximum(count - 1, 1), 0.0)
+    return back((dev * factor).reshape(-1))

@@ -28,6 +28,9 @@ TRL_LOSS_TYPES = {"bnpo": "token-mean", "dapo": "token-mean", "dr_grpo": "seq-me
 LOSS_TYPES = POLICY_LOSS_TYPES + tuple(TRL_LOSS_TYPES)
 LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 REWARD_SCALINGS = ("group", "batch", "none")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
+#: The registered estimator (algorithms.advantages) for advantage_estimator grpo and each scale_rewards.
+_GRPO_SCALINGS = {"group": "grpo", "batch": "batch_std", "none": "dr_grpo"}
 LR_SCHEDULES = ("cosine", "linear", "constant")
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -100,6 +103,12 @@ class AlgorithmConfig:
         0.2, "Upper clip: the ratio is clipped above at 1 + epsilon_high. Range >= 0. DAPO's clip-higher "
         "uses 0.28 (with epsilon_low 0.2) to keep exploration; GSPO uses ~4e-4.",
         ge=0.0)
+    advantage_estimator: str = config_field(
+        "grpo", "Advantage estimator: grpo = reward minus its group's mean, divided as scale_rewards says (group std: "
+        "GRPO; batch std: LitePPO; none: Dr.GRPO); rloo = reward minus the mean of the other rewards of its group "
+        "(RLOO: G/(G-1) x (reward - group mean), no division; scale_rewards must stay group). A NaN reward (every "
+        "reward function declined) gets advantage 0 and is left out of its group's statistics.",
+        choices=ADVANTAGE_ESTIMATORS)
     scale_rewards: str = config_field(
         "group", "Advantage scaling: advantage = (reward - group mean) / (std + eps) with the std of the "
         "group (group, the GRPO paper) or of all the step's rewards (batch, LitePPO); none = no division "
@@ -491,8 +500,17 @@ class GRPOConfig(GroupedConfig):
             return "grpo", TRL_LOSS_TYPES[a.loss_type]
         return a.loss_type, a.loss_agg_mode
 
+    @property
+    def advantage_estimator(self) -> str:
+        """The registered advantage estimator (``algorithms.get_advantage_estimator``) the run uses."""
+        a = self.algorithm
+        return _GRPO_SCALINGS[a.scale_rewards] if a.advantage_estimator == "grpo" else a.advantage_estimator
+
     def _check_combinations(self, errors: List[str]) -> None:
         a, g, o, m, p, t = self.algorithm, self.generation, self.optimizer, self.model, self.parallel, self.train
+        if a.advantage_estimator != "grpo" and a.scale_rewards != "group":
+            errors.append(f"scale_rewards = {a.scale_rewards!r} applies to advantage_estimator grpo only, not "
+                          f"{a.advantage_estimator!r}; leave scale_rewards at group")
 
         # TRL loss names carry their aggregation; a different explicit one is a contradiction.
         default_agg = AlgorithmConfig.__dataclass_fields__["loss_agg_mode"].default

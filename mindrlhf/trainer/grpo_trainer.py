@@ -18,7 +18,7 @@ import mindspore as ms
 import yaml
 from tqdm.auto import tqdm
 
-from mindrlhf.algorithms import group_advantages
+from mindrlhf.algorithms import get_advantage_estimator
 from mindrlhf.checkpoint.hf_io import config_with_dtype
 from mindrlhf.checkpoint.manager import CheckpointManager, load_parameters_into
 from mindrlhf.data import PromptDataset
@@ -167,8 +167,7 @@ class GRPOTrainer:
             exp.prompt_mask = np.pad(exp.prompt_mask, ((0, 0), (extra, 0)))
         keep = self.layout.infer_representative
         everything = exp.map(lambda a: comm.all_gather(a if keep else a[:0]))
-        everything.advantages = np.asarray(group_advantages(everything.rewards, self.cfg.algorithm.num_generations,
-                                                            self.cfg.algorithm.scale_rewards), np.float32)
+        everything.advantages = self._estimate(everything.rewards)
         return self._train_share(everything)
 
     def _train_share(self, everything: Experience) -> Experience:
@@ -186,10 +185,15 @@ class GRPOTrainer:
         x = np.asarray(x, np.float32)
         return comm.all_sum(x if self.layout.train_representative else np.zeros_like(x))
 
+    def _estimate(self, rewards: np.ndarray) -> np.ndarray:
+        """Advantages of a global batch of rewards (groups of G consecutive rows), float32."""
+        estimator = get_advantage_estimator(self.cfg.advantage_estimator)
+        return np.asarray(estimator(rewards, self.cfg.algorithm.num_generations), np.float32)
+
     def _advantages(self, local_rewards: np.ndarray) -> np.ndarray:
         """Group-relative advantages computed on the GLOBAL batch, then this rank's slice."""
         everything = comm.all_gather(local_rewards)
-        adv = group_advantages(everything, self.cfg.algorithm.num_generations, self.cfg.algorithm.scale_rewards)
+        adv = self._estimate(everything)
         n = len(local_rewards)
         return np.asarray(adv, np.float32)[self.rank * n:(self.rank + 1) * n]
 
