@@ -492,3 +492,11 @@ def test_advantage_estimator_resolves_with_scale_rewards():
     assert parse_args(["--advantage_estimator", "rloo"]).advantage_estimator == "rloo"
     with pytest.raises(MindRLHFError, match="scale_rewards = 'none' applies to advantage_estimator grpo only"):
         parse_args(["--advantage_estimator", "rloo", "--scale_rewards", "none"])
+
+
+def test_overlong_buffer_checks():
+    with pytest.raises(MindRLHFError, match="overlong_buffer_length = 160 must be below max_completion_length = 160"):
+        parse_args(["--overlong_buffer_length", "160"])
+    with pytest.raises(MindRLHFError, match="reward_funcs names a function 'overlong'"):
+        parse_args(["--overlong_buffer_length", "16", "--reward_funcs", "accuracy", "overlong"])
+    assert parse_args(["--overlong_buffer_length", "16"]).algorithm.overlong_penalty == 1.0

@@ -242,6 +242,22 @@ def test_rloo_advantages_reach_the_update(grpo_assets, tmp_path):
     np.testing.assert_allclose(exp.advantages, leave_one_out.reshape(-1), rtol=1e-6, atol=1e-6)
 
 
+def test_overlong_punishment_is_its_own_reward_term(grpo_assets, tmp_path):
+    from mindrlhf.trainer.experience import load_experience, step_file
+
+    dump = tmp_path / "exp" / "rollouts.npz"
+    out = tmp_path / "run"
+    assert _run_inprocess(_args(grpo_assets, out, max_steps=1, max_completion_length=8, overlong_buffer_length=4,
+                                overlong_penalty=0.5, save_data_file=dump, tensorboard="false",
+                                reward_funcs=["e2e_rewards:length_reward"], reward_weights=[2.0])) == 0
+    exp = load_experience(step_file(str(dump), 1))
+    lengths = exp.extras["completion_present"].sum(1)
+    by_hand = -0.5 * np.clip((lengths - 4) / 4, 0, 1)  # punished beyond 8 - 4 tokens, -0.5 at 8
+    np.testing.assert_allclose(exp.reward_per_fn[:, 1], by_hand, atol=1e-6)
+    np.testing.assert_allclose(exp.rewards, 2.0 * exp.reward_per_fn[:, 0] + by_hand, rtol=1e-6, atol=1e-6)
+    assert _metrics(out)[0]["rewards/overlong/mean"] == pytest.approx(by_hand.mean(), abs=1e-6)
+
+
 def test_clip_extremes_over_the_steps_updates(grpo_assets, tmp_path):
     # 8 completions, mini-batches of 4, 3 passes: 6 updates. The first is on-policy (nothing clipped),
     # a large lr makes later ones clip; the extremes are taken over the updates.

@@ -358,3 +358,16 @@ def test_prompt_styles_pair_prompt_and_reward():
         get_reward_fn(style_format_reward(style))  # every style names a registered reward
     with pytest.raises(MindRLHFError, match="prompt style 'boxed'"):
         style_system_prompt("boxed")
+
+
+def test_overlong_reward_hand_values():
+    from mindrlhf.rewards import overlong_reward
+
+    fn = overlong_reward(max_completion_length=10, buffer_length=4, penalty=0.5)
+    assert fn.__name__ == "overlong"
+    # punishment starts after 10 - 4 = 6 tokens: 7 → -0.5·1/4, 8 → -0.5·2/4, 10 → -0.5
+    lengths = [0, 3, 6, 7, 8, 10]
+    assert fn(completion_ids=[[1] * n for n in lengths], completions=[""] * 6) == \
+        pytest.approx([0.0, 0.0, 0.0, -0.125, -0.25, -0.5])
+    with pytest.raises(ValueError, match="overlong buffer 10 must be in"):
+        overlong_reward(10, 10, 1.0)

@@ -117,6 +117,15 @@ class AlgorithmConfig:
     mask_truncated_completions: bool = config_field(
         False, "Exclude completions that hit max_completion_length without a stop token from the loss "
         "(DAPO's overlong filtering); they still count in the reward metrics.")
+    overlong_buffer_length: int = config_field(
+        0, "DAPO's soft overlong punishment: a completion longer than max_completion_length - "
+        "overlong_buffer_length tokens gets an extra reward term falling linearly from 0 to -overlong_penalty at "
+        "max_completion_length (logged as rewards/overlong/mean). 0 = off; DAPO used 4096 of 20480. Range "
+        "[0, max_completion_length).",
+        ge=0)
+    overlong_penalty: float = config_field(
+        1.0, "Largest overlong punishment (the term's value at max_completion_length). Range >= 0.",
+        ge=0.0)
     sync_ref_model: bool = config_field(
         False, "Update the reference model from the policy every ref_model_sync_steps steps (TR-DPO style), "
         "mixed by ref_model_mixup_alpha. Requires beta > 0 (otherwise there is no reference).")
@@ -508,6 +517,12 @@ class GRPOConfig(GroupedConfig):
 
     def _check_combinations(self, errors: List[str]) -> None:
         a, g, o, m, p, t = self.algorithm, self.generation, self.optimizer, self.model, self.parallel, self.train
+        if a.overlong_buffer_length >= g.max_completion_length:
+            errors.append(f"overlong_buffer_length = {a.overlong_buffer_length} must be below max_completion_length = "
+                          f"{g.max_completion_length} (the punishment starts that many tokens before the limit)")
+        if a.overlong_buffer_length and "overlong" in a.reward_funcs:
+            errors.append("reward_funcs names a function 'overlong', the name of the overlong_buffer_length term; "
+                          "rename it")
         if a.advantage_estimator != "grpo" and a.scale_rewards != "group":
             errors.append(f"scale_rewards = {a.scale_rewards!r} applies to advantage_estimator grpo only, not "
                           f"{a.advantage_estimator!r}; leave scale_rewards at group")

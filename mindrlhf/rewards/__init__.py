@@ -3,7 +3,7 @@ path, and ``RewardManager`` for the weighted sum."""
 from mindrlhf.rewards.answers import extract_answer, locate_answer, numbers_match, parse_number
 from mindrlhf.rewards.registry import REWARD_FUNCS, RewardFn, get_reward_fn, register_reward
 from mindrlhf.rewards.builtin import (accuracy_reward, boxed_reward, completion_text, format_reward,  # registers
-                                      gsm8k_format_reward)
+                                      gsm8k_format_reward, overlong_reward)
 from mindrlhf.rewards.manager import RewardManager
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "gsm8k_format_reward",
     "locate_answer",
     "numbers_match",
+    "overlong_reward",
     "parse_number",
     "register_reward",
 ]

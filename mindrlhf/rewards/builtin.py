@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from mindrlhf.rewards.answers import extract_answer, locate_answer, numbers_match, parse_number
 from mindrlhf.rewards.registry import register_reward
@@ -92,3 +92,18 @@ def boxed_reward(completions: Sequence, **kwargs) -> List[Optional[float]]:
         answer, source = locate_answer(completion_text(c))
         rewards.append(1.0 if source == "boxed" and answer else 0.0)
     return rewards
+
+
+def overlong_reward(max_completion_length: int, buffer_length: int, penalty: float) -> Callable[..., List[float]]:
+    """DAPO's soft overlong punishment as a reward function named ``overlong``: 0 up to
+    ``max_completion_length - buffer_length`` tokens, then falling linearly to ``-penalty`` at
+    ``max_completion_length`` (lengths in generated tokens, a stop token included)."""
+    if not 0 < buffer_length < max_completion_length:
+        raise ValueError(f"overlong buffer {buffer_length} must be in (0, max_completion_length="
+                         f"{max_completion_length})")
+    start = max_completion_length - buffer_length
+
+    def overlong(completion_ids: Sequence[Sequence[int]], **kwargs) -> List[float]:
+        return [-penalty * min(max(len(ids) - start, 0) / buffer_length, 1.0) for ids in completion_ids]
+
+    return overlong

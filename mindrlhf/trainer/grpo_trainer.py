@@ -31,7 +31,7 @@ from mindrlhf.parallel.groups import RunLayout, data_parallel_groups
 from mindrlhf.parallel.layout import ParallelLayout
 from mindrlhf.parallel.pipeline import PipelineRunner
 from mindrlhf.parallel.resharding import STATE_PREFIXES, assemble, load_full_into, model_names, reshard_model
-from mindrlhf.rewards import RewardManager
+from mindrlhf.rewards import RewardManager, overlong_reward
 from mindrlhf.tokenizer import TOKENIZER_FILES
 from mindrlhf.trainer.experience import (Experience, bucket, left_pad, load_experience, right_pad,
                                          save_experience, step_file)
@@ -83,7 +83,11 @@ class GRPOTrainer:
             max_grad_norm=o.max_grad_norm, jit=cfg.parallel.train_jit, groups=layout.groups, masters=policy_masters,
             loss_scale_init=o.loss_scale_init, loss_scale_window=o.loss_scale_window,
             share_prompts=cfg.parallel.share_prompts, layer_graphs=cfg.parallel.layer_graphs)
-        self.rewards = RewardManager(a.reward_funcs, a.reward_weights, a.reward_errors)
+        funcs, weights = list(a.reward_funcs), a.reward_weights
+        if a.overlong_buffer_length:  # DAPO's overlong punishment: one more reward term, weight 1
+            funcs.append(overlong_reward(g.max_completion_length, a.overlong_buffer_length, a.overlong_penalty))
+            weights = None if weights is None else list(weights) + [1.0]
+        self.rewards = RewardManager(funcs, weights, a.reward_errors)
         self.ref_runner = PipelineRunner(ref_model, self.updater.groups, temperature=self.updater.loss.temperature,
                                          jit=cfg.parallel.jit, share_prompts=cfg.parallel.share_prompts) \
             if ref_model is not None else None
