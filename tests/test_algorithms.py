@@ -20,6 +20,7 @@ from mindrlhf.algorithms import (
     POLICY_LOSSES,
     aggregate_loss,
     get_advantage_estimator,
+    get_is_mode,
     get_policy_loss,
     group_advantages,
     kl_penalty,
@@ -423,6 +424,33 @@ def test_log_ratio_outlier_is_clamped_not_inf():
     loss, metrics, _ = ms_loss_grad(np.array([[-100.0]]), np.array([[-100.0]]), np.array([0.0]), np.ones((1, 1)),
                                     ref_logp=np.zeros((1, 1)), beta=1.0, loss_agg_mode="token-mean")
     assert metrics["kl"] == pytest.approx(math.exp(20.0) - 21.0, rel=1e-5) and loss == pytest.approx(metrics["kl"])
+
+
+def test_importance_sampling_modes_hand_values_and_gradient():
+    # trainer − sampler log-ratios of 2 completions (the second has 2 valid tokens); cap 2.
+    gap = np.array([[0.5, 1.0, -0.2], [0.3, 0.1, 0.0]])
+    mask = np.array([[1, 1, 1], [1, 1, 0]], np.float64)
+    e = np.exp
+    expected = {
+        "token_truncate": [[e(0.5), 2.0, e(-0.2)], [e(0.3), e(0.1), 1.0]],
+        "token_mask": [[e(0.5), 0.0, e(-0.2)], [e(0.3), e(0.1), 1.0]],
+        "sequence_truncate": [[2.0], [e(0.4)]],        # exp(1.3) = 3.67 capped; exp(0.4) = 1.49
+        "sequence_mask": [[0.0], [e(0.4)]],
+    }
+    for mode, want in expected.items():
+        got = get_is_mode(mode)(t(gap), t(mask), 2.0).asnumpy()
+        np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=mode)
+    # The weights scale the policy term and its gradient, not the KL term (TRL's order), and get no gradient.
+    w = np.array([[0.5, 2.0, 1.0], [1.5, 0.0, 1.0]])
+    logp, ref = np.full((2, 3), -1.0), np.full((2, 3), -1.2)
+    kw = dict(loss_agg_mode="token-mean", ref_logp=ref, beta=0.1)
+    plain, m, grad = ms_loss_grad(logp, logp, np.array([1.0, -2.0]), mask, **kw)
+    weighted, _, wgrad = ms_loss_grad(logp, logp, np.array([1.0, -2.0]), mask, is_weights=t(w), **kw)
+    kl = m["kl"]  # on-policy: ratio 1, per-token policy loss -A
+    assert plain == pytest.approx((-1.0 * 3 + 2.0 * 2) / 5 + 0.1 * kl, rel=1e-6)
+    assert weighted == pytest.approx((-1.0 * 3.5 + 2.0 * 1.5) / 5 + 0.1 * kl, rel=1e-6)
+    kl_grad = grad + np.array([[1.0], [-2.0]]) * mask / 5  # remove the policy term's -A/5
+    np.testing.assert_allclose(wgrad, kl_grad - np.array([[1.0], [-2.0]]) * w * mask / 5, atol=1e-6)
 
 
 def test_padding_garbage_does_not_leak():

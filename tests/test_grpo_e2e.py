@@ -90,6 +90,10 @@ def test_three_steps_metrics_finite_and_on_policy(grpo_assets, tmp_path):
             assert isinstance(r[k], float) and math.isfinite(r[k]), (k, r[k])
         # One on-policy update per step: the ratio is exactly 1, nothing is clipped.
         assert r["clip_ratio/region_mean"] == 0.0 == r["clip_ratio/low_min"] == r["clip_ratio/high_max"]
+        # The sampler's log-probs are the trainer's (CPU float32): no rollout/train mismatch to correct.
+        assert r["sampling/sampling_logp_difference/max"] <= 1e-4
+        assert r["sampling/importance_sampling_ratio/min"] == pytest.approx(1.0, abs=1e-3)
+        assert r["sampling/importance_sampling_ratio/max"] == pytest.approx(1.0, abs=1e-3)
         assert "kl" not in r  # beta == 0: no KL term, no reference
         assert 0 < r["completions/mean_length"] <= 12
     assert (out / "completions_step_3.jsonl").is_file()

@@ -103,7 +103,8 @@ def _micro(advantage: float) -> dict:
     return {"input_ids": ids[:, :-1], "attention_mask": np.ones((4, 13), np.int32),
             "completion_ids": ids[:, 6:], "completion_mask": mask,
             "advantages": np.array([1, -1, 1, -1], np.float32) * advantage,
-            "old_logp": np.zeros((4, 8), np.float32), "ref_logp": np.zeros((4, 8), np.float32)}
+            "old_logp": np.zeros((4, 8), np.float32), "ref_logp": np.zeros((4, 8), np.float32),
+            "sampler_logp": np.zeros((4, 8), np.float32)}
 
 
 def test_overflow_is_skipped_the_scale_halves_and_the_next_step_updates(tiny_qwen2_dir):

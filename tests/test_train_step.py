@@ -36,7 +36,8 @@ def _update(model_dir, exp: Experience, loss_agg_mode: str):
     inputs = exp.train_inputs()
     micro = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"],
              "completion_ids": exp.completion_ids, "completion_mask": exp.completion_mask,
-             "advantages": exp.advantages, "old_logp": exp.sampler_logp, "ref_logp": exp.ref_logp}
+             "advantages": exp.advantages, "old_logp": exp.sampler_logp, "ref_logp": exp.ref_logp,
+             "sampler_logp": exp.sampler_logp}
     mask = exp.completion_mask
     result = updater.step([micro], float(mask.sum()), float((mask.sum(1) > 0).sum()))
     return result, get_weights(model)
@@ -54,3 +55,47 @@ def test_extra_completion_padding_does_not_change_the_update(tiny_qwen2_dir, los
     assert set(narrow_w) == set(wide_w)
     for name in narrow_w:
         np.testing.assert_allclose(wide_w[name], narrow_w[name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_importance_sampling_correction_weights_the_update(tiny_qwen2_dir, mode):
+    """On-policy (ratio 1), grpo's per-token loss is -A; the correction weights it by the mode's ratio of the
+    trainer's to the sampler's log-probs, computed here in numpy from the trainer's own log-probs."""
+    from mindrlhf.models import load_model
+    from mindrlhf.trainer.train_step import LossSettings, PolicyUpdater
+
+    exp = _experience(9)
+    inputs = exp.train_inputs()
+    micro = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"],
+             "completion_ids": exp.completion_ids, "completion_mask": exp.completion_mask,
+             "advantages": exp.advantages, "old_logp": exp.sampler_logp, "ref_logp": exp.ref_logp}
+    mask = exp.completion_mask
+    results = {}
+    for correction in (False, True):
+        updater = PolicyUpdater(load_model(tiny_qwen2_dir), LossSettings(
+            "grpo", "token-mean", 0.2, 0.2, 0.0, "k3", 16, 1.0, False, correction, mode, 1.5),
+            lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, max_grad_norm=0.0, jit=False)
+        logp = updater.logprobs([micro])[0].astype(np.float64)
+        # A sampler that disagrees with the trainer by up to ±0.6 nats per token.
+        sampler = (logp + np.random.default_rng(1).uniform(-0.6, 0.6, logp.shape)) * mask
+        gap = (logp - sampler) * mask
+        if mode.startswith("token"):
+            ratio, counted = np.exp(gap), mask
+        else:
+            ratio, counted = np.exp(gap.sum(1, keepdims=True)), (mask.sum(1, keepdims=True) > 0).astype(float)
+        weights = np.minimum(ratio, 1.5) if mode.endswith("truncate") else np.where(ratio > 1.5, 0.0, ratio)
+        results[correction] = updater.step([dict(micro, sampler_logp=sampler.astype(np.float32))],
+                                           float(mask.sum()), float((mask.sum(1) > 0).sum()))
+    res = results[True]
+    per_token = -exp.advantages[:, None] * np.broadcast_to(weights, mask.shape)
+    assert res["loss"] == pytest.approx((per_token * mask).sum() / mask.sum(), rel=1e-5, abs=1e-7)
+    assert results[False]["loss"] == pytest.approx((-exp.advantages[:, None] * mask).sum() / mask.sum(), abs=1e-6)
+    assert 0.05 < (weights != 1).mean() and (weights == 0).any() == mode.endswith("mask")
+    # The gap's metrics are logged the same with the correction off.
+    for r in results.values():
+        assert r["sampling/sampling_logp_difference/mean"] == pytest.approx(np.abs(gap).sum() / mask.sum(), rel=1e-5)
+        assert r["sampling/sampling_logp_difference/max"] == pytest.approx(np.abs(gap).max(), rel=1e-5)
+        w = np.broadcast_to(weights, counted.shape)[counted > 0]
+        assert r["sampling/importance_sampling_ratio/mean"] == pytest.approx(w.mean(), rel=1e-5)
+        assert r["sampling/importance_sampling_ratio/min"] == pytest.approx(w.min(), rel=1e-5, abs=1e-7)
+        assert r["sampling/importance_sampling_ratio/max"] == pytest.approx(w.max(), rel=1e-5)

@@ -16,9 +16,12 @@ from mindrlhf.algorithms.advantages import (
 )
 from mindrlhf.algorithms.kl import KL_ESTIMATORS, get_kl_estimator, kl_penalty, register_kl_estimator
 from mindrlhf.algorithms.losses import (
+    IS_MODES,
+    LOG_RATIO_BOUND,
     LOSS_AGG_MODES,
     POLICY_LOSSES,
     aggregate_loss,
+    get_is_mode,
     get_policy_loss,
     gspo_loss,
     gspo_token_loss,
@@ -26,11 +29,14 @@ from mindrlhf.algorithms.losses import (
     loss_denominators,
     masked_mean,
     policy_loss,
+    register_is_mode,
     register_policy_loss,
 )
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "IS_MODES",
+    "LOG_RATIO_BOUND",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
@@ -39,6 +45,7 @@ __all__ = [
     "batch_std_advantages",
     "dr_grpo_advantages",
     "get_advantage_estimator",
+    "get_is_mode",
     "get_kl_estimator",
     "get_policy_loss",
     "group_advantages",
@@ -51,6 +58,7 @@ __all__ = [
     "masked_mean",
     "policy_loss",
     "register_advantage_estimator",
+    "register_is_mode",
     "register_kl_estimator",
     "register_policy_loss",
     "rloo_advantages",

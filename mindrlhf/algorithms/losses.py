@@ -174,6 +174,52 @@ def gspo_token_loss(log_ratio, advantages, mask, epsilon_low, epsilon_high):
     return _clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high), ratio
 
 
+# --- rollout/train mismatch: importance-sampling weights ----------------------------------------
+#: ``fn(log_ratio (B, T), mask (B, T), cap) -> weights``: per token (B, T) or per sequence (B, 1).
+ISWeights = Callable[[Tensor, Tensor, float], Tensor]
+IS_MODES: Dict[str, ISWeights] = new_registry("importance sampling mode")
+register_is_mode = registrar(
+    "importance sampling mode",
+    "Decorator: register ``fn(log_ratio, mask, cap) -> weights`` (log_ratio = trainer − sampler log-probs, masked).",
+)
+
+
+def get_is_mode(name: str) -> ISWeights:
+    """The registered importance-sampling mode ``name`` (TRL's four modes)."""
+    check_registered("importance sampling mode", name)
+    return IS_MODES[name]
+
+
+def _bounded_exp(log_ratio: Tensor) -> Tensor:
+    return ops.exp(ops.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+
+
+@register_is_mode("token_truncate")
+def is_token_truncate(log_ratio, mask, cap):
+    """Per-token ratio π_train/π_sampler, capped at ``cap`` (truncated IS)."""
+    return ops.minimum(_bounded_exp(log_ratio), cap)
+
+
+@register_is_mode("token_mask")
+def is_token_mask(log_ratio, mask, cap):
+    """Per-token ratio; tokens whose ratio exceeds ``cap`` get weight 0 (masked IS)."""
+    ratio = _bounded_exp(log_ratio)
+    return ops.where(ratio > cap, 0.0, ratio)
+
+
+@register_is_mode("sequence_truncate")
+def is_sequence_truncate(log_ratio, mask, cap):
+    """One ratio per sequence, exp(Σ_t log-ratio), capped at ``cap``: (B, 1)."""
+    return ops.minimum(_bounded_exp((log_ratio * mask).sum(axis=-1, keepdims=True)), cap)
+
+
+@register_is_mode("sequence_mask")
+def is_sequence_mask(log_ratio, mask, cap):
+    """One ratio per sequence; a sequence whose ratio exceeds ``cap`` gets weight 0: (B, 1)."""
+    ratio = _bounded_exp((log_ratio * mask).sum(axis=-1, keepdims=True))
+    return ops.where(ratio > cap, 0.0, ratio)
+
+
 def policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -190,6 +236,7 @@ def policy_loss(
     max_completion_length: Optional[int] = None,
     global_num_tokens: Optional[Count] = None,
     global_num_seqs: Optional[Count] = None,
+    is_weights: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """Clipped policy-gradient loss plus an optional KL penalty, aggregated to a scalar.
 
@@ -198,7 +245,9 @@ def policy_loss(
     per-token for "grpo"/"gspo-token"). Per token: ``ℓ = policy_loss + beta·KL`` where the KL term
     is used only when ``beta > 0`` (then ``ref_logp`` is required), then
     ``aggregate_loss(ℓ, mask, loss_agg_mode, ...)``. ``old_logp`` and ``ref_logp`` get no gradient.
-    Both log-ratios are clamped to ±``LOG_RATIO_BOUND`` (no gradient beyond it).
+    Both log-ratios are clamped to ±``LOG_RATIO_BOUND`` (no gradient beyond it). ``is_weights``
+    (``IS_MODES``, (B, T) or (B, 1), no gradient) multiply the policy term before the KL is added:
+    the rollout/train mismatch correction.
 
     Loss types (``POLICY_LOSSES``): "grpo" (token ratio), "gspo" (sequence ratio), "gspo-token".
     Recipes: DAPO = ``loss_type="grpo"``, ``epsilon_high > epsilon_low`` (clip-higher, e.g. 0.2/0.28)
@@ -224,6 +273,8 @@ def policy_loss(
     log_ratio = ops.clamp(ops.where(valid, logp - ops.stop_gradient(old_logp), 0.0), -LOG_RATIO_BOUND,
                           LOG_RATIO_BOUND)
     per_token, ratio = loss_fn(log_ratio, advantages, mask, epsilon_low, epsilon_high)
+    if is_weights is not None:
+        per_token = per_token * ops.stop_gradient(is_weights.astype(dtype))
 
     if beta > 0:
         ref_log_ratio = ops.where(valid, logp - ops.stop_gradient(ref_logp), 0.0)

@@ -29,6 +29,7 @@ LOSS_TYPES = POLICY_LOSS_TYPES + tuple(TRL_LOSS_TYPES)
 LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 REWARD_SCALINGS = ("group", "batch", "none")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 #: The registered estimator (algorithms.advantages) for advantage_estimator grpo and each scale_rewards.
 _GRPO_SCALINGS = {"group": "grpo", "batch": "batch_std", "none": "dr_grpo"}
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -126,6 +127,21 @@ class AlgorithmConfig:
     overlong_penalty: float = config_field(
         1.0, "Largest overlong punishment (the term's value at max_completion_length). Range >= 0.",
         ge=0.0)
+    importance_sampling_correction: bool = config_field(
+        False, "Correct the rollout/train mismatch (TRL's vllm_importance_sampling_correction): weight each token's "
+        "policy loss by pi_train / pi_sampler of the sampled tokens, the trainer's log-probs of the policy that "
+        "sampled (the old policy) against the sampler's own, as importance_sampling_mode says. The native sampler "
+        "agrees with the trainer to ~1e-5 on CPU float32, so this matters for bfloat16/float16 sampling. The gap is "
+        "logged either way: sampling/sampling_logp_difference/mean|max and sampling/importance_sampling_ratio/"
+        "min|mean|max (the ratio as the mode computes it, applied or not).")
+    importance_sampling_mode: str = config_field(
+        "sequence_mask", "token_truncate = per-token ratio capped at importance_sampling_cap; token_mask = tokens "
+        "whose ratio exceeds the cap get weight 0; sequence_truncate / sequence_mask = the same with one ratio per "
+        "completion, exp(sum of its tokens' log-ratios). TRL's names and default.",
+        choices=IS_MODES)
+    importance_sampling_cap: float = config_field(
+        3.0, "The cap C of importance_sampling_mode (TRL's vllm_importance_sampling_clip_max). Range >= 1.",
+        ge=1.0)
     sync_ref_model: bool = config_field(
         False, "Update the reference model from the policy every ref_model_sync_steps steps (TR-DPO style), "
         "mixed by ref_model_mixup_alpha. Requires beta > 0 (otherwise there is no reference).")

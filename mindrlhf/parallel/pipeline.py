@@ -244,9 +244,9 @@ class PipelineRunner:
                        extra: Sequence[Tensor] = ()):
         """Sum over micro-batches of ``loss_fn(logp, *mb[loss_keys], *extra)`` and its parameter gradients.
 
-        Returns ``(grads, loss_sum, aux_sums)``: float32 gradients of this shard's parameters (tied
-        embedding copies already summed), and on the last stage the summed loss and aux values (zeros on
-        other stages — callers add them up over the pipeline).
+        Returns ``(grads, loss_sum, aux_rows)``: float32 gradients of this shard's parameters (tied
+        embedding copies already summed), and on the last stage the summed loss and each micro-batch's
+        aux values as rows (n_micro, n_aux), for the caller to reduce (0.0 and None on other stages).
         """
         if self.loss_fn is None:
             raise MindRLHFError("PipelineRunner.loss_and_grads needs the runner to be built with a loss_fn")
@@ -295,7 +295,7 @@ class PipelineRunner:
         return self._finish(total)
 
     def _finish(self, total: "_GradientSum"):
-        return self.sync_tied(total.grads), total.loss_sum, total.aux_sums
+        return self.sync_tied(total.grads), total.loss_sum, total.aux_rows
 
     def sync_tied(self, grads: Tuple[Tensor, ...]) -> Tuple[Tensor, ...]:
         """Sum the gradients of the tied embedding's copies on the first and last stage."""
@@ -306,7 +306,7 @@ class PipelineRunner:
 
 
 class _GradientSum:
-    """Running sum of micro-batch gradients, losses and aux values.
+    """Running sum of micro-batch gradients and losses; the aux values kept per micro-batch.
 
     Summed as each micro-batch finishes, so at most two gradient sets (the sum and the newest)
     exist at once rather than one per micro-batch. Gradients are summed (and later reduced,
@@ -317,7 +317,7 @@ class _GradientSum:
     def __init__(self):
         self.grads: Optional[Tuple[Tensor, ...]] = None
         self.loss_sum = 0.0
-        self.aux_sums: Optional[np.ndarray] = None
+        self._aux: List[np.ndarray] = []
 
     def add(self, loss_aux, grads) -> None:
         loss, aux = loss_aux
@@ -330,5 +330,9 @@ class _GradientSum:
             self.grads = tuple(total)
         if loss is not None:
             self.loss_sum += float(loss.asnumpy())
-            vals = np.array([float(v.asnumpy()) for v in aux], np.float64)
-            self.aux_sums = vals if self.aux_sums is None else self.aux_sums + vals
+            self._aux.append(np.array([float(v.asnumpy()) for v in aux], np.float64))
+
+    @property
+    def aux_rows(self) -> Optional[np.ndarray]:
+        """(micro-batches, aux values), or None where no loss was computed (not the last stage)."""
+        return np.stack(self._aux) if self._aux else None

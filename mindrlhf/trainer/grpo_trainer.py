@@ -78,7 +78,8 @@ class GRPOTrainer:
         self.updater = PolicyUpdater(
             policy, LossSettings(*cfg.policy_loss, a.epsilon_low, a.epsilon_high, a.beta,
                                  a.kl_estimator, g.max_completion_length, g.temperature if g.temperature > 0 else 1.0,
-                                 self.off_policy),
+                                 self.off_policy, a.importance_sampling_correction, a.importance_sampling_mode,
+                                 a.importance_sampling_cap),
             lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
             max_grad_norm=o.max_grad_norm, jit=cfg.parallel.train_jit, groups=layout.groups, masters=policy_masters,
             loss_scale_init=o.loss_scale_init, loss_scale_window=o.loss_scale_window,
@@ -254,12 +255,15 @@ class GRPOTrainer:
                     r = rows[s:s + size]
                     micro.append({"input_ids": inputs["input_ids"][r], "attention_mask": inputs["attention_mask"][r],
                                   "completion_ids": exp.completion_ids[r], "completion_mask": exp.completion_mask[r],
-                                  "advantages": exp.advantages[r], "old_logp": old[r], "ref_logp": ref[r]})
+                                  "advantages": exp.advantages[r], "old_logp": old[r], "ref_logp": ref[r],
+                                  "sampler_logp": exp.sampler_logp[r]})
                 res = self.updater.step(micro, float(num_tokens), float(num_seqs))
                 res["learning_rate"] = lr
                 self._count_nonfinite(res)
                 results.append(res)
-        out = {k: float(np.mean([r[k] for r in results])) for k in results[0]}
+        # Means over the step's updates; the sampling gap's extremes are extremes over them too.
+        reduce = {"max": np.max, "min": np.min}
+        out = {k: float(reduce.get(k.rsplit("/", 1)[-1], np.mean)([r[k] for r in results])) for k in results[0]}
         # TRL's extremes of the clip fractions (over its processes); here over the step's updates, each a
         # global mean, so they do not depend on how rows are split over ranks and micro-batches.
         out["clip_ratio/low_min"] = float(np.min([r["clip_ratio/low_mean"] for r in results]))

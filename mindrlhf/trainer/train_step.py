@@ -16,14 +16,19 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, amp, nn, ops
 
-from mindrlhf.algorithms import policy_loss
+from mindrlhf.algorithms import get_is_mode, policy_loss
 from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import ParallelGroups, data_parallel_groups
 from mindrlhf.parallel.pipeline import PipelineRunner
 from mindrlhf.trainer.optimizer import AdamW
 
-LOSS_METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-LOSS_KEYS = ("completion_mask", "advantages", "old_logp", "ref_logp")  # micro-batch arrays the loss reads
+# The loss's aux values per micro-batch: token-weighted means, the token count, sums, then maxima.
+LOSS_METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                "sampling/sampling_logp_difference/mean")
+IS_SUMS = ("is_ratio_sum", "is_ratio_count")
+IS_MAXIMA = ("sampling/sampling_logp_difference/max", "sampling/importance_sampling_ratio/max",
+             "-sampling/importance_sampling_ratio/min")
+LOSS_KEYS = ("completion_mask", "advantages", "old_logp", "ref_logp", "sampler_logp")  # micro-batch arrays read
 
 
 @dataclass
@@ -39,6 +44,9 @@ class LossSettings:
     max_completion_length: int
     temperature: float
     off_policy: bool
+    is_correction: bool = False
+    is_mode: str = "sequence_mask"
+    is_cap: float = 3.0
 
 
 class PolicyUpdater:
@@ -80,20 +88,34 @@ class PolicyUpdater:
         self.norm_weights = _norm_weights([p.name for p in self.params], g, model.config.tie_word_embeddings)
         self._sumsq_fn = ms.jit(self._sum_squares) if jit else self._sum_squares
 
-    def _loss_from_logp(self, logp, completion_mask, advantages, old_logp, ref_logp, num_tokens, num_seqs,
-                        loss_scale):
+    def _loss_from_logp(self, logp, completion_mask, advantages, old_logp, ref_logp, sampler_logp, num_tokens,
+                        num_seqs, loss_scale):
         s = self.loss
         # On-policy: old == current (detached), so the ratio is exactly 1 and needs no extra forward.
         old = old_logp if s.off_policy else ops.stop_gradient(logp)
+        # Rollout/train mismatch: the trainer's log-probs of the sampling policy vs the sampler's own.
+        valid = completion_mask > 0
+        gap = ops.where(valid, ops.stop_gradient(old).astype(ms.float32) - sampler_logp, 0.0)
+        mask = valid.astype(ms.float32)
+        weights = get_is_mode(s.is_mode)(gap, mask, s.is_cap)
         loss, metrics = policy_loss(
             logp, old, advantages, completion_mask, ref_logp=ref_logp if s.beta > 0 else None,
             loss_type=s.loss_type, epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high, beta=s.beta,
             kl_estimator=s.kl_estimator, loss_agg_mode=s.loss_agg_mode,
-            max_completion_length=s.max_completion_length, global_num_tokens=num_tokens, global_num_seqs=num_seqs)
-        # Metrics are masked means over this micro-batch; weight them by its token count so the
-        # caller can form exact global means.
-        tokens = completion_mask.sum()
-        return loss * loss_scale, tuple(metrics[k] * tokens for k in LOSS_METRICS) + (tokens,)
+            max_completion_length=s.max_completion_length, global_num_tokens=num_tokens, global_num_seqs=num_seqs,
+            is_weights=weights if s.is_correction else None)
+        # Means are over this micro-batch; weighted by its token count, the caller forms exact global means.
+        tokens = mask.sum()
+        metrics["sampling/sampling_logp_difference/mean"] = ops.abs(gap).sum() / ops.maximum(tokens, 1.0)
+        # Ratio statistics over what the ratio is per: valid tokens, or completions with a valid token.
+        counted = mask if weights.shape[-1] != 1 else (mask.sum(axis=-1, keepdims=True) > 0).astype(ms.float32)
+        weights = ops.broadcast_to(weights, counted.shape)
+        inf = float("inf")
+        aux = tuple(metrics[k] * tokens for k in LOSS_METRICS) + (tokens,)
+        aux += ((weights * counted).sum(), counted.sum())
+        aux += (ops.abs(gap).max(), ops.where(counted > 0, weights, -inf).max(),
+                -ops.where(counted > 0, weights, inf).min())
+        return loss * loss_scale, aux
 
     @staticmethod
     def _sum_squares(grads):
@@ -154,10 +176,14 @@ class PolicyUpdater:
             grads = self.reducer(grads)
         if self.scaler is not None:
             grads = self.scaler.unscale(tuple(grads))
-        mine = np.zeros(len(LOSS_METRICS) + 2, np.float32)
+        n_sums = len(LOSS_METRICS) + 1 + len(IS_SUMS)
+        mine = np.zeros(1 + n_sums, np.float32)
+        maxima = np.full((1, len(IS_MAXIMA)), -np.inf, np.float32)
         if self.reports_loss:
-            mine[0], mine[1:] = loss_sum, aux
+            mine[0], mine[1:] = loss_sum, aux[:, :n_sums].sum(axis=0)
+            maxima = aux[:, n_sums:].max(axis=0, keepdims=True).astype(np.float32)
         sums = comm.all_sum(mine).astype(np.float64)
+        maxima = comm.all_gather(maxima).max(axis=0)
         loss_sum, metric_sums = float(sums[0]) / scale, sums[1:]
         norm = self.global_grad_norm(grads)
         finite = bool(np.isfinite(loss_sum) and np.isfinite(norm))
@@ -168,8 +194,13 @@ class PolicyUpdater:
             self.scaler.adjust(Tensor(finite))
         out = {"loss": loss_sum, "grad_norm": norm, "skipped": 0.0 if finite else 1.0,
                "overflow": 1.0 if not finite and scale > 1.0 else 0.0}
-        tokens = max(metric_sums[-1], 1.0)
+        tokens = max(metric_sums[len(LOSS_METRICS)], 1.0)
         out.update({k: metric_sums[i] / tokens for i, k in enumerate(LOSS_METRICS)})
+        ratio_sum, ratio_count = metric_sums[len(LOSS_METRICS) + 1:]
+        out["sampling/importance_sampling_ratio/mean"] = ratio_sum / ratio_count if ratio_count else 0.0
+        for k, v in zip(IS_MAXIMA, maxima):
+            v = float(v) if np.isfinite(v) else 0.0  # no valid token anywhere
+            out[k[1:] if k.startswith("-") else k] = -v if k.startswith("-") else v
         return out
 
     def optimizer_state(self) -> Dict[str, ms.Parameter]:
