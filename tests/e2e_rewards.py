@@ -23,3 +23,14 @@ def trl_signature_reward(prompts, completions, completion_ids, **kwargs):
 def broken_reward(completions, **kwargs):
     """A reward with a bug."""
     raise ValueError("this reward has a bug")
+
+
+def flat_for_even_questions(completions, question, **kwargs):
+    """Zero for every completion of a question of even length (a group with no spread), else the
+    length reward: a deterministic mix of flat and informative groups for dynamic sampling."""
+    return [0.0 if len(q) % 2 == 0 else len(c) / 40.0 for c, q in zip(completions, question)]
+
+
+def zero_reward(completions, **kwargs):
+    """The same reward for everything: every group is flat."""
+    return [0.0] * len(completions)

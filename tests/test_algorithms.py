@@ -168,6 +168,14 @@ def test_rloo_hand_cases():
     np.testing.assert_allclose(rloo(x, 3), 1.5 * group_advantages(x, 3, "none"), atol=1e-12)
 
 
+def test_informative_groups():
+    from mindrlhf.algorithms import informative_groups
+
+    r = np.array([1, 1, 1, 1, 0, 1, 0, 0, 2, np.nan, np.nan, np.nan, 3, np.nan, 4, 4], np.float64)
+    # flat; spread; one valid reward (no spread); spread among the valid ones [3, 4, 4]
+    np.testing.assert_array_equal(informative_groups(r, 4), [False, True, False, True])
+
+
 def test_group_advantages_nan_rewards_are_excluded():
     r = np.array([1.0, np.nan, 0.0, 1.0, np.nan, np.nan, np.nan, np.nan, 3.0, np.nan, np.nan, np.nan])
     # group 1 valid [1, 0, 1]: mean 2/3, unbiased std sqrt((1/9 + 4/9 + 1/9)/2) = sqrt(1/3)

@@ -168,18 +168,24 @@ def test_reference_sync_reaches_the_compiled_reference_forward(grpo_assets, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_resume_after_sigkill_reproduces_metrics(grpo_assets, tmp_path, dtype):
+@pytest.mark.parametrize("variant", ["float32", "float16", "dynamic_sampling"])
+def test_resume_after_sigkill_reproduces_metrics(grpo_assets, tmp_path, variant):
     # float16 also restores the float32 master weights and the dynamic loss scale (a window of one
     # update makes the scale change every step, so a scale not restored would show in the metrics).
+    # Dynamic sampling reads a varying number of batches per step: the data position is restored.
+    dtype = "float16" if variant == "float16" else "float32"
     extra = {"dtype": dtype, **({"loss_scale_window": 1} if dtype == "float16" else {})}
+    if variant == "dynamic_sampling":
+        extra.update(dynamic_sampling="true", max_sampling_rounds=3,
+                     reward_funcs=["e2e_rewards:flat_for_even_questions"])
     full = tmp_path / "full"
     assert _run_inprocess(_args(grpo_assets, full, max_steps=4, **extra)) == 0
     reference = {r["step"]: r for r in _metrics(full)}
 
     killed = tmp_path / "killed"
     argv = _args(grpo_assets, killed, max_steps=4, **extra)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    tests_path = {"PYTHONPATH": os.pathsep.join(p for p in (str(REPO / "tests"), os.environ.get("PYTHONPATH")) if p)}
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **tests_path)  # the test reward functions import from tests/
     proc = subprocess.Popen([sys.executable, "-m", "mindrlhf.grpo", *argv], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckpts = CheckpointManager(str(killed / "checkpoints"), 3)
@@ -191,12 +197,14 @@ def test_resume_after_sigkill_reproduces_metrics(grpo_assets, tmp_path, dtype):
     proc.wait()
     done = ckpts.list_steps()
     assert 2 in done and 4 not in done
-    res = _run_cli(argv + ["--resume"])
+    res = _run_cli(argv + ["--resume"], env_extra=tests_path)
     assert res.returncode == 0, res.stderr[-3000:]
     resumed = {r["step"]: r for r in _metrics(killed)}
     assert sorted(resumed) == [1, 2, 3, 4]
     if dtype == "float16":
         assert reference[4]["loss_scale"] != 65536.0
+    if variant == "dynamic_sampling":  # steps 1-2 read extra batches: step 3 starts after them
+        assert reference[1]["sampling/rounds"] + reference[2]["sampling/rounds"] > 2
     for step in (3, 4):
         for key, value in reference[step].items():
             if not _timing(key):
@@ -262,6 +270,43 @@ def test_overlong_punishment_is_its_own_reward_term(grpo_assets, tmp_path):
     assert _metrics(out)[0]["rewards/overlong/mean"] == pytest.approx(by_hand.mean(), abs=1e-6)
 
 
+def test_dynamic_sampling_trains_only_on_groups_with_a_spread(grpo_assets, tmp_path):
+    from mindrlhf.data.dataset import PromptDataset
+    from mindrlhf.trainer.experience import load_experience, step_file
+
+    dump = tmp_path / "exp" / "rollouts.npz"
+    out = tmp_path / "run"
+    assert _run_inprocess(_args(grpo_assets, out, max_steps=3, dynamic_sampling="true", max_sampling_rounds=4,
+                                max_completion_length=6, save_data_file=dump, save_steps=3, tensorboard="false",
+                                reward_funcs=["e2e_rewards:flat_for_even_questions"])) == 0
+    rows = _metrics(out)
+    order = [int(i) for i in PromptDataset(grpo_assets["data"], batch_size=2, seed=42).permutation(0)]
+    drawn = 0
+    for step, row in enumerate(rows, 1):
+        exp = load_experience(step_file(str(dump), step))
+        trained = exp.completion_mask.reshape(-1, 4, exp.completion_mask.shape[1]).sum((1, 2)) > 0
+        spread = exp.rewards.reshape(-1, 4).std(1) > 0
+        assert (spread == trained).all() and trained.sum() == row["sampling/kept_groups"]
+        # the step read row["sampling/rounds"] batches of 2 prompts, the next ones in the epoch's order
+        seen = order[drawn * 2:(drawn + int(row["sampling/rounds"])) * 2]
+        assert set(exp.prompt_index[::4][trained].tolist()) <= set(seen)
+        drawn += int(row["sampling/rounds"])
+        assert 1 <= row["sampling/rounds"] <= 4 and 0 <= row["frac_reward_zero_std"] <= 1
+    assert any(r["sampling/rounds"] > 1 for r in rows)  # flat groups made it sample further
+    state = json.loads((out / "checkpoints" / "step_00000003" / "state.json").read_text())
+    assert state["batches_drawn"] == drawn
+
+
+def test_dynamic_sampling_stops_at_the_round_limit(grpo_assets, tmp_path):
+    out = tmp_path / "run"
+    assert _run_inprocess(_args(grpo_assets, out, max_steps=1, dynamic_sampling="true", max_sampling_rounds=2,
+                                max_completion_length=4, tensorboard="false",
+                                reward_funcs=["e2e_rewards:zero_reward"])) == 0
+    row = _metrics(out)[0]
+    assert (row["sampling/rounds"], row["sampling/kept_groups"], row["frac_reward_zero_std"]) == (2.0, 0.0, 1.0)
+    assert row["loss"] == 0.0 and row["grad_norm"] == 0.0  # nothing to learn from: nothing trained
+
+
 def test_clip_extremes_over_the_steps_updates(grpo_assets, tmp_path):
     # 8 completions, mini-batches of 4, 3 passes: 6 updates. The first is on-policy (nothing clipped),
     # a large lr makes later ones clip; the extremes are taken over the updates.
@@ -301,6 +346,23 @@ def test_two_workers_generate_three_steps(grpo_assets, tmp_path):
         assert all(isinstance(v, float) and math.isfinite(v) for k, v in r.items() if k != "step"), r
     # rank 0 alone writes: one metrics row per step, one completions file per step
     assert len(list(out.glob("completions_step_*.jsonl"))) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+def test_two_workers_dynamic_sampling_decide_globally(grpo_assets, tmp_path):
+    from mindrlhf.trainer.experience import load_experience, step_file
+
+    out, dump = tmp_path / "dyn2", tmp_path / "exp" / "rollouts.npz"
+    _msrun(2, _args(grpo_assets, out, use_parallel="true", train_dp=2, infer_dp=2, tensorboard="false", max_steps=2,
+                    dynamic_sampling="true", max_sampling_rounds=3, max_completion_length=6, save_data_file=dump,
+                    reward_funcs=["e2e_rewards:flat_for_even_questions"]), tmp_path / "log", 8137)
+    for step, row in enumerate(_metrics(out), 1):
+        exp = load_experience(step_file(str(dump), step))  # both replicas' rows
+        assert len(exp) == 8
+        trained = exp.completion_mask.reshape(-1, 4, exp.completion_mask.shape[1]).sum((1, 2)) > 0
+        assert ((exp.rewards.reshape(-1, 4).std(1) > 0) == trained).all()
+        assert trained.sum() == row["sampling/kept_groups"] and math.isfinite(row["loss"])
 
 
 @pytest.mark.slow

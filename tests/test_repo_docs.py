@@ -111,3 +111,21 @@ def test_ruff_clean():  # ruff comes with the test extra
     proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=REPO,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-1000:]
+
+
+def test_every_readme_training_command_is_a_valid_config():
+    """The recipes and reproduce commands of both READMEs parse and validate (flags joined over line breaks)."""
+    import shlex
+
+    from mindrlhf.configs import parse_args
+
+    seen = 0
+    for name in ("README.md", "README_CN.md"):
+        text = (REPO / name).read_text(encoding="utf-8")
+        for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+            for command in block.replace("\\\n", " ").splitlines():
+                words = shlex.split(command, comments=True)
+                if words[:1] == ["mindrlhf-grpo"]:
+                    parse_args(words[1:])
+                    seen += 1
+    assert seen >= 6  # per README: the results run and the DAPO and Dr.GRPO recipes

@@ -99,3 +99,28 @@ def test_importance_sampling_correction_weights_the_update(tiny_qwen2_dir, mode)
         assert r["sampling/importance_sampling_ratio/mean"] == pytest.approx(w.mean(), rel=1e-5)
         assert r["sampling/importance_sampling_ratio/min"] == pytest.approx(w.min(), rel=1e-5, abs=1e-7)
         assert r["sampling/importance_sampling_ratio/max"] == pytest.approx(w.max(), rel=1e-5)
+
+
+def test_concat_experiences_pads_to_the_widest():
+    from mindrlhf.trainer.experience import concat_experiences
+
+    narrow, wide = _experience(9, seed=0), _experience(12, seed=1)
+    narrow.ref_logp = wide.ref_logp = None  # rollouts are joined before any log-probs are computed
+    wide.prompt_ids, wide.prompt_mask = wide.prompt_ids[:, 2:], wide.prompt_mask[:, 2:]  # a 6-token prompt width
+    narrow.extras["sampler_entropy"] = np.ones((4, 9), np.float32)
+    wide.extras["sampler_entropy"] = np.ones((4, 12), np.float32)
+    both = concat_experiences([narrow, wide], pad_id=7)
+    assert len(both) == 8 and both.prompt_ids.shape == (8, 8) and both.completion_ids.shape == (8, 12)
+    np.testing.assert_array_equal(both.prompt_ids[4:, 2:], wide.prompt_ids)
+    assert (both.prompt_ids[4:, :2] == 7).all() and (both.prompt_mask[4:, :2] == 0).all()
+    np.testing.assert_array_equal(both.completion_ids[:4, :9], narrow.completion_ids)
+    assert (both.completion_ids[:4, 9:] == 7).all() and (both.completion_mask[:4, 9:] == 0).all()
+    assert (both.extras["sampler_entropy"][:4, 9:] == 0).all() and both.extras["completion_present"].shape == (8, 12)
+    np.testing.assert_array_equal(both.rewards, np.concatenate([narrow.rewards, wide.rewards]))
+    # every row keeps its real tokens: prompt (mask 1) then completion (present)
+    def tokens(e, i):
+        present = e.extras["completion_present"][i] > 0
+        return np.concatenate([e.prompt_ids[i][e.prompt_mask[i] > 0], e.completion_ids[i][present]])
+
+    for row, (e, i) in enumerate([(narrow, i) for i in range(4)] + [(wide, i) for i in range(4)]):
+        np.testing.assert_array_equal(tokens(both, row), tokens(e, i))

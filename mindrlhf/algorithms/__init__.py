@@ -11,6 +11,7 @@ from mindrlhf.algorithms.advantages import (
     get_advantage_estimator,
     group_advantages,
     grpo_advantages,
+    informative_groups,
     register_advantage_estimator,
     rloo_advantages,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "group_advantages",
     "grpo_advantages",
     "grpo_loss",
+    "informative_groups",
     "gspo_loss",
     "gspo_token_loss",
     "kl_penalty",

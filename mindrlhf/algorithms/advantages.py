@@ -90,6 +90,14 @@ def group_advantages(rewards, num_generations: int, scale_rewards: str = "group"
     return back(adv.reshape(-1))
 
 
+def informative_groups(rewards, num_generations: int, tol: float = 1e-8) -> np.ndarray:
+    """Per group, whether its valid rewards differ (sample std > ``tol``): the groups that carry a
+    gradient. A group with fewer than two valid rewards is not informative (DAPO's dynamic sampling)."""
+    arr, _ = _to_numpy(rewards)
+    valid, count, dev = _group_deviations(arr, num_generations)
+    return _group_std(dev, valid) > tol
+
+
 # --- registry ------------------------------------------------------------------------------------
 AdvantageEstimator = Callable[..., object]
 ADVANTAGE_ESTIMATORS: Dict[str, AdvantageEstimator] = new_registry("advantage estimator")

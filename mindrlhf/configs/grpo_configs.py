@@ -127,6 +127,16 @@ class AlgorithmConfig:
     overlong_penalty: float = config_field(
         1.0, "Largest overlong punishment (the term's value at max_completion_length). Range >= 0.",
         ge=0.0)
+    dynamic_sampling: bool = config_field(
+        False, "DAPO's dynamic sampling: a group whose G rewards are all equal has advantage 0 and carries no "
+        "gradient, so the step keeps only groups whose rewards differ and generates from further prompts (reading "
+        "the dataset on, in order) until it has chunk_size * num_rollouts of them or max_sampling_rounds rounds ran; "
+        "extra groups are dropped and a shortfall is filled with flat groups masked out of the loss. Logs "
+        "sampling/rounds, sampling/kept_groups and frac_reward_zero_std over every group generated.")
+    max_sampling_rounds: int = config_field(
+        3, "Most generation rounds per step with dynamic_sampling (each reads chunk_size * num_rollouts prompts). "
+        "Range >= 1.",
+        ge=1)
     importance_sampling_correction: bool = config_field(
         False, "Correct the rollout/train mismatch (TRL's vllm_importance_sampling_correction): weight each token's "
         "policy loss by pi_train / pi_sampler of the sampled tokens, the trainer's log-probs of the policy that "

@@ -62,6 +62,34 @@ class Experience:
         return self.map(lambda a: a[index])
 
 
+def concat_experiences(parts: Sequence[Experience], pad_id: int) -> Experience:
+    """Rows of ``parts`` one after another; prompts left-padded and completions right-padded to the
+    widest part (padding: ``pad_id`` ids, 0 masks and values). old/ref log-probs must not be set yet."""
+    P = max(e.prompt_ids.shape[1] for e in parts)
+    C = max(e.completion_ids.shape[1] for e in parts)
+
+    def widen(e: Experience) -> Experience:
+        def pad(a: np.ndarray, left: int, right: int, value=0) -> np.ndarray:
+            return np.pad(a, ((0, 0), (left, right)), constant_values=value)
+
+        c = C - e.completion_ids.shape[1]
+        out = e.map(lambda a: a)
+        out.prompt_ids = pad(e.prompt_ids, P - e.prompt_ids.shape[1], 0, pad_id)
+        out.prompt_mask = pad(e.prompt_mask, P - e.prompt_mask.shape[1], 0)
+        out.completion_ids = pad(e.completion_ids, 0, c, pad_id)
+        out.completion_mask = pad(e.completion_mask, 0, c)
+        out.sampler_logp = pad(e.sampler_logp, 0, c)
+        out.extras = {k: pad(v, 0, c) for k, v in e.extras.items()}  # per-token (N, C) arrays
+        return out
+
+    if any(e.old_logp is not None or e.ref_logp is not None for e in parts):
+        raise MindRLHFError("concat_experiences: join rollouts before old/ref log-probs are computed")
+    widened = [widen(e) for e in parts]
+    kw = {f.name: np.concatenate([getattr(e, f.name) for e in widened]) for f in fields(Experience)
+          if f.name not in ("extras", "old_logp", "ref_logp")}
+    return Experience(**kw, extras={k: np.concatenate([e.extras[k] for e in widened]) for k in widened[0].extras})
+
+
 def left_pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple:
     """(ids, mask) of shape (len(seqs), length) with each sequence flush right."""
     ids = np.full((len(seqs), length), pad_id, np.int32)

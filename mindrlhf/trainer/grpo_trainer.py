@@ -18,7 +18,7 @@ import mindspore as ms
 import yaml
 from tqdm.auto import tqdm
 
-from mindrlhf.algorithms import get_advantage_estimator
+from mindrlhf.algorithms import get_advantage_estimator, informative_groups
 from mindrlhf.checkpoint.hf_io import config_with_dtype
 from mindrlhf.checkpoint.manager import CheckpointManager, load_parameters_into
 from mindrlhf.data import PromptDataset
@@ -33,7 +33,7 @@ from mindrlhf.parallel.pipeline import PipelineRunner
 from mindrlhf.parallel.resharding import STATE_PREFIXES, assemble, load_full_into, model_names, reshard_model
 from mindrlhf.rewards import RewardManager, overlong_reward
 from mindrlhf.tokenizer import TOKENIZER_FILES
-from mindrlhf.trainer.experience import (Experience, bucket, left_pad, load_experience, right_pad,
+from mindrlhf.trainer.experience import (Experience, bucket, concat_experiences, left_pad, load_experience, right_pad,
                                          save_experience, step_file)
 from mindrlhf.trainer.metrics import MetricsLogger, console_line
 from mindrlhf.trainer.schedule import lr_at
@@ -93,6 +93,7 @@ class GRPOTrainer:
                                          jit=cfg.parallel.jit, share_prompts=cfg.parallel.share_prompts) \
             if ref_model is not None else None
         self.step = 0
+        self.batches_drawn = 0  # dataset batches consumed so far (all epochs): where the next step reads
         self.consecutive_nonfinite = 0
         self.skipped_updates = 0
         self.ref_synced = False
@@ -109,19 +110,32 @@ class GRPOTrainer:
                               max_tokens=g.max_completion_length, min_tokens=g.min_new_tokens,
                               stop_token_ids=self.stop_ids, seed=seed, entropy=True)
 
-    def _prompt_batches(self, step: int):
-        """The ``num_rollouts`` dataset batches (this rank's share) consumed by GRPO step ``step`` (from 1)."""
-        first = (step - 1) * self.cfg.algorithm.num_rollouts
+    def _prompt_batches(self):
+        """The next ``num_rollouts`` dataset batches (this rank's share), in order; advances the cursor."""
         for r in range(self.cfg.algorithm.num_rollouts):
-            yield r, self.dataset.nth_batch(first + r)
+            yield r, self.dataset.nth_batch(self.batches_drawn)
+            self.batches_drawn += 1
 
     def generate(self, step: int) -> Tuple[Experience, List[str], Dict[str, list]]:
-        """Generate G completions per local prompt, score them, and build the step's arrays."""
+        """Generate G completions per prompt of the step's batches, score them and build its arrays
+        (this train replica's rows, advantages included)."""
+        if self.cfg.algorithm.dynamic_sampling:
+            return self._generate_dynamic(step)
+        exp, texts, info = self._generate_round(step, 0)
+        if self.layout.pure_dp:
+            exp.advantages = self._advantages(exp.rewards)
+        else:
+            exp = self._train_share(self._with_advantages(self._global_rows(exp)))
+        return exp, texts, info
+
+    def _generate_round(self, step: int, round_index: int) -> Tuple[Experience, List[str], Dict[str, list]]:
+        """One generation round: this generator replica's share of the next num_rollouts batches,
+        completions sampled and scored; advantages not yet computed."""
         g, a = self.cfg.generation, self.cfg.algorithm
         prompts, solutions, questions, index, completions = [], [], [], [], []
-        for r, batch in self._prompt_batches(step):
+        for r, batch in self._prompt_batches():
             local = [list(map(int, ids[:n])) for ids, n in zip(batch["prompt_ids"], batch["prompt_length"])]
-            completions += self.sampler.generate(local, self._sampling_params(step, r))
+            completions += self.sampler.generate(local, self._sampling_params(step, round_index * a.num_rollouts + r))
             prompts += local
             solutions += list(batch["solution"])
             questions += list(batch["question"])
@@ -156,24 +170,53 @@ class GRPOTrainer:
             advantages=np.zeros(len(completions), np.float32), prompt_index=np.array(rep(index), np.int64),
             extras={"completion_present": present,
                     "sampler_entropy": right_pad([c.entropies for c in completions], C, 0.0, np.float32)})
-        if self.layout.pure_dp:
-            exp.advantages = self._advantages(exp.rewards)
-        else:
-            exp = self._to_train_rows(exp)
         return exp, texts, {"reward_time": reward_time, "solutions": solution_rep, "prompts": prompts_rep}
 
-    def _to_train_rows(self, exp: Experience) -> Experience:
-        """Generator replicas' rows → the global batch (infer-replica order) → this train replica's share,
-        with group advantages computed on the global batch."""
+    def _generate_dynamic(self, step: int) -> Tuple[Experience, List[str], Dict[str, list]]:
+        """DAPO's dynamic sampling: rounds of generation until the step has prompts_per_step groups whose
+        rewards are not all equal (or max_sampling_rounds ran); extra groups are dropped, and a shortfall
+        is filled with flat groups whose completions are masked out of the loss, so the batch keeps its
+        geometry and the loss its normalisation (masked rows count in no denominator). Decided on the
+        global batch, so every rank agrees."""
+        a = self.cfg.algorithm
+        G, need = a.num_generations, self.cfg.prompts_per_step
+        pool, reward_time, rounds = None, 0.0, 0
+        while rounds < a.max_sampling_rounds:
+            exp, _, info = self._generate_round(step, rounds)
+            reward_time += info["reward_time"]
+            pool = self._global_rows(exp) if pool is None else concat_experiences(
+                [pool, self._global_rows(exp)], self.pad_id)
+            rounds += 1
+            if int(informative_groups(pool.rewards, G).sum()) >= need:
+                break
+        informative = informative_groups(pool.rewards, G)
+        order = np.concatenate([np.flatnonzero(informative), np.flatnonzero(~informative)])[:need]
+        chosen = pool.rows((order[:, None] * G + np.arange(G)).reshape(-1))
+        flat = ~informative[order]
+        chosen.completion_mask[np.repeat(flat, G)] = 0.0
+        exp = self._train_share(self._with_advantages(chosen))
+        texts = self.tokenizer.batch_decode(
+            [ids[p > 0].tolist() for ids, p in zip(exp.completion_ids, exp.extras["completion_present"])],
+            skip_special_tokens=True)
+        prompts = [ids[m > 0].tolist() for ids, m in zip(exp.prompt_ids, exp.prompt_mask)]
+        sampling = {"sampling/rounds": float(rounds), "sampling/kept_groups": float((~flat).sum()),
+                    "frac_reward_zero_std": float(1.0 - informative.mean())}
+        return exp, texts, {"reward_time": reward_time, "prompts": prompts, "sampling": sampling,
+                            "solutions": [self.dataset.solution[int(i)] for i in exp.prompt_index]}
+
+    def _global_rows(self, exp: Experience) -> Experience:
+        """Every generator replica's rows of ``exp``, on every rank, in infer-replica order."""
         P = int(comm.all_gather(np.array([exp.prompt_ids.shape[1]], np.int64)).max())
         if exp.prompt_ids.shape[1] < P:  # one prompt width for the gather
             extra = P - exp.prompt_ids.shape[1]
             exp.prompt_ids = np.pad(exp.prompt_ids, ((0, 0), (extra, 0)), constant_values=self.pad_id)
             exp.prompt_mask = np.pad(exp.prompt_mask, ((0, 0), (extra, 0)))
         keep = self.layout.infer_representative
-        everything = exp.map(lambda a: comm.all_gather(a if keep else a[:0]))
+        return exp.map(lambda a: comm.all_gather(a if keep else a[:0]))
+
+    def _with_advantages(self, everything: Experience) -> Experience:
         everything.advantages = self._estimate(everything.rewards)
-        return self._train_share(everything)
+        return everything
 
     def _train_share(self, everything: Experience) -> Experience:
         """This train replica's rows of a global batch (contiguous: replica d holds the d-th block)."""
@@ -339,7 +382,8 @@ class GRPOTrainer:
         tensors = {"policy": policy, "optimizer": optimizer}
         if ref is not None:
             tensors["ref"] = ref
-        state = {"step": self.step, "consecutive_nonfinite": self.consecutive_nonfinite,
+        state = {"step": self.step, "batches_drawn": self.batches_drawn,
+                 "consecutive_nonfinite": self.consecutive_nonfinite,
                  "skipped_updates": self.skipped_updates, "ref_synced": self.ref_synced,
                  "world_size": self.world, "reward_failures": dict(self.rewards.failures),
                  **self.updater.loss_scale_state()}
@@ -387,6 +431,8 @@ class GRPOTrainer:
         if state.get("ref_synced"):
             self._load_state(dict(self.ref_model.parameters_and_names()), path / "ref.ckpt")
         self.step = int(state["step"])
+        # Checkpoints from before dynamic sampling: every step read num_rollouts batches.
+        self.batches_drawn = int(state.get("batches_drawn", self.step * self.cfg.algorithm.num_rollouts))
         self.consecutive_nonfinite = int(state["consecutive_nonfinite"])
         self.skipped_updates = int(state["skipped_updates"])
         self.ref_synced = bool(state.get("ref_synced"))
@@ -464,6 +510,8 @@ class GRPOTrainer:
         times["time/sync"] = time.perf_counter() - t1
         self.step = step
         metrics = self._reward_metrics(exp)
+        if info is not None and "sampling" in info:  # dynamic sampling: its counts, and the unfiltered zero-std share
+            metrics.update(info["sampling"])
         metrics.update(train_metrics)
         if a.beta <= 0:
             metrics.pop("kl", None)
