@@ -356,7 +356,7 @@ def test_two_workers_dynamic_sampling_decide_globally(grpo_assets, tmp_path):
     out, dump = tmp_path / "dyn2", tmp_path / "exp" / "rollouts.npz"
     _msrun(2, _args(grpo_assets, out, use_parallel="true", train_dp=2, infer_dp=2, tensorboard="false", max_steps=2,
                     dynamic_sampling="true", max_sampling_rounds=3, max_completion_length=6, save_data_file=dump,
-                    reward_funcs=["e2e_rewards:flat_for_even_questions"]), tmp_path / "log", 8137)
+                    reward_funcs=["e2e_rewards:flat_for_even_questions"]), tmp_path / "log", 8139)
     for step, row in enumerate(_metrics(out), 1):
         exp = load_experience(step_file(str(dump), step))  # both replicas' rows
         assert len(exp) == 8
@@ -432,9 +432,13 @@ def test_tp_pp_layout_matches_one_process(grpo_assets, tmp_path):
     # stages) add in another order (lr = 1e-4).
     assert_same_updated_weights(w1, w4, lr=1e-4)
 
+    # The generating run also samples dynamically (the keep decision is global across the layout).
     gen = tmp_path / "gen"
-    _msrun(4, _args(grpo_assets, gen, **layout, **base, tensorboard="false"), tmp_path / "log_gen", 8137)
+    dynamic = dict(base, reward_funcs=["e2e_rewards:flat_for_even_questions"], dynamic_sampling="true",
+                   max_sampling_rounds=3)
+    _msrun(4, _args(grpo_assets, gen, **layout, **dynamic, tensorboard="false"), tmp_path / "log_gen", 8137)
     rows = _metrics(gen)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert all(isinstance(v, float) and math.isfinite(v) for k, v in r.items() if k != "step"), r
+        assert r["sampling/kept_groups"] >= 1 and r["sampling/rounds"] >= 1
