@@ -333,6 +333,11 @@ RULES = [
     (dict(stop_token_ids=[5, -1]), ["stop_token_ids[1] = -1 must be >= 0"]),
     # optimizer
     (dict(lr=0.0), ["lr = 0.0 must be > 0"]),
+    (dict(lr=1e6), ["lr = 1000000.0 must be <= 0.1"]),  # was accepted: weights blew up to 2e6, all finite
+    (dict(temperature=50.0), ["temperature = 50.0 must be <= 10.0"]),
+    (dict(adam_eps=1.0), ["adam_eps = 1.0 must be <= 0.01"]),
+    (dict(weight_decay=5.0), ["weight_decay = 5.0 must be <= 1.0"]),
+    (dict(epsilon_high=100.0), ["epsilon_high = 100.0 must be <= 10.0"]),
     (dict(lr=1e-6, min_lr=1e-5), ["min_lr = 1e-05 > lr = 1e-06"]),
     (dict(warmup_steps=30), ["warmup_steps = 30 > max_steps = 12"]),
     (dict(lr_schedule="cosin"), ["lr_schedule = 'cosin'", "did you mean 'cosine'"]),

@@ -102,8 +102,8 @@ class AlgorithmConfig:
         ge=0.0, lt=1.0)
     epsilon_high: float = config_field(
         0.2, "Upper clip: the ratio is clipped above at 1 + epsilon_high. Range >= 0. DAPO's clip-higher "
-        "uses 0.28 (with epsilon_low 0.2) to keep exploration; GSPO uses ~4e-4.",
-        ge=0.0)
+        "uses 0.28 (with epsilon_low 0.2) to keep exploration; GSPO uses ~4e-4. Range [0, 10].",
+        ge=0.0, le=10.0)
     advantage_estimator: str = config_field(
         "grpo", "Advantage estimator: grpo = reward minus its group's mean, divided as scale_rewards says (group std: "
         "GRPO; batch std: LitePPO; none: Dr.GRPO); rloo = reward minus the mean of the other rewards of its group "
@@ -198,8 +198,9 @@ class GenerationConfig:
     temperature: float = config_field(
         0.7, "Sampling temperature: logits are divided by it before top-k / top-p / min-p. Range > 0; lower "
         "is greedier. The policy's log-probs in the loss use the same temperature. The default suits the "
-        "embedded 135M model, whose samples at 1.0 are mostly incoherent; 1.0 is usual for larger models.",
-        gt=0.0)
+        "embedded 135M model, whose samples at 1.0 are mostly incoherent; 1.0 is usual for larger models. "
+        "Range (0, 10]: above that every token is near-uniform noise.",
+        gt=0.0, le=10.0)
     top_p: float = config_field(
         1.0, "Nucleus sampling: keep the smallest set of tokens whose probability sums to >= top_p. "
         "Range (0, 1]; 1.0 = off.",
@@ -235,8 +236,9 @@ class OptimizerConfig:
     lr: float = config_field(
         2e-5, "Peak learning rate of AdamW (reached after warmup_steps). Range > 0. The default suits the "
         "embedded 135M model's short CPU run (the README's results use it); use ~1e-6 for 0.5-1.5B models and "
-        "~5e-7 for 7B.",
-        gt=0.0)
+        "~5e-7 for 7B. At most 0.1: Adam moves every weight by about lr per update, so larger values destroy "
+        "any model (1e6 took |w| ~ 0.1 to 2e6 in one step, all finite).",
+        gt=0.0, le=0.1)
     min_lr: float = config_field(
         0.0, "Learning rate at the end of the cosine / linear decay (at max_steps). Range [0, lr]. Unused "
         "with lr_schedule constant.",
@@ -250,8 +252,9 @@ class OptimizerConfig:
         "constant lr.",
         choices=LR_SCHEDULES)
     weight_decay: float = config_field(
-        0.0, "AdamW decoupled weight decay on weight matrices (not on biases, norms). Range >= 0.",
-        ge=0.0)
+        0.0, "AdamW decoupled weight decay on weight matrices (not on biases, norms): each update scales them by "
+        "1 - lr * weight_decay. Range [0, 1].",
+        ge=0.0, le=1.0)
     adam_beta1: float = config_field(
         0.9, "AdamW first-moment decay. Range [0, 1).",
         ge=0.0, lt=1.0)
@@ -259,8 +262,9 @@ class OptimizerConfig:
         0.999, "AdamW second-moment decay. Range [0, 1). Large-model recipes often use 0.95.",
         ge=0.0, lt=1.0)
     adam_eps: float = config_field(
-        1e-8, "AdamW epsilon added to the denominator. Range > 0.",
-        gt=0.0)
+        1e-8, "AdamW epsilon added to the denominator. Range (0, 1e-2]: larger turns Adam into plain SGD with "
+        "a tiny step.",
+        gt=0.0, le=1e-2)
     max_grad_norm: float = config_field(
         1.0, "Clip the global gradient norm (over all ranks and parameters) to this value before each update; "
         "0 disables clipping. Range >= 0. The pre-clip norm is logged as grad_norm.",
