@@ -211,6 +211,14 @@ def test_cli_limit_offset_skipped_rows_and_tokenizer_dir(eval_assets, tiny_qwen2
     printed = capsys.readouterr().out
     assert "GSM8K pass@1 on 2 questions" in printed and "accuracy" in printed and "format rate" in printed
     assert "skipped        1 rows without a '#### N' final answer" in printed
+    # An existing results file is kept unless --overwrite (it used to be replaced silently).
+    before = out.read_text(encoding="utf-8")
+    argv = ["--model", str(tiny_qwen2_dir), "--tokenizer_dir", str(qwen_tokenizer_dir), "--data_path", str(data),
+            "--limit", "1", "--max_new_tokens", "4", "--output", str(out), "--no_progress"]
+    assert main(argv) == 2
+    assert f"error: --output {out} already exists; pass --overwrite" in capsys.readouterr().err
+    assert out.read_text(encoding="utf-8") == before
+    assert main(argv + ["--overwrite"]) == 0 and len(_rows(out)) == 1
 
 
 def test_cli_missing_data_file_exits_2_with_one_line(tmp_path, eval_assets, capsys):

@@ -239,6 +239,7 @@ def evaluate(
     use_chat_template: bool = True,
     dtype: str = "float32",
     output: Optional[PathLike] = None,
+    overwrite: bool = False,
     progress: bool = True,
     tokenizer_dir: Optional[PathLike] = None,
     vocab_path: Optional[PathLike] = None,
@@ -261,7 +262,8 @@ def evaluate(
     ``temperature``/``top_p``, majority vote). Stop tokens default to the tokenizer's, as in
     training. ``batch_size`` questions go to the sampler per call; with sampling, call ``i`` uses
     seed ``seed`` mixed with its first question's index, so results depend on (seed, batch_size, offset).
-    ``output``: per-question JSONL (written to ``<output>.tmp`` per batch, renamed when done).
+    ``output``: per-question JSONL (written to ``<output>.tmp`` per batch, renamed when done); an
+    existing file is an error unless ``overwrite``.
     The device must be set up by the caller (the CLI does it).
     """
     from tqdm import tqdm
@@ -283,7 +285,7 @@ def evaluate(
     n = k if mode == "maj" else 1
     data = Path(data_path) if data_path is not None else DEFAULT_DATA
     questions, skipped = load_questions(data, limit=limit, offset=offset)
-    out_path = _check_output(output, data) if output is not None else None
+    out_path = _check_output(output, data, overwrite) if output is not None else None
     if skipped:
         log.warning("%s: skipped %d rows without a '#### N' final answer", data, skipped)
     if not questions:
@@ -371,12 +373,14 @@ def evaluate(
     }
 
 
-def _check_output(output: PathLike, data: Path) -> Path:
+def _check_output(output: PathLike, data: Path, overwrite: bool) -> Path:
     path = Path(output)
     if path.is_dir():
         raise MindRLHFError(f"--output {path} is a directory; pass a file path such as {path / 'eval.jsonl'}")
     if data.exists() and path.exists() and path.resolve() == data.resolve():
         raise MindRLHFError(f"--output {path} is the input data file; write the results elsewhere")
+    if path.exists() and not overwrite:
+        raise MindRLHFError(f"--output {path} already exists; pass --overwrite to replace it or choose another file")
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -446,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", help="model dtype: float32 | bfloat16 | float16 (default float32)")
     p.add_argument("--output", default=None,
                    help="write per-question results (completions, answers, correctness) to this .jsonl")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     p.add_argument("--device_target", default="CPU", choices=DEVICE_TARGETS, help="MindSpore device (default CPU)")
     p.add_argument("--no_progress", action="store_true", help="hide the progress bar")
     return p
@@ -462,7 +467,7 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
         args.model, data_path=args.data_path, limit=args.limit, offset=args.offset, batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens, mode=args.mode, k=args.k, temperature=args.temperature,
         top_p=args.top_p, seed=args.seed, prompt_style=args.prompt_style, system_prompt=args.system_prompt,
-        use_chat_template=not args.no_chat_template, dtype=args.dtype, output=args.output,
+        use_chat_template=not args.no_chat_template, dtype=args.dtype, output=args.output, overwrite=args.overwrite,
         progress=not args.no_progress, tokenizer_dir=args.tokenizer_dir, vocab_path=args.vocab_path,
         merges_file_path=args.merges_file_path)
     print(format_summary(result))
