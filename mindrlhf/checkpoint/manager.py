@@ -35,6 +35,17 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine."""
+    try:
+        os.kill(pid, 0)  # signal 0: an existence check, nothing is sent
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
 def save_parameters(params: Mapping[str, ms.Parameter], path: Path) -> None:
     """Write named parameters/tensors to a MindSpore .ckpt (protobuf, no pickle)."""
     ms.save_checkpoint([{"name": n, "data": p} for n, p in params.items()], str(path))
@@ -70,6 +81,7 @@ class CheckpointManager:
         """Write checkpoint ``step``: ``tensors`` maps file stem (policy, optimizer, ref) → params;
         ``files`` maps further file names to their content or to a file to copy (all in the manifest)."""
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_temps()
         final = self.step_dir(step)
         tmp = self.dir / f".{final.name}.tmp-{os.getpid()}"
         if tmp.exists():
@@ -93,6 +105,17 @@ class CheckpointManager:
         os.replace(tmp, final)
         self._retain()
         return final
+
+    def _remove_stale_temps(self) -> None:
+        """Delete the temporary folders of saves that died mid-write (a whole checkpoint's size each):
+        those of processes no longer running, and earlier ones of this process."""
+        for tmp in self.dir.glob(f".{PREFIX}*.tmp-*"):
+            pid = tmp.name.rsplit("-", 1)[-1]
+            if not (tmp.is_dir() and pid.isdigit()) or (int(pid) != os.getpid() and _running(int(pid))):
+                continue  # another live process may be writing it
+            size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
+            log.warning("removing %s (%.1f MB): a checkpoint save that did not finish", tmp, size / 2 ** 20)
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def _retain(self) -> None:
         if self.keep_last <= 0:
