@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import mindspore as ms
 
+from mindrlhf.checkpoint.manager import check_output_dirs, clear_previous_run
 from mindrlhf.configs import GRPOConfig, parse_args
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.parallel import comm
@@ -182,7 +183,12 @@ def _config_of(path: str):
 def _main(argv: Optional[Sequence[str]] = None) -> int:
     cfg = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    t = cfg.train
+    # Before anything is written, on every worker (msrun's rendezvous in setup_runtime comes after).
+    check_output_dirs(t.output_dir, cfg.checkpoint_dir, resume=t.resume, overwrite=t.overwrite_output_dir)
     layout = setup_runtime(cfg)
+    if t.overwrite_output_dir and not t.resume and comm.is_main():
+        clear_previous_run(t.output_dir, cfg.checkpoint_dir)
     trainer = build_trainer(cfg, layout)
     if comm.is_main():
         Path(cfg.train.output_dir).mkdir(parents=True, exist_ok=True)

@@ -25,3 +25,14 @@ def test_a_dead_saves_temp_folder_is_removed_on_the_next_save(tmp_path):
     manager.save(2, _params(), {"step": 2}, "a: 1\n")
     assert not stale.exists() and alive.is_dir()
     assert manager.list_steps() == [1, 2] and manager.verify(manager.step_dir(2)) is None
+
+
+def test_retention_deletes_only_this_runs_checkpoints(tmp_path):
+    other = CheckpointManager(str(tmp_path / "shared"), keep_last=1, run_id="other")
+    other.save(1, _params(), {"step": 1}, "a: 1\n")
+    ours = CheckpointManager(str(tmp_path / "shared"), keep_last=1, run_id="ours")
+    for step in (5, 6, 7):
+        ours.save(step, _params(), {"step": step}, "a: 1\n")
+    # keep_last=1 of our own; the other run's step 1 is not ours to delete
+    assert ours.list_steps() == [1, 7]
+    assert [CheckpointManager.run_of(ours.step_dir(s)) for s in (1, 7)] == ["other", "ours"]

@@ -7,6 +7,7 @@ step giving the same loss, grad norm and weights on 1 and 2 msrun workers; the n
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -74,6 +75,36 @@ def test_trl_style_reward_trains_and_a_raising_reward_stops_the_run(grpo_assets,
     assert _run_inprocess(_args(grpo_assets, skip, reward_errors="skip", **broken)) == 0
     row = _metrics(skip)[0]
     assert row["rewards/e2e_rewards:broken_reward/failures"] == 1.0 and row["reward_fn_failures"] == 1.0
+
+
+def test_a_new_run_never_overwrites_or_resumes_another(grpo_assets, tmp_path, capsys, caplog):
+    out = tmp_path / "run"
+    short = dict(max_steps=2, max_completion_length=4, tensorboard="false")
+    assert _run_inprocess(_args(grpo_assets, out, **short)) == 0
+    first = (out / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    # The same output_dir again, fresh: refused before anything is written (it used to delete the first run's
+    # metrics and overwrite its step_1, so that a later --resume mixed the two runs).
+    assert _run_inprocess(_args(grpo_assets, out, **dict(short, max_steps=1, seed=7))) == 2
+    err = capsys.readouterr().err
+    assert f"--output_dir {out} already holds a run (checkpoints of steps 1, 2 in {out / 'checkpoints'}" in err
+    assert "pass --resume to continue it, --overwrite_output_dir true to replace it" in err
+    assert (out / "metrics.jsonl").read_text() == first and sorted(os.listdir(out / "checkpoints")) == \
+        ["step_00000001", "step_00000002"]
+    # Replacing it on purpose: the old checkpoints and metrics are gone, nothing of them can be resumed.
+    assert _run_inprocess(_args(grpo_assets, out, **dict(short, max_steps=1, seed=7),
+                                overwrite_output_dir="true")) == 0
+    assert [r["step"] for r in _metrics(out)] == [1] and os.listdir(out / "checkpoints") == ["step_00000001"]
+    # Resuming with a config that changes the math names the changed fields.
+    with caplog.at_level(logging.WARNING, logger="mindrlhf.trainer.grpo_trainer"):
+        changed = dict(short, max_steps=2, seed=8, lr=2e-3)
+        assert _run_inprocess(_args(grpo_assets, out, **changed, resume="latest")) == 0
+    warned = [r.getMessage() for r in caplog.records if "different config" in r.getMessage()]
+    assert len(warned) == 1 and "lr 0.001 -> 0.002" in warned[0] and "seed 7 -> 8" in warned[0]
+    # An output_dir that is a file: one clear error, no traceback.
+    (tmp_path / "afile").write_text("x")
+    assert _run_inprocess(_args(grpo_assets, tmp_path / "afile", **short)) == 2
+    assert "--output_dir " + str(tmp_path / "afile") + " is a file, not a directory" in capsys.readouterr().err
 
 
 def test_three_steps_metrics_finite_and_on_policy(grpo_assets, tmp_path):

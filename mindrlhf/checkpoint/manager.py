@@ -69,9 +69,12 @@ def load_parameters_into(params: Mapping[str, ms.Parameter], path: Path) -> None
 class CheckpointManager:
     """Saves and finds training checkpoints under one directory."""
 
-    def __init__(self, directory: str, keep_last: int = 3):
+    def __init__(self, directory: str, keep_last: int = 3, run_id: str = ""):
+        """``run_id``: written into every manifest; retention deletes only this run's folders (and
+        folders without one, from before run ids), never another run's sharing the directory."""
         self.dir = Path(directory)
         self.keep_last = keep_last
+        self.run_id = run_id
 
     def step_dir(self, step: int) -> Path:
         return self.dir / f"{PREFIX}{step:08d}"
@@ -97,8 +100,8 @@ class CheckpointManager:
             else:
                 shutil.copyfile(content, tmp / name)
         written = sorted(p.name for p in tmp.iterdir())
-        manifest = {"step": step, "files": {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)}
-                                            for n in written}}
+        files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in written}
+        manifest = {"step": step, "run_id": self.run_id, "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
         if final.exists():  # a re-run of the same step replaces the old copy
             shutil.rmtree(final)
@@ -120,8 +123,17 @@ class CheckpointManager:
     def _retain(self) -> None:
         if self.keep_last <= 0:
             return
-        for old in self.list_steps()[:-self.keep_last]:
+        ours = [s for s in self.list_steps() if self.run_of(self.step_dir(s)) in ("", self.run_id)]
+        for old in ours[:-self.keep_last]:
             shutil.rmtree(self.step_dir(old), ignore_errors=True)
+
+    @staticmethod
+    def run_of(path: Path) -> str:
+        """The run id in a checkpoint's manifest ('' when it has none or no readable manifest)."""
+        try:
+            return str(json.loads((path / MANIFEST).read_text(encoding="utf-8")).get("run_id", ""))
+        except (OSError, json.JSONDecodeError):
+            return ""
 
     def list_steps(self) -> List[int]:
         """Steps that have a checkpoint folder (complete or not), ascending."""
@@ -166,3 +178,37 @@ class CheckpointManager:
     @staticmethod
     def read_state(path: Path) -> Dict:
         return json.loads((path / "state.json").read_text(encoding="utf-8"))
+
+
+def check_output_dirs(output_dir: Union[str, Path], ckpt_dir: Union[str, Path], *, resume: str,
+                      overwrite: bool) -> None:
+    """Refuse to start a fresh run where another run's results are (its checkpoints, its metrics),
+    unless it resumes that run or ``overwrite`` says to replace it. Read-only: safe on every rank."""
+    output_dir, ckpt_dir = Path(output_dir), Path(ckpt_dir)
+    for name, path in (("--output_dir", output_dir), ("--save_ckpt_dir", ckpt_dir)):
+        if path.exists() and not path.is_dir():
+            raise MindRLHFError(f"{name} {path} is a file, not a directory; choose a directory path")
+    if resume or overwrite:
+        return
+    found = []
+    steps = CheckpointManager(str(ckpt_dir)).list_steps()
+    if steps:
+        found.append(f"checkpoints of steps {', '.join(map(str, steps))} in {ckpt_dir}")
+    if (output_dir / "metrics.jsonl").is_file():
+        found.append(str(output_dir / "metrics.jsonl"))
+    if found:
+        raise MindRLHFError(f"--output_dir {output_dir} already holds a run ({'; '.join(found)}); pass --resume to "
+                            f"continue it, --overwrite_output_dir true to replace it, or choose another --output_dir")
+
+
+def clear_previous_run(output_dir: Union[str, Path], ckpt_dir: Union[str, Path]) -> None:
+    """``--overwrite_output_dir``: delete the old run's checkpoints and metrics, so that nothing of it
+    can be resumed or appended to by mistake later."""
+    manager = CheckpointManager(str(ckpt_dir))
+    for step in manager.list_steps():
+        log.warning("--overwrite_output_dir: deleting the previous run's checkpoint %s", manager.step_dir(step))
+        shutil.rmtree(manager.step_dir(step), ignore_errors=True)
+    metrics = Path(output_dir) / "metrics.jsonl"
+    if metrics.is_file():
+        log.warning("--overwrite_output_dir: deleting the previous run's %s", metrics)
+        metrics.unlink()

@@ -418,8 +418,13 @@ class TrainConfig:
         "the last step is always saved. 0 = only the last step. Range >= 0.",
         ge=0)
     keep_last: int = config_field(
-        3, "Keep the newest N checkpoints and delete older ones. 0 = keep all. Range >= 0.",
+        3, "Keep the newest N checkpoints of this run and delete its older ones (another run's checkpoints in a "
+        "shared save_ckpt_dir are never deleted). 0 = keep all. Range >= 0.",
         ge=0)
+    overwrite_output_dir: bool = config_field(
+        False, "Start a fresh run in an output_dir / save_ckpt_dir that holds another run's checkpoints or "
+        "metrics.jsonl, deleting them. Without it (and without resume) such a start is refused, so a run is never "
+        "overwritten, nor later resumed from another run's checkpoint, by mistake.")
     resume: str = config_field(
         "", "Resume training: '' = start fresh; 'latest' (or 'auto') = the newest complete checkpoint in the "
         "checkpoint directory (fresh start if none); or an explicit checkpoint path. A bare --resume means "

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import time
+import uuid
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -66,7 +67,8 @@ class GRPOTrainer:
         self.output_dir = Path(t.output_dir)
         if comm.is_main():
             self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.ckpt = CheckpointManager(cfg.checkpoint_dir, t.keep_last)
+        self.run_id = uuid.uuid4().hex[:12]  # a resumed run takes its checkpoint's
+        self.ckpt = CheckpointManager(cfg.checkpoint_dir, t.keep_last, self.run_id)
         self.sampler_model = sampler_model if sampler_model is not None else policy
         self.sampler = NativeSampler(self.sampler_model, jit=cfg.parallel.jit, share_prompts=cfg.parallel.share_prompts)
         self.ref_model = ref_model
@@ -382,7 +384,7 @@ class GRPOTrainer:
         tensors = {"policy": policy, "optimizer": optimizer}
         if ref is not None:
             tensors["ref"] = ref
-        state = {"step": self.step, "batches_drawn": self.batches_drawn,
+        state = {"step": self.step, "run_id": self.run_id, "batches_drawn": self.batches_drawn,
                  "consecutive_nonfinite": self.consecutive_nonfinite,
                  "skipped_updates": self.skipped_updates, "ref_synced": self.ref_synced,
                  "world_size": self.world, "reward_failures": dict(self.rewards.failures),
@@ -425,6 +427,8 @@ class GRPOTrainer:
             if problem:
                 raise MindRLHFError(f"checkpoint {path} is unusable ({problem}); pass another one or --resume latest")
         state = CheckpointManager.read_state(path)
+        self._warn_config_changes(path)
+        self.run_id = self.ckpt.run_id = str(state.get("run_id") or self.run_id)
         self._load_state(self.updater.master_weights(), path / "policy.ckpt")
         self.updater.refresh_weights()
         self._load_state(self.updater.optimizer_state(), path / "optimizer.ckpt")
@@ -440,6 +444,22 @@ class GRPOTrainer:
         self.updater.load_loss_scale_state(state)
         self.sync_generator()
         log.info("resumed from %s (step %d)", path, self.step)
+
+    #: Groups of fields that change what the resumed steps compute (train: only the seed).
+    _MATH_GROUPS = ("algorithm", "generation", "optimizer")
+
+    def _warn_config_changes(self, path: Path) -> None:
+        """Name every field that changes the math and differs from the checkpoint's config."""
+        saved_path = path / "config.yaml"
+        if not saved_path.is_file():
+            return
+        saved, now = yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {}, self.cfg.to_dict()
+        keys = [(g, k) for g in self._MATH_GROUPS for k in now[g]] + [("train", "seed"), ("model", "dtype")]
+        changed = [f"{k} {saved[g][k]!r} -> {now[g][k]!r}" for g, k in keys
+                   if k in saved.get(g, {}) and saved[g][k] != now[g][k]]
+        if changed:
+            log.warning("--resume: %s was trained with a different config: %s; the resumed steps will not be "
+                        "what the original run would have computed", path, "; ".join(changed))
 
     # -- metrics --------------------------------------------------------------------------------
     def _reward_metrics(self, exp: Experience) -> Dict[str, float]:
