@@ -495,6 +495,10 @@ def test_advantage_estimator_resolves_with_scale_rewards():
     assert parse_args(["--scale_rewards", "none"]).advantage_estimator == "dr_grpo"
     assert parse_args(["--scale_rewards", "batch"]).advantage_estimator == "batch_std"
     assert parse_args(["--advantage_estimator", "rloo"]).advantage_estimator == "rloo"
+    assert parse_args(["--advantage_estimator", "dr_grpo"]).advantage_estimator == "dr_grpo"
+    with pytest.raises(MindRLHFError, match="scale_rewards = 'batch' applies to advantage_estimator grpo only, not "
+                                            "'dr_grpo'"):
+        parse_args(["--advantage_estimator", "dr_grpo", "--scale_rewards", "batch"])
     with pytest.raises(MindRLHFError, match="scale_rewards = 'none' applies to advantage_estimator grpo only"):
         parse_args(["--advantage_estimator", "rloo", "--scale_rewards", "none"])
 

@@ -28,7 +28,7 @@ TRL_LOSS_TYPES = {"bnpo": "token-mean", "dapo": "token-mean", "dr_grpo": "seq-me
 LOSS_TYPES = POLICY_LOSS_TYPES + tuple(TRL_LOSS_TYPES)
 LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 REWARD_SCALINGS = ("group", "batch", "none")
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 #: The registered estimator (algorithms.advantages) for advantage_estimator grpo and each scale_rewards.
 _GRPO_SCALINGS = {"group": "grpo", "batch": "batch_std", "none": "dr_grpo"}
@@ -106,8 +106,9 @@ class AlgorithmConfig:
         ge=0.0, le=10.0)
     advantage_estimator: str = config_field(
         "grpo", "Advantage estimator: grpo = reward minus its group's mean, divided as scale_rewards says (group std: "
-        "GRPO; batch std: LitePPO; none: Dr.GRPO); rloo = reward minus the mean of the other rewards of its group "
-        "(RLOO: G/(G-1) x (reward - group mean), no division; scale_rewards must stay group). A NaN reward (every "
+        "GRPO; batch std: LitePPO; none: Dr.GRPO); dr_grpo = grpo with no division (the same as scale_rewards none); "
+        "rloo = reward minus the mean of the other rewards of its group (RLOO: G/(G-1) x (reward - group mean), no "
+        "division). With dr_grpo and rloo, scale_rewards must stay group. A NaN reward (every "
         "reward function declined) gets advantage 0 and is left out of its group's statistics.",
         choices=ADVANTAGE_ESTIMATORS)
     scale_rewards: str = config_field(
