@@ -16,6 +16,7 @@ import mindspore as ms
 from mindrlhf.checkpoint.manager import check_output_dirs, clear_previous_run
 from mindrlhf.configs import GRPOConfig, parse_args
 from mindrlhf.errors import MindRLHFError
+from mindrlhf.rewards import get_reward_fn
 from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import RunLayout, init_run_layout
 from mindrlhf.parallel.layout import ParallelLayout
@@ -140,6 +141,12 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
         raise MindRLHFError(f"{data_path} was built with max_prompt_length={dataset.max_prompt_length} but the config "
                             f"has max_prompt_length={cfg.generation.max_prompt_length}; rebuild the data or raise it")
     check_reward_style(cfg, tokenizer, dataset)
+    lengths = dataset.prompt_length.astype(int)
+    largest = max((int(ids[:n].max()) for ids, n in zip(dataset.prompt_ids, lengths) if n), default=0)
+    if largest >= policy.config.vocab_size:
+        raise MindRLHFError(f"{data_path} holds token id {largest} but the model's vocabulary has "
+                            f"{policy.config.vocab_size} tokens: the data was tokenised for another model; rebuild it "
+                            f"with rlhf_data.py and this model's tokenizer")
     limit = policy.config.max_position_embeddings
     if dataset.max_prompt_length + cfg.generation.max_completion_length > limit:
         raise MindRLHFError(f"max_prompt_length + max_completion_length = "
@@ -186,6 +193,8 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
     t = cfg.train
     # Before anything is written, on every worker (msrun's rendezvous in setup_runtime comes after).
     check_output_dirs(t.output_dir, cfg.checkpoint_dir, resume=t.resume, overwrite=t.overwrite_output_dir)
+    for name in cfg.algorithm.reward_funcs:  # a typo in a dotted path fails now, not after the model loaded
+        get_reward_fn(name)
     layout = setup_runtime(cfg)
     if t.overwrite_output_dir and not t.resume and comm.is_main():
         clear_previous_run(t.output_dir, cfg.checkpoint_dir)

@@ -406,6 +406,9 @@ def resolve_tokenizer(model_path: Optional[Union[str, os.PathLike]] = None,
         return Tokenizer.from_files(vocab_path, merges_file_path, tokenizer_config)
     if model_path is None:
         raise MindRLHFError("no tokenizer given; pass --tokenizer_dir or --vocab_path/--merges_file_path")
+    if not Path(model_path).exists():
+        raise MindRLHFError(f"model path {model_path} does not exist; check the path (an HF folder or a .ckpt / "
+                            f".safetensors file) or convert the model first with convert_weight.py")
     folder = Path(model_path) if Path(model_path).is_dir() else Path(model_path).parent
     if not ((folder / "tokenizer.json").is_file() or (folder / "vocab.json").is_file()):
         raise MindRLHFError(f"no tokenizer files next to the model in {folder}; pass --tokenizer_dir or "

@@ -390,3 +390,16 @@ def test_every_gsm8k_prompt_fits_the_default_max_prompt_length(data_dir, qwen_to
             assert max(lengths) <= limit, (name, style, max(lengths))
             longest = max(longest, max(lengths))
     assert longest > limit - 48  # and the limit is not needlessly loose
+
+
+def test_a_utf8_bom_does_not_cost_the_first_row():
+    from mindrlhf.data.rlhf_data import read_rows
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "bom.jsonl"
+        rows = [json.dumps({"question": f"q{i}?", "answer": f"work\n#### {i}"}) for i in range(3)]
+        path.write_bytes(b"\xef\xbb\xbf" + "\n".join(rows).encode("utf-8"))  # as Windows editors save it
+        parsed, skipped, read = read_rows(path, "gsm8k", "question", "answer")
+    assert read == 3 and not skipped and [q for _, q, _ in parsed] == ["q0?", "q1?", "q2?"]

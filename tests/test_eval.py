@@ -270,3 +270,11 @@ def test_smollm2_greedy_eval_produces_rows(tmp_path, capsys):
     assert [r["index"] for r in rows] == [0, 1, 2, 3]
     assert all(len(r["completions"]) == 1 and 0 < r["completion_tokens"][0] <= 64 for r in rows)
     assert "GSM8K pass@1 on 4 questions" in capsys.readouterr().out
+
+
+def test_load_questions_accepts_a_utf8_bom(tmp_path):
+    rows = [json.dumps({"question": f"q{i}?", "answer": f"work\n#### {i}"}) for i in range(2)]
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "\n".join(rows).encode("utf-8"))
+    questions, skipped = load_questions(path)
+    assert skipped == 0 and [q.question for q in questions] == ["q0?", "q1?"]

@@ -107,6 +107,31 @@ def test_a_new_run_never_overwrites_or_resumes_another(grpo_assets, tmp_path, ca
     assert "--output_dir " + str(tmp_path / "afile") + " is a file, not a directory" in capsys.readouterr().err
 
 
+def test_bad_inputs_fail_fast_with_errors_that_name_the_problem(grpo_assets, tmp_path, capsys,
+                                                                 qwen_tokenizer_dir):
+    from tiny_models import add_tokenizer, make_tiny_qwen2
+
+    def error(**overrides) -> str:
+        capsys.readouterr()
+        assert _run_inprocess(_args(grpo_assets, tmp_path / "out", max_steps=1, **overrides)) == 2
+        return capsys.readouterr().err.strip().splitlines()[-1]
+
+    missing = tmp_path / "no_such_model"
+    assert error(sft_path_train=missing).startswith(f"error: model path {missing} does not exist")
+    # A typo in a reward path is reported before the (missing, here) model would load.
+    assert "cannot import module 'e2e_rewardz'" in error(sft_path_train=missing,
+                                                          reward_funcs=["e2e_rewardz:length_reward"])
+    typo = tmp_path / "out" / "checkpoints" / "step_0000001"
+    assert error(resume=str(typo)).startswith(f"error: --resume {typo}: no such checkpoint folder")
+    # Data tokenised for a bigger vocabulary than the model's: named, with the fix.
+    small = add_tokenizer(make_tiny_qwen2(tmp_path / "small_vocab", vocab_size=1000, hidden_size=32,
+                                          intermediate_size=64, num_attention_heads=4, num_key_value_heads=2),
+                          qwen_tokenizer_dir)
+    message = error(sft_path_train=small)
+    assert f"{grpo_assets['data']} holds token id" in message and "vocabulary has 1000 tokens" in message
+    assert "rebuild it with rlhf_data.py" in message
+
+
 def test_three_steps_metrics_finite_and_on_policy(grpo_assets, tmp_path):
     out = tmp_path / "run"
     assert _run_inprocess(_args(grpo_assets, out)) == 0

@@ -188,6 +188,9 @@ def check_output_dirs(output_dir: Union[str, Path], ckpt_dir: Union[str, Path], 
     for name, path in (("--output_dir", output_dir), ("--save_ckpt_dir", ckpt_dir)):
         if path.exists() and not path.is_dir():
             raise MindRLHFError(f"{name} {path} is a file, not a directory; choose a directory path")
+    if resume and resume not in ("latest", "auto") and not Path(resume).is_dir():
+        raise MindRLHFError(f"--resume {resume}: no such checkpoint folder; pass --resume latest, or a step folder "
+                            f"such as {ckpt_dir / 'step_00000010'}")
     if resume or overwrite:
         return
     found = []

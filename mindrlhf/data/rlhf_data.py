@@ -110,7 +110,7 @@ def read_rows(
                 continue
             read += 1
             try:
-                record = json.loads(raw.decode("utf-8"))
+                record = json.loads(raw.decode("utf-8-sig"))  # a BOM (Windows editors) is not part of the row
             except (UnicodeDecodeError, json.JSONDecodeError) as err:
                 skipped.append(SkippedRow(line_no, "malformed_json", str(err)))
                 continue

@@ -82,7 +82,7 @@ def load_questions(path: PathLike, limit: int = 0, offset: int = 0) -> Tuple[Lis
                 continue
             where = f"{path} line {line_no}"
             try:
-                record = json.loads(raw.decode("utf-8"))
+                record = json.loads(raw.decode("utf-8-sig"))  # a BOM (Windows editors) is not part of the row
             except (UnicodeDecodeError, json.JSONDecodeError) as err:
                 raise MindRLHFError(f"{where}: malformed JSON ({err}); fix or remove that line") from None
             if not isinstance(record, dict):
