@@ -401,3 +401,20 @@ def test_cli_subprocess_exit_code_and_script_form(tiny_llama_dir, tmp_path):
                          "--dtype", "bf16"], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
     assert "converted 30 tensors" in ok.stdout and "bfloat16" in ok.stdout and "m.safetensors" in ok.stdout
+
+
+def test_two_models_in_one_folder_keep_their_own_configs(tiny_llama_dir, tmp_path):
+    """Converting a second model into a folder used to rewrite the folder's config.json (with
+    --overwrite) that the first checkpoint loads with; each checkpoint now has <stem>.config.json."""
+    other = copy_model(tiny_llama_dir, tmp_path / "other")
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["rope_theta"] = 12345.0
+    (other / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "ms"
+    assert convert("--input_path", tiny_llama_dir, "--output_path", out / "a.ckpt") == 0
+    assert convert("--input_path", other, "--output_path", out / "b.ckpt") == 0
+    first = json.loads((tiny_llama_dir / "config.json").read_text()).get("rope_theta", 10000.0)
+    assert hf_io.load_weights(out / "a.ckpt")[0].get("rope_theta", 10000.0) == first
+    assert hf_io.load_weights(out / "b.ckpt")[0]["rope_theta"] == 12345.0
+    # the folder's config.json still belongs to a.ckpt (the only model when it was written)
+    assert json.loads((out / "config.json").read_text()).get("rope_theta", 10000.0) == first

@@ -5,8 +5,9 @@ HF → MindSpore::
     python mindrlhf/tools/convert_weight.py --model qwen2_5 --input_path HF_DIR \\
         --output_path OUT.ckpt|OUT.safetensors --dtype bf16 [--config_path overrides.yaml]
 
-writes the checkpoint and, next to it, ``config.json`` (the HF config with its dtype updated and
-the overrides applied), which is what ``mindrlhf.checkpoint.load_weights`` reads back.
+writes the checkpoint and, next to it, ``OUT.config.json`` (the HF config with its dtype updated and
+the overrides applied), which is what ``mindrlhf.checkpoint.load_weights`` reads back; the folder's
+``config.json`` too, unless another checkpoint in the folder may be loading with it.
 
 MindSpore → HF (``--reverse``)::
 
@@ -183,15 +184,17 @@ def hf_to_ms(args: argparse.Namespace) -> int:
     _check_model(args.model, config, label)
     dtype = hf_io.normalize_dtype(args.dtype, where=f"--dtype for {out}") if args.dtype else hf_io.config_dtype(config)
     out_config = hf_io.config_with_dtype(config, dtype)
-    config_out = out.with_name("config.json")
+    # <stem>.config.json belongs to this checkpoint alone (loaders prefer it); the folder's config.json is
+    # written too while no other checkpoint in the folder may be reading it, so converting a second model
+    # into the folder never changes the config the first one loads with.
+    config_out = out.with_name(out.stem + ".config.json")
+    shared = out.with_name("config.json")
     if out.is_dir():
         raise MindRLHFError(f"--output_path {out} is a directory; give a file name ending in .ckpt or .safetensors")
-    if not args.overwrite:
-        if out.exists():
-            raise MindRLHFError(f"--output_path {out} already exists; pass --overwrite to replace it")
-        if config_out.exists() and not _same_json(config_out, out_config):
-            raise MindRLHFError(f"{config_out} already exists with a different config; pass --overwrite "
-                                "or write the checkpoint to another directory")
+    if not args.overwrite and out.exists():
+        raise MindRLHFError(f"--output_path {out} already exists; pass --overwrite to replace it")
+    others = [p for p in out.parent.glob("*") if p.suffix.lower() in (".ckpt", ".safetensors") and p.name != out.name]
+    write_shared = not shared.exists() or not others or _same_json(shared, out_config)
 
     specs = hf_io.hf_tensor_specs(in_dir)
     skip = set(hf_io.check_tensor_specs(specs, config, source=str(in_dir), config_file=label))
@@ -199,8 +202,10 @@ def hf_to_ms(args: argparse.Namespace) -> int:
     with _tensor_progress(stream, len(specs) - len(skip), f"to {dtype}", args.no_progress) as bar:
         summary = hf_io.save_ms_checkpoint(bar, out, dtype)
     hf_io.write_json_atomic(config_out, out_config)
+    if write_shared:
+        hf_io.write_json_atomic(shared, out_config)
     print(f"converted {summary.num_tensors} tensors ({summary.num_params:,} parameters) to {dtype}, "
-          f"{_human(summary.nbytes)} -> {out} (config: {config_out})")
+          f"{_human(summary.nbytes)} -> {out} (config: {config_out}{' and ' + shared.name if write_shared else ''})")
     return 0
 
 
