@@ -1,6 +1,7 @@
 """Helpers for tests that run the GRPO job on the tiny Qwen2 (``grpo_assets`` in conftest.py)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -86,3 +87,32 @@ def run_cli(argv, env_extra=None, **kw) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
     return subprocess.run([sys.executable, "-m", "mindrlhf.grpo", *argv], cwd=REPO, env=env,
                           capture_output=True, text=True, **kw)
+
+
+@contextlib.contextmanager
+def second_host():
+    """A second "machine" for multi-node rehearsals: a network namespace joined to this one by a veth
+    pair, so processes run under ``ip netns exec NAME`` have their own address and loopback and reach
+    this side only over the link. Yields (namespace name, this side's address, its address).
+
+    Two msrun launches in one namespace cannot rehearse two nodes: msrun starts a scheduler wherever
+    the master address is a local one, so the second launch would start a second scheduler.
+    """
+    tag = f"mr{os.getpid() % 100000}"
+    net = f"10.231.{os.getpid() % 250}"
+    here, there = f"{net}.1", f"{net}.2"
+    steps = [["ip", "netns", "add", tag],
+             ["ip", "link", "add", f"{tag}a", "type", "veth", "peer", "name", f"{tag}b"],
+             ["ip", "link", "set", f"{tag}b", "netns", tag],
+             ["ip", "addr", "add", f"{here}/30", "dev", f"{tag}a"],
+             ["ip", "link", "set", f"{tag}a", "up"],
+             ["ip", "netns", "exec", tag, "ip", "addr", "add", f"{there}/30", "dev", f"{tag}b"],
+             ["ip", "netns", "exec", tag, "ip", "link", "set", f"{tag}b", "up"],
+             ["ip", "netns", "exec", tag, "ip", "link", "set", "lo", "up"]]
+    try:
+        for cmd in steps:
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+        yield tag, here, there
+    finally:
+        subprocess.run(["ip", "link", "del", f"{tag}a"], capture_output=True)
+        subprocess.run(["ip", "netns", "del", tag], capture_output=True)

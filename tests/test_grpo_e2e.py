@@ -21,6 +21,7 @@ import pytest
 
 from grpo_runs import grpo_args as _args, is_timing as _timing, read_rows as _metrics
 from grpo_runs import assert_same_updated_weights, run_cli as _run_cli, run_inprocess as _run_inprocess
+from grpo_runs import second_host
 from mindrlhf.checkpoint.manager import CheckpointManager
 
 REPO = Path(__file__).resolve().parents[1]
@@ -419,6 +420,57 @@ def test_two_workers_dynamic_sampling_decide_globally(grpo_assets, tmp_path):
         trained = exp.completion_mask.reshape(-1, 4, exp.completion_mask.shape[1]).sum((1, 2)) > 0
         assert ((exp.rewards.reshape(-1, 4).std(1) > 0) == trained).all()
         assert trained.sum() == row["sampling/kept_groups"] and math.isfinite(row["loss"])
+
+
+def _two_nodes(argv, log_dir: Path, port: int) -> None:
+    """scripts/launch_node.sh started twice, as node 0 here and node 1 in a network namespace of its own
+    (a second host reached over a virtual link), forming one 2 x 2-worker job."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "tests"), env.get("PYTHONPATH", "")) if p)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    with second_host() as (netns, master, _):
+        procs = []
+        for rank in (0, 1):
+            cmd = ["bash", str(REPO / "scripts/launch_node.sh"), "--nodes", "2", "--node_rank", str(rank),
+                   "--master_addr", master, "--master_port", str(port), "--workers_per_node", "2",
+                   "--log_dir", str(log_dir / f"node{rank}"), "--", *map(str, argv)]
+            procs.append(subprocess.Popen((["ip", "netns", "exec", netns] if rank else []) + cmd, cwd=REPO, env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outs = [p.communicate(timeout=900)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        logs = "\n".join(f.read_text()[-2000:] for f in sorted(log_dir.rglob("*.log")))
+        raise AssertionError(f"launch_node.sh failed {[p.returncode for p in procs]}:\n{outs[0][-2000:]}\n"
+                             f"{outs[1][-2000:]}\n{logs}")
+    assert (log_dir / "node0" / "scheduler.log").exists() and not (log_dir / "node1" / "scheduler.log").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+def test_two_node_launch_equals_one_process(grpo_assets, tmp_path):
+    """The multi-node launch rehearsed on one machine: node 0 and node 1 (2 workers each; node 1 in its
+    own network namespace, so it is a second host to msrun) form one 4-worker job, dp4 and then train
+    tp2 x dp2, equal to one process on replayed rollouts."""
+    dump = tmp_path / "exp" / "rollouts.npz"
+    base = dict(max_steps=2, chunk_size=4, mini_batch_size=8, micro_batch_size=2, lr=1e-4, tensorboard="false",
+                reward_funcs=["e2e_rewards:length_reward"])
+    assert _run_inprocess(_args(grpo_assets, tmp_path / "record", save_data_file=dump, **base)) == 0
+    one = tmp_path / "one"
+    assert _run_inprocess(_args(grpo_assets, one, replay_data_file=dump, **base)) == 0
+    for name, layout, port in (("dp4", dict(train_dp=4, infer_dp=4), 8141),
+                               ("tp2dp2", dict(train_dp=2, train_tp=2, infer_dp=2, infer_tp=2), 8143)):
+        out = tmp_path / name
+        _two_nodes(_args(grpo_assets, out, replay_data_file=dump, **layout, **base), tmp_path / f"log_{name}", port)
+        rows = _metrics(out)
+        assert [r["step"] for r in rows] == [1, 2], name
+        for a, b in zip(_metrics(one), rows):
+            for key in ("loss", "grad_norm", "reward", "learning_rate"):
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (name, key)
+        assert all(r["grad_norm"] > 1e-3 for r in rows)  # not a vacuous comparison
+        import mindspore as ms
+
+        final = Path("checkpoints") / "step_00000002" / "policy.ckpt"
+        assert_same_updated_weights(ms.load_checkpoint(str(one / final)), ms.load_checkpoint(str(out / final)),
+                                    lr=1e-4)
 
 
 @pytest.mark.slow

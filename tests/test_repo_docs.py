@@ -128,4 +128,7 @@ def test_every_readme_training_command_is_a_valid_config():
                 if words[:1] == ["mindrlhf-grpo"]:
                     parse_args(words[1:])
                     seen += 1
-    assert seen >= 6  # per README: the results run and the DAPO and Dr.GRPO recipes
+                elif words[:2] == ["bash", "scripts/launch_node.sh"]:  # the training flags follow "--"
+                    parse_args(words[words.index("--") + 1:])
+                    seen += 1
+    assert seen >= 10  # per README: the results run, the DAPO and Dr.GRPO recipes, the two node launches
