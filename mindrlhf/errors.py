@@ -9,3 +9,13 @@ from __future__ import annotations
 
 class MindRLHFError(ValueError):
     """An error caused by user input; the message names the input and the fix."""
+
+
+class WorkerLostError(MindRLHFError):
+    """Another worker of a distributed job died or hangs: a collective got no answer in time.
+
+    Not the user's input, but the same one-line report; its own exit code (3) lets a scheduler tell
+    "resume me" from "fix the command" (2).
+    """
+
+    exit_code = 3

@@ -13,9 +13,9 @@ from typing import Optional, Sequence
 
 import mindspore as ms
 
-from mindrlhf.checkpoint.manager import check_output_dirs, clear_previous_run
+from mindrlhf.checkpoint.manager import CheckpointManager, check_output_dirs, clear_previous_run
 from mindrlhf.configs import GRPOConfig, parse_args
-from mindrlhf.errors import MindRLHFError
+from mindrlhf.errors import MindRLHFError, WorkerLostError
 from mindrlhf.rewards import get_reward_fn
 from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import RunLayout, init_run_layout
@@ -37,7 +37,7 @@ def setup_runtime(cfg: GRPOConfig) -> RunLayout:
         ms.set_context(enable_compile_cache=True,
                        compile_cache_path=str(Path(cfg.train.output_dir) / "compile_cache"))
     if p.use_parallel:
-        comm.init_distributed()
+        comm.init_distributed(p.collective_timeout, p.device_target)
         if comm.world_size() != cfg.world_size:
             raise MindRLHFError(f"msrun started {comm.world_size()} workers but the config's layout needs "
                                 f"train_dp*train_tp*train_pp = {cfg.world_size}; set --worker_num={cfg.world_size} "
@@ -187,6 +187,20 @@ def _config_of(path: str):
     return DecoderConfig.from_hf_dict(source.config, source=str(source.config_path))
 
 
+def worker_lost(cfg: GRPOConfig, op: str, err: RuntimeError) -> WorkerLostError:
+    """The one-line report of a collective that got no answer: another worker died or hangs."""
+    # MindSpore's message may open with ruler and heading lines; log its first line with words in it.
+    said = next((line.strip() for line in str(err).splitlines() if any(c.isalnum() for c in line)
+                 and "Kernel error" not in line), "")
+    log.error("rank %d: %s failed: %s", comm.rank(), op, said)
+    found = CheckpointManager(cfg.checkpoint_dir).latest_complete()
+    resume = (f"the newest complete checkpoint here is step {found[0]}: rerun the same command with --resume"
+              if found else "no complete checkpoint here yet: rerun the same command")
+    return WorkerLostError(f"worker rank {comm.rank()} of {comm.world_size()}: {op} got no answer from the other "
+                           f"workers within {comm.collective_timeout_text()}, so another "
+                           f"worker of this job died or hangs (msrun's --log_dir has each worker's log); {resume}")
+
+
 def _main(argv: Optional[Sequence[str]] = None) -> int:
     cfg = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -198,11 +212,17 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
     layout = setup_runtime(cfg)
     if t.overwrite_output_dir and not t.resume and comm.is_main():
         clear_previous_run(t.output_dir, cfg.checkpoint_dir)
-    trainer = build_trainer(cfg, layout)
-    if comm.is_main():
-        Path(cfg.train.output_dir).mkdir(parents=True, exist_ok=True)
-        cfg.save_yaml(Path(cfg.train.output_dir) / "config.yaml")
-    history = trainer.train()
+    try:
+        trainer = build_trainer(cfg, layout)
+        if comm.is_main():
+            Path(cfg.train.output_dir).mkdir(parents=True, exist_ok=True)
+            cfg.save_yaml(Path(cfg.train.output_dir) / "config.yaml")
+        history = trainer.train()
+    except RuntimeError as err:
+        op = comm.collective_failure(err) if comm.world_size() > 1 else None
+        if op is None:
+            raise
+        raise worker_lost(cfg, op, err) from None
     if comm.is_main() and history:
         log.info("done: %d steps, last reward %.4f, metrics in %s", trainer.step, history[-1]["reward"],
                  Path(cfg.train.output_dir) / "metrics.jsonl")

@@ -422,10 +422,11 @@ def test_two_workers_dynamic_sampling_decide_globally(grpo_assets, tmp_path):
         assert trained.sum() == row["sampling/kept_groups"] and math.isfinite(row["loss"])
 
 
-def _two_nodes(argv, log_dir: Path, port: int) -> None:
+def _two_nodes(argv, log_dir: Path, port: int, env_extra=None, check: bool = True) -> list:
     """scripts/launch_node.sh started twice, as node 0 here and node 1 in a network namespace of its own
-    (a second host reached over a virtual link), forming one 2 x 2-worker job."""
-    env = dict(os.environ)
+    (a second host reached over a virtual link), forming one 2 x 2-worker job. Returns each launch's
+    (exit code, output)."""
+    env = dict(os.environ, **(env_extra or {}))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "tests"), env.get("PYTHONPATH", "")) if p)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     with second_host() as (netns, master, _):
@@ -437,11 +438,68 @@ def _two_nodes(argv, log_dir: Path, port: int) -> None:
             procs.append(subprocess.Popen((["ip", "netns", "exec", netns] if rank else []) + cmd, cwd=REPO, env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outs = [p.communicate(timeout=900)[0] for p in procs]
-    if any(p.returncode for p in procs):
+    if check and any(p.returncode for p in procs):
         logs = "\n".join(f.read_text()[-2000:] for f in sorted(log_dir.rglob("*.log")))
         raise AssertionError(f"launch_node.sh failed {[p.returncode for p in procs]}:\n{outs[0][-2000:]}\n"
                              f"{outs[1][-2000:]}\n{logs}")
     assert (log_dir / "node0" / "scheduler.log").exists() and not (log_dir / "node1" / "scheduler.log").exists()
+    return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
+def _logged_at(log: Path, pattern: str) -> float:
+    """The time (s since the epoch) of the first line of a worker log whose message matches ``pattern``."""
+    import datetime
+    import re
+
+    for line in log.read_text(errors="replace").splitlines():
+        if re.search(pattern, line):
+            stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+            return stamp.timestamp()
+    raise AssertionError(f"no line matching {pattern!r} in {log}:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+def test_a_dead_worker_stops_the_job_and_resume_continues_exactly(grpo_assets, tmp_path):
+    """A worker of a two-node job SIGKILLed during generation (rank 1, node 0) or at the gradient
+    all-reduce (rank 2, node 1) of step 2: msrun kills the dead worker's node-mates, the other node's
+    workers stop with the one-line error (exit code 3) within collective_timeout of the death, as their
+    own logs show, both launches exit non-zero, and --resume reproduces the uninterrupted run."""
+    timeout = 10
+    base = dict(max_steps=3, chunk_size=4, lr=1e-3, tensorboard="false", train_dp=4, infer_dp=4,
+                collective_timeout=timeout, reward_funcs=["e2e_rewards:length_reward"])
+    full = tmp_path / "full"
+    _two_nodes(_args(grpo_assets, full, **base), tmp_path / "log_full", 8151)
+    reference = {r["step"]: r for r in _metrics(full)}
+    assert sorted(reference) == [1, 2, 3]
+    port = 8153
+    for victim, point in ((1, "generate"), (2, "grad_allreduce")):
+        out, logs = tmp_path / point, tmp_path / f"log_{point}"
+        argv = _args(grpo_assets, out, **base)
+        results = _two_nodes(argv, logs, port, env_extra={"MINDRLHF_KILL_AT": f"{victim}:2:{point}"}, check=False)
+        port += 2
+        assert all(code != 0 for code, _ in results), (point, [code for code, _ in results])
+        victim_node, other_node = (0, 1) if victim < 2 else (1, 0)
+        died = _logged_at(logs / f"node{victim_node}" / f"worker_{victim}.log",
+                          rf"fault injection: rank {victim} kills itself at step 2 \({point}\)")
+        assert "Error code: 3" in results[other_node][1], results[other_node][1][-3000:]
+        for rank in (2 * other_node, 2 * other_node + 1):
+            log = logs / f"node{other_node}" / f"worker_{rank}.log"
+            text = log.read_text(errors="replace")
+            assert (f"error: worker rank {rank} of 4:" in text and "died or hangs" in text
+                    and f"within {timeout} s (MS_CPU_COMM_OP_TIMEOUT)" in text
+                    and "newest complete checkpoint here is step 1" in text), text[-3000:]
+            stopped = _logged_at(log, rf"ERROR mindrlhf: rank {rank}: \w+ failed")
+            assert 0 <= stopped - died <= timeout + 10, (point, rank, stopped - died)
+        assert [r["step"] for r in _metrics(out)] == [1]
+        _two_nodes(argv + ["--resume"], tmp_path / f"log_{point}_resume", port)
+        port += 2
+        resumed = {r["step"]: r for r in _metrics(out)}
+        assert sorted(resumed) == [1, 2, 3]
+        for step in (2, 3):
+            for key, value in reference[step].items():
+                if not _timing(key):
+                    assert resumed[step][key] == value, (point, step, key, resumed[step][key], value)
 
 
 @pytest.mark.slow

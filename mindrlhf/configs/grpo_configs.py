@@ -370,6 +370,14 @@ class ParallelConfig:
         "CPU", "Device for all models: CPU, Ascend (NPU, production) or GPU. The entry point sets it; "
         "library code never does.",
         choices=DEVICE_TARGETS)
+    collective_timeout: int = config_field(
+        600, "Seconds a collective (gradient all-reduce, gathering rollouts, ...) waits for the other workers "
+        "before it fails. When a worker dies or hangs, every other worker then stops with one error line "
+        "(exit code 3) instead of waiting forever, and msrun returns non-zero; rerun with --resume. Sets "
+        "MS_CPU_COMM_OP_TIMEOUT (CPU) or HCCL_EXEC_TIMEOUT (Ascend) unless the environment already does; "
+        "GPU (NCCL) has no such bound. Raise it if one worker can legitimately lag the others this long "
+        "(compiling a large model, or rank 0 writing a large checkpoint while the others wait). Range 1..86400.",
+        ge=1, le=86400)
     enable_compile_cache: bool = config_field(
         False, "Cache compiled graphs on disk (MindSpore compile cache, under output_dir) so a restart "
         "skips compilation.")

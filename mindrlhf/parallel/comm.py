@@ -6,13 +6,27 @@ With one process every function is the identity, so single-process runs need no 
 """
 from __future__ import annotations
 
+import logging
 import os
+import re
 from typing import Optional
 
 import numpy as np
 from mindspore import Tensor, ops
 
-_STATE = {"initialised": False, "rank": 0, "size": 1}
+_STATE = {"initialised": False, "rank": 0, "size": 1, "timeout": ""}
+log = logging.getLogger("mindrlhf")
+
+# The environment variable that bounds how long one collective waits for its peers, per device:
+# MindSpore's CPU collectives (mccl) and HCCL read it when communication is initialised.
+# NCCL (GPU) has no such bound.
+COLLECTIVE_TIMEOUT_ENV = {"CPU": "MS_CPU_COMM_OP_TIMEOUT", "Ascend": "HCCL_EXEC_TIMEOUT"}
+# How MindSpore reports a collective that failed or timed out: the kernel launch of a collective op
+# (pynative or graph), the CPU ring's wait, or an HCCL task timeout.
+_COLLECTIVE_FAILURE = re.compile(
+    r"(Launch kernel failed(, name)?:\s*\S*?"
+    r"(AllReduce|AllGather|Broadcast|ReduceScatter|AllToAll|Send|Receive|Barrier))"
+    r"|CollectiveWait|EI0002|EI0006|HCCL[^\n]*?(?i:time ?out|timed out)")
 
 
 def launched_by_msrun() -> bool:
@@ -20,16 +34,44 @@ def launched_by_msrun() -> bool:
     return "MS_WORKER_NUM" in os.environ or int(os.environ.get("RANK_SIZE", "1")) > 1
 
 
-def init_distributed() -> None:
-    """Initialise communication once (only when launched with several workers)."""
+def init_distributed(collective_timeout: Optional[int] = None, device_target: str = "CPU") -> None:
+    """Initialise communication once (only when launched with several workers).
+
+    ``collective_timeout`` (seconds): a collective that waits longer for its peers fails (a worker
+    died or hangs), so the survivors stop instead of waiting forever. A value already set in the
+    environment by the user wins.
+    """
     if _STATE["initialised"]:
         return
     if launched_by_msrun():
         from mindspore.communication import get_group_size, get_rank, init
 
+        env = COLLECTIVE_TIMEOUT_ENV.get(device_target)
+        if collective_timeout is not None and env:
+            if env in os.environ and os.environ[env] != str(collective_timeout):
+                log.info("collective timeout: %s=%s from the environment (not collective_timeout=%d)",
+                         env, os.environ[env], collective_timeout)
+            os.environ.setdefault(env, str(collective_timeout))
+            _STATE["timeout"] = f"{os.environ[env]} s ({env})"
         init()
         _STATE.update(rank=get_rank(), size=get_group_size())
     _STATE["initialised"] = True
+
+
+def collective_failure(err: BaseException) -> Optional[str]:
+    """The collective named in ``err`` when it is MindSpore's report of a collective that failed or
+    timed out (a peer worker died or hangs), e.g. 'AllGather'; None for any other error."""
+    if not isinstance(err, RuntimeError):
+        return None
+    match = _COLLECTIVE_FAILURE.search(str(err))
+    if match is None:
+        return None
+    return match.group(3) or "a collective"
+
+
+def collective_timeout_text() -> str:
+    """How long a collective waits before it fails, as set at initialisation (for messages)."""
+    return _STATE["timeout"] or "the communication library's timeout"
 
 
 def rank() -> int:

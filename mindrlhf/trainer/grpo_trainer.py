@@ -39,6 +39,7 @@ from mindrlhf.trainer.experience import (Experience, bucket, concat_experiences,
 from mindrlhf.trainer.metrics import MetricsLogger, console_line
 from mindrlhf.trainer.schedule import lr_at
 from mindrlhf.trainer.train_step import LossSettings, PolicyUpdater
+from mindrlhf.utils import faults
 
 log = logging.getLogger(__name__)
 PROMPT_BUCKET = 32  # prompt columns are padded to a multiple of this (fewer compiled shapes)
@@ -135,6 +136,7 @@ class GRPOTrainer:
         completions sampled and scored; advantages not yet computed."""
         g, a = self.cfg.generation, self.cfg.algorithm
         prompts, solutions, questions, index, completions = [], [], [], [], []
+        faults.point("generate", comm.rank())
         for r, batch in self._prompt_batches():
             local = [list(map(int, ids[:n])) for ids, n in zip(batch["prompt_ids"], batch["prompt_length"])]
             completions += self.sampler.generate(local, self._sampling_params(step, round_index * a.num_rollouts + r))
@@ -379,18 +381,20 @@ class GRPOTrainer:
             moments = [p + n for p in STATE_PREFIXES for n in names]
             optimizer = dict(self._full_state(optimizer, moments), adam_step=optimizer["adam_step"])
             ref = self._full_state(ref, names) if ref is not None else None
-        if not comm.is_main():
-            return
-        tensors = {"policy": policy, "optimizer": optimizer}
-        if ref is not None:
-            tensors["ref"] = ref
-        state = {"step": self.step, "run_id": self.run_id, "batches_drawn": self.batches_drawn,
-                 "consecutive_nonfinite": self.consecutive_nonfinite,
-                 "skipped_updates": self.skipped_updates, "ref_synced": self.ref_synced,
-                 "world_size": self.world, "reward_failures": dict(self.rewards.failures),
-                 **self.updater.loss_scale_state()}
-        self.ckpt.save(self.step, tensors, state, yaml.safe_dump(self.cfg.to_dict(), sort_keys=False),
-                       files=self._model_files())
+        if comm.is_main():
+            tensors = {"policy": policy, "optimizer": optimizer}
+            if ref is not None:
+                tensors["ref"] = ref
+            state = {"step": self.step, "run_id": self.run_id, "batches_drawn": self.batches_drawn,
+                     "consecutive_nonfinite": self.consecutive_nonfinite,
+                     "skipped_updates": self.skipped_updates, "ref_synced": self.ref_synced,
+                     "world_size": self.world, "reward_failures": dict(self.rewards.failures),
+                     **self.updater.loss_scale_state()}
+            self.ckpt.save(self.step, tensors, state, yaml.safe_dump(self.cfg.to_dict(), sort_keys=False),
+                           files=self._model_files())
+        # No rank starts the next step before the checkpoint is complete: msrun kills every worker of a
+        # node when one dies, and rank 0 must not be taken down mid-write by a death in the next step.
+        comm.barrier()
 
     def _model_files(self) -> Dict[str, object]:
         """config.json of the policy and its tokenizer's files: a checkpoint folder is a loadable model."""
@@ -498,6 +502,7 @@ class GRPOTrainer:
         """Run GRPO step ``self.step + 1``; returns its metrics."""
         cfg, a, t = self.cfg, self.cfg.algorithm, self.cfg.train
         step = self.step + 1
+        faults.enter_step(step)
         times = {}
         t0 = time.perf_counter()
         texts, info = None, None

@@ -21,6 +21,7 @@ from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import ParallelGroups, data_parallel_groups
 from mindrlhf.parallel.pipeline import PipelineRunner
 from mindrlhf.trainer.optimizer import AdamW
+from mindrlhf.utils import faults
 
 # The loss's aux values per micro-batch: token-weighted means, the token count, sums, then maxima.
 LOSS_METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
@@ -172,6 +173,7 @@ class PolicyUpdater:
         scale = self.loss_scale
         grads, loss_sum, aux = self.runner.loss_and_grads(micro_batches, LOSS_KEYS,
                                                           extra=(n_tok, n_seq, Tensor(np.float32(scale))))
+        faults.point("grad_allreduce", comm.rank())
         if self.reducer is not None:
             grads = self.reducer(grads)
         if self.scaler is not None:
