@@ -36,7 +36,7 @@ from mindrlhf.errors import MindRLHFError
 from mindrlhf.generation.base import Sampler
 from mindrlhf.generation.params import Completion, SamplingParams
 from mindrlhf.generation.selection import select_tokens
-from mindrlhf.models.decoder import MASK_VALUE, CausalLM
+from mindrlhf.models.decoder import MASK_VALUE, CausalLM, host_positions
 from mindrlhf.models.weights import NamedArrays, set_weights
 
 
@@ -345,7 +345,7 @@ class NativeSampler(Sampler):
         for r, p in enumerate(prompts):
             ids[r, P - p.size:] = p
             mask[r, P - p.size:] = True
-        pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int64)
+        pos = host_positions(mask)
         key_ok = np.zeros((B, S), bool)
         key_ok[:, :P] = mask
         causal = np.arange(S)[None, :] <= np.arange(P)[:, None]  # (P, S)

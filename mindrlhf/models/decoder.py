@@ -83,8 +83,14 @@ class RMSNorm(nn.Cell):
 
 def real_token_positions(attention_mask: Tensor) -> Tensor:
     """Positions (B, T) counting real tokens only (``cumsum(mask) - 1``; padding repeats the previous
-    real position, left padding gets 0): what the sampler and ``models.packing`` use too."""
+    real position, left padding gets 0). ``host_positions`` is the same rule on the host."""
     return ops.relu(ops.cumsum(attention_mask.astype(ms.int32), 1) - 1)
+
+
+def host_positions(mask: np.ndarray, start: int = 0) -> np.ndarray:
+    """``real_token_positions`` in numpy along the last axis, counting on from ``start`` real tokens
+    already seen (the sampler's prefill and ``models.packing`` build positions on the host)."""
+    return np.maximum(start + np.cumsum(mask, axis=-1) - 1, 0).astype(np.int64)
 
 
 def attention_bias(attention_mask: Tensor) -> Tensor:

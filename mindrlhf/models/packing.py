@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from mindrlhf.models.decoder import MASK_VALUE
+from mindrlhf.models.decoder import MASK_VALUE, host_positions
 
 
 @dataclass
@@ -84,12 +84,12 @@ def pack_shared_prompts(input_ids: np.ndarray, attention_mask: np.ndarray,
         if j == 0:
             ids[g, :p] = input_ids[r, :p]
             mask[g, :p] = prompt_mask
-            pos[g, :p] = np.maximum(np.cumsum(prompt_mask) - 1, 0)
+            pos[g, :p] = host_positions(prompt_mask)
         cols = slice(p + j * seg, p + (j + 1) * seg)
         ids[g, cols] = input_ids[r, p:]
         mask[g, cols] = attention_mask[r, p:].astype(bool)
         # As the padded row counts them: real tokens so far minus one (padding repeats the last).
-        pos[g, cols] = int(prompt_mask.sum()) + np.cumsum(mask[g, cols]) - 1
+        pos[g, cols] = host_positions(mask[g, cols], start=int(prompt_mask.sum()))
         gather[r, 0] = g * t + p - 1
         gather[r, 1:] = g * t + p + j * seg + np.arange(seg)
     prompt_real = mask[:, :p]  # (groups, P): real prompt tokens
