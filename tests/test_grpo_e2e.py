@@ -27,11 +27,18 @@ from mindrlhf.checkpoint.manager import CheckpointManager
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _msrun(n: int, argv, log_dir: Path, port: int) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    # Workers import test reward functions by dotted path (tests/e2e_rewards.py).
+def _launch_env(env_extra=None) -> dict:
+    """The environment of an msrun launch: this venv's python first on PATH (msrun starts the first
+    one it finds), and tests/ importable, since workers import test reward functions by dotted path
+    (tests/e2e_rewards.py)."""
+    env = dict(os.environ, **(env_extra or {}))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "tests"), env.get("PYTHONPATH", "")) if p)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def _msrun(n: int, argv, log_dir: Path, port: int) -> subprocess.CompletedProcess:
+    env = _launch_env()
     cmd = [str(Path(sys.executable).parent / "msrun"), f"--worker_num={n}", f"--local_worker_num={n}",
            f"--master_port={port}", "--join=True", f"--log_dir={log_dir}",
            str(REPO / "examples/grpo/qwen_grpo_tutorial/grpo_one_stage.py"), *argv]
@@ -426,9 +433,7 @@ def _two_nodes(argv, log_dir: Path, port: int, env_extra=None, check: bool = Tru
     """scripts/launch_node.sh started twice, as node 0 here and node 1 in a network namespace of its own
     (a second host reached over a virtual link), forming one 2 x 2-worker job. Returns each launch's
     (exit code, output)."""
-    env = dict(os.environ, **(env_extra or {}))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "tests"), env.get("PYTHONPATH", "")) if p)
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env = _launch_env(env_extra)
     with second_host() as (netns, master, _):
         procs = []
         for rank in (0, 1):
