@@ -145,6 +145,7 @@ def _bad_file(tmp_path: Path) -> Path:
         json.dumps({"question": "Sam has 1,000 coins.", "answer": "#### 1,000"}),                   # 7 ok
         "[1, 2]",                                                                                    # 8 not an object
         json.dumps({"answer": "#### 3"}),                                                            # 9 no question
+        json.dumps({"question": "How many?", "answer": "so\n#### five"}),                            # 10 not a number
     ]
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -164,8 +165,10 @@ def test_bad_rows_reported_with_line_and_reason(tmp_path, qwen_tokenizer_dir, ca
     assert re.search(r"line 6: skipped \(prompt too long\): \d+ tokens > --max_prompt_length 128", err)
     assert re.search(r"line 8: skipped \(malformed JSON\)", err)
     assert re.search(r"line 9: skipped \(missing field\): no non-empty string field 'question'", err)
+    # No completion could ever match it: the accuracy reward compares numbers (it used to be written).
+    assert "line 10: skipped (no final answer): final answer 'five' after '####' is not a number" in err
     assert "line 1:" not in err and "line 3:" not in err and "line 7:" not in err
-    assert ("8 rows read, 2 written, 6 skipped (malformed JSON: 2, missing field: 2, no final answer: 1, "
+    assert ("9 rows read, 2 written, 7 skipped (malformed JSON: 2, missing field: 2, no final answer: 2, "
             "prompt too long: 1)") in captured.out
     rows = _read_all(out)
     assert [r["solution"] for r in rows] == ["5", "1000"]
@@ -178,7 +181,7 @@ def test_strict_exits_nonzero_and_writes_nothing(tmp_path, qwen_tokenizer_dir, c
                                                   "--max_prompt_length", "128", "--strict"]
     assert main(argv) == 1
     captured = capsys.readouterr()
-    assert "8 rows read, 0 written, 6 skipped" in captured.out and "--strict" in captured.err
+    assert "9 rows read, 0 written, 7 skipped" in captured.out and "--strict" in captured.err
     assert not out.exists() and not Path(f"{out}.db").exists()
 
 

@@ -241,8 +241,16 @@ def test_evaluate_user_errors(eval_assets, tmp_path):
         evaluate(model, data_path=data, batch_size=0)
     with pytest.raises(MindRLHFError, match=r"--model .*nope not found"):
         evaluate(str(tmp_path / "nope"), data_path=data, limit=1)
-    with pytest.raises(MindRLHFError, match="is the input data file"):
+    with pytest.raises(MindRLHFError, match=r"is the --data_path input .*; write the results outside the inputs"):
         evaluate(model, data_path=data, output=data)
+    # An input in the output's place is refused even with --overwrite (it used to suggest --overwrite,
+    # which would have replaced the model's weights with the results).
+    weights = eval_assets["model"] / "model.safetensors"
+    with pytest.raises(MindRLHFError, match=r"--output .*model.safetensors is the --model input .*--overwrite "
+                                            r"never replaces an input"):
+        evaluate(str(weights), data_path=data, output=weights, overwrite=True)
+    with pytest.raises(MindRLHFError, match=r"--output .*eval.jsonl is inside the --model input"):
+        evaluate(model, data_path=data, output=eval_assets["model"] / "eval.jsonl")
     with pytest.raises(MindRLHFError, match="no questions to evaluate"):
         evaluate(model, data_path=data, offset=5)
     with pytest.raises(MindRLHFError, match="no tokenizer files next to the model"):

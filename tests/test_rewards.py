@@ -257,6 +257,27 @@ def test_manager_stops_on_a_failing_function_by_default():
         RewardManager(["accuracy"], errors="ignore")
 
 
+def test_non_finite_rewards_are_failures_of_the_function(caplog):
+    # An inf used to be trained on: its group's std became NaN and every advantage of the group 0,
+    # loss 0, exit 0, without a word. None stays the way to give no score.
+    def blows_up(completions, solution, **kw):
+        return [1.0, float("inf"), None, float("nan")]
+
+    with pytest.raises(MindRLHFError, match=r"reward function 'blows_up' returned inf for completion 1 \(2 of 4 "
+                                            r"non-finite\); return a finite float, or None for no score, or set "
+                                            r"reward_errors: skip"):
+        RewardManager([blows_up])(list("abcd"), list("1234"))
+    manager = RewardManager(["accuracy", blows_up], errors="skip")
+    with caplog.at_level(logging.WARNING, logger="mindrlhf.rewards"):
+        for _ in range(2):
+            total, per_fn = manager(["1", "x", "3", "x"], list("1234"))
+    assert per_fn["blows_up"][0] == 1.0 and np.isnan(per_fn["blows_up"][1:]).all()
+    np.testing.assert_array_equal(total, [2.0, 0.0, 1.0, 0.0])  # accuracy alone where blows_up gave no score
+    assert manager.failures == {"accuracy": 0, "blows_up": 2}
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "'blows_up' returned inf for completion 1 (2 of 4 non-finite)" in warning
+
+
 def test_manager_calls_functions_with_trl_arguments():
     seen = {}
 

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from mindrlhf.data.gsm8k import (DEFAULT_PROMPT_STYLE, DEFAULT_SYSTEM_PROMPT, PROMPT_STYLES, build_prompt,
                                  extract_gsm8k_solution, style_system_prompt)
 from mindrlhf.errors import MindRLHFError
+from mindrlhf.rewards.answers import parse_number
 from mindrlhf.tokenizer import Tokenizer, resolve_tokenizer
 from mindrlhf.utils.cli import run_cli
 
@@ -91,7 +92,11 @@ def _final_answer(value: object, dataset_type: str) -> Tuple[Optional[str], str]
         solution = extract_gsm8k_solution(text)
         if solution is None:
             return None, "answer has no '####' marker"
-        return (solution, "") if solution else (None, "nothing after '####'")
+        if not solution:
+            return None, "nothing after '####'"
+        if parse_number(solution) is None:  # the accuracy reward compares numbers: no completion could match
+            return None, f"final answer {solution!r} after '####' is not a number"
+        return solution, ""
     # openr1math / generic: the field already holds the final answer.
     solution = text.strip()
     return (solution, "") if solution else (None, "answer is empty")

@@ -285,7 +285,9 @@ def evaluate(
     n = k if mode == "maj" else 1
     data = Path(data_path) if data_path is not None else DEFAULT_DATA
     questions, skipped = load_questions(data, limit=limit, offset=offset)
-    out_path = _check_output(output, data, overwrite) if output is not None else None
+    inputs = {"--data_path": data, "--model": model, "--tokenizer_dir": tokenizer_dir, "--vocab_path": vocab_path,
+              "--merges_file_path": merges_file_path}
+    out_path = _check_output(output, inputs, overwrite) if output is not None else None
     if skipped:
         log.warning("%s: skipped %d rows without a '#### N' final answer", data, skipped)
     if not questions:
@@ -373,12 +375,21 @@ def evaluate(
     }
 
 
-def _check_output(output: PathLike, data: Path, overwrite: bool) -> Path:
+def _check_output(output: PathLike, inputs: Dict[str, Any], overwrite: bool) -> Path:
+    """The results file: never an input or a file inside an input folder (``--overwrite`` included),
+    never an existing file unless ``overwrite``."""
     path = Path(output)
     if path.is_dir():
         raise MindRLHFError(f"--output {path} is a directory; pass a file path such as {path / 'eval.jsonl'}")
-    if data.exists() and path.exists() and path.resolve() == data.resolve():
-        raise MindRLHFError(f"--output {path} is the input data file; write the results elsewhere")
+    for flag, given in inputs.items():
+        if not isinstance(given, (str, os.PathLike)) or not Path(given).exists():
+            continue  # not given, not a path (a model object), or missing (reported where it is loaded)
+        source = Path(given).resolve()
+        where = path.resolve()
+        if where == source or source in where.parents:
+            what = "is" if where == source else "is inside"
+            raise MindRLHFError(f"--output {path} {what} the {flag} input {given}; write the results outside the "
+                                f"inputs (--overwrite never replaces an input)")
     if path.exists() and not overwrite:
         raise MindRLHFError(f"--output {path} already exists; pass --overwrite to replace it or choose another file")
     path.parent.mkdir(parents=True, exist_ok=True)

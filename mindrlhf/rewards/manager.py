@@ -25,7 +25,8 @@ class RewardManager:
     ``question``), all by keyword. ``errors``: a function that raises stops the run with one error
     naming it (``"raise"``), or (``"skip"``) every sample of that call scores None,
     ``failures[name]`` counts the failed calls and the first failure of each function is logged
-    (warning, with traceback).
+    (warning, with traceback). A non-finite value (inf, NaN) is a failure too, under the same policy
+    (with skip, those samples score None); None itself is a function's way to give no score.
     """
 
     def __init__(self, funcs: Sequence[Union[str, RewardFn]], weights: Optional[Sequence[float]] = None,
@@ -91,15 +92,7 @@ class RewardManager:
                     f"or set reward_errors: skip to score such calls None and train on"
                 ) from err
             # skip: a user reward bug does not kill a long run; score None, count, log once
-            self.failures[name] += 1
-            if name not in self._logged:
-                self._logged.add(name)
-                logger.warning(
-                    "reward function %r raised; its scores for this batch are None (later failures are "
-                    "only counted in RewardManager.failures)",
-                    name,
-                    exc_info=True,
-                )
+            self._failed(name, "raised", exc_info=True)
             return np.full(n, np.nan, dtype=np.float32)
         try:
             length = len(out)
@@ -121,4 +114,26 @@ class RewardManager:
                 raise MindRLHFError(
                     f"reward function {name!r} returned {v!r} for completion {i}; expected a float or None"
                 ) from None
+        # inf, NaN, or a float64 beyond float32's range: one such value would make its whole group's std
+        # NaN and every advantage of the group 0, training nothing without a word. A failure of the
+        # function, like an exception (None is how a function says "no score for this one").
+        bad = ~np.isfinite(values)
+        bad &= np.array([v is not None for v in out])
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            if self.errors == "raise":
+                raise MindRLHFError(
+                    f"reward function {name!r} returned {out[i]!r} for completion {i} ({int(bad.sum())} of {n} "
+                    f"non-finite); return a finite float, or None for no score, or set reward_errors: skip to "
+                    f"score such values None and train on")
+            self._failed(name, f"returned {out[i]!r} for completion {i} ({int(bad.sum())} of {n} non-finite)")
+            values[bad] = np.nan
         return values
+
+    def _failed(self, name: str, what: str, exc_info: bool = False) -> None:
+        """reward_errors skip: count the failed call; log the first failure of each function."""
+        self.failures[name] += 1
+        if name not in self._logged:
+            self._logged.add(name)
+            logger.warning("reward function %r %s; those scores are None (later failures are only counted, in "
+                           "rewards/<name>/failures)", name, what, exc_info=exc_info)
