@@ -13,7 +13,8 @@ from typing import Optional, Sequence
 
 import mindspore as ms
 
-from mindrlhf.checkpoint.manager import CheckpointManager, check_output_dirs, clear_previous_run
+from mindrlhf.checkpoint.manager import CheckpointManager
+from mindrlhf.checkpoint.run_dir import check_run_dirs, clear_previous_run, write_run_id
 from mindrlhf.configs import GRPOConfig, parse_args
 from mindrlhf.errors import MindRLHFError, WorkerLostError
 from mindrlhf.rewards import get_reward_fn
@@ -205,18 +206,22 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
     cfg = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t = cfg.train
-    # Before anything is written, on every worker (msrun's rendezvous in setup_runtime comes after).
-    check_output_dirs(t.output_dir, cfg.checkpoint_dir, resume=t.resume, overwrite=t.overwrite_output_dir)
+    # Before anything is written, on every worker (msrun's rendezvous in setup_runtime comes after):
+    # what this start may do in the output and checkpoint directories, and which checkpoint it resumes.
+    start = check_run_dirs(t.output_dir, cfg.checkpoint_dir, resume=t.resume, overwrite=t.overwrite_output_dir)
     for name in cfg.algorithm.reward_funcs:  # a typo in a dotted path fails now, not after the model loaded
         get_reward_fn(name)
     layout = setup_runtime(cfg)
-    if t.overwrite_output_dir and not t.resume and comm.is_main():
-        clear_previous_run(t.output_dir, cfg.checkpoint_dir)
     try:
         trainer = build_trainer(cfg, layout)
+        if start.checkpoint is not None:
+            trainer.resume(start.checkpoint)
+        # Everything is validated and loaded: only now may the previous run go and this one's files begin.
         if comm.is_main():
-            Path(cfg.train.output_dir).mkdir(parents=True, exist_ok=True)
-            cfg.save_yaml(Path(cfg.train.output_dir) / "config.yaml")
+            if t.overwrite_output_dir and start.checkpoint is None:
+                clear_previous_run(t.output_dir, cfg.checkpoint_dir)
+            write_run_id(t.output_dir, trainer.run_id)
+            cfg.save_yaml(Path(t.output_dir) / "config.yaml")
         history = trainer.train()
     except RuntimeError as err:
         op = comm.collective_failure(err) if comm.world_size() > 1 else None

@@ -34,3 +34,13 @@ def flat_for_even_questions(completions, question, **kwargs):
 def zero_reward(completions, **kwargs):
     """The same reward for everything: every group is flat."""
     return [0.0] * len(completions)
+
+
+def one_infinite_reward(completions, **kwargs):
+    """The length reward, but inf for the first completion of every call (a reward with an overflow)."""
+    return [float("inf")] + [len(c) / 40.0 for c in completions[1:]]
+
+
+def no_score(completions, **kwargs):
+    """None for everything: a function that never applies."""
+    return [None] * len(completions)

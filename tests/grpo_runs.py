@@ -122,3 +122,22 @@ def second_host():
     finally:
         subprocess.run(["ip", "link", "del", f"{tag}a"], capture_output=True)
         subprocess.run(["ip", "netns", "del", tag], capture_output=True)
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size_bytes: int):
+    """A tmpfs of ``size_bytes`` mounted at ``path`` (a full disk on demand). Yields a function that
+    resizes it, for freeing space. Needs root (CI runs as root)."""
+    import shutil
+
+    import pytest
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root and mount")
+    path.mkdir(parents=True, exist_ok=True)
+    pages = lambda n: f"{max(1, -(-int(n) // 4096)) * 4}k"  # noqa: E731
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={pages(size_bytes)}", "tmpfs", str(path)], check=True)
+    try:
+        yield lambda n: subprocess.run(["mount", "-o", f"remount,size={pages(n)}", str(path)], check=True)
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

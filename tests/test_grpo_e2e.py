@@ -103,12 +103,26 @@ def test_a_new_run_never_overwrites_or_resumes_another(grpo_assets, tmp_path, ca
     assert _run_inprocess(_args(grpo_assets, out, **dict(short, max_steps=1, seed=7),
                                 overwrite_output_dir="true")) == 0
     assert [r["step"] for r in _metrics(out)] == [1] and os.listdir(out / "checkpoints") == ["step_00000001"]
-    # Resuming with a config that changes the math names the changed fields.
+    # Resuming with a config that changes the math names the changed fields: max_steps (the schedule's
+    # length) and the data source too (issue 24 item 4: they were not compared).
+    from mindrlhf.data.rlhf_data import convert_to_mindrecord
+    from mindrlhf.tokenizer import Tokenizer
+
+    other_data = tmp_path / "same_rows_elsewhere.mindrecord"
+    convert_to_mindrecord(str(grpo_assets["data"].parent / "gsm8k16.jsonl"), str(other_data),
+                          Tokenizer.from_dir(grpo_assets["model"]), max_prompt_length=256, show_progress=False)
     with caplog.at_level(logging.WARNING, logger="mindrlhf.trainer.grpo_trainer"):
-        changed = dict(short, max_steps=2, seed=8, lr=2e-3)
+        changed = dict(short, max_steps=2, seed=8, lr=2e-3, mind_dataset_dir=other_data)
         assert _run_inprocess(_args(grpo_assets, out, **changed, resume="latest")) == 0
     warned = [r.getMessage() for r in caplog.records if "different config" in r.getMessage()]
     assert len(warned) == 1 and "lr 0.001 -> 0.002" in warned[0] and "seed 7 -> 8" in warned[0]
+    assert "max_steps 1 -> 2" in warned[0]
+    assert f"mind_dataset_dir '{grpo_assets['data']}' -> '{other_data}'" in warned[0]
+    # Resuming a finished run with a smaller max_steps: an error, not a silent exit 0 (issue 24 item 9).
+    capsys.readouterr()
+    assert _run_inprocess(_args(grpo_assets, out, **dict(changed, max_steps=1), resume="latest")) == 2
+    assert ("the checkpoint is at step 2, past --max_steps 1; raise --max_steps to train on, or resume an earlier "
+            "checkpoint") in capsys.readouterr().err
     # An output_dir that is a file: one clear error, no traceback.
     (tmp_path / "afile").write_text("x")
     assert _run_inprocess(_args(grpo_assets, tmp_path / "afile", **short)) == 2
@@ -129,6 +143,8 @@ def test_bad_inputs_fail_fast_with_errors_that_name_the_problem(grpo_assets, tmp
     # A typo in a reward path is reported before the (missing, here) model would load.
     assert "cannot import module 'e2e_rewardz'" in error(sft_path_train=missing,
                                                           reward_funcs=["e2e_rewardz:length_reward"])
+    # An output_dir that cannot be written: before the model loads, no traceback (issue 24 item 9).
+    assert error(output_dir="/proc/x").startswith("error: --output_dir /proc/x cannot be written")
     typo = tmp_path / "out" / "checkpoints" / "step_0000001"
     assert error(resume=str(typo)).startswith(f"error: --resume {typo}: no such checkpoint folder")
     # Data tokenised for a bigger vocabulary than the model's: named, with the fix.
@@ -295,8 +311,9 @@ def test_corrupt_latest_checkpoint_falls_back(grpo_assets, tmp_path):
 @pytest.mark.slow
 def test_nonfinite_updates_are_skipped_then_stop(grpo_assets, tmp_path):
     module = tmp_path / "huge_reward.py"
+    # Finite rewards whose advantages (+-5e37) overflow the gradients (an inf reward is a reward failure).
     module.write_text("def huge(completions, solution, **kw):\n"
-                      "    return [float('inf') if i % 2 else 0.0 for i in range(len(completions))]\n")
+                      "    return [1e38 if i % 2 else 0.0 for i in range(len(completions))]\n")
     res = _run_cli(_args(grpo_assets, tmp_path / "run", max_steps=5, reward_funcs=["huge_reward:huge"],
                          scale_rewards="none", max_consecutive_nonfinite=2),
                    env_extra={"PYTHONPATH": str(tmp_path)})

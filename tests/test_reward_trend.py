@@ -39,6 +39,7 @@ def test_cli_reads_metrics_jsonl_last_row_of_a_step_wins(tmp_path, capsys):
 
 def test_a_broken_metrics_line_is_named(tmp_path, capsys):
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 1, "reward": 0.5}\n{"step": 2, "rew\n')
+    # A bad line before the last is named; a torn last line (a crash mid-write) is only dropped.
+    path.write_text('{"step": 1, "reward": 0.5}\n{"step": 2, "rew\n{"step": 3, "reward": 0.7}\n')
     assert main([str(path), "--window", "2"]) == 2
     assert f"{path}:2: not JSON" in capsys.readouterr().err

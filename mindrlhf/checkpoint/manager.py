@@ -21,6 +21,7 @@ from typing import Dict, List, Mapping, Optional, Tuple, Union
 import mindspore as ms
 
 from mindrlhf.errors import MindRLHFError
+from mindrlhf.utils.fs import write_failed
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -44,6 +45,17 @@ def _running(pid: int) -> bool:
     except PermissionError:  # exists, owned by someone else
         return True
     return True
+
+
+def _process_start(pid: int) -> Optional[float]:
+    """When process ``pid`` started (seconds since the epoch), from /proc; None where that is unknown."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat: start time in ticks
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
 
 
 def save_parameters(params: Mapping[str, ms.Parameter], path: Path) -> None:
@@ -82,48 +94,78 @@ class CheckpointManager:
     def save(self, step: int, tensors: Mapping[str, Mapping[str, ms.Parameter]], state: dict,
              config_yaml: str, files: Optional[Mapping[str, Union[bytes, Path]]] = None) -> Path:
         """Write checkpoint ``step``: ``tensors`` maps file stem (policy, optimizer, ref) → params;
-        ``files`` maps further file names to their content or to a file to copy (all in the manifest)."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._remove_stale_temps()
+        ``files`` maps further file names to their content or to a file to copy (all in the manifest).
+
+        Replaces an existing ``step_N`` only when it is this run's (a step redone after a resume); a
+        failed write (a full disk) removes its temporary folder, leaves the previous checkpoints as
+        they were and raises one line naming the path and the free space."""
         final = self.step_dir(step)
+        owner = self.run_of(final) if final.exists() else self.run_id
+        if owner != self.run_id:
+            raise MindRLHFError(f"{final} holds a checkpoint of another run ({owner or 'no run id'}); this run "
+                                f"({self.run_id}) will not replace it: choose another --save_ckpt_dir")
         tmp = self.dir / f".{final.name}.tmp-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        for stem, params in tensors.items():
-            save_parameters(params, tmp / f"{stem}.ckpt")
-        (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True), encoding="utf-8")
-        (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
-        for name, content in (files or {}).items():
-            if isinstance(content, bytes):
-                (tmp / name).write_bytes(content)
-            else:
-                shutil.copyfile(content, tmp / name)
-        written = sorted(p.name for p in tmp.iterdir())
-        files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in written}
-        manifest = {"step": step, "run_id": self.run_id, "files": files}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
-        if final.exists():  # a re-run of the same step replaces the old copy
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._remove_stale_temps()
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+            self._write(tmp, step, tensors, state, config_yaml, files or {})
+        except OSError as err:  # MindSpore's save_checkpoint too raises the filesystem's OSError
+            shutil.rmtree(tmp, ignore_errors=True)
+            previous = [s for s in self.list_steps() if s != step]
+            kept = f"; step {previous[-1]}'s checkpoint is intact" if previous else ""
+            raise MindRLHFError(str(write_failed(f"checkpoint step {step} to", final, err)) + kept) from None
+        if final.exists():  # a re-run of the same step (after a resume) replaces this run's old copy
             shutil.rmtree(final)
         os.replace(tmp, final)
         self._retain()
         return final
 
+    def _write(self, tmp: Path, step: int, tensors: Mapping[str, Mapping[str, ms.Parameter]], state: dict,
+               config_yaml: str, files: Mapping[str, Union[bytes, Path]]) -> None:
+        for stem, params in tensors.items():
+            save_parameters(params, tmp / f"{stem}.ckpt")
+        (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True), encoding="utf-8")
+        (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
+        for name, content in files.items():
+            if isinstance(content, bytes):
+                (tmp / name).write_bytes(content)
+            else:
+                shutil.copyfile(content, tmp / name)
+        written = sorted(p.name for p in tmp.iterdir())
+        listed = {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in written}
+        manifest = {"step": step, "run_id": self.run_id, "files": listed}
+        with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
+            f.write(json.dumps(manifest, indent=2))
+            f.flush()
+            os.fsync(f.fileno())  # the manifest marks the folder complete: on disk before the rename
+
     def _remove_stale_temps(self) -> None:
         """Delete the temporary folders of saves that died mid-write (a whole checkpoint's size each):
-        those of processes no longer running, and earlier ones of this process."""
+        those of processes no longer running (or whose PID a later process took), and earlier ones of
+        this process. One of a live process is kept, with a warning naming it."""
         for tmp in self.dir.glob(f".{PREFIX}*.tmp-*"):
             pid = tmp.name.rsplit("-", 1)[-1]
-            if not (tmp.is_dir() and pid.isdigit()) or (int(pid) != os.getpid() and _running(int(pid))):
-                continue  # another live process may be writing it
-            size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
-            log.warning("removing %s (%.1f MB): a checkpoint save that did not finish", tmp, size / 2 ** 20)
+            if not (tmp.is_dir() and pid.isdigit()):
+                continue
+            size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) / 2 ** 20
+            if int(pid) != os.getpid() and _running(int(pid)):
+                started = _process_start(int(pid))
+                if started is None or started <= tmp.stat().st_mtime:
+                    log.warning("keeping %s (%.1f MB): process %s, which may be writing it, is still running; "
+                                "delete it by hand if that process is not a mindrlhf save", tmp, size, pid)
+                    continue
+            log.warning("removing %s (%.1f MB): a checkpoint save that did not finish", tmp, size)
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _retain(self) -> None:
-        if self.keep_last <= 0:
+        """Delete this run's checkpoints older than the newest ``keep_last``; never a folder that does not
+        name this run in its manifest (another run's, one from before run ids, or one without a manifest)."""
+        if self.keep_last <= 0 or not self.run_id:
             return
-        ours = [s for s in self.list_steps() if self.run_of(self.step_dir(s)) in ("", self.run_id)]
+        ours = [s for s in self.list_steps() if self.run_of(self.step_dir(s)) == self.run_id]
         for old in ours[:-self.keep_last]:
             shutil.rmtree(self.step_dir(old), ignore_errors=True)
 
@@ -165,10 +207,13 @@ class CheckpointManager:
                 return f"{name} checksum mismatch"
         return None
 
-    def latest_complete(self) -> Optional[Tuple[int, Path]]:
-        """The newest intact checkpoint; corrupt or partial newer ones are reported and skipped."""
+    def latest_complete(self, run_id: Optional[str] = None) -> Optional[Tuple[int, Path]]:
+        """The newest intact checkpoint (of run ``run_id`` when given); corrupt or partial newer ones are
+        reported and skipped."""
         for step in reversed(self.list_steps()):
             path = self.step_dir(step)
+            if run_id is not None and self.run_of(path) != run_id:
+                continue
             problem = self.verify(path)
             if problem is None:
                 return step, path
@@ -178,40 +223,3 @@ class CheckpointManager:
     @staticmethod
     def read_state(path: Path) -> Dict:
         return json.loads((path / "state.json").read_text(encoding="utf-8"))
-
-
-def check_output_dirs(output_dir: Union[str, Path], ckpt_dir: Union[str, Path], *, resume: str,
-                      overwrite: bool) -> None:
-    """Refuse to start a fresh run where another run's results are (its checkpoints, its metrics),
-    unless it resumes that run or ``overwrite`` says to replace it. Read-only: safe on every rank."""
-    output_dir, ckpt_dir = Path(output_dir), Path(ckpt_dir)
-    for name, path in (("--output_dir", output_dir), ("--save_ckpt_dir", ckpt_dir)):
-        if path.exists() and not path.is_dir():
-            raise MindRLHFError(f"{name} {path} is a file, not a directory; choose a directory path")
-    if resume and resume not in ("latest", "auto") and not Path(resume).is_dir():
-        raise MindRLHFError(f"--resume {resume}: no such checkpoint folder; pass --resume latest, or a step folder "
-                            f"such as {ckpt_dir / 'step_00000010'}")
-    if resume or overwrite:
-        return
-    found = []
-    steps = CheckpointManager(str(ckpt_dir)).list_steps()
-    if steps:
-        found.append(f"checkpoints of steps {', '.join(map(str, steps))} in {ckpt_dir}")
-    if (output_dir / "metrics.jsonl").is_file():
-        found.append(str(output_dir / "metrics.jsonl"))
-    if found:
-        raise MindRLHFError(f"--output_dir {output_dir} already holds a run ({'; '.join(found)}); pass --resume to "
-                            f"continue it, --overwrite_output_dir true to replace it, or choose another --output_dir")
-
-
-def clear_previous_run(output_dir: Union[str, Path], ckpt_dir: Union[str, Path]) -> None:
-    """``--overwrite_output_dir``: delete the old run's checkpoints and metrics, so that nothing of it
-    can be resumed or appended to by mistake later."""
-    manager = CheckpointManager(str(ckpt_dir))
-    for step in manager.list_steps():
-        log.warning("--overwrite_output_dir: deleting the previous run's checkpoint %s", manager.step_dir(step))
-        shutil.rmtree(manager.step_dir(step), ignore_errors=True)
-    metrics = Path(output_dir) / "metrics.jsonl"
-    if metrics.is_file():
-        log.warning("--overwrite_output_dir: deleting the previous run's %s", metrics)
-        metrics.unlink()

@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 import yaml
 
 from mindrlhf.errors import MindRLHFError
+from mindrlhf.utils.fs import write_text_atomic
 
 _MISSING = dataclasses.MISSING
 
@@ -340,13 +341,9 @@ class GroupedConfig:
 
     def save_yaml(self, path: "str | os.PathLike[str]") -> None:
         """Write the grouped YAML atomically (``from_yaml`` reads it back to an equal config)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         text = "# Written by mindrlhf; load with GRPOConfig.from_yaml or --config.\n"
         text += yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        write_text_atomic(path, text, "the config")
 
     # ---------------------------------------------------------------- command line
     @classmethod

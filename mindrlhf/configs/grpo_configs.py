@@ -432,12 +432,16 @@ class TrainConfig:
         ge=0)
     overwrite_output_dir: bool = config_field(
         False, "Start a fresh run in an output_dir / save_ckpt_dir that holds another run's checkpoints or "
-        "metrics.jsonl, deleting them. Without it (and without resume) such a start is refused, so a run is never "
-        "overwritten, nor later resumed from another run's checkpoint, by mistake.")
+        "metrics.jsonl, replacing it: once the new run's model, data and rewards have loaded, the old run's "
+        "checkpoints, metrics, TensorBoard events, completion dumps, config and plots are deleted (named in the "
+        "log). Without it (and without resume) such a start is refused, so a run is never overwritten, nor later "
+        "resumed from another run's checkpoint, by mistake.")
     resume: str = config_field(
-        "", "Resume training: '' = start fresh; 'latest' (or 'auto') = the newest complete checkpoint in the "
-        "checkpoint directory (fresh start if none); or an explicit checkpoint path. A bare --resume means "
-        "'latest'.",
+        "", "Resume training: '' = start fresh; 'latest' (or 'auto') = the newest intact checkpoint in the "
+        "checkpoint directory (refused when it holds several runs; a fresh start when there is no checkpoint "
+        "and output_dir has no metrics, refused when it has); or a checkpoint folder (step_N). Refused when the "
+        "checkpoint is past max_steps, or when save_ckpt_dir / output_dir hold another run's history. A bare "
+        "--resume means 'latest'.",
         aliases={"auto": "latest"}, cli_const="latest")
     logging_steps: int = config_field(
         1, "Log metrics (reward, kl, clip_ratio, lengths, step_time, ...) every N steps. Range >= 1.",

@@ -11,6 +11,7 @@ import logging
 import math
 import time
 import uuid
+import warnings
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -414,23 +415,15 @@ class GRPOTrainer:
         load_full_into(params, ((n, p.asnumpy()) for n, p in loaded.items()), self.policy.config,
                        self.layout.train, self.rank, source=str(path))
 
-    def resume(self, spec: str) -> None:
-        """Restore from ``spec`` ("latest" or a checkpoint folder)."""
-        if spec in ("latest", "auto"):
-            found = self.ckpt.latest_complete()
-            if found is None:
-                if self.ckpt.list_steps():
-                    raise MindRLHFError(f"no intact checkpoint in {self.ckpt.dir} (all are partial or corrupt); "
-                                        f"start without --resume or restore a checkpoint")
-                log.warning("--resume: no checkpoint in %s yet; starting from step 0", self.ckpt.dir)
-                return
-            path = found[1]
-        else:
-            path = Path(spec)
-            problem = CheckpointManager.verify(path)
-            if problem:
-                raise MindRLHFError(f"checkpoint {path} is unusable ({problem}); pass another one or --resume latest")
+    def resume(self, path: Path) -> None:
+        """Restore the run from checkpoint folder ``path`` (``checkpoint.run_dir.check_run_dirs`` found and
+        verified it): weights, optimizer, data position, counters; this run takes its run id."""
+        path = Path(path)
         state = CheckpointManager.read_state(path)
+        done, limit = int(state["step"]), self.cfg.train.max_steps
+        if done > limit:
+            raise MindRLHFError(f"--resume {path}: the checkpoint is at step {done}, past --max_steps {limit}; "
+                                f"raise --max_steps to train on, or resume an earlier checkpoint")
         self._warn_config_changes(path)
         self.run_id = self.ckpt.run_id = str(state.get("run_id") or self.run_id)
         self._load_state(self.updater.master_weights(), path / "policy.ckpt")
@@ -448,9 +441,13 @@ class GRPOTrainer:
         self.updater.load_loss_scale_state(state)
         self.sync_generator()
         log.info("resumed from %s (step %d)", path, self.step)
+        if self.step == limit:
+            log.warning("--resume %s: the run already reached --max_steps %d; nothing to train (raise --max_steps "
+                        "to train on)", path, limit)
 
-    #: Groups of fields that change what the resumed steps compute (train: only the seed).
-    _MATH_GROUPS = ("algorithm", "generation", "optimizer")
+    #: Groups of fields that change what the resumed steps compute (train: the seed and max_steps, the
+    #: schedule's length; data: the prompts).
+    _MATH_GROUPS = ("algorithm", "generation", "optimizer", "data")
 
     def _warn_config_changes(self, path: Path) -> None:
         """Name every field that changes the math and differs from the checkpoint's config."""
@@ -458,7 +455,8 @@ class GRPOTrainer:
         if not saved_path.is_file():
             return
         saved, now = yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {}, self.cfg.to_dict()
-        keys = [(g, k) for g in self._MATH_GROUPS for k in now[g]] + [("train", "seed"), ("model", "dtype")]
+        keys = [(g, k) for g in self._MATH_GROUPS for k in now[g]]
+        keys += [("train", "seed"), ("train", "max_steps"), ("model", "dtype")]
         changed = [f"{k} {saved[g][k]!r} -> {now[g][k]!r}" for g, k in keys
                    if k in saved.get(g, {}) and saved[g][k] != now[g][k]]
         if changed:
@@ -471,9 +469,11 @@ class GRPOTrainer:
         rewards = self._gather_rows(exp.rewards)
         per_fn = self._gather_rows(exp.reward_per_fn)
         groups = rewards.reshape(-1, G)
-        group_std = np.nanstd(groups, axis=1, ddof=1) if G > 1 else np.zeros(len(groups))
-        m = {"reward": float(np.nanmean(rewards)), "reward_std": float(np.nanmean(group_std)),
-             "frac_reward_zero_std": float(np.mean(np.nan_to_num(group_std) < 1e-8))}
+        with warnings.catch_warnings():  # groups without a score give NaN, logged as "nan": no console noise
+            warnings.simplefilter("ignore", RuntimeWarning)
+            group_std = np.nanstd(groups, axis=1, ddof=1) if G > 1 else np.zeros(len(groups))
+            m = {"reward": float(np.nanmean(rewards)), "reward_std": float(np.nanmean(group_std)),
+                 "frac_reward_zero_std": float(np.mean(np.nan_to_num(group_std) < 1e-8))}
         for i, name in enumerate(self.rewards.names):
             m[f"rewards/{name}/mean"] = float(np.nanmean(per_fn[:, i])) if np.isfinite(per_fn[:, i]).any() else math.nan
             m[f"rewards/{name}/std"] = float(np.nanstd(per_fn[:, i])) if np.isfinite(per_fn[:, i]).any() else math.nan
@@ -486,6 +486,22 @@ class GRPOTrainer:
             sums = self._gather_rows(np.stack([(exp.extras["sampler_entropy"] * mask).sum(1), mask.sum(1)], 1))
             m["entropy"] = float(sums[:, 0].sum() / max(sums[:, 1].sum(), 1.0))
         return m
+
+    def _warn_if_nothing_to_learn(self, step: int, exp: Experience) -> None:
+        """One warning line for a step whose every advantage is 0 (no group's rewards differ, or none was
+        scored): its policy-gradient term trained nothing, which would otherwise pass without a word."""
+        signal = (exp.advantages != 0) & (exp.completion_mask.sum(1) > 0)
+        if self._sum_replicas(np.array([signal.sum()]))[0] > 0:
+            return
+        rewards = self._gather_rows(exp.rewards)  # a collective: every rank takes part
+        if not comm.is_main():
+            return
+        scored = np.isfinite(rewards)
+        why = ("no completion got a reward (every reward function scored None or failed)" if not scored.any() else
+               f"no group's rewards differ (rewards {np.nanmin(rewards):.4g}..{np.nanmax(rewards):.4g})")
+        log.warning("step %d: %s, so every advantage is 0 and the policy-gradient term trained nothing; check the "
+                    "reward functions (rewards/<name>/mean in metrics.jsonl), or sample more per prompt "
+                    "(num_generations, temperature, dynamic_sampling)", step, why)
 
     def _dump_completions(self, step: int, texts: List[str], info, exp: Experience) -> None:
         path = self.output_dir / f"completions_step_{step}.jsonl"
@@ -534,6 +550,7 @@ class GRPOTrainer:
             self.sync_reference()
         times["time/sync"] = time.perf_counter() - t1
         self.step = step
+        self._warn_if_nothing_to_learn(step, exp)
         metrics = self._reward_metrics(exp)
         if info is not None and "sampling" in info:  # dynamic sampling: its counts, and the unfiltered zero-std share
             metrics.update(info["sampling"])
@@ -557,10 +574,9 @@ class GRPOTrainer:
         return metrics
 
     def train(self) -> List[Dict[str, float]]:
-        """Run until ``max_steps``; checkpoints every ``save_steps`` and at the end."""
+        """Run from ``self.step`` (0, or where ``resume`` left it) until ``max_steps``; checkpoints every
+        ``save_steps`` and at the end."""
         t = self.cfg.train
-        if t.resume:
-            self.resume(t.resume)
         logger = MetricsLogger(self.output_dir, comm.is_main(), t.tensorboard, resume_step=self.step)
         history = []
         bar = tqdm(total=t.max_steps, initial=self.step, desc="GRPO", unit="step",

@@ -3,11 +3,16 @@ console summary."""
 from __future__ import annotations
 
 import json
+import logging
 import math
+import shutil
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from mindrlhf.errors import MindRLHFError
+from mindrlhf.utils.fs import write_failed, write_text_atomic
+
+log = logging.getLogger(__name__)
 
 
 class TensorBoardWriter:
@@ -45,7 +50,12 @@ def console_line(step: int, metrics: Mapping[str, float]) -> str:
 
 
 class MetricsLogger:
-    """Writes metrics on the main rank only; other ranks get a no-op logger."""
+    """Writes metrics on the main rank only; other ranks get a no-op logger.
+
+    ``metrics.jsonl`` is the record: on a resume it keeps the rows up to ``resume_step`` (later ones
+    are redone), and the TensorBoard events are rewritten from those rows, so a redone step is never
+    logged twice and a new run's curves never mix with an old run's events.
+    """
 
     def __init__(self, output_dir: Path, enabled: bool, tensorboard: bool, resume_step: int = 0):
         self.enabled = enabled
@@ -54,20 +64,26 @@ class MetricsLogger:
         if not enabled:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
+        kept = []
         if self.jsonl_path.exists():
-            # On resume keep only the steps the checkpoint covers: rows after it are redone.
             kept = [row for row in read_metrics(self.jsonl_path) if row.get("step", 0) <= resume_step]
-            self.jsonl_path.write_text("".join(json.dumps(row) + "\n" for row in kept), encoding="utf-8")
+            write_text_atomic(self.jsonl_path, "".join(json.dumps(row) + "\n" for row in kept), "the metrics")
         if tensorboard:
+            shutil.rmtree(output_dir / "tensorboard", ignore_errors=True)
             self.tb = TensorBoardWriter(output_dir / "tensorboard")
+            for row in kept:
+                self.tb.add_scalars(int(row["step"]), {k: v for k, v in row.items() if k != "step"})
 
     def log(self, step: int, metrics: Dict[str, float]) -> None:
         if not self.enabled:
             return
         row = {"step": step, **{k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
                                 for k, v in metrics.items()}}
-        with open(self.jsonl_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+        try:  # one write of one whole line: a crash can tear only the last line, which read_metrics drops
+            with open(self.jsonl_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+        except OSError as err:
+            raise write_failed(f"step {step}'s metrics to", self.jsonl_path, err) from None
         if self.tb is not None:
             self.tb.add_scalars(step, metrics)
 
@@ -83,14 +99,24 @@ class MetricsLogger:
 
 
 def read_metrics(path: Path) -> List[Dict]:
-    """The rows of a metrics.jsonl, in file order (blank lines skipped)."""
+    """The rows of a metrics.jsonl, in file order (blank lines skipped).
+
+    A last line that is not JSON is a write torn by a crash (a full disk, a kill): it is dropped with
+    a warning. A bad line before the last is an error: the file was edited or is not a metrics file.
+    """
+    lines = [(i, line) for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1)
+             if line.strip()]
     rows = []
-    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise MindRLHFError(f"{path}:{i}: not JSON ({err})") from None
+    for i, line in lines:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if i == lines[-1][0]:
+                log.warning("%s:%d: dropping a torn last line (%d characters, not JSON: a write cut short by a "
+                            "crash)", path, i, len(line))
+                break
+            raise MindRLHFError(f"{path}:{i}: not JSON ({err}); only a torn last line is dropped, so fix or "
+                                f"remove this line") from None
     return rows
 
 

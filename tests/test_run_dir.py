@@ -1,0 +1,107 @@
+"""check_run_dirs / clear_previous_run: what a fresh start, an overwrite and a resume may do in a
+run's output and checkpoint directories (fast: checkpoints of one small tensor, no training)."""
+from __future__ import annotations
+
+import json
+import logging
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+from mindrlhf.checkpoint.manager import CheckpointManager
+from mindrlhf.checkpoint.run_dir import check_run_dirs, clear_previous_run, read_run_id, write_run_id
+from mindrlhf.errors import MindRLHFError
+
+
+def _save(ckpt_dir, run_id, *steps):
+    manager = CheckpointManager(str(ckpt_dir), keep_last=0, run_id=run_id)
+    params = {"policy": {"w": ms.Parameter(ms.Tensor(np.zeros(3, np.float32)), name="w")}}
+    return [manager.save(s, params, {"step": s}, "a: 1\n") for s in steps]
+
+
+def _metrics(out, steps):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in steps))
+
+
+def test_a_fresh_start_where_a_run_is_needs_overwrite(tmp_path):
+    out = tmp_path / "out"
+    _save(out / "checkpoints", "A", 1, 2)
+    with pytest.raises(MindRLHFError, match=r"already holds a run \(checkpoints of steps 1, 2 in "):
+        check_run_dirs(out, out / "checkpoints", resume="", overwrite=False)
+    start = check_run_dirs(out, out / "checkpoints", resume="", overwrite=True)
+    assert start.checkpoint is None and CheckpointManager(str(out / "checkpoints")).list_steps() == [1, 2]
+
+
+def test_resume_into_a_checkpoint_dir_holding_another_run_is_refused(tmp_path):
+    # Issue 24 item 2: run B resumes run R's checkpoint into run A's save_ckpt_dir: it used to overwrite
+    # A's step 3 and delete A's step 2 (keep_last 1), exit 0.
+    shared, other = tmp_path / "shared_ck", tmp_path / "R" / "checkpoints"
+    _save(shared, "runA", 1, 2, 3)
+    (r_step,) = _save(other, "runR", 1)
+    with pytest.raises(MindRLHFError, match=rf"--save_ckpt_dir {shared} holds another run's checkpoints \(run runA: "
+                                            rf"steps 1, 2, 3\); resuming {r_step} \(run runR\) there would mix"):
+        check_run_dirs(tmp_path / "oB", shared, resume=str(r_step), overwrite=False)
+    # Naming a checkpoint of that directory is the user's explicit choice: allowed.
+    start = check_run_dirs(tmp_path / "oA", shared, resume=str(shared / "step_00000002"), overwrite=False)
+    assert (start.checkpoint.name, start.run_id) == ("step_00000002", "runA")
+    # "latest" in a directory of two runs is ambiguous.
+    _save(shared, "runC", 7)
+    with pytest.raises(MindRLHFError, match=r"--resume latest: .* holds checkpoints of 2 runs \(run runA: steps 1, 2, "
+                                            r"3; run runC: steps 7\); pass the step folder"):
+        check_run_dirs(tmp_path / "oA", shared, resume="latest", overwrite=False)
+
+
+def test_resume_with_no_checkpoint_keeps_the_history(tmp_path):
+    # Issue 24 item 3: the history was replaced by a fresh run after one warning.
+    out = tmp_path / "out"
+    _metrics(out, [1, 2, 3])
+    with pytest.raises(MindRLHFError, match=rf"--resume: no checkpoint in {out / 'checkpoints'}, but "
+                                            rf"{out / 'metrics.jsonl'} holds 3 steps of a run"):
+        check_run_dirs(out, out / "checkpoints", resume="latest", overwrite=False)
+    # No history at all: a job script that always passes --resume starts fresh.
+    start = check_run_dirs(tmp_path / "new", tmp_path / "new" / "checkpoints", resume="latest", overwrite=False)
+    assert start.checkpoint is None
+
+
+def test_resume_into_an_output_dir_of_another_run_is_refused(tmp_path):
+    out = tmp_path / "out"
+    (step,) = _save(tmp_path / "elsewhere", "runX", 4)
+    _metrics(out, [1, 2])
+    write_run_id(out, "runY")
+    with pytest.raises(MindRLHFError, match=r"holds the metrics of run runY, not of run runX"):
+        check_run_dirs(out, tmp_path / "ck", resume=str(step), overwrite=False)
+    write_run_id(out, "runX")
+    assert check_run_dirs(out, tmp_path / "ck", resume=str(step), overwrite=False).run_id == "runX"
+    assert read_run_id(out) == "runX"
+
+
+def test_an_output_dir_that_cannot_be_written_fails_before_anything_loads(tmp_path):
+    # Issue 24 item 9: --output_dir /proc/x used to fail with a traceback after the model loaded.
+    with pytest.raises(MindRLHFError, match=r"--output_dir /proc/x cannot be written \(No such file or directory\); "
+                                            r"choose a directory you can write to"):
+        check_run_dirs("/proc/x", "/proc/x/checkpoints", resume="", overwrite=False)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(MindRLHFError, match="is a file, not a directory"):
+        check_run_dirs(tmp_path / "afile", tmp_path / "ck", resume="", overwrite=False)
+
+
+def test_overwrite_removes_the_whole_previous_run_and_says_so(tmp_path, caplog):
+    out = tmp_path / "out"
+    _save(out / "checkpoints", "old", 1, 2)
+    _metrics(out, [1, 2])
+    for name in ("config.yaml", "completions_step_1.jsonl", "reward.png", "accuracy.png", "run.json"):
+        (out / name).write_text("old")
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events.out.tfevents.1.x").write_bytes(b"old")
+    (out / "data").mkdir()
+    (out / "data" / "gsm8k_train_sample.mindrecord").write_bytes(b"a cache of an input")
+    with caplog.at_level(logging.WARNING, logger="mindrlhf.checkpoint.run_dir"):
+        clear_previous_run(out, out / "checkpoints")
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "data"]
+    assert list((out / "checkpoints").iterdir()) == []
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith(f"--overwrite_output_dir: removed the previous run from {out}: ")
+    for name in ("checkpoints/step_00000001", "metrics.jsonl", "tensorboard", "completions_step_1.jsonl"):
+        assert name in said
