@@ -490,7 +490,10 @@ _PREAMBLE = """
 Every field can be set in a YAML file passed with `--config`, grouped (`algorithm: {beta: 0.04}`)
 or flat (`beta: 0.04`), and on the command line as `--<field> VALUE` (command-line flags override
 the YAML). Lists are space-separated on the command line (`--reward_funcs accuracy format`); bools
-take `true`/`false` or a bare flag (`--use_parallel`). Unknown keys are errors.
+take `true`/`false`, `True`/`False`, `1`/`0` or a bare flag (`--use_parallel`). Unknown keys are errors.
+A field's **Alias** (MindRLHF's `grpo_configs.py` names: `start_lr`, `end_lr`, `batch_size`) is
+another key for it, in YAML and as a flag; a name and its alias with different values are an error.
+The `bool | str` fields (`load_sft_checkpoint_train`, ...) take true/false or a checkpoint path.
 
 **Batch geometry.** One training step reads `chunk_size * num_rollouts` prompts and samples
 `num_generations` completions for each: `N = chunk_size * num_rollouts * num_generations`
