@@ -137,6 +137,9 @@ def test_grpo_epochs_run_and_its_resume_share_one_schedule(grpo_assets, tmp_path
         want = lr_at(r["step"] - 1, lr=1e-3, min_lr=1e-4, warmup_steps=0, total_steps=2, schedule="cosine")
         assert r["learning_rate"] == pytest.approx(want, rel=1e-6)
     assert rows[1]["learning_rate"] == pytest.approx(5.5e-4)  # halfway down the 2-step cosine: not 12 steps'
+    # the saved config records the run's length, so running it again gives the same run
+    saved = GRPOConfig.from_yaml(full / "config.yaml")
+    assert (saved.train.max_steps, saved.train.grpo_epochs) == (2, 1)
     resumed = tmp_path / "resumed"
     shutil.copytree(full / "checkpoints" / "step_00000001", resumed / "checkpoints" / "step_00000001")
     assert run_inprocess(argv(resumed, resume="latest")) == 0

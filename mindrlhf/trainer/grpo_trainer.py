@@ -98,6 +98,8 @@ class GRPOTrainer:
         self.step = 0
         self.batches_drawn = 0  # dataset batches consumed so far (all epochs): where the next step reads
         self.total_steps = run_steps(cfg, len(dataset))  # max_steps / grpo_epochs: the run and the LR decay
+        # Recorded as max_steps, so the saved config.yaml reruns (and a resume compares) the same length.
+        cfg.train.max_steps = self.total_steps
         self.consecutive_nonfinite = 0
         self.skipped_updates = 0
         self.ref_synced = False
