@@ -53,9 +53,10 @@ def setup_runtime(cfg: GRPOConfig) -> RunLayout:
 
 
 def resolve_model_path(cfg: GRPOConfig) -> str:
-    """The policy weights; the embedded SmolLM2 default when none is given."""
-    if cfg.model.sft_path_train:
-        return cfg.model.sft_path_train
+    """The policy weights (``load_sft_checkpoint_train PATH`` or ``sft_path_train``); the embedded
+    SmolLM2 default when none is given."""
+    if cfg.model_weights("train"):
+        return cfg.model_weights("train")
     from mindrlhf.models.smollm2 import prepare_smollm2
 
     # The conversion into the cache is atomic, so racing ranks are harmless; rank 0 goes first
@@ -108,6 +109,7 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
     train_path = resolve_model_path(cfg)
     tokenizer = load_tokenizer(cfg, train_path)
     config = _config_of(train_path)
+    check_model_yamls(cfg, config, train_path)
     train_shard = layout.groups.shard()
 
     def make(path: str, load: bool, shard, lay: ParallelLayout, dtype: str = m.dtype) -> CausalLM:
@@ -116,6 +118,7 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
         return CausalLM(config if path == train_path else _config_of(path), dtype, shard)
 
     masters = None
+    infer_path = cfg.model_weights("infer")  # '' = the generator starts from the policy
     if m.dtype != "float32" and m.load_sft_checkpoint_train:
         masters = make(train_path, True, train_shard, layout.train, dtype="float32")
         policy = CausalLM(masters.config, m.dtype, train_shard)
@@ -123,14 +126,14 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
     else:
         policy = make(train_path, m.load_sft_checkpoint_train, train_shard, layout.train)
     sampler_model = None
-    if m.sft_path_infer and m.sft_path_infer != train_path:
-        sampler_model = make(m.sft_path_infer, m.load_sft_checkpoint_infer, layout.infer_shard(), layout.infer)
+    if infer_path and infer_path != train_path:
+        sampler_model = make(infer_path, True, layout.infer_shard(), layout.infer)
     elif not layout.shared_generator:  # weights come from the policy, resharded (sync_generator)
         sampler_model = CausalLM(config, m.dtype, layout.infer_shard())
     ref_model = None
     if a.beta > 0:  # with beta == 0 the reference is never built
         if m.load_ref_checkpoint:
-            ref_model = make(m.ref_path or train_path, True, train_shard, layout.train)
+            ref_model = make(cfg.model_weights("ref") or train_path, True, train_shard, layout.train)
         else:
             ref_model = CausalLM(policy.config, m.dtype, train_shard)
             set_weights(ref_model, get_weights(policy), source="initial policy")
@@ -156,9 +159,27 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
     trainer = GRPOTrainer(cfg, policy=policy, tokenizer=tokenizer, dataset=dataset,
                           sampler_model=sampler_model, ref_model=ref_model, layout=layout,
                           policy_masters=masters.trainable_params() if masters is not None else None)
-    if sampler_model is not None and not (m.sft_path_infer and m.load_sft_checkpoint_infer):
+    if sampler_model is not None and not (infer_path and infer_path != train_path):
         trainer.sync_generator()
     return trainer
+
+
+def check_model_yamls(cfg: GRPOConfig, config, weights: str) -> None:
+    """MindFormers model YAMLs given as sft_path_train / sft_path_infer: their architecture keys must
+    match the checkpoint's (``config``, read from ``weights``); their keys without a meaning here are
+    listed once (rank 0) so none is dropped silently."""
+    from mindrlhf.configs.mindformers import read_model_yaml
+
+    for side in ("train", "infer"):
+        path = cfg.model_yaml(side)
+        if not path:
+            continue
+        found = read_model_yaml(path)
+        found.check_architecture(config, weights)
+        ignored = found.unused_layout_keys(side) + found.ignored
+        if ignored and comm.is_main():
+            log.info("%s (sft_path_%s): used parallel_config for the %s layout and checked the architecture; "
+                     "ignored (no meaning here): %s", path, side, side, ", ".join(ignored))
 
 
 def check_reward_style(cfg: GRPOConfig, tokenizer, dataset) -> None:

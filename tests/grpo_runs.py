@@ -89,6 +89,30 @@ def run_cli(argv, env_extra=None, **kw) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, **kw)
 
 
+def launch_env(env_extra=None) -> dict:
+    """The environment of an msrun launch: this venv's python first on PATH (msrun starts the first
+    one it finds), and tests/ importable, since workers import test reward functions by dotted path
+    (tests/e2e_rewards.py)."""
+    env = dict(os.environ, **(env_extra or {}))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "tests"), env.get("PYTHONPATH", "")) if p)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def msrun(n: int, argv, log_dir: Path, port: int) -> subprocess.CompletedProcess:
+    """``msrun`` of ``n`` local workers running the tutorial's grpo_one_stage.py with ``argv``; raises
+    with the workers' log tails when it fails."""
+    env = launch_env()
+    cmd = [str(Path(sys.executable).parent / "msrun"), f"--worker_num={n}", f"--local_worker_num={n}",
+           f"--master_port={port}", "--join=True", f"--log_dir={log_dir}",
+           str(REPO / "examples/grpo/qwen_grpo_tutorial/grpo_one_stage.py"), *map(str, argv)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        logs = "\n".join(p.read_text()[-3000:] for p in sorted(log_dir.glob("*.log")))
+        raise AssertionError(f"msrun failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}\n{logs}")
+    return proc
+
+
 @contextlib.contextmanager
 def second_host():
     """A second "machine" for multi-node rehearsals: a network namespace joined to this one by a veth

@@ -26,7 +26,10 @@ def _read(name: str, code: str) -> bool:
 
 
 def _derived_properties() -> dict:
-    return {name: inspect.getsource(obj.fget) for name, obj in vars(GRPOConfig).items() if isinstance(obj, property)}
+    """GRPOConfig's derived properties and methods (``model_weights``), by name: their source."""
+    return {name: inspect.getsource(obj.fget if isinstance(obj, property) else obj)
+            for name, obj in vars(GRPOConfig).items()
+            if isinstance(obj, property) or (inspect.isfunction(obj) and not name.startswith("__"))}
 
 
 def _live_properties(code: str) -> dict:

@@ -164,7 +164,7 @@ def test_yaml_bad_files(tmp_path):
     ("beta: false\n", "beta = False is not a number"),
     ("beta: .nan\n", "is not a finite number"),
     ("use_vllm: 'yes'\n", "use_vllm = 'yes' is not true or false"),
-    ("use_vllm: 1\n", "use_vllm = 1 is not true or false"),
+    ("use_vllm: 2\n", "use_vllm = 2 is not true or false (or 1 / 0)"),
     ("reward_funcs: accuracy\n", "reward_funcs = 'accuracy' is not a list of str"),
     ("stop_token_ids: [1, two]\n", "stop_token_ids[1] = 'two' is not an integer"),
     ("reward_weights: [1.0, x]\n", "reward_weights[1] = 'x' is not a number"),

@@ -21,32 +21,10 @@ import pytest
 
 from grpo_runs import grpo_args as _args, is_timing as _timing, read_rows as _metrics
 from grpo_runs import assert_same_updated_weights, run_cli as _run_cli, run_inprocess as _run_inprocess
-from grpo_runs import second_host
+from grpo_runs import launch_env as _launch_env, msrun as _msrun, second_host
 from mindrlhf.checkpoint.manager import CheckpointManager
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _launch_env(env_extra=None) -> dict:
-    """The environment of an msrun launch: this venv's python first on PATH (msrun starts the first
-    one it finds), and tests/ importable, since workers import test reward functions by dotted path
-    (tests/e2e_rewards.py)."""
-    env = dict(os.environ, **(env_extra or {}))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "tests"), env.get("PYTHONPATH", "")) if p)
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    return env
-
-
-def _msrun(n: int, argv, log_dir: Path, port: int) -> subprocess.CompletedProcess:
-    env = _launch_env()
-    cmd = [str(Path(sys.executable).parent / "msrun"), f"--worker_num={n}", f"--local_worker_num={n}",
-           f"--master_port={port}", "--join=True", f"--log_dir={log_dir}",
-           str(REPO / "examples/grpo/qwen_grpo_tutorial/grpo_one_stage.py"), *argv]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        logs = "\n".join(p.read_text()[-3000:] for p in sorted(log_dir.glob("*.log")))
-        raise AssertionError(f"msrun failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}\n{logs}")
-    return proc
 
 
 @pytest.mark.slow

@@ -14,7 +14,18 @@ from mindrlhf.errors import MindRLHFError
 from mindrlhf.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-PRESETS = sorted([*REPO.glob("model_configs/**/*.yaml"), *REPO.glob("examples/**/*.yaml")])
+
+
+def _is_mindformers_model(path: Path) -> bool:
+    """A MindFormers model YAML (an sft_path_train / sft_path_infer value), not a GRPO config."""
+    import yaml
+
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    return isinstance(data.get("model"), dict) and "model_config" in data["model"]
+
+
+PRESETS = sorted(p for p in [*REPO.glob("model_configs/**/*.yaml"), *REPO.glob("examples/**/*.yaml")]
+                 if not _is_mindformers_model(p))
 CPU_PRESETS = [p for p in PRESETS if GRPOConfig.from_yaml(p).parallel.device_target == "CPU"]
 
 

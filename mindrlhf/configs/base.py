@@ -2,9 +2,10 @@
 
 A *grouped config* is a dataclass whose attributes are *group* dataclasses (``cfg.algorithm``,
 ``cfg.optimizer``, ...). Every group field carries ``metadata={"help": ...}`` and optional
-declarative checks (``choices``, ``ge``/``gt``/``le``/``lt`` bounds, ``aliases``). Field names are
-unique across all groups, so a field can be written flat (``beta: 0.04``, ``--beta 0.04``) or
-grouped (``algorithm: {beta: 0.04}``).
+declarative checks (``choices``, ``ge``/``gt``/``le``/``lt`` bounds, value ``aliases``) and other
+names for its key (``key_aliases``: another project's spelling of the same setting). Field names
+and key aliases are unique across all groups, so a field can be written flat (``beta: 0.04``,
+``--beta 0.04``) or grouped (``algorithm: {beta: 0.04}``).
 
 This module knows nothing about GRPO: it provides typed coercion, YAML and command-line loading,
 YAML saving and the Markdown reference. ``mindrlhf.configs.grpo_configs`` defines the fields and
@@ -41,12 +42,15 @@ def config_field(
     le: Optional[float] = None,
     lt: Optional[float] = None,
     cli_const: Optional[str] = None,
+    key_aliases: Sequence[str] = (),
 ) -> Any:
     """A dataclass field with ``metadata={"help": help, ...}``.
 
     ``choices``: allowed values; ``aliases``: accepted spellings mapped to a canonical value
     (``{"bf16": "bfloat16"}``); ``ge/gt/le/lt``: bounds checked by ``validate`` (for lists, on every
-    element); ``cli_const``: the value of a bare ``--flag`` given without a value.
+    element); ``cli_const``: the value of a bare ``--flag`` given without a value; ``key_aliases``:
+    other names of this field in YAML and on the command line (``start_lr`` for ``lr``), documented
+    in the reference; giving a name and its alias with different values is an error.
     Mutable defaults (lists) are copied per instance.
     """
     metadata: Dict[str, Any] = {"help": help}
@@ -59,6 +63,8 @@ def config_field(
             metadata[key] = bound
     if cli_const is not None:
         metadata["cli_const"] = cli_const
+    if key_aliases:
+        metadata["key_aliases"] = tuple(key_aliases)
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda d=tuple(default): list(d), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -84,8 +90,31 @@ def _list_item(tp: Any) -> Optional[Any]:
     return None
 
 
+def _bool_or_str(tp: Any) -> bool:
+    """``bool | str`` (``Union[bool, str]``): a switch that may instead carry a path."""
+    return (typing.get_origin(tp) in (typing.Union, getattr(types, "UnionType", typing.Union))
+            and set(typing.get_args(tp)) == {bool, str})
+
+
+#: How booleans may be written (YAML, command line): MindRLHF's scripts pass 1/0 and True/False.
+BOOL_SPELLINGS = {"true": True, "false": False, "1": True, "0": False}
+
+
+def _as_bool(value: Any) -> Optional[bool]:
+    """``value`` as a bool if it is one of the accepted spellings (any case), else None."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):  # YAML reads `use_vllm: 1` as an int
+        return bool(value)
+    if isinstance(value, str):
+        return BOOL_SPELLINGS.get(value.strip().lower())
+    return None
+
+
 def type_name(tp: Any) -> str:
-    """Human-readable type: ``int``, ``list[str]``, ``list[float] | None``."""
+    """Human-readable type: ``int``, ``list[str]``, ``list[float] | None``, ``bool | str``."""
+    if _bool_or_str(tp):
+        return "bool | str"
     inner = _optional_inner(tp)
     if inner is not None:
         return f"{type_name(inner)} | None"
@@ -95,7 +124,7 @@ def type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-_EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+_EXPECTED = {bool: "true or false (or 1 / 0)", int: "an integer", float: "a number", str: "a string"}
 
 
 def _type_error(name: str, value: Any, expected: str, source: str) -> MindRLHFError:
@@ -106,10 +135,18 @@ def coerce_value(value: Any, tp: Any, *, name: str, source: str, aliases: Option
     """Convert ``value`` (from YAML or a command-line string) to ``tp`` or raise ``MindRLHFError``.
 
     Accepted: ints for float fields, numeric strings for int/float fields (``"1e-6"``: PyYAML
-    reads exponent notation without a dot as a string), ``true``/``false`` (any case) for bools,
-    ``none``/``null`` for optional fields given on the command line. Rejected: bools as numbers,
-    floats for int fields, non-finite floats, scalars for list fields.
+    reads exponent notation without a dot as a string), ``true``/``false`` (any case) and ``1``/``0``
+    for bools, ``none``/``null`` for optional fields given on the command line; for ``bool | str``
+    fields a bool spelling gives a bool, ``''`` gives false and any other string is kept (a path).
+    Rejected: bools as numbers, floats for int fields, non-finite floats, scalars for list fields.
     """
+    if _bool_or_str(tp):
+        flag = _as_bool(value)
+        if flag is not None:
+            return flag
+        if isinstance(value, str):  # '' is "nothing to load", as MindRLHF's scripts write it
+            return value if value.strip() else False
+        raise _type_error(name, value, "true, false or a path", source)
     inner = _optional_inner(tp)
     if inner is not None:
         if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null")):
@@ -121,11 +158,10 @@ def coerce_value(value: Any, tp: Any, *, name: str, source: str, aliases: Option
             raise _type_error(name, value, f"a list of {type_name(item)} (YAML: [a, b]; CLI: --{name} a b)", source)
         return [coerce_value(v, item, name=f"{name}[{i}]", source=source, aliases=aliases) for i, v in enumerate(value)]
     if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-            return value.strip().lower() == "true"
-        raise _type_error(name, value, _EXPECTED[bool], source)
+        flag = _as_bool(value)
+        if flag is None:
+            raise _type_error(name, value, _EXPECTED[bool], source)
+        return flag
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -240,6 +276,27 @@ class GroupedConfig:
         cls._field_index_cache = index
         return index
 
+    @classmethod
+    def key_alias_index(cls) -> Dict[str, str]:
+        """``{alias: field_name}`` of every field's ``key_aliases``; checks they name nothing else."""
+        cached = cls.__dict__.get("_key_alias_cache")
+        if cached is not None:
+            return cached
+        index = cls.field_index()
+        group_names = {g for g, _ in cls.groups()}
+        aliases: Dict[str, str] = {}
+        for name, info in index.items():
+            for alias in info.field.metadata.get("key_aliases", ()):
+                if alias in index or alias in group_names or alias in aliases:
+                    raise TypeError(f"key alias {alias!r} of config field {name!r} is already a name")
+                aliases[alias] = name
+        cls._key_alias_cache = aliases
+        return aliases
+
+    def explicitly_set(self) -> frozenset:
+        """Names of the fields given by the user (YAML or command line), as opposed to defaults."""
+        return frozenset(getattr(self, "_explicit", ()))
+
     def get(self, name: str) -> Any:
         """The value of field ``name`` whatever its group (``cfg.get("beta")``)."""
         info = self.field_index().get(name)
@@ -257,14 +314,15 @@ class GroupedConfig:
             raise MindRLHFError(f"{source}: the top level must be a mapping of 'key: value' "
                                 f"(got {type(data).__name__})")
         index = cls.field_index()
+        aliases = cls.key_alias_index()
         group_names = [g for g, _ in cls.groups()]
         out: Dict[str, Tuple[Any, str]] = {}
 
         def put(name: str, value: Any, written: str) -> None:
             if name in out:
-                raise MindRLHFError(f"{source}: '{name}' is set twice (as '{out[name][1]}' and as '{written}'); "
-                                    "keep one")
-            out[name] = (value, written)
+                cls._merge_alias(out, name, value, written, source)
+            else:
+                out[name] = (value, written)
 
         for key, value in data.items():
             key_s = str(key)
@@ -277,31 +335,55 @@ class GroupedConfig:
                 group_fields = [n for n, i in index.items() if i.group == key_s]
                 for sub, sub_value in value.items():
                     sub_s = str(sub)
-                    info = index.get(sub_s)
+                    info = index.get(aliases.get(sub_s, sub_s))
                     if info is None:
                         hint = _suggest(sub_s, group_fields) or _suggest(sub_s, list(index))
                         raise MindRLHFError(f"{source}: unknown config key '{key_s}.{sub_s}'{hint}; "
                                             "see docs/config_reference.md")
                     if info.group != key_s:
-                        raise MindRLHFError(f"{source}: '{key_s}.{sub_s}': field '{sub_s}' belongs to group "
+                        raise MindRLHFError(f"{source}: '{key_s}.{sub_s}': field '{info.name}' belongs to group "
                                             f"'{info.group}'; write '{info.group}: {{{sub_s}: ...}}' or '{sub_s}: ...' "
                                             "at the top level")
-                    put(sub_s, sub_value, f"{key_s}.{sub_s}")
-            elif key_s in index:
-                put(key_s, value, key_s)
+                    put(info.name, sub_value, f"{key_s}.{sub_s}")
+            elif key_s in index or key_s in aliases:
+                put(aliases.get(key_s, key_s), value, key_s)
             else:
                 hint = _suggest(key_s, list(index) + group_names)
                 raise MindRLHFError(f"{source}: unknown config key '{key_s}'{hint}; see docs/config_reference.md")
         return out
 
+    @classmethod
+    def _merge_alias(cls, out: Dict[str, Tuple[Any, str]], name: str, value: Any, written: str, source: str) -> None:
+        """A field given a second time: fine as a name and its key alias with equal values, else an error."""
+        first_value, first_written = out[name]
+        key = written.split(".")[-1].lstrip("-")
+        first_key = first_written.split(".")[-1].lstrip("-")
+        if key == first_key:  # the same key twice (grouped and flat): never an alias pair
+            raise MindRLHFError(f"{source}: '{name}' is set twice (as '{first_written}' and as '{written}'); "
+                                "keep one")
+        info = cls.field_index()[name]
+        values = [coerce_value(v, info.type, name=w, source=source, aliases=info.field.metadata.get("aliases"))
+                  for v, w in ((first_value, first_written), (value, written))]
+        if values[0] != values[1]:
+            which = key if key != name else first_key
+            raise MindRLHFError(f"{source}: '{first_written}' = {_fmt(values[0])} and '{written}' = "
+                                f"{_fmt(values[1])} differ, but {which} is another name of {name}; keep one")
+
     def _apply(self, raw: Dict[str, Tuple[Any, str]], source: str) -> None:
-        """Coerce and set ``{field: (raw_value, key_as_written)}`` in place."""
+        """Coerce and set ``{field: (raw_value, key_as_written)}`` in place (recorded as set by the user)."""
         index = self.field_index()
+        explicit = set(getattr(self, "_explicit", ()))
         for name, (value, written) in raw.items():
             info = index[name]
             coerced = coerce_value(value, info.type, name=written, source=source,
                                    aliases=info.field.metadata.get("aliases"))
             setattr(getattr(self, info.group), name, coerced)
+            explicit.add(name)
+        self._explicit = explicit
+
+    def resolve(self, source: str) -> None:
+        """Fill the fields that other inputs determine (subclasses: e.g. a layout read from a file the
+        config names). Called once after every source (YAML, flags) is applied, before ``validate``."""
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any], *, source: str = "config", validate: bool = True):
@@ -309,6 +391,7 @@ class GroupedConfig:
         cfg = cls()
         cfg._apply(cls._flatten(data, source), source)
         if validate:
+            cfg.resolve(source)
             cfg.validate(source=source)
         return cfg
 
@@ -369,7 +452,9 @@ class GroupedConfig:
                 tp = _optional_inner(info.type) or info.type
                 help_text = f"{meta['help']} [{type_name(info.type)}; default: {_fmt(info.default)}]"
                 kwargs["help"] = help_text.replace("%", "%%")
-                if tp is bool:
+                if _bool_or_str(info.type):
+                    kwargs.update(nargs="?", const="true", metavar="true|false|PATH")
+                elif tp is bool:
                     kwargs.update(nargs="?", const="true", metavar="true|false")
                 elif _list_item(tp) is not None:
                     kwargs.update(nargs="*", metavar=type_name(_list_item(tp)).upper())
@@ -380,6 +465,8 @@ class GroupedConfig:
                 else:
                     kwargs["metavar"] = type_name(tp).upper()
                 group.add_argument(f"--{info.name}", **kwargs)
+                for alias in meta.get("key_aliases", ()):  # own dest, so a conflict with --name is seen
+                    group.add_argument(f"--{alias}", **dict(kwargs, dest=alias, help=f"the same as --{info.name}"))
         return parser
 
     @classmethod
@@ -399,13 +486,22 @@ class GroupedConfig:
         values = vars(namespace)
         config_path = values.pop("config", None)
         index = cls.field_index()
-        for name, value in values.items():  # "--reward_weights none" resets an optional list
+        aliases = cls.key_alias_index()
+        source = "command line" + (f" (with --config {config_path})" if config_path else "")
+        raw: Dict[str, Tuple[Any, str]] = {}
+        for key, value in values.items():
+            name = aliases.get(key, key)
+            # "--reward_weights none" resets an optional list
             if (_optional_inner(index[name].type) is not None and isinstance(value, list) and len(value) == 1
                     and value[0].strip().lower() in ("none", "null")):
-                values[name] = None
+                value = None
+            if name in raw:
+                cls._merge_alias(raw, name, value, f"--{key}", "command line")
+            else:
+                raw[name] = (value, f"--{key}")
         cfg = cls.from_yaml(config_path, validate=False) if config_path else cls()
-        source = "command line" + (f" (with --config {config_path})" if config_path else "")
-        cfg._apply({name: (value, f"--{name}") for name, value in values.items()}, source)
+        cfg._apply(raw, source)
+        cfg.resolve(source)
         cfg.validate(source=source)
         return cfg
 
@@ -464,6 +560,8 @@ class GroupedConfig:
                 text = info.help
                 if "choices" in info.field.metadata:
                     text += " Choices: " + ", ".join(f"`{c}`" for c in info.field.metadata["choices"]) + "."
+                if "key_aliases" in info.field.metadata:
+                    text += " Alias: " + ", ".join(f"`{a}`" for a in info.field.metadata["key_aliases"]) + "."
                 cells = [f"`{info.name}`", f"`{type_name(info.type)}`", f"`{_fmt(info.default)}`", text]
                 text_cells = [cells[0], cells[1], cells[2], _md_text(cells[3])]
                 lines.append("| " + " | ".join(c.replace("|", "\\|") for c in text_cells) + " |")
@@ -478,6 +576,8 @@ def _md_text(text: str) -> str:
 
 def _is_instance(value: Any, tp: Any) -> bool:
     """Strict type check of an already-coerced value (ints count as floats, bools as nothing else)."""
+    if _bool_or_str(tp):
+        return isinstance(value, (bool, str))
     inner = _optional_inner(tp)
     if inner is not None:
         return value is None or _is_instance(value, inner)

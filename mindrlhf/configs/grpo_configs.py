@@ -16,9 +16,11 @@ import dataclasses
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 from mindrlhf.configs.base import GroupedConfig, config_field
+from mindrlhf.configs.mindformers import is_model_yaml, read_model_yaml
+from mindrlhf.errors import MindRLHFError
 from mindrlhf.rewards.manager import REWARD_ERRORS
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -63,8 +65,9 @@ class AlgorithmConfig:
     mini_batch_size: int = config_field(
         0, "Completions per optimizer update, global across train_dp ranks. 0 = all completions of the step "
         "(chunk_size * num_rollouts * num_generations) in one update. Must divide the completions per step and "
-        "be divisible by train_dp; optimizer updates per step = num_iterations * completions / mini_batch_size.",
-        ge=0)
+        "be divisible by train_dp; optimizer updates per step = num_iterations * completions / mini_batch_size. "
+        "MindRLHF's grpo_configs.py calls this training batch batch_size.",
+        ge=0, key_aliases=("batch_size",))
     micro_batch_size: int = config_field(
         0, "Completions per forward/backward on one train rank (gradient accumulation over "
         "mini_batch_size / train_dp / micro_batch_size micro-batches). 0 = the rank's whole share of the "
@@ -227,7 +230,8 @@ class GenerationConfig:
         ge=0)
     use_vllm: bool = config_field(
         False, "Generate with the optional vLLM-MindSpore backend (Ascend only; needs the vllm_mindspore "
-        "package) instead of the built-in KV-cache sampler. Not wired in yet: the job refuses true.")
+        "package) instead of the built-in KV-cache sampler. Not wired in yet: the job refuses true (MindRLHF's "
+        "--use_vllm 1), and on CPU it does not apply at all.")
 
 
 @dataclass
@@ -238,12 +242,13 @@ class OptimizerConfig:
         2e-5, "Peak learning rate of AdamW (reached after warmup_steps). Range > 0. The default suits the "
         "embedded 135M model's short CPU run (the README's results use it); use ~1e-6 for 0.5-1.5B models and "
         "~5e-7 for 7B. At most 0.1: Adam moves every weight by about lr per update, so larger values destroy "
-        "any model (1e6 took |w| ~ 0.1 to 2e6 in one step, all finite).",
-        gt=0.0, le=0.1)
+        "any model (1e6 took |w| ~ 0.1 to 2e6 in one step, all finite). MindRLHF's name: start_lr (the "
+        "decay's start).",
+        gt=0.0, le=0.1, key_aliases=("start_lr",))
     min_lr: float = config_field(
-        0.0, "Learning rate at the end of the cosine / linear decay (at max_steps). Range [0, lr]. Unused "
-        "with lr_schedule constant.",
-        ge=0.0)
+        0.0, "Learning rate at the end of the cosine / linear decay (at the run's last step: max_steps, or "
+        "grpo_epochs' end). Range [0, lr]. Unused with lr_schedule constant. MindRLHF's name: end_lr.",
+        ge=0.0, key_aliases=("end_lr",))
     warmup_steps: int = config_field(
         0, "Training steps of linear warmup from ~0 to lr. Range [0, max_steps]. The schedule advances once per "
         "training step (all optimizer updates of a step use the same lr).",
@@ -293,22 +298,35 @@ class ModelConfig:
     sft_path_train: str = config_field(
         "", "Policy (trained model) weights: a Hugging Face directory (config.json + safetensors) or a "
         "MindSpore checkpoint (full, or a folder of rank_{r} shards for the train layout). '' = the "
-        "packaged default model.")
+        "packaged default model. Or, as in MindRLHF's tutorial, a MindFormers model YAML (.yaml): its "
+        "parallel_config sets train_dp / train_tp / train_pp / train_micro_batches (data_parallel, "
+        "model_parallel, pipeline_stage, micro_batch_num), its model.model_config architecture keys are checked "
+        "against the checkpoint, every other key is listed once in the log as ignored, and the weights come from "
+        "load_sft_checkpoint_train PATH. A layout field also given explicitly must agree with the YAML.")
     sft_path_infer: str = config_field(
         "", "Generator weights, e.g. the same checkpoint pre-sharded for the infer layout. '' = "
         "sft_path_train. The generator receives the policy's weights after every update anyway; this only "
-        "sets its starting point.")
+        "sets its starting point. Or a MindFormers model YAML (the tutorial's predict YAML): its parallel_config "
+        "sets infer_dp / infer_tp (pipeline_stage must be 1) and the weights come from load_sft_checkpoint_infer "
+        "PATH (or from the policy).")
     ref_path: str = config_field(
         "", "Reference model weights (KL term, beta > 0). '' = sft_path_train.")
-    load_sft_checkpoint_train: bool = config_field(
-        True, "Load the policy weights from sft_path_train. false = random initialisation with the model's "
-        "architecture (debugging only).")
-    load_sft_checkpoint_infer: bool = config_field(
-        True, "Load the generator weights from sft_path_infer. false = the generator starts from the policy's "
-        "weights via the train-to-infer weight sync (no second load); then sft_path_infer must be ''.")
-    load_ref_checkpoint: bool = config_field(
-        True, "Load the reference weights from ref_path (or sft_path_train). false = the reference starts as "
-        "a copy of the initial policy (no second load); then ref_path must be ''.")
+    load_sft_checkpoint_train: Union[bool, str] = config_field(
+        True, "Load the policy weights: true = from sft_path_train; a path = from that checkpoint (MindRLHF's "
+        "form: a full .ckpt/.safetensors, an HF directory, or a folder of rank_{r} shards written by "
+        "transform_checkpoint.py for the train layout), which must then be the only weights named for the policy "
+        "(sft_path_train '', the same path, or a model YAML); false (or '') = random initialisation with the "
+        "model's architecture (debugging only).")
+    load_sft_checkpoint_infer: Union[bool, str] = config_field(
+        True, "Load the generator weights: true = from sft_path_infer; a path = from that checkpoint (full, HF, "
+        "or rank_{r} shards for the infer layout; sft_path_infer must then be '', the same path or a model "
+        "YAML); false (or '') = the generator starts from the policy's weights via the train-to-infer weight "
+        "sync (no second load); then sft_path_infer must be '' or a model YAML.")
+    load_ref_checkpoint: Union[bool, str] = config_field(
+        True, "Load the reference weights: true = from ref_path (or the policy's checkpoint); a path = from "
+        "that checkpoint (full, HF, or rank_{r} shards for the train layout; ref_path must then be '' or the "
+        "same path); false (or '') = the reference starts as a copy of the initial policy (no second load); "
+        "then ref_path must be ''.")
     vocab_path: str = config_field(
         "", "Tokenizer vocab.json (the seed's flag; give merges_file_path with it). '' = use tokenizer_dir.")
     merges_file_path: str = config_field(
@@ -410,8 +428,16 @@ class TrainConfig:
     max_steps: int = config_field(
         12, "Training steps (the default run: ~70 s each for SmolLM2-135M on 2 CPU cores, ~15 min in all). One "
         "step = num_rollouts generation calls of chunk_size prompts, scoring, then num_iterations passes of "
-        "optimizer updates. Range >= 1.",
+        "optimizer updates. Range >= 1. With grpo_epochs the run ends at whichever limit comes first; when "
+        "grpo_epochs is set and max_steps is not given, grpo_epochs alone sets the length.",
         ge=1)
+    grpo_epochs: int = config_field(
+        0, "Passes over the prompt dataset (MindRLHF's grpo_epochs): the run is grpo_epochs * (dataset batches per "
+        "epoch // num_rollouts) steps, a batch being chunk_size prompts (a partial batch at an epoch's end is "
+        "dropped), or max_steps if given and smaller. The learning-rate decay spans that many steps, and a "
+        "resumed run computes the same length from the same data. With dynamic_sampling a step may read more "
+        "batches, so an epoch then counts steps, not prompts. 0 = max_steps alone. Range >= 0.",
+        ge=0)
     seed: int = config_field(
         42, "Seed for data order, initialisation and sampling; same seed and config = same run "
         "(resume restores the random state). Range >= 0.",
@@ -468,7 +494,10 @@ _PREAMBLE = """
 Every field can be set in a YAML file passed with `--config`, grouped (`algorithm: {beta: 0.04}`)
 or flat (`beta: 0.04`), and on the command line as `--<field> VALUE` (command-line flags override
 the YAML). Lists are space-separated on the command line (`--reward_funcs accuracy format`); bools
-take `true`/`false` or a bare flag (`--use_parallel`). Unknown keys are errors.
+take `true`/`false`, `True`/`False`, `1`/`0` or a bare flag (`--use_parallel`). Unknown keys are errors.
+A field's **Alias** (MindRLHF's `grpo_configs.py` names: `start_lr`, `end_lr`, `batch_size`) is
+another key for it, in YAML and as a flag; a name and its alias with different values are an error.
+The `bool | str` fields (`load_sft_checkpoint_train`, ...) take true/false or a checkpoint path.
 
 **Batch geometry.** One training step reads `chunk_size * num_rollouts` prompts and samples
 `num_generations` completions for each: `N = chunk_size * num_rollouts * num_generations`
@@ -563,8 +592,67 @@ class GRPOConfig(GroupedConfig):
         a = self.algorithm
         return _GRPO_SCALINGS[a.scale_rewards] if a.advantage_estimator == "grpo" else a.advantage_estimator
 
+    # ---------------------------------------------------------------- weights and MindFormers model YAMLs
+    def _weight_fields(self, role: str) -> Tuple[str, "bool | str"]:
+        """(path field, load field) values of ``role``: train, infer or ref."""
+        m = self.model
+        return {"train": (m.sft_path_train, m.load_sft_checkpoint_train),
+                "infer": (m.sft_path_infer, m.load_sft_checkpoint_infer),
+                "ref": (m.ref_path, m.load_ref_checkpoint)}[role]
+
+    def model_weights(self, role: str) -> str:
+        """The checkpoint to load for ``role`` (train / infer / ref), or '' when there is none to load:
+        the ``load_*`` path if one is given, else the role's path field unless it is a model YAML or
+        loading is off. ('' for train = the packaged default model; for infer / ref = from the policy.)"""
+        path, load = self._weight_fields(role)
+        if isinstance(load, str):
+            return load
+        return path if load and not is_model_yaml(path) else ""
+
+    def model_yaml(self, role: str) -> str:
+        """The MindFormers model YAML given as ``sft_path_train`` / ``sft_path_infer``, or ''."""
+        path = self._weight_fields(role)[0]
+        return path if is_model_yaml(path) else ""
+
+    def resolve(self, source: str) -> None:
+        """Take the train / infer layouts from MindFormers model YAMLs given as sft_path_train /
+        sft_path_infer. A layout field the user set too must agree (one error naming both)."""
+        explicit = self.explicitly_set()
+        for side in ("train", "infer"):
+            path = self.model_yaml(side)
+            if not path:
+                continue
+            for name, (value, key) in read_model_yaml(path).layout(side).items():
+                current = self.get(name)
+                if name in explicit and current != value:
+                    raise MindRLHFError(f"{source}: {name} = {current} conflicts with {key}: {value} in {path} "
+                                        f"(sft_path_{side}); drop {name} or change the YAML")
+                setattr(self.parallel, name, value)
+
+    def _check_weights(self, errors: List[str]) -> None:
+        """A load_* path and a different weights path for the same model, or a model YAML with nothing to load."""
+        m = self.model
+        for role in ("train", "infer", "ref"):
+            path, load = self._weight_fields(role)
+            path_field = "ref_path" if role == "ref" else f"sft_path_{role}"
+            load_field = "load_ref_checkpoint" if role == "ref" else f"load_sft_checkpoint_{role}"
+            if isinstance(load, str) and path and not is_model_yaml(path) and path != load:
+                errors.append(f"{load_field} = {load!r} and {path_field} = {path!r} name two different checkpoints; "
+                              f"give the weights once ({path_field} may be a MindFormers model YAML instead)")
+            if role == "ref" and is_model_yaml(path):
+                errors.append(f"ref_path = {path!r} is a model YAML; ref_path names weights (the reference uses the "
+                              "train layout): give a checkpoint, or use load_ref_checkpoint PATH")
+        if self.model_yaml("train") and m.load_sft_checkpoint_train is True:
+            errors.append(f"sft_path_train = {m.sft_path_train!r} is a model YAML, which holds no weights; give the "
+                          "checkpoint with load_sft_checkpoint_train PATH")
+        if self.model_yaml("train") and m.load_sft_checkpoint_train is False:
+            errors.append(f"sft_path_train = {m.sft_path_train!r} (a model YAML) with load_sft_checkpoint_train = "
+                          "false: the architecture is read from a checkpoint here; give it with "
+                          "load_sft_checkpoint_train PATH")
+
     def _check_combinations(self, errors: List[str]) -> None:
         a, g, o, m, p, t = self.algorithm, self.generation, self.optimizer, self.model, self.parallel, self.train
+        self._check_weights(errors)
         if a.overlong_buffer_length >= g.max_completion_length:
             errors.append(f"overlong_buffer_length = {a.overlong_buffer_length} must be below max_completion_length = "
                           f"{g.max_completion_length} (the punishment starts that many tokens before the limit)")
@@ -601,7 +689,7 @@ class GRPOConfig(GroupedConfig):
         if m.ref_path and not m.load_ref_checkpoint:
             errors.append(f"ref_path = {m.ref_path!r} is ignored with load_ref_checkpoint = false; "
                           "set load_ref_checkpoint true or ref_path ''")
-        if m.sft_path_infer and not m.load_sft_checkpoint_infer:
+        if m.sft_path_infer and not m.load_sft_checkpoint_infer and not self.model_yaml("infer"):
             errors.append(f"sft_path_infer = {m.sft_path_infer!r} is ignored with load_sft_checkpoint_infer = false; "
                           "set load_sft_checkpoint_infer true or sft_path_infer ''")
 
@@ -627,7 +715,7 @@ class GRPOConfig(GroupedConfig):
         # Optimizer / schedule.
         if o.min_lr > o.lr:
             errors.append(f"min_lr = {o.min_lr} > lr = {o.lr}; min_lr must be <= lr")
-        if o.warmup_steps > t.max_steps:
+        if o.warmup_steps > t.max_steps and not (t.grpo_epochs and "max_steps" not in self.explicitly_set()):
             errors.append(f"warmup_steps = {o.warmup_steps} > max_steps = {t.max_steps}; "
                           "the learning rate would never reach lr")
 

@@ -38,7 +38,7 @@ from mindrlhf.tokenizer import TOKENIZER_FILES
 from mindrlhf.trainer.experience import (Experience, bucket, concat_experiences, left_pad, load_experience, right_pad,
                                          save_experience, step_file)
 from mindrlhf.trainer.metrics import MetricsLogger, console_line
-from mindrlhf.trainer.schedule import lr_at
+from mindrlhf.trainer.schedule import lr_at, run_steps
 from mindrlhf.trainer.train_step import LossSettings, PolicyUpdater
 from mindrlhf.utils import faults
 
@@ -98,6 +98,9 @@ class GRPOTrainer:
             if ref_model is not None else None
         self.step = 0
         self.batches_drawn = 0  # dataset batches consumed so far (all epochs): where the next step reads
+        self.total_steps = run_steps(cfg, len(dataset))  # max_steps / grpo_epochs: the run and the LR decay
+        # Recorded as max_steps, so the saved config.yaml reruns (and a resume compares) the same length.
+        cfg.train.max_steps = self.total_steps
         self.consecutive_nonfinite = 0
         self.skipped_updates = 0
         self.ref_synced = False
@@ -285,7 +288,7 @@ class GRPOTrainer:
         ref = exp.ref_logp if exp.ref_logp is not None else zeros
         # The schedule advances once per GRPO step (warmup_steps counts steps, not updates).
         lr = lr_at(self.step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
-                   total_steps=self.cfg.train.max_steps, schedule=o.lr_schedule)
+                   total_steps=self.total_steps, schedule=o.lr_schedule)
         self.updater.set_lr(lr)
         results = []
         for _ in range(a.num_iterations):
@@ -574,25 +577,25 @@ class GRPOTrainer:
         return metrics
 
     def train(self) -> List[Dict[str, float]]:
-        """Run from ``self.step`` (0, or where ``resume`` left it) until ``max_steps``; checkpoints every
-        ``save_steps`` and at the end."""
+        """Run from ``self.step`` (0, or where ``resume`` left it) until ``total_steps`` (max_steps and
+        grpo_epochs, whichever ends first); checkpoints every ``save_steps`` and at the end."""
         t = self.cfg.train
         logger = MetricsLogger(self.output_dir, comm.is_main(), t.tensorboard, resume_step=self.step)
         history = []
-        bar = tqdm(total=t.max_steps, initial=self.step, desc="GRPO", unit="step",
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="GRPO", unit="step",
                    disable=not (t.progress_bar and comm.is_main()), dynamic_ncols=True)
         try:
-            while self.step < t.max_steps:
+            while self.step < self.total_steps:
                 metrics = self.train_one_step()
                 history.append(metrics)
-                if self.step % t.logging_steps == 0 or self.step == t.max_steps:
+                if self.step % t.logging_steps == 0 or self.step == self.total_steps:
                     logger.log(self.step, metrics)
                     if comm.is_main():
                         bar.write(console_line(self.step, metrics))
                 # The postfix first: update() redraws the bar, which then shows this step's reward.
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", refresh=False)
                 bar.update(1)
-                if (t.save_steps and self.step % t.save_steps == 0) or self.step == t.max_steps:
+                if (t.save_steps and self.step % t.save_steps == 0) or self.step == self.total_steps:
                     self.save_checkpoint()
                     logger.write_curves()  # reward.png / accuracy.png, refreshed with each checkpoint
         finally:
