@@ -60,7 +60,7 @@ def test_trl_style_reward_trains_and_a_raising_reward_stops_the_run(grpo_assets,
     skip = tmp_path / "skip"
     assert _run_inprocess(_args(grpo_assets, skip, reward_errors="skip", **broken)) == 0
     row = _metrics(skip)[0]
-    assert row["rewards/e2e_rewards:broken_reward/failures"] == 1.0 and row["reward_fn_failures"] == 1.0
+    assert row["rewards/broken_reward/failures"] == 1.0 and row["reward_fn_failures"] == 1.0
 
 
 def test_a_new_run_never_overwrites_or_resumes_another(grpo_assets, tmp_path, capsys, caplog):
