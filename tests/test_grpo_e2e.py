@@ -109,7 +109,7 @@ def test_a_new_run_never_overwrites_or_resumes_another(grpo_assets, tmp_path, ca
 
 def test_bad_inputs_fail_fast_with_errors_that_name_the_problem(grpo_assets, tmp_path, capsys,
                                                                  qwen_tokenizer_dir):
-    from tiny_models import add_tokenizer, make_tiny_qwen2
+    from mindrlhf.testing import add_tokenizer, make_tiny_qwen2
 
     def error(**overrides) -> str:
         capsys.readouterr()

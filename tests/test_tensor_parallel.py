@@ -193,7 +193,7 @@ def _cases(tiny_qwen2_dir: Path, tiny_llama_dir: Path, shared: bool = False):
 @pytest.fixture(scope="module")
 def tiny_llama4_dir(tmp_path_factory) -> Path:
     """A 4-layer untied Llama with attention_bias (q/k/v and o_proj biases), so pp=2 divides it."""
-    from tiny_models import make_tiny_llama
+    from mindrlhf.testing import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama4"), seed=3, num_hidden_layers=4,
                            attention_bias=True)
