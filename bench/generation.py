@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 
 
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden_size", type=int, default=256, help="model hidden size")
@@ -41,9 +40,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     import mindspore as ms
 
-    from mindrlhf.testing import make_tiny_qwen2
     from mindrlhf.generation import NativeSampler, SamplingParams
     from mindrlhf.models import DecoderConfig, load_model
+    from mindrlhf.testing import make_tiny_qwen2
 
     ms.set_device("CPU")
     ms.set_context(mode=ms.PYNATIVE_MODE)

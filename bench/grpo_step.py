@@ -71,6 +71,7 @@ def main() -> None:
     args, fields = ap.parse_known_args()  # the rest are config fields (--share_prompts false, --dtype float16)
 
     import mindspore as ms
+
     from mindrlhf.configs import parse_args
     from mindrlhf.grpo import build_trainer, setup_runtime
 

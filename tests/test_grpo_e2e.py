@@ -19,9 +19,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from grpo_runs import grpo_args as _args, is_timing as _timing, read_rows as _metrics
-from grpo_runs import assert_same_updated_weights, run_cli as _run_cli, run_inprocess as _run_inprocess
-from grpo_runs import launch_env as _launch_env, msrun as _msrun, second_host
+from grpo_runs import assert_same_updated_weights, second_host
+from grpo_runs import grpo_args as _args
+from grpo_runs import is_timing as _timing
+from grpo_runs import launch_env as _launch_env
+from grpo_runs import msrun as _msrun
+from grpo_runs import read_rows as _metrics
+from grpo_runs import run_cli as _run_cli
+from grpo_runs import run_inprocess as _run_inprocess
 from mindrlhf.checkpoint.manager import CheckpointManager
 
 REPO = Path(__file__).resolve().parents[1]
@@ -165,6 +170,7 @@ def test_three_steps_metrics_finite_and_on_policy(grpo_assets, tmp_path):
     assert all(ckpts.verify(ckpts.step_dir(s)) is None for s in (1, 2, 3))
     # A checkpoint folder is a loadable model: config.json and the tokenizer files travel with it.
     import mindspore as ms
+
     from mindrlhf.models import load_model
     from mindrlhf.tokenizer import Tokenizer
 

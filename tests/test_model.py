@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 import shutil
 
+import mindspore as ms
 import numpy as np
 import pytest
-import mindspore as ms
 
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.models import DecoderConfig, load_model
@@ -108,6 +108,7 @@ def test_llama_with_attention_and_mlp_bias_matches_transformers(tmp_path):
     # HF Llama's attention_bias puts a bias on q/k/v AND o_proj (Qwen2: q/k/v only).
     import torch
     from transformers import AutoModelForCausalLM
+
     from mindrlhf.testing import make_tiny_llama
 
     hf_dir = make_tiny_llama(tmp_path / "llama_bias", attention_bias=True, mlp_bias=True, num_hidden_layers=2)

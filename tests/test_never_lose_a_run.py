@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from grpo_runs import grpo_args as _args, read_rows as _metrics, run_inprocess as _run, small_filesystem
+from grpo_runs import grpo_args as _args
+from grpo_runs import read_rows as _metrics
+from grpo_runs import run_inprocess as _run
+from grpo_runs import small_filesystem
 from mindrlhf.checkpoint.manager import CheckpointManager
 from tb_events import scalar_steps
 

@@ -16,9 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tp_worker import BETA
-
 from mindrlhf.parallel.layout import ParallelLayout
+from tp_worker import BETA
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "tp_worker.py"
@@ -203,11 +202,10 @@ def tiny_llama4_dir(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("dp,tp,pp", [(1, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (1, 2, 2)])
 def test_shard_names_and_shapes_match_rank_state(tiny_qwen2_dir, tiny_llama4_dir, dp, tp, pp):
     from mindrlhf.models import DecoderConfig, get_weights, load_model, set_weights
-    from mindrlhf.parallel.layout import ParallelLayout
-    from mindrlhf.parallel.sharding import rank_state
     from mindrlhf.models.decoder import CausalLM
     from mindrlhf.parallel.groups import group_name
-    from mindrlhf.parallel.layout import ModelShard
+    from mindrlhf.parallel.layout import ModelShard, ParallelLayout
+    from mindrlhf.parallel.sharding import rank_state
 
     layout = ParallelLayout(dp=dp, tp=tp, pp=pp)
     for model_dir in (tiny_qwen2_dir, tiny_llama4_dir):

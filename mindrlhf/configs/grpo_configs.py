@@ -21,8 +21,14 @@ from typing import List, Optional, Sequence, Tuple, Union
 from mindrlhf.configs.base import GroupedConfig, config_field
 from mindrlhf.configs.mindformers import is_model_yaml, read_model_yaml
 from mindrlhf.errors import MindRLHFError
-from mindrlhf.registry import (ADVANTAGE_ESTIMATORS, IS_MODES, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES,
-                               SCALE_REWARDS)
+from mindrlhf.registry import (
+    ADVANTAGE_ESTIMATORS,
+    IS_MODES,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    SCALE_REWARDS,
+)
 from mindrlhf.rewards.manager import REWARD_ERRORS
 
 #: TRL's loss_type names that are an aggregation of our token-level "grpo" loss (TRL's own "grpo" is ours).
