@@ -416,3 +416,17 @@ def test_overlong_reward_hand_values():
         pytest.approx([0.0, 0.0, 0.0, -0.125, -0.25, -0.5])
     with pytest.raises(ValueError, match="overlong buffer 10 must be in"):
         overlong_reward(10, 10, 1.0)
+
+
+def test_config_refuses_two_reward_funcs_of_one_name_before_anything_loads():
+    from mindrlhf.configs import parse_args
+
+    with pytest.raises(MindRLHFError, match=r"reward_funcs \['a.rewards:length_parity', 'b.more.length_parity'\] are "
+                                            r"all named 'length_parity' \(logged as rewards/length_parity/mean"):
+        parse_args(["--reward_funcs", "a.rewards:length_parity", "b.more.length_parity"])
+    with pytest.raises(MindRLHFError, match=r"reward_funcs \['accuracy', 'my.rewards:accuracy'\] are all named"):
+        parse_args(["--reward_funcs", "accuracy", "my.rewards:accuracy"])
+    with pytest.raises(MindRLHFError, match="reward_funcs names a function 'overlong'"):
+        parse_args(["--overlong_buffer_length", "16", "--reward_funcs", "accuracy", "my.rewards:overlong"])
+    assert parse_args(["--reward_funcs", "accuracy", "my.rewards:length_parity"]).algorithm.reward_funcs == [
+        "accuracy", "my.rewards:length_parity"]

@@ -29,7 +29,7 @@ from mindrlhf.registry import (
     POLICY_LOSSES,
     SCALE_REWARDS,
 )
-from mindrlhf.rewards.manager import REWARD_ERRORS
+from mindrlhf.rewards.manager import REWARD_ERRORS, reward_spec_name
 
 #: TRL's loss_type names that are an aggregation of our token-level "grpo" loss (TRL's own "grpo" is ours).
 TRL_LOSS_TYPES = {"bnpo": "token-mean", "dapo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
@@ -661,7 +661,7 @@ class GRPOConfig(GroupedConfig):
         if a.overlong_buffer_length >= g.max_completion_length:
             errors.append(f"overlong_buffer_length = {a.overlong_buffer_length} must be below max_completion_length = "
                           f"{g.max_completion_length} (the punishment starts that many tokens before the limit)")
-        if a.overlong_buffer_length and "overlong" in a.reward_funcs:
+        if a.overlong_buffer_length and "overlong" in map(reward_spec_name, a.reward_funcs):
             errors.append("reward_funcs names a function 'overlong', the name of the overlong_buffer_length term; "
                           "rename it")
         if a.advantage_estimator != "grpo" and a.scale_rewards != "group":
@@ -680,6 +680,11 @@ class GRPOConfig(GroupedConfig):
         duplicates = sorted({f for f in a.reward_funcs if a.reward_funcs.count(f) > 1})
         if duplicates:
             errors.append(f"reward_funcs lists {duplicates} more than once; each function once (use reward_weights)")
+        names = [reward_spec_name(f) for f in a.reward_funcs]
+        for name in sorted({n for n in names if names.count(n) > 1} - set(duplicates)):
+            same = [f for f in a.reward_funcs if reward_spec_name(f) == name]
+            errors.append(f"reward_funcs {same} are all named {name!r} (logged as rewards/{name}/mean, TRL's name: "
+                          "the function's __name__); rename one of the functions")
         if a.reward_weights is not None and len(a.reward_weights) != len(a.reward_funcs):
             errors.append(f"reward_weights has {len(a.reward_weights)} values {a.reward_weights} but reward_funcs has "
                           f"{len(a.reward_funcs)} {a.reward_funcs}; give one weight per function or null")

@@ -24,6 +24,14 @@ def reward_name(spec: Union[str, RewardFn], fn: RewardFn) -> str:
     return getattr(fn, "__name__", None) or repr(fn)
 
 
+def reward_spec_name(spec: str) -> str:
+    """``reward_name`` of a ``reward_funcs`` entry without importing it: a built-in's name, else the function
+    part of the dotted path (configs check names with it before anything loads; the manager checks ``__name__``)."""
+    if spec in REWARD_FUNCS or not isinstance(spec, str):
+        return spec
+    return spec.rpartition(":")[2] if ":" in spec else spec.rpartition(".")[2]
+
+
 def _shown(spec: Union[str, RewardFn], fn: RewardFn) -> str:
     """A spec as given, or where a callable is defined (``module:qualname``)."""
     if isinstance(spec, str):
