@@ -11,6 +11,7 @@ import logging
 import math
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -20,7 +21,7 @@ import mindspore as ms
 from mindrlhf.algorithms import get_advantage_estimator, informative_groups
 from mindrlhf.data import PromptDataset
 from mindrlhf.errors import MindRLHFError
-from mindrlhf.generation import Sampler, SamplingParams
+from mindrlhf.generation import Completion, Sampler, SamplingParams
 from mindrlhf.models import CausalLM
 from mindrlhf.models.weights import get_weights
 from mindrlhf.parallel import comm
@@ -40,6 +41,18 @@ PROMPT_BUCKET = 32  # prompt columns are padded to a multiple of this (fewer com
 # Completion columns: the longest completion of the step (over all ranks), rounded up to a multiple
 # of this, at most max_completion_length. A policy that learns to stop trains on fewer columns.
 COMPLETION_BUCKET = 32
+
+
+@dataclass
+class Rollout:
+    """What one generation round sampled on this generator replica: its prompts (token ids, in dataset
+    order) with their columns, and G completions per prompt (prompt-major)."""
+
+    prompts: List[List[int]] = field(default_factory=list)
+    solutions: List[str] = field(default_factory=list)
+    questions: List[str] = field(default_factory=list)
+    index: List[int] = field(default_factory=list)
+    completions: List[Completion] = field(default_factory=list)
 
 
 class GRPOTrainer(Trainer):
@@ -107,32 +120,39 @@ class GRPOTrainer(Trainer):
 
     def generate(self, step: int) -> Tuple[Experience, List[str], Dict[str, list]]:
         """Generate G completions per prompt of the step's batches, score them and build its arrays
-        (this train replica's rows, advantages included)."""
+        (this train replica's rows, advantages included): rollout → scoring → advantages."""
         if self.cfg.algorithm.dynamic_sampling:
             return self._generate_dynamic(step)
         exp, texts, info = self._generate_round(step, 0)
-        if self.layout.pure_dp:
-            exp.advantages = self._advantages(exp.rewards)
-        else:
-            exp = self._train_share(self._with_advantages(self._global_rows(exp)))
-        return exp, texts, info
+        return self._train_share(self._with_advantages(self._global_rows(exp))), texts, info
 
     def _generate_round(self, step: int, round_index: int) -> Tuple[Experience, List[str], Dict[str, list]]:
-        """One generation round: this generator replica's share of the next num_rollouts batches,
-        completions sampled and scored; advantages not yet computed."""
-        g, a = self.cfg.generation, self.cfg.algorithm
-        prompts, solutions, questions, index, completions = [], [], [], [], []
+        """One generation round: this generator replica's share of the next num_rollouts batches, sampled
+        (``_rollout``) and scored (``_score``); advantages not yet computed."""
+        return self._score(self._rollout(step, round_index))
+
+    def _rollout(self, step: int, round_index: int) -> Rollout:
+        """Sample G completions for each prompt of this replica's share of the next num_rollouts batches."""
+        a = self.cfg.algorithm
+        out = Rollout()
         faults.point("generate", comm.rank())
         for r, batch in self._prompt_batches():
             local = [list(map(int, ids[:n])) for ids, n in zip(batch["prompt_ids"], batch["prompt_length"])]
-            completions += self.sampler.generate(local, self._sampling_params(step, round_index * a.num_rollouts + r))
-            prompts += local
-            solutions += list(batch["solution"])
-            questions += list(batch["question"])
-            index += [int(i) for i in batch["index"]]
+            params = self._sampling_params(step, round_index * a.num_rollouts + r)
+            out.completions += self.sampler.generate(local, params)
+            out.prompts += local
+            out.solutions += list(batch["solution"])
+            out.questions += list(batch["question"])
+            out.index += [int(i) for i in batch["index"]]
+        return out
+
+    def _score(self, rollout: Rollout) -> Tuple[Experience, List[str], Dict[str, list]]:
+        """The rollout's arrays (padded to the global widths) and every completion's rewards."""
+        g, a = self.cfg.generation, self.cfg.algorithm
+        completions, prompts = rollout.completions, rollout.prompts
         G = a.num_generations
         rep = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731
-        prompts_rep, solution_rep = rep(prompts), rep(solutions)
+        prompts_rep, solution_rep = rep(prompts), rep(rollout.solutions)
         P = bucket(max(len(p) for p in prompts), PROMPT_BUCKET, None)
         # Every rank uses the global width, so rows gathered across ranks line up and the numbers
         # do not depend on how rows are spread over ranks.
@@ -148,7 +168,8 @@ class GRPOTrainer(Trainer):
         # TRL's reward arguments: the prompt text as the model saw it (chat template included) and the ids.
         prompt_texts = rep(self.tokenizer.batch_decode(prompts, skip_special_tokens=False))
         total, per_fn = self.rewards(texts, solution_rep, prompts=prompt_texts,
-                                     completion_ids=[list(c.token_ids) for c in completions], question=rep(questions))
+                                     completion_ids=[list(c.token_ids) for c in completions],
+                                     question=rep(rollout.questions))
         reward_time = time.perf_counter() - t0
         mask = present.astype(np.float32)
         if a.mask_truncated_completions:
@@ -157,7 +178,7 @@ class GRPOTrainer(Trainer):
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=comp_ids, completion_mask=mask,
             sampler_logp=sampler_logp, truncated=truncated, rewards=total.astype(np.float32),
             reward_per_fn=np.stack([per_fn[k] for k in self.rewards.names], axis=1).astype(np.float32),
-            advantages=np.zeros(len(completions), np.float32), prompt_index=np.array(rep(index), np.int64),
+            advantages=np.zeros(len(completions), np.float32), prompt_index=np.array(rep(rollout.index), np.int64),
             extras={"completion_present": present,
                     "sampler_entropy": right_pad([c.entropies for c in completions], C, 0.0, np.float32)})
         return exp, texts, {"reward_time": reward_time, "solutions": solution_rep, "prompts": prompts_rep}
@@ -227,13 +248,6 @@ class GRPOTrainer(Trainer):
         """Advantages of a global batch of rewards (groups of G consecutive rows), float32."""
         estimator = get_advantage_estimator(self.cfg.advantage_estimator)
         return np.asarray(estimator(rewards, self.cfg.algorithm.num_generations), np.float32)
-
-    def _advantages(self, local_rewards: np.ndarray) -> np.ndarray:
-        """Group-relative advantages computed on the GLOBAL batch, then this rank's slice."""
-        everything = comm.all_gather(local_rewards)
-        adv = self._estimate(everything)
-        n = len(local_rewards)
-        return np.asarray(adv, np.float32)[self.rank * n:(self.rank + 1) * n]
 
     def replay(self, step: int) -> Experience:
         """This rank's slice of a step recorded with --save_data_file."""
