@@ -44,7 +44,7 @@ def _track_phase_peaks(trainer, peaks: dict) -> None:
         setattr(trainer, name, run)
 
     wrap("generate", trainer.generate, "generate")
-    wrap("_batched_logp", trainer._batched_logp,
+    wrap("batched_logp", trainer.batched_logp,
          lambda runner, exp: "ref" if runner is trainer.ref_runner else "old_logp")
     wrap("train_on", trainer.train_on, "train")
 
@@ -73,7 +73,8 @@ def main() -> None:
     import mindspore as ms
 
     from mindrlhf.configs import parse_args
-    from mindrlhf.grpo import build_trainer, setup_runtime
+    from mindrlhf.grpo import build_trainer
+    from mindrlhf.trainer.entry import setup_runtime
 
     root = Path(tempfile.mkdtemp(prefix="mindrlhf_bench_"))
     data_dir = Path(args.data_dir)

@@ -117,8 +117,9 @@ def run_ours(spec: Dict[str, Any]) -> Dict[str, Any]:
     from mindrlhf.configs import parse_args
     from mindrlhf.data.gsm8k import DEFAULT_SYSTEM_PROMPT
     from mindrlhf.data.rlhf_data import convert_to_mindrecord
-    from mindrlhf.grpo import build_trainer, setup_runtime
+    from mindrlhf.grpo import build_trainer
     from mindrlhf.tokenizer import Tokenizer
+    from mindrlhf.trainer.entry import setup_runtime
 
     work = Path(spec["work_dir"]) / "ours"
     work.mkdir(parents=True, exist_ok=True)

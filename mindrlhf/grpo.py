@@ -8,48 +8,24 @@ With no paths given, it trains the embedded default: SmolLM2-135M-Instruct (from
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Optional, Sequence
 
-import mindspore as ms
-
-from mindrlhf.checkpoint.manager import CheckpointManager
-from mindrlhf.checkpoint.run_dir import check_run_dirs, clear_previous_run, write_run_id
 from mindrlhf.configs import GRPOConfig, parse_args
-from mindrlhf.errors import MindRLHFError, WorkerLostError
-from mindrlhf.rewards import get_reward_fn
+from mindrlhf.errors import MindRLHFError
+from mindrlhf.generation.factory import build_sampler, check_sampler_config
 from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import RunLayout, init_run_layout
 from mindrlhf.parallel.layout import ParallelLayout
 from mindrlhf.parallel.resharding import load_shard
+from mindrlhf.rewards import get_reward_fn
+from mindrlhf.trainer.entry import StageSpec, run_stage
 from mindrlhf.utils.cli import run_cli
 
 log = logging.getLogger("mindrlhf")
 RESOURCES = Path(__file__).resolve().parent / "resources"
 DEFAULT_TRAIN_DATA = RESOURCES / "gsm8k_train_sample.jsonl"
-
-
-def setup_runtime(cfg: GRPOConfig) -> RunLayout:
-    """Device, execution mode, compile cache, communication, parallel groups and seeds, from the config."""
-    p = cfg.parallel
-    ms.set_device(p.device_target)
-    ms.set_context(mode=ms.PYNATIVE_MODE)  # hot paths are compiled with mindspore.jit
-    if p.enable_compile_cache:
-        ms.set_context(enable_compile_cache=True,
-                       compile_cache_path=str(Path(cfg.train.output_dir) / "compile_cache"))
-    if p.use_parallel:
-        comm.init_distributed(p.collective_timeout, p.device_target)
-        if comm.world_size() != cfg.world_size:
-            raise MindRLHFError(f"msrun started {comm.world_size()} workers but the config's layout needs "
-                                f"train_dp*train_tp*train_pp = {cfg.world_size}; set --worker_num={cfg.world_size} "
-                                f"or change the layout")
-    if cfg.generation.use_vllm:
-        raise MindRLHFError("use_vllm: the vLLM-MindSpore backend is not wired in yet; use the native sampler "
-                            "(use_vllm false)")
-    ms.set_seed(cfg.train.seed)
-    train = ParallelLayout(dp=p.train_dp, tp=p.train_tp, pp=p.train_pp, micro_batches=p.train_micro_batches)
-    infer = ParallelLayout(dp=p.infer_dp, tp=p.infer_tp)
-    return init_run_layout(train, infer, comm.rank(), comm.world_size())
 
 
 def resolve_model_path(cfg: GRPOConfig) -> str:
@@ -103,7 +79,7 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
     from mindrlhf.models import CausalLM, cast_weights_into, get_weights, set_weights
     from mindrlhf.trainer.grpo_trainer import GRPOTrainer
 
-    m, a = cfg.model, cfg.algorithm
+    m = cfg.model
     layout = layout or init_run_layout(ParallelLayout(dp=comm.world_size()), ParallelLayout(dp=comm.world_size()),
                                        comm.rank(), comm.world_size())
     train_path = resolve_model_path(cfg)
@@ -131,7 +107,7 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
     elif not layout.shared_generator:  # weights come from the policy, resharded (sync_generator)
         sampler_model = CausalLM(config, m.dtype, layout.infer_shard())
     ref_model = None
-    if a.beta > 0:  # with beta == 0 the reference is never built
+    if cfg.uses_reference:  # with beta == 0 the reference is never built
         if m.load_ref_checkpoint:
             ref_model = make(cfg.model_weights("ref") or train_path, True, train_shard, layout.train)
         else:
@@ -156,11 +132,12 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
         raise MindRLHFError(f"max_prompt_length + max_completion_length = "
                             f"{dataset.max_prompt_length + cfg.generation.max_completion_length} exceeds the model's "
                             f"max_position_embeddings={limit}; lower one of them")
-    trainer = GRPOTrainer(cfg, policy=policy, tokenizer=tokenizer, dataset=dataset,
-                          sampler_model=sampler_model, ref_model=ref_model, layout=layout,
+    sampler = build_sampler(cfg, sampler_model if sampler_model is not None else policy)
+    trainer = GRPOTrainer(cfg, policy=policy, tokenizer=tokenizer, dataset=dataset, sampler=sampler,
+                          ref_model=ref_model, layout=layout,
                           policy_masters=masters.trainable_params() if masters is not None else None)
     if sampler_model is not None and not (infer_path and infer_path != train_path):
-        trainer.sync_generator()
+        trainer.sync_generator()  # the generator starts from the policy's weights
     return trainer
 
 
@@ -209,55 +186,19 @@ def _config_of(path: str):
     return DecoderConfig.from_hf_dict(source.config, source=str(source.config_path))
 
 
-def worker_lost(cfg: GRPOConfig, op: str, err: RuntimeError) -> WorkerLostError:
-    """The one-line report of a collective that got no answer: another worker died or hangs."""
-    # MindSpore's message may open with ruler and heading lines; log its first line with words in it.
-    said = next((line.strip() for line in str(err).splitlines() if any(c.isalnum() for c in line)
-                 and "Kernel error" not in line), "")
-    log.error("rank %d: %s failed: %s", comm.rank(), op, said)
-    found = CheckpointManager(cfg.checkpoint_dir).latest_complete()
-    resume = (f"the newest complete checkpoint here is step {found[0]}: rerun the same command with --resume"
-              if found else "no complete checkpoint here yet: rerun the same command")
-    return WorkerLostError(f"worker rank {comm.rank()} of {comm.world_size()}: {op} got no answer from the other "
-                           f"workers within {comm.collective_timeout_text()}, so another "
-                           f"worker of this job died or hangs (msrun's --log_dir has each worker's log); {resume}")
-
-
-def _main(argv: Optional[Sequence[str]] = None) -> int:
-    cfg = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    t = cfg.train
-    # Before anything is written, on every worker (msrun's rendezvous in setup_runtime comes after):
-    # what this start may do in the output and checkpoint directories, and which checkpoint it resumes.
-    start = check_run_dirs(t.output_dir, cfg.checkpoint_dir, resume=t.resume, overwrite=t.overwrite_output_dir)
-    for name in cfg.algorithm.reward_funcs:  # a typo in a dotted path fails now, not after the model loaded
+def precheck(cfg: GRPOConfig) -> None:
+    """What must fail before any model loads: a typo in a dotted reward path, an unavailable backend."""
+    for name in cfg.algorithm.reward_funcs:
         get_reward_fn(name)
-    layout = setup_runtime(cfg)
-    try:
-        trainer = build_trainer(cfg, layout)
-        if start.checkpoint is not None:
-            trainer.resume(start.checkpoint)
-        # Everything is validated and loaded: only now may the previous run go and this one's files begin.
-        if comm.is_main():
-            if t.overwrite_output_dir and start.checkpoint is None:
-                clear_previous_run(t.output_dir, cfg.checkpoint_dir)
-            write_run_id(t.output_dir, trainer.run_id)
-            cfg.save_yaml(Path(t.output_dir) / "config.yaml")
-        history = trainer.train()
-    except RuntimeError as err:
-        op = comm.collective_failure(err) if comm.world_size() > 1 else None
-        if op is None:
-            raise
-        raise worker_lost(cfg, op, err) from None
-    if comm.is_main() and history:
-        log.info("done: %d steps, last reward %.4f, metrics in %s", trainer.step, history[-1]["reward"],
-                 Path(cfg.train.output_dir) / "metrics.jsonl")
-    return 0
+    check_sampler_config(cfg)
+
+
+GRPO = StageSpec(parse=parse_args, build=build_trainer, precheck=precheck)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry point (``mindrlhf-grpo``)."""
-    return run_cli(_main, argv)
+    return run_cli(partial(run_stage, GRPO), argv)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from mindrlhf.errors import MindRLHFError
 
 PKG = Path(__file__).resolve().parents[1] / "mindrlhf"
 # Fields the code reads only through the parallel layout objects (ParallelLayout / RunLayout are
-# built from them in grpo.setup_runtime): besides being read, a wrong value must be rejected, naming the field.
+# built from them in trainer.entry.setup_runtime): besides being read, a wrong value must be rejected, naming the field.
 LAYOUT_CHECKED = {"train_micro_batches": {"train_micro_batches": 2}, "infer_dp": {"infer_dp": 2}}
 
 

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -614,3 +615,26 @@ def test_tp_pp_layout_matches_one_process(grpo_assets, tmp_path):
     for r in rows:
         assert all(isinstance(v, float) and math.isfinite(v) for k, v in r.items() if k != "step"), r
         assert r["sampling/kept_groups"] >= 1 and r["sampling/rounds"] >= 1
+
+
+def test_replay_matches_the_recorded_reference(grpo_assets, tmp_path):
+    """The rollouts recorded by tests/make_replay_reference.py (before the training core was factored
+    out of GRPO), replayed off-policy with the KL term and two mini-batches: every metric equals the
+    recorded run's to 1e-6 (timings aside)."""
+    from make_replay_reference import COMMON, REPLAY
+
+    recorded = REPO / "tests" / "data" / "replay_reference"
+    dump = tmp_path / "dump" / "exp.npz"
+    dump.parent.mkdir()
+    for f in recorded.glob("*.npz"):
+        (dump.parent / f.name).write_bytes(f.read_bytes())
+    assert _run_inprocess(_args(grpo_assets, tmp_path / "run", replay_data_file=dump, **REPLAY, **COMMON)) == 0
+    want = [json.loads(line) for line in (recorded / "metrics.jsonl").read_text().splitlines()]
+    # Recorded before reward metrics took TRL's names (a function's __name__): rewards/<module>:<fn>/ is rewards/<fn>/.
+    want = [{re.sub(r"^rewards/[\w.]+:(\w+)/", r"rewards/\1/", key): v for key, v in row.items()} for row in want]
+    got = _metrics(tmp_path / "run")
+    assert [r["step"] for r in got] == [1, 2] and set(got[0]) == set(want[0])
+    for w, g in zip(want, got):
+        for key, value in w.items():
+            if not _timing(key):
+                assert g[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (w["step"], key, g[key], value)

@@ -86,13 +86,13 @@ def test_float16_update_agrees_with_float32(replayed_runs):
 
 def _updater(model_dir, dtype: str, **kw):
     from mindrlhf.models import load_model
-    from mindrlhf.trainer.train_step import LossSettings, PolicyUpdater
+    from mindrlhf.trainer.grpo_loss import LossSettings, grpo_updater
 
     model = load_model(model_dir, dtype=dtype)
     settings = LossSettings(loss_type="grpo", loss_agg_mode="token-mean", epsilon_low=0.2, epsilon_high=0.2,
                             beta=0.0, kl_estimator="k3", max_completion_length=8, temperature=1.0,
                             off_policy=False)
-    return PolicyUpdater(model, settings, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
+    return grpo_updater(model, settings, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
                          max_grad_norm=0.0, jit=False, **kw)
 
 
@@ -112,13 +112,13 @@ def test_overflow_is_skipped_the_scale_halves_and_the_next_step_updates(tiny_qwe
     masters = {n: p.asnumpy().copy() for n, p in updater.master_weights().items()}
     compute = {p.name: p.asnumpy().copy() for p in updater.params}
     # Advantages of 1e5 keep the float32 loss finite but the scaled float16 gradients overflow.
-    res = updater.step([_micro(1e5)], 32.0, 4.0)
+    res = updater.step([_micro(1e5)], (32.0, 4.0))
     assert math.isfinite(res["loss"]) and res["skipped"] == 1.0 and res["overflow"] == 1.0
     assert updater.loss_scale == 32768.0
     assert int(updater.optimizer.step.asnumpy()) == 0
     for name, p in updater.master_weights().items():
         np.testing.assert_array_equal(p.asnumpy(), masters[name])
-    res = updater.step([_micro(1.0)], 32.0, 4.0)
+    res = updater.step([_micro(1.0)], (32.0, 4.0))
     assert res["skipped"] == 0.0 and res["overflow"] == 0.0 and math.isfinite(res["grad_norm"])
     assert updater.loss_scale == 32768.0 and int(updater.optimizer.step.asnumpy()) == 1
     moved = [p.name for p in updater.params if not np.array_equal(p.asnumpy(), compute[p.name])]
@@ -132,12 +132,12 @@ def test_loss_scale_grows_after_a_window_and_reports_the_unscaled_loss(tiny_qwen
     half = _updater(tiny_qwen2_dir, "float16", loss_scale_init=1024.0, loss_scale_window=2)
     full = _updater(tiny_qwen2_dir, "float32")
     assert full.scaler is None and full.loss_scale == 1.0 and full.loss_scale_state() == {}
-    a = half.step([_micro(1.0)], 32.0, 4.0)
-    b = full.step([_micro(1.0)], 32.0, 4.0)
+    a = half.step([_micro(1.0)], (32.0, 4.0))
+    b = full.step([_micro(1.0)], (32.0, 4.0))
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-2, abs=1e-4)  # not multiplied by 1024
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=2e-2)
     assert half.loss_scale == 1024.0
-    half.step([_micro(1.0)], 32.0, 4.0)
+    half.step([_micro(1.0)], (32.0, 4.0))
     assert half.loss_scale_state() == {"loss_scale": 2048.0, "loss_scale_counter": 0}
 
 

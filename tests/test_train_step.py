@@ -1,4 +1,4 @@
-"""The policy update (trainer.train_step.PolicyUpdater) on a tiny Qwen2: padding invariance."""
+"""The policy update (trainer.update.Updater with GRPO's objective) on a tiny Qwen2: padding invariance."""
 import numpy as np
 import pytest
 
@@ -25,13 +25,13 @@ def _experience(width: int, seed: int = 0) -> Experience:
 
 def _update(model_dir, exp: Experience, loss_agg_mode: str):
     from mindrlhf.models import get_weights, load_model
-    from mindrlhf.trainer.train_step import LossSettings, PolicyUpdater
+    from mindrlhf.trainer.grpo_loss import LossSettings, grpo_updater
 
     model = load_model(model_dir)
     settings = LossSettings(loss_type="grpo", loss_agg_mode=loss_agg_mode, epsilon_low=0.2, epsilon_high=0.2,
                             beta=0.04, kl_estimator="k3", max_completion_length=16, temperature=0.7,
                             off_policy=False)
-    updater = PolicyUpdater(model, settings, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
+    updater = grpo_updater(model, settings, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
                             max_grad_norm=1.0, jit=False)
     inputs = exp.train_inputs()
     micro = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"],
@@ -39,7 +39,7 @@ def _update(model_dir, exp: Experience, loss_agg_mode: str):
              "advantages": exp.advantages, "old_logp": exp.sampler_logp, "ref_logp": exp.ref_logp,
              "sampler_logp": exp.sampler_logp}
     mask = exp.completion_mask
-    result = updater.step([micro], float(mask.sum()), float((mask.sum(1) > 0).sum()))
+    result = updater.step([micro], (float(mask.sum()), float((mask.sum(1) > 0).sum())))
     return result, get_weights(model)
 
 
@@ -62,7 +62,7 @@ def test_importance_sampling_correction_weights_the_update(tiny_qwen2_dir, mode)
     """On-policy (ratio 1), grpo's per-token loss is -A; the correction weights it by the mode's ratio of the
     trainer's to the sampler's log-probs, computed here in numpy from the trainer's own log-probs."""
     from mindrlhf.models import load_model
-    from mindrlhf.trainer.train_step import LossSettings, PolicyUpdater
+    from mindrlhf.trainer.grpo_loss import LossSettings, grpo_updater
 
     exp = _experience(9)
     inputs = exp.train_inputs()
@@ -72,7 +72,7 @@ def test_importance_sampling_correction_weights_the_update(tiny_qwen2_dir, mode)
     mask = exp.completion_mask
     results = {}
     for correction in (False, True):
-        updater = PolicyUpdater(load_model(tiny_qwen2_dir), LossSettings(
+        updater = grpo_updater(load_model(tiny_qwen2_dir), LossSettings(
             "grpo", "token-mean", 0.2, 0.2, 0.0, "k3", 16, 1.0, False, correction, mode, 1.5),
             lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, max_grad_norm=0.0, jit=False)
         logp = updater.logprobs([micro])[0].astype(np.float64)
@@ -85,7 +85,7 @@ def test_importance_sampling_correction_weights_the_update(tiny_qwen2_dir, mode)
             ratio, counted = np.exp(gap.sum(1, keepdims=True)), (mask.sum(1, keepdims=True) > 0).astype(float)
         weights = np.minimum(ratio, 1.5) if mode.endswith("truncate") else np.where(ratio > 1.5, 0.0, ratio)
         results[correction] = updater.step([dict(micro, sampler_logp=sampler.astype(np.float32))],
-                                           float(mask.sum()), float((mask.sum(1) > 0).sum()))
+                                           (float(mask.sum()), float((mask.sum(1) > 0).sum())))
     res = results[True]
     per_token = -exp.advantages[:, None] * np.broadcast_to(weights, mask.shape)
     assert res["loss"] == pytest.approx((per_token * mask).sum() / mask.sum(), rel=1e-5, abs=1e-7)

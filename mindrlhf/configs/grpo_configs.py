@@ -573,6 +573,11 @@ class GRPOConfig(GroupedConfig):
         return p.train_dp * p.train_tp * p.train_pp
 
     @property
+    def uses_reference(self) -> bool:
+        """Whether a reference model is built and its log-probs computed: only for a KL term (beta > 0)."""
+        return self.algorithm.beta > 0
+
+    @property
     def needs_old_logprobs(self) -> bool:
         """True when updates are off-policy (several updates per step), so logp_old must be computed."""
         return self.optimizer_steps_per_step > 1

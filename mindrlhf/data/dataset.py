@@ -1,4 +1,5 @@
-"""Deterministic, resumable, shardable reader of the prompt mindrecord.
+"""Deterministic, resumable, shardable datasets: ``ShardedDataset`` (any named columns, held in memory)
+and ``PromptDataset`` (the prompt mindrecord of ``rlhf_data.py``). Every stage's data reads through them.
 
 Batch order is a pure function of ``(seed, epoch, step)``: each epoch shuffles all rows with a
 numpy Generator seeded by ``(seed, epoch)``; global batch ``k`` is ``perm[k*B:(k+1)*B]`` and data
@@ -9,30 +10,24 @@ instead of replaying the stream.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Iterator, List, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Sequence, Tuple, Union
 
 import numpy as np
 
 from mindrlhf.errors import MindRLHFError
 
 
-class PromptDataset:
-    """Prompts of a mindrecord written by ``mindrlhf.data.rlhf_data``, held in memory.
+class ShardedDataset:
+    """Rows held in memory as named columns (numpy arrays or lists, one entry per row).
 
-    ``batch_size`` is the GLOBAL number of prompts per step (all shards together); it must be
-    divisible by ``num_shards``. With ``drop_last=False`` the last, shorter batch of an epoch is
-    kept and split across shards as evenly as possible (shard sizes may then differ by one).
+    ``batch_size`` is the GLOBAL number of rows per step (all shards together); it must be divisible
+    by ``num_shards``. With ``drop_last=False`` the last, shorter batch of an epoch is kept and split
+    across shards as evenly as possible (shard sizes may then differ by one). ``source`` names the data
+    in errors.
     """
 
-    def __init__(
-        self,
-        path: Union[str, os.PathLike],
-        batch_size: int,
-        seed: int = 0,
-        shard_id: int = 0,
-        num_shards: int = 1,
-        drop_last: bool = True,
-    ) -> None:
+    def __init__(self, columns: Mapping[str, Sequence], batch_size: int, seed: int = 0, shard_id: int = 0,
+                 num_shards: int = 1, drop_last: bool = True, source: str = "dataset") -> None:
         if num_shards < 1 or not 0 <= shard_id < num_shards:
             raise MindRLHFError(f"shard_id {shard_id} is outside [0, num_shards={num_shards}); "
                                 "pass 0 <= shard_id < num_shards")
@@ -41,18 +36,91 @@ class PromptDataset:
                 f"global batch_size {batch_size} is not a positive multiple of num_shards {num_shards}; "
                 "choose a batch size divisible by the number of data-parallel shards"
             )
-        self.path = str(path)
+        sizes = {name: len(values) for name, values in columns.items()}
+        if not sizes or len(set(sizes.values())) != 1:
+            raise MindRLHFError(f"{source}: columns of different lengths {sizes}; every column needs one entry per row")
+        self.columns = dict(columns)
+        self.path = source
         self.batch_size = batch_size
         self.seed = seed
         self.shard_id = shard_id
         self.num_shards = num_shards
         self.drop_last = drop_last
-        self.prompt_ids, self.prompt_length, self.solution, self.question = self._load(self.path)
         self._perm: Tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))
         if drop_last and self.num_rows < batch_size:
-            raise MindRLHFError(
-                f"{self.path} has {self.num_rows} rows, fewer than batch_size {batch_size}; lower the batch size"
-            )
+            raise MindRLHFError(f"{source} has {self.num_rows} rows, fewer than batch_size {batch_size}; lower the "
+                                f"batch size")
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in the dataset."""
+        return len(next(iter(self.columns.values())))
+
+    def __len__(self) -> int:
+        """Steps (global batches) per epoch."""
+        full, rest = divmod(self.num_rows, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """Row order of ``epoch`` (the same on every shard)."""
+        if self._perm[0] != epoch:  # consecutive steps share the epoch: shuffle once per epoch
+            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.num_rows))
+        return self._perm[1]
+
+    def global_indices(self, epoch: int, step: int) -> np.ndarray:
+        """Row ids of global batch ``step`` of ``epoch`` (all shards)."""
+        if epoch < 0 or not 0 <= step < len(self):
+            raise MindRLHFError(f"(epoch {epoch}, step {step}) is out of range; steps per epoch are 0..{len(self) - 1}")
+        return self.permutation(epoch)[step * self.batch_size:(step + 1) * self.batch_size]
+
+    def batch(self, epoch: int, step: int) -> Dict[str, Any]:
+        """This shard's part of global batch ``step`` of ``epoch``: every column's rows (arrays indexed,
+        lists as lists) and ``index`` (b,) int64, the row ids."""
+        rows = self.global_indices(epoch, step)
+        size = len(rows)
+        index = rows[self.shard_id * size // self.num_shards:(self.shard_id + 1) * size // self.num_shards]
+        out: Dict[str, Any] = {name: values[index] if isinstance(values, np.ndarray) else [values[i] for i in index]
+                               for name, values in self.columns.items()}
+        out["index"] = index.astype(np.int64)
+        return out
+
+    def nth_batch(self, k: int) -> Dict[str, Any]:
+        """This shard's part of the ``k``-th global batch (0-based) of a pass over epochs 0, 1, … in order."""
+        if k < 0:
+            raise MindRLHFError(f"batch number {k} is negative; batches are counted from 0")
+        epoch, step = divmod(k, len(self))
+        return self.batch(epoch, step)
+
+    def iter_from(self, epoch: int = 0, step: int = 0) -> Iterator[Tuple[int, int, Dict[str, Any]]]:
+        """Yield ``(epoch, step, batch)`` from the given position on, across epochs, forever."""
+        self.global_indices(epoch, step)  # validate the start before the first yield
+        while True:
+            while step < len(self):
+                yield epoch, step, self.batch(epoch, step)
+                step += 1
+            epoch, step = epoch + 1, 0
+
+
+class PromptDataset(ShardedDataset):
+    """Prompts of a mindrecord written by ``mindrlhf.data.rlhf_data``, held in memory. A batch's keys:
+    ``prompt_ids`` (b, L) int32, ``prompt_length`` (b,) int32, ``solution`` / ``question`` (lists of
+    str) and ``index`` (b,) int64 row ids in the file."""
+
+    def __init__(self, path: Union[str, os.PathLike], batch_size: int, seed: int = 0, shard_id: int = 0,
+                 num_shards: int = 1, drop_last: bool = True) -> None:
+        prompt_ids, prompt_length, solution, question = self._load(str(path))
+        super().__init__({"prompt_ids": prompt_ids, "prompt_length": prompt_length, "solution": solution,
+                          "question": question}, batch_size, seed, shard_id, num_shards, drop_last, source=str(path))
+
+    prompt_ids = property(lambda self: self.columns["prompt_ids"])
+    prompt_length = property(lambda self: self.columns["prompt_length"])
+    solution = property(lambda self: self.columns["solution"])
+    question = property(lambda self: self.columns["question"])
+
+    @property
+    def max_prompt_length(self) -> int:
+        """Padded prompt length ``L`` of ``prompt_ids``."""
+        return int(self.prompt_ids.shape[1])
 
     @staticmethod
     def _load(path: str) -> Tuple[np.ndarray, np.ndarray, List[str], List[str]]:
@@ -75,63 +143,3 @@ class PromptDataset:
         prompt_ids = np.stack([np.asarray(row["prompt_ids"], dtype=np.int32) for row in rows])
         lengths = np.array([int(row["prompt_length"]) for row in rows], dtype=np.int32)
         return prompt_ids, lengths, [str(row["solution"]) for row in rows], [str(row["question"]) for row in rows]
-
-    @property
-    def num_rows(self) -> int:
-        """Rows in the file."""
-        return len(self.solution)
-
-    @property
-    def max_prompt_length(self) -> int:
-        """Padded prompt length ``L`` of ``prompt_ids``."""
-        return int(self.prompt_ids.shape[1])
-
-    def __len__(self) -> int:
-        """Steps (global batches) per epoch."""
-        full, rest = divmod(self.num_rows, self.batch_size)
-        return full + (1 if rest and not self.drop_last else 0)
-
-    def permutation(self, epoch: int) -> np.ndarray:
-        """Row order of ``epoch`` (the same on every shard)."""
-        if self._perm[0] != epoch:  # consecutive steps share the epoch: shuffle once per epoch
-            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.num_rows))
-        return self._perm[1]
-
-    def global_indices(self, epoch: int, step: int) -> np.ndarray:
-        """Row ids of global batch ``step`` of ``epoch`` (all shards)."""
-        if epoch < 0 or not 0 <= step < len(self):
-            raise MindRLHFError(f"(epoch {epoch}, step {step}) is out of range; steps per epoch are 0..{len(self) - 1}")
-        return self.permutation(epoch)[step * self.batch_size:(step + 1) * self.batch_size]
-
-    def batch(self, epoch: int, step: int) -> Dict[str, Any]:
-        """This shard's part of global batch ``step`` of ``epoch``.
-
-        Keys: ``prompt_ids`` (b, L) int32, ``prompt_length`` (b,) int32, ``solution`` / ``question``
-        (lists of str) and ``index`` (b,) int64 row ids in the file.
-        """
-        rows = self.global_indices(epoch, step)
-        size = len(rows)
-        index = rows[self.shard_id * size // self.num_shards:(self.shard_id + 1) * size // self.num_shards]
-        return {
-            "prompt_ids": self.prompt_ids[index],
-            "prompt_length": self.prompt_length[index],
-            "solution": [self.solution[i] for i in index],
-            "question": [self.question[i] for i in index],
-            "index": index.astype(np.int64),
-        }
-
-    def nth_batch(self, k: int) -> Dict[str, Any]:
-        """This shard's part of the ``k``-th global batch (0-based) of a pass over epochs 0, 1, … in order."""
-        if k < 0:
-            raise MindRLHFError(f"batch number {k} is negative; batches are counted from 0")
-        epoch, step = divmod(k, len(self))
-        return self.batch(epoch, step)
-
-    def iter_from(self, epoch: int = 0, step: int = 0) -> Iterator[Tuple[int, int, Dict[str, Any]]]:
-        """Yield ``(epoch, step, batch)`` from the given position on, across epochs, forever."""
-        self.global_indices(epoch, step)  # validate the start before the first yield
-        while True:
-            while step < len(self):
-                yield epoch, step, self.batch(epoch, step)
-                step += 1
-            epoch, step = epoch + 1, 0

@@ -1,8 +1,16 @@
-"""The interface every rollout backend implements (native MindSpore, vLLM-MindSpore, …)."""
+"""The interface every rollout backend implements (native MindSpore, vLLM-MindSpore, …).
+
+The contract a backend keeps (docs/design.md, "The Sampler contract"): ``generate`` returns
+``params.n`` completions per prompt with the sampled tokens' log-probs (and entropies when asked),
+reproducibly for a given ``params.seed``; ``load_weights`` receives, after every update, THIS rank's
+weights in the sampler's own layout (HF names; tensor-parallel slices already cut by the trainer)
+and writes them in place; ``release`` frees what the backend holds between rollouts (compiled
+graphs, KV caches) when memory is needed elsewhere.
+"""
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, List, Mapping, Sequence
+from typing import Any, Dict, Iterable, List, Mapping, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -22,5 +30,14 @@ class Sampler(abc.ABC):
         """``params.n`` completions per prompt, prompt-major: prompt 0's n completions, then prompt 1's, …"""
 
     @abc.abstractmethod
-    def load_weights(self, named_arrays: Mapping[str, np.ndarray]) -> None:
-        """Replace the model weights (HF parameter names → arrays) in place."""
+    def load_weights(self, named_arrays: Union[Mapping[str, np.ndarray], Iterable[Tuple[str, np.ndarray]]]) -> int:
+        """Replace the model weights in place: this rank's arrays in the sampler's layout, by HF parameter
+        name (a mapping, or pairs so a large model streams tensor by tensor); returns how many were set."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Free compiled graphs and caches until the next ``generate`` (which rebuilds them)."""
+
+    def holds(self, model: Any) -> bool:
+        """Whether the sampler generates with ``model`` itself (then its weights need no sync)."""
+        return False

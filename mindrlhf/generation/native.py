@@ -207,6 +207,15 @@ class NativeSampler(Sampler):
         """
         return set_weights(self.model, named_arrays, source="NativeSampler.load_weights", strict=strict)
 
+    def holds(self, model) -> bool:
+        return model is self.model
+
+    def release(self) -> None:
+        """Free every compiled step graph and its KV cache; the next ``generate`` compiles again."""
+        for cell, _ in self._graphs.values():
+            self._release(cell)
+        self._graphs.clear()
+
     def _storage_key(self) -> Tuple[int, ...]:
         """Where every model Parameter's data lives; it changes when someone calls ``set_data``."""
         return tuple(p.data_ptr() for p in self.model.get_parameters())

@@ -89,17 +89,25 @@ def model_names(config: DecoderConfig) -> list:
     return list(config.expected_shapes())
 
 
+def reshard_arrays(src: ms.nn.Cell, src_layout: ParallelLayout, dst_layout: ParallelLayout, rank: int,
+                   config: DecoderConfig) -> Iterator[Tuple[str, np.ndarray]]:
+    """This rank's shard in ``dst_layout`` of every weight of ``src`` (this rank's shard in ``src_layout``),
+    tensor by tensor: each is assembled from the source shards (a collective) and cut again."""
+    dst_tp = dst_layout.coords(rank).tp
+    for name, full in assemble(dict(src.parameters_and_names()), model_names(config), config, src_layout, rank):
+        yield name, np.ascontiguousarray(shard_tensor(name, full, config, dst_layout, dst_tp))
+
+
 def reshard_model(src: ms.nn.Cell, src_layout: ParallelLayout, dst: ms.nn.Cell, dst_layout: ParallelLayout,
                   rank: int, config: DecoderConfig) -> int:
     """Write ``src``'s weights (this rank's shard in ``src_layout``) into ``dst`` (its shard in
     ``dst_layout``), in place; returns how many of ``dst``'s parameters were written (all of them)."""
     dst_params = dict(dst.parameters_and_names())
-    dst_tp = dst_layout.coords(rank).tp
     written = 0
-    for name, full in assemble(dict(src.parameters_and_names()), model_names(config), config, src_layout, rank):
+    for name, piece in reshard_arrays(src, src_layout, dst_layout, rank, config):
         if name in dst_params:
             p = dst_params[name]
-            p.copy_(Tensor(np.ascontiguousarray(shard_tensor(name, full, config, dst_layout, dst_tp)), dtype=p.dtype))
+            p.copy_(Tensor(piece, dtype=p.dtype))
             written += 1
     if written != len(dst_params):
         raise MindRLHFError(f"resharding {src_layout} -> {dst_layout} wrote {written} of {len(dst_params)} "

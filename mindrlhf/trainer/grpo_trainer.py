@@ -10,36 +10,30 @@ import json
 import logging
 import math
 import time
-import uuid
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import mindspore as ms
-import yaml
-from tqdm.auto import tqdm
 
 from mindrlhf.algorithms import get_advantage_estimator, informative_groups
-from mindrlhf.checkpoint.hf_io import config_with_dtype
-from mindrlhf.checkpoint.manager import CheckpointManager, load_parameters_into
 from mindrlhf.data import PromptDataset
 from mindrlhf.errors import MindRLHFError
-from mindrlhf.generation import NativeSampler, SamplingParams
+from mindrlhf.generation import Completion, Sampler, SamplingParams
 from mindrlhf.models import CausalLM
 from mindrlhf.models.weights import get_weights
 from mindrlhf.parallel import comm
-from mindrlhf.parallel.groups import RunLayout, data_parallel_groups
-from mindrlhf.parallel.layout import ParallelLayout
+from mindrlhf.parallel.groups import RunLayout
 from mindrlhf.parallel.pipeline import PipelineRunner
-from mindrlhf.parallel.resharding import STATE_PREFIXES, assemble, load_full_into, model_names, reshard_model
+from mindrlhf.parallel.resharding import reshard_arrays
 from mindrlhf.rewards import RewardManager, overlong_reward
-from mindrlhf.tokenizer import TOKENIZER_FILES
+from mindrlhf.trainer.base import Trainer
 from mindrlhf.trainer.experience import (Experience, bucket, concat_experiences, left_pad, load_experience, right_pad,
                                          save_experience, step_file)
-from mindrlhf.trainer.metrics import MetricsLogger, console_line
-from mindrlhf.trainer.schedule import lr_at, run_steps
-from mindrlhf.trainer.train_step import LossSettings, PolicyUpdater
+from mindrlhf.trainer.grpo_loss import LossSettings, grpo_updater
+from mindrlhf.trainer.schedule import run_steps
 from mindrlhf.utils import faults
 
 log = logging.getLogger(__name__)
@@ -49,60 +43,61 @@ PROMPT_BUCKET = 32  # prompt columns are padded to a multiple of this (fewer com
 COMPLETION_BUCKET = 32
 
 
-class GRPOTrainer:
-    """Owns the policy, the generator, the reference, the data and the checkpoints of one run."""
+@dataclass
+class Rollout:
+    """What one generation round sampled on this generator replica: its prompts (token ids, in dataset
+    order) with their columns, and G completions per prompt (prompt-major)."""
 
-    def __init__(self, cfg, *, policy: CausalLM, tokenizer, dataset: PromptDataset,
-                 sampler_model: Optional[CausalLM] = None, ref_model: Optional[CausalLM] = None,
-                 layout: Optional[RunLayout] = None, policy_masters: Optional[Sequence[ms.Parameter]] = None):
-        """``policy_masters``: float32 master weights of the policy's trainable parameters (same order),
-        when the policy computes in bf16/fp16; by default they are copied from the policy itself."""
-        self.cfg = cfg
-        a, g, o, t = cfg.algorithm, cfg.generation, cfg.optimizer, cfg.train
-        self.policy, self.tokenizer, self.dataset = policy, tokenizer, dataset
-        self.rank, self.world = comm.rank(), comm.world_size()
-        if layout is None:
-            dp = ParallelLayout(dp=self.world)
-            layout = RunLayout(train=dp, infer=dp, groups=data_parallel_groups(self.rank, self.world),
-                               infer_tp_group=None, rank=self.rank)
-        self.layout = layout
-        self.output_dir = Path(t.output_dir)
-        if comm.is_main():
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.run_id = uuid.uuid4().hex[:12]  # a resumed run takes its checkpoint's
-        self.ckpt = CheckpointManager(cfg.checkpoint_dir, t.keep_last, self.run_id)
-        self.sampler_model = sampler_model if sampler_model is not None else policy
-        self.sampler = NativeSampler(self.sampler_model, jit=cfg.parallel.jit, share_prompts=cfg.parallel.share_prompts)
-        self.ref_model = ref_model
-        if a.beta > 0 and ref_model is None:
+    prompts: List[List[int]] = field(default_factory=list)
+    solutions: List[str] = field(default_factory=list)
+    questions: List[str] = field(default_factory=list)
+    index: List[int] = field(default_factory=list)
+    completions: List[Completion] = field(default_factory=list)
+
+
+class GRPOTrainer(Trainer):
+    """One-stage GRPO: the policy, the generator, the reference, the data and the rewards of one run,
+    on the shared loop, update and checkpoints (``trainer.base``)."""
+
+    stage = "grpo"
+    math_groups = ("algorithm", "generation", "optimizer", "data")
+    headline = "reward"
+
+    def __init__(self, cfg, *, policy: CausalLM, tokenizer, dataset: PromptDataset, sampler: Sampler,
+                 ref_model: Optional[CausalLM] = None, layout: Optional[RunLayout] = None,
+                 policy_masters: Optional[Sequence[ms.Parameter]] = None):
+        """``sampler``: the rollout backend (``generation.build_sampler``); the policy's weights reach it
+        through ``sync_generator`` only. ``policy_masters``: float32 master weights of the policy's
+        trainable parameters (same order), when the policy computes in bf16/fp16; by default they are
+        copied from the policy itself."""
+        a, g, o = cfg.algorithm, cfg.generation, cfg.optimizer
+        if cfg.uses_reference and ref_model is None:
             raise MindRLHFError("beta > 0 needs a reference model; the trainer was built without one")
+        self.loss_settings = LossSettings.from_config(cfg)
+        groups = layout.groups if layout is not None else None
+        updater = grpo_updater(
+            policy, self.loss_settings, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
+            eps=o.adam_eps, max_grad_norm=o.max_grad_norm, jit=cfg.parallel.train_jit, groups=groups,
+            masters=policy_masters, loss_scale_init=o.loss_scale_init, loss_scale_window=o.loss_scale_window,
+            share_prompts=cfg.parallel.share_prompts, layer_graphs=cfg.parallel.layer_graphs)
+        # max_steps / grpo_epochs: the run and the LR decay. Recorded as max_steps, so the saved
+        # config.yaml reruns (and a resume compares) the same length.
+        total = run_steps(cfg, len(dataset))
+        cfg.train.max_steps = total
+        super().__init__(cfg, model=policy, updater=updater, tokenizer=tokenizer, layout=layout, total_steps=total)
+        self.policy, self.dataset, self.sampler, self.ref_model = policy, dataset, sampler, ref_model
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = list(g.stop_token_ids) or list(tokenizer.stop_token_ids)
         self.off_policy = cfg.needs_old_logprobs
-        self.updater = PolicyUpdater(
-            policy, LossSettings(*cfg.policy_loss, a.epsilon_low, a.epsilon_high, a.beta,
-                                 a.kl_estimator, g.max_completion_length, g.temperature if g.temperature > 0 else 1.0,
-                                 self.off_policy, a.importance_sampling_correction, a.importance_sampling_mode,
-                                 a.importance_sampling_cap),
-            lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-            max_grad_norm=o.max_grad_norm, jit=cfg.parallel.train_jit, groups=layout.groups, masters=policy_masters,
-            loss_scale_init=o.loss_scale_init, loss_scale_window=o.loss_scale_window,
-            share_prompts=cfg.parallel.share_prompts, layer_graphs=cfg.parallel.layer_graphs)
         funcs, weights = list(a.reward_funcs), a.reward_weights
         if a.overlong_buffer_length:  # DAPO's overlong punishment: one more reward term, weight 1
             funcs.append(overlong_reward(g.max_completion_length, a.overlong_buffer_length, a.overlong_penalty))
             weights = None if weights is None else list(weights) + [1.0]
         self.rewards = RewardManager(funcs, weights, a.reward_errors)
-        self.ref_runner = PipelineRunner(ref_model, self.updater.groups, temperature=self.updater.loss.temperature,
+        self.ref_runner = PipelineRunner(ref_model, self.updater.groups, temperature=self.loss_settings.temperature,
                                          jit=cfg.parallel.jit, share_prompts=cfg.parallel.share_prompts) \
             if ref_model is not None else None
-        self.step = 0
         self.batches_drawn = 0  # dataset batches consumed so far (all epochs): where the next step reads
-        self.total_steps = run_steps(cfg, len(dataset))  # max_steps / grpo_epochs: the run and the LR decay
-        # Recorded as max_steps, so the saved config.yaml reruns (and a resume compares) the same length.
-        cfg.train.max_steps = self.total_steps
-        self.consecutive_nonfinite = 0
-        self.skipped_updates = 0
         self.ref_synced = False
 
     # -- rollout ----------------------------------------------------------------------------------
@@ -125,32 +120,39 @@ class GRPOTrainer:
 
     def generate(self, step: int) -> Tuple[Experience, List[str], Dict[str, list]]:
         """Generate G completions per prompt of the step's batches, score them and build its arrays
-        (this train replica's rows, advantages included)."""
+        (this train replica's rows, advantages included): rollout → scoring → advantages."""
         if self.cfg.algorithm.dynamic_sampling:
             return self._generate_dynamic(step)
         exp, texts, info = self._generate_round(step, 0)
-        if self.layout.pure_dp:
-            exp.advantages = self._advantages(exp.rewards)
-        else:
-            exp = self._train_share(self._with_advantages(self._global_rows(exp)))
-        return exp, texts, info
+        return self._train_share(self._with_advantages(self._global_rows(exp))), texts, info
 
     def _generate_round(self, step: int, round_index: int) -> Tuple[Experience, List[str], Dict[str, list]]:
-        """One generation round: this generator replica's share of the next num_rollouts batches,
-        completions sampled and scored; advantages not yet computed."""
-        g, a = self.cfg.generation, self.cfg.algorithm
-        prompts, solutions, questions, index, completions = [], [], [], [], []
+        """One generation round: this generator replica's share of the next num_rollouts batches, sampled
+        (``_rollout``) and scored (``_score``); advantages not yet computed."""
+        return self._score(self._rollout(step, round_index))
+
+    def _rollout(self, step: int, round_index: int) -> Rollout:
+        """Sample G completions for each prompt of this replica's share of the next num_rollouts batches."""
+        a = self.cfg.algorithm
+        out = Rollout()
         faults.point("generate", comm.rank())
         for r, batch in self._prompt_batches():
             local = [list(map(int, ids[:n])) for ids, n in zip(batch["prompt_ids"], batch["prompt_length"])]
-            completions += self.sampler.generate(local, self._sampling_params(step, round_index * a.num_rollouts + r))
-            prompts += local
-            solutions += list(batch["solution"])
-            questions += list(batch["question"])
-            index += [int(i) for i in batch["index"]]
+            params = self._sampling_params(step, round_index * a.num_rollouts + r)
+            out.completions += self.sampler.generate(local, params)
+            out.prompts += local
+            out.solutions += list(batch["solution"])
+            out.questions += list(batch["question"])
+            out.index += [int(i) for i in batch["index"]]
+        return out
+
+    def _score(self, rollout: Rollout) -> Tuple[Experience, List[str], Dict[str, list]]:
+        """The rollout's arrays (padded to the global widths) and every completion's rewards."""
+        g, a = self.cfg.generation, self.cfg.algorithm
+        completions, prompts = rollout.completions, rollout.prompts
         G = a.num_generations
         rep = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731
-        prompts_rep, solution_rep = rep(prompts), rep(solutions)
+        prompts_rep, solution_rep = rep(prompts), rep(rollout.solutions)
         P = bucket(max(len(p) for p in prompts), PROMPT_BUCKET, None)
         # Every rank uses the global width, so rows gathered across ranks line up and the numbers
         # do not depend on how rows are spread over ranks.
@@ -166,7 +168,8 @@ class GRPOTrainer:
         # TRL's reward arguments: the prompt text as the model saw it (chat template included) and the ids.
         prompt_texts = rep(self.tokenizer.batch_decode(prompts, skip_special_tokens=False))
         total, per_fn = self.rewards(texts, solution_rep, prompts=prompt_texts,
-                                     completion_ids=[list(c.token_ids) for c in completions], question=rep(questions))
+                                     completion_ids=[list(c.token_ids) for c in completions],
+                                     question=rep(rollout.questions))
         reward_time = time.perf_counter() - t0
         mask = present.astype(np.float32)
         if a.mask_truncated_completions:
@@ -175,7 +178,7 @@ class GRPOTrainer:
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=comp_ids, completion_mask=mask,
             sampler_logp=sampler_logp, truncated=truncated, rewards=total.astype(np.float32),
             reward_per_fn=np.stack([per_fn[k] for k in self.rewards.names], axis=1).astype(np.float32),
-            advantages=np.zeros(len(completions), np.float32), prompt_index=np.array(rep(index), np.int64),
+            advantages=np.zeros(len(completions), np.float32), prompt_index=np.array(rep(rollout.index), np.int64),
             extras={"completion_present": present,
                     "sampler_entropy": right_pad([c.entropies for c in completions], C, 0.0, np.float32)})
         return exp, texts, {"reward_time": reward_time, "solutions": solution_rep, "prompts": prompts_rep}
@@ -246,13 +249,6 @@ class GRPOTrainer:
         estimator = get_advantage_estimator(self.cfg.advantage_estimator)
         return np.asarray(estimator(rewards, self.cfg.algorithm.num_generations), np.float32)
 
-    def _advantages(self, local_rewards: np.ndarray) -> np.ndarray:
-        """Group-relative advantages computed on the GLOBAL batch, then this rank's slice."""
-        everything = comm.all_gather(local_rewards)
-        adv = self._estimate(everything)
-        n = len(local_rewards)
-        return np.asarray(adv, np.float32)[self.rank * n:(self.rank + 1) * n]
-
     def replay(self, step: int) -> Experience:
         """This rank's slice of a step recorded with --save_data_file."""
         exp = load_experience(step_file(self.cfg.train.replay_data_file, step))
@@ -264,7 +260,7 @@ class GRPOTrainer:
         return self._train_share(exp)
 
     # -- log-probs ------------------------------------------------------------------------------
-    def _batched_logp(self, runner: PipelineRunner, exp: Experience) -> np.ndarray:
+    def batched_logp(self, runner: PipelineRunner, exp: Experience) -> np.ndarray:
         """Completion log-probs of every row of ``exp`` under ``runner``'s model, micro-batch by micro-batch."""
         inputs = exp.train_inputs()
         size = self._micro_size()
@@ -280,15 +276,14 @@ class GRPOTrainer:
     # -- update ---------------------------------------------------------------------------------
     def train_on(self, exp: Experience) -> Dict[str, float]:
         """num_iterations × mini-batches of optimizer steps on this step's experience."""
-        a, o = self.cfg.algorithm, self.cfg.optimizer
+        a = self.cfg.algorithm
         inputs = exp.train_inputs()
         n_mb = self.cfg.mini_batches_per_step
         zeros = np.zeros_like(exp.completion_mask)
         old = exp.old_logp if exp.old_logp is not None else zeros
         ref = exp.ref_logp if exp.ref_logp is not None else zeros
         # The schedule advances once per GRPO step (warmup_steps counts steps, not updates).
-        lr = lr_at(self.step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
-                   total_steps=self.total_steps, schedule=o.lr_schedule)
+        lr = self.learning_rate()
         self.updater.set_lr(lr)
         results = []
         for _ in range(a.num_iterations):
@@ -308,9 +303,9 @@ class GRPOTrainer:
                                   "completion_ids": exp.completion_ids[r], "completion_mask": exp.completion_mask[r],
                                   "advantages": exp.advantages[r], "old_logp": old[r], "ref_logp": ref[r],
                                   "sampler_logp": exp.sampler_logp[r]})
-                res = self.updater.step(micro, float(num_tokens), float(num_seqs))
+                res = self.updater.step(micro, (float(num_tokens), float(num_seqs)))
                 res["learning_rate"] = lr
-                self._count_nonfinite(res)
+                self.count_nonfinite(res)
                 results.append(res)
         # Means over the step's updates; the sampling gap's extremes are extremes over them too.
         reduce = {"max": np.max, "min": np.min}
@@ -321,33 +316,17 @@ class GRPOTrainer:
         out["clip_ratio/high_max"] = float(np.max([r["clip_ratio/high_mean"] for r in results]))
         return out
 
-    def _count_nonfinite(self, res: Dict[str, float]) -> None:
-        if res["overflow"]:  # float16: the loss scale halves and the next update tries again
-            self.skipped_updates += 1
-            log.info("float16 gradients overflowed: update skipped, loss scale now %g", self.updater.loss_scale)
-        elif res["skipped"]:
-            self.skipped_updates += 1
-            self.consecutive_nonfinite += 1
-            limit = self.cfg.optimizer.max_consecutive_nonfinite
-            log.warning("non-finite loss or gradient (loss=%s, grad_norm=%s): update skipped",
-                        res["loss"], res["grad_norm"])
-            if self.consecutive_nonfinite >= limit:
-                raise MindRLHFError(
-                    f"{self.consecutive_nonfinite} consecutive updates had non-finite loss/gradients "
-                    f"(max_consecutive_nonfinite={limit}); lower lr, check the data, or use float32")
-        else:
-            self.consecutive_nonfinite = 0
-
     # -- sync -----------------------------------------------------------------------------------
     def sync_generator(self) -> None:
-        """Push the policy's new weights into the generator (nothing to do when they are shared)."""
-        if self.sampler_model is self.policy:
+        """Push the policy's new weights to the sampler: this rank's arrays in its layout (nothing to do
+        when it generates with the policy itself)."""
+        if self.sampler.holds(self.policy):
             return
         if self.layout.pure_dp:
             self.sampler.load_weights(get_weights(self.policy))
         else:  # in memory, every step: assemble each tensor from the train shards, cut the infer shard
-            reshard_model(self.policy, self.layout.train, self.sampler_model, self.layout.infer, self.rank,
-                          self.policy.config)
+            self.sampler.load_weights(reshard_arrays(self.policy, self.layout.train, self.layout.infer, self.rank,
+                                                     self.policy.config))
 
     def sync_reference(self) -> None:
         """ref ← α·policy + (1−α)·ref (α = 1 copies)."""
@@ -360,111 +339,26 @@ class GRPOTrainer:
             target.copy_(value if alpha == 1.0 else alpha * value + (1 - alpha) * target.value())
         self.ref_synced = True
 
-    # -- checkpoints ----------------------------------------------------------------------------
-    @property
-    def _sharded_training(self) -> bool:
-        return self.layout.train.tp * self.layout.train.pp > 1
+    # -- checkpoint hooks (trainer.base) ----------------------------------------------------------
+    def stage_state(self) -> Dict[str, object]:
+        return {"batches_drawn": self.batches_drawn, "ref_synced": self.ref_synced,
+                "reward_failures": dict(self.rewards.failures)}
 
-    def _full_state(self, tensors: Dict[str, object], names: List[str]) -> Dict[str, object]:
-        """Full tensors of a sharded state, assembled on every rank (kept by rank 0 only)."""
-        out = {}
-        for name, full in assemble(tensors, names, self.policy.config, self.layout.train, self.rank):
-            if comm.is_main():
-                out[name] = ms.Tensor(full)
-        return out
-
-    def save_checkpoint(self) -> None:
-        """Rank 0 writes the full (unsharded) state, so any layout can resume from it. The policy is
-        stored as its float32 master weights, whatever the compute dtype."""
-        policy = self.updater.master_weights()
-        optimizer = self.updater.optimizer_state()
-        ref = dict(self.ref_model.parameters_and_names()) if self.ref_synced else None
-        if self._sharded_training:  # a collective: every rank takes part
-            names = model_names(self.policy.config)
-            policy = self._full_state(policy, names)
-            moments = [p + n for p in STATE_PREFIXES for n in names]
-            optimizer = dict(self._full_state(optimizer, moments), adam_step=optimizer["adam_step"])
-            ref = self._full_state(ref, names) if ref is not None else None
-        if comm.is_main():
-            tensors = {"policy": policy, "optimizer": optimizer}
-            if ref is not None:
-                tensors["ref"] = ref
-            state = {"step": self.step, "run_id": self.run_id, "batches_drawn": self.batches_drawn,
-                     "consecutive_nonfinite": self.consecutive_nonfinite,
-                     "skipped_updates": self.skipped_updates, "ref_synced": self.ref_synced,
-                     "world_size": self.world, "reward_failures": dict(self.rewards.failures),
-                     **self.updater.loss_scale_state()}
-            self.ckpt.save(self.step, tensors, state, yaml.safe_dump(self.cfg.to_dict(), sort_keys=False),
-                           files=self._model_files())
-        # No rank starts the next step before the checkpoint is complete: msrun kills every worker of a
-        # node when one dies, and rank 0 must not be taken down mid-write by a death in the next step.
-        comm.barrier()
-
-    def _model_files(self) -> Dict[str, object]:
-        """config.json of the policy and its tokenizer's files: a checkpoint folder is a loadable model."""
-        config = config_with_dtype(self.policy.config.to_hf_dict(), "float32")  # policy.ckpt holds the masters
-        files: Dict[str, object] = {"config.json": json.dumps(config, indent=2).encode("utf-8")}
-        folder = Path(self.tokenizer.source)
-        if folder.is_dir():
-            files.update({name: folder / name for name in TOKENIZER_FILES if (folder / name).is_file()})
-        return files
-
-    def _load_state(self, params: Dict[str, object], path: Path) -> None:
-        """Load a full checkpoint file into this rank's (possibly sharded) tensors."""
-        if not self._sharded_training:
-            load_parameters_into(params, path)
-            return
-        loaded = ms.load_checkpoint(str(path))
-        load_full_into(params, ((n, p.asnumpy()) for n, p in loaded.items()), self.policy.config,
-                       self.layout.train, self.rank, source=str(path))
-
-    def resume(self, path: Path) -> None:
-        """Restore the run from checkpoint folder ``path`` (``checkpoint.run_dir.check_run_dirs`` found and
-        verified it): weights, optimizer, data position, counters; this run takes its run id."""
-        path = Path(path)
-        state = CheckpointManager.read_state(path)
-        done, limit = int(state["step"]), self.cfg.train.max_steps
-        if done > limit:
-            raise MindRLHFError(f"--resume {path}: the checkpoint is at step {done}, past --max_steps {limit}; "
-                                f"raise --max_steps to train on, or resume an earlier checkpoint")
-        self._warn_config_changes(path)
-        self.run_id = self.ckpt.run_id = str(state.get("run_id") or self.run_id)
-        self._load_state(self.updater.master_weights(), path / "policy.ckpt")
-        self.updater.refresh_weights()
-        self._load_state(self.updater.optimizer_state(), path / "optimizer.ckpt")
-        if state.get("ref_synced"):
-            self._load_state(dict(self.ref_model.parameters_and_names()), path / "ref.ckpt")
-        self.step = int(state["step"])
+    def load_stage_state(self, state) -> None:
         # Checkpoints from before dynamic sampling: every step read num_rollouts batches.
         self.batches_drawn = int(state.get("batches_drawn", self.step * self.cfg.algorithm.num_rollouts))
-        self.consecutive_nonfinite = int(state["consecutive_nonfinite"])
-        self.skipped_updates = int(state["skipped_updates"])
         self.ref_synced = bool(state.get("ref_synced"))
         self.rewards.failures.update(state.get("reward_failures", {}))
-        self.updater.load_loss_scale_state(state)
+
+    def extra_tensors(self) -> Dict[str, Dict[str, ms.Parameter]]:
+        return {"ref": dict(self.ref_model.parameters_and_names())} if self.ref_synced else {}
+
+    def load_extra_tensors(self, path: Path, state) -> None:
+        if state.get("ref_synced"):
+            self.load_tensors(dict(self.ref_model.parameters_and_names()), path / "ref.ckpt")
+
+    def after_load(self) -> None:
         self.sync_generator()
-        log.info("resumed from %s (step %d)", path, self.step)
-        if self.step == limit:
-            log.warning("--resume %s: the run already reached --max_steps %d; nothing to train (raise --max_steps "
-                        "to train on)", path, limit)
-
-    #: Groups of fields that change what the resumed steps compute (train: the seed and max_steps, the
-    #: schedule's length; data: the prompts).
-    _MATH_GROUPS = ("algorithm", "generation", "optimizer", "data")
-
-    def _warn_config_changes(self, path: Path) -> None:
-        """Name every field that changes the math and differs from the checkpoint's config."""
-        saved_path = path / "config.yaml"
-        if not saved_path.is_file():
-            return
-        saved, now = yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {}, self.cfg.to_dict()
-        keys = [(g, k) for g in self._MATH_GROUPS for k in now[g]]
-        keys += [("train", "seed"), ("train", "max_steps"), ("model", "dtype")]
-        changed = [f"{k} {saved[g][k]!r} -> {now[g][k]!r}" for g, k in keys
-                   if k in saved.get(g, {}) and saved[g][k] != now[g][k]]
-        if changed:
-            log.warning("--resume: %s was trained with a different config: %s; the resumed steps will not be "
-                        "what the original run would have computed", path, "; ".join(changed))
 
     # -- metrics --------------------------------------------------------------------------------
     def _reward_metrics(self, exp: Experience) -> Dict[str, float]:
@@ -537,12 +431,12 @@ class GRPOTrainer:
             if comm.is_main():
                 save_experience(gathered, step_file(t.save_data_file, step))
         t1 = time.perf_counter()
-        if a.beta > 0:
-            exp.ref_logp = self._batched_logp(self.ref_runner, exp)
+        if cfg.uses_reference:
+            exp.ref_logp = self.batched_logp(self.ref_runner, exp)
         times["time/ref"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         if self.off_policy:
-            exp.old_logp = self._batched_logp(self.updater.runner, exp)
+            exp.old_logp = self.batched_logp(self.updater.runner, exp)
         times["time/old_logp"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         train_metrics = self.train_on(exp)
@@ -558,13 +452,11 @@ class GRPOTrainer:
         if info is not None and "sampling" in info:  # dynamic sampling: its counts, and the unfiltered zero-std share
             metrics.update(info["sampling"])
         metrics.update(train_metrics)
-        if a.beta <= 0:
+        if not cfg.uses_reference:
             metrics.pop("kl", None)
         metrics.pop("skipped", None)
         metrics.pop("overflow", None)
-        metrics["skipped_updates"] = float(self.skipped_updates)
-        if self.updater.scaler is not None:
-            metrics["loss_scale"] = self.updater.loss_scale
+        metrics.update(self.update_metrics())
         metrics["reward_fn_failures"] = float(sum(self.rewards.failures.values()))
         if a.reward_errors == "skip":
             metrics.update({f"rewards/{name}/failures": float(n) for name, n in self.rewards.failures.items()})
@@ -575,30 +467,3 @@ class GRPOTrainer:
         if texts is not None and t.log_completions_steps and step % t.log_completions_steps == 0 and comm.is_main():
             self._dump_completions(step, texts, info, exp)
         return metrics
-
-    def train(self) -> List[Dict[str, float]]:
-        """Run from ``self.step`` (0, or where ``resume`` left it) until ``total_steps`` (max_steps and
-        grpo_epochs, whichever ends first); checkpoints every ``save_steps`` and at the end."""
-        t = self.cfg.train
-        logger = MetricsLogger(self.output_dir, comm.is_main(), t.tensorboard, resume_step=self.step)
-        history = []
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="GRPO", unit="step",
-                   disable=not (t.progress_bar and comm.is_main()), dynamic_ncols=True)
-        try:
-            while self.step < self.total_steps:
-                metrics = self.train_one_step()
-                history.append(metrics)
-                if self.step % t.logging_steps == 0 or self.step == self.total_steps:
-                    logger.log(self.step, metrics)
-                    if comm.is_main():
-                        bar.write(console_line(self.step, metrics))
-                # The postfix first: update() redraws the bar, which then shows this step's reward.
-                bar.set_postfix(reward=f"{metrics['reward']:.3f}", refresh=False)
-                bar.update(1)
-                if (t.save_steps and self.step % t.save_steps == 0) or self.step == self.total_steps:
-                    self.save_checkpoint()
-                    logger.write_curves()  # reward.png / accuracy.png, refreshed with each checkpoint
-        finally:
-            bar.close()
-            logger.close()
-        return history

@@ -1,4 +1,10 @@
-"""The policy update: loss and gradients over micro-batches, reduction, clipping, AdamW step.
+"""The update every stage shares: loss and gradients over micro-batches, reduction, clipping, AdamW.
+
+``Updater(model, objective)`` knows nothing of any algorithm. The ``objective`` (GRPO's clipped
+policy loss, a DPO or reward-model loss, ...) says which micro-batch arrays it reads (``inputs``),
+is differentiated on the model's head output, and returns its loss and a tuple of auxiliary values,
+each reduced by name over micro-batches and ranks as ``aux`` declares (``sum``, ``max`` or ``min``);
+``objective.metrics(reduced)`` turns those into the step's metrics.
 
 Mixed precision: the forward and backward run in the model's dtype; gradients are accumulated,
 reduced and clipped in float32 and applied to float32 master weights (``AdamW``). Under float16
@@ -9,71 +15,70 @@ bfloat16 has float32's range and needs no scaling: the two paths differ only in 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, Tensor, amp, nn, ops
 
-from mindrlhf.algorithms import get_is_mode, policy_loss
 from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import ParallelGroups, data_parallel_groups
 from mindrlhf.parallel.pipeline import PipelineRunner
 from mindrlhf.trainer.optimizer import AdamW
 from mindrlhf.utils import faults
 
-# The loss's aux values per micro-batch: token-weighted means, the token count, sums, then maxima.
-LOSS_METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                "sampling/sampling_logp_difference/mean")
-IS_SUMS = ("is_ratio_sum", "is_ratio_count")
-IS_MAXIMA = ("sampling/sampling_logp_difference/max", "sampling/importance_sampling_ratio/max",
-             "-sampling/importance_sampling_ratio/min")
-LOSS_KEYS = ("completion_mask", "advantages", "old_logp", "ref_logp", "sampler_logp")  # micro-batch arrays read
+#: How an auxiliary value of the loss is reduced over micro-batches and data-parallel ranks.
+REDUCTIONS = ("sum", "max", "min")
 
 
-@dataclass
-class LossSettings:
-    """The algorithm fields the loss needs (a slice of the GRPO config)."""
+class Objective(Protocol):
+    """What ``Updater`` differentiates (see the module docstring)."""
 
-    loss_type: str
-    loss_agg_mode: str
-    epsilon_low: float
-    epsilon_high: float
-    beta: float
-    kl_estimator: str
-    max_completion_length: int
-    temperature: float
-    off_policy: bool
-    is_correction: bool = False
-    is_mode: str = "sequence_mask"
-    is_cap: float = 3.0
+    #: Micro-batch arrays passed to ``loss`` after the head's output, in this order.
+    inputs: Tuple[str, ...]
+    #: (name, reduction) of each auxiliary value ``loss`` returns, in order.
+    aux: Tuple[Tuple[str, str], ...]
+
+    def loss(self, head_out: Tensor, *args: Tensor) -> Tuple[Tensor, Tuple[Tensor, ...]]:
+        """``(loss, aux)`` of one micro-batch; ``args`` are ``inputs`` then the step's scalars."""
+
+    def metrics(self, reduced: Dict[str, float]) -> Dict[str, float]:
+        """The step's metrics from the reduced aux values (e.g. sums divided by a count)."""
 
 
-class PolicyUpdater:
-    """Accumulates gradients over micro-batches and applies one AdamW step per mini-batch.
+class Updater:
+    """Accumulates gradients over micro-batches and applies one AdamW step per call of ``step``.
 
-    Losses are normalised by GLOBAL token/sequence counts of the mini-batch, and gradients are
-    summed (not averaged) over the data-parallel group, so the update is the same whatever the
-    number of ranks or micro-batches. The model may be a tp × pp shard (``groups`` says where this
-    rank sits); the pipeline schedule, the dp reduction and a norm over the whole model are handled
-    here so the trainer sees one update per call.
+    Gradients are summed (not averaged) over the data-parallel group, so an objective normalised by
+    GLOBAL counts (passed as the step's scalars) gives the same update whatever the number of ranks or
+    micro-batches. The model may be a tp × pp shard (``groups`` says where this rank sits); the pipeline
+    schedule, the dp reduction and a norm over the whole model are handled here.
     """
 
-    def __init__(self, model: nn.Cell, loss: LossSettings, *, lr: float, weight_decay: float,
+    def __init__(self, model: nn.Cell, objective: Objective, *, lr: float, weight_decay: float,
                  betas: Sequence[float], eps: float, max_grad_norm: float, jit: bool = True,
                  groups: Optional[ParallelGroups] = None, masters: Optional[Sequence[Parameter]] = None,
                  loss_scale_init: float = 65536.0, loss_scale_window: int = 1000, share_prompts: bool = False,
-                 layer_graphs: bool = False):
+                 layer_graphs: bool = False, temperature: float = 1.0):
         """``masters``: float32 master weights in the order of the model's trainable parameters (see
         ``AdamW``). ``loss_scale_init`` / ``loss_scale_window``: dynamic loss scaling, float16 only.
         ``share_prompts``: pack completions that share a prompt (``models.packing``). ``layer_graphs``:
-        without ``jit``, run the decoder layers as shared compiled graphs (``models.layer_graphs``)."""
+        without ``jit``, run the decoder layers as shared compiled graphs (``models.layer_graphs``).
+        ``temperature``: the log-prob head's (sampling) temperature."""
+        for name, how in objective.aux:
+            if how not in REDUCTIONS:
+                raise ValueError(f"objective aux {name!r}: reduction {how!r} is not one of {REDUCTIONS}")
         self.model = model
-        self.loss = loss
+        self.objective = objective
         self.max_grad_norm = max_grad_norm
         self.groups = groups or data_parallel_groups(comm.rank(), comm.world_size())
-        self.runner = PipelineRunner(model, self.groups, self._loss_from_logp, temperature=loss.temperature, jit=jit,
+        loss_fn = objective.loss
+
+        def scaled_loss(head_out, *args):  # the loss scale is the last scalar
+            loss, aux = loss_fn(head_out, *args[:-1])
+            return loss * args[-1], aux
+
+        self.runner = PipelineRunner(model, self.groups, scaled_loss, temperature=temperature, jit=jit,
                                      share_prompts=share_prompts, layer_graphs=layer_graphs)
         self.params = self.runner.params
         # Decay matrices only: biases and norm scales (1-D) are not weight-decayed.
@@ -88,35 +93,6 @@ class PolicyUpdater:
         self.reports_loss = model.is_last and g.tp_rank == 0
         self.norm_weights = _norm_weights([p.name for p in self.params], g, model.config.tie_word_embeddings)
         self._sumsq_fn = ms.jit(self._sum_squares) if jit else self._sum_squares
-
-    def _loss_from_logp(self, logp, completion_mask, advantages, old_logp, ref_logp, sampler_logp, num_tokens,
-                        num_seqs, loss_scale):
-        s = self.loss
-        # On-policy: old == current (detached), so the ratio is exactly 1 and needs no extra forward.
-        old = old_logp if s.off_policy else ops.stop_gradient(logp)
-        # Rollout/train mismatch: the trainer's log-probs of the sampling policy vs the sampler's own.
-        valid = completion_mask > 0
-        gap = ops.where(valid, ops.stop_gradient(old).astype(ms.float32) - sampler_logp, 0.0)
-        mask = valid.astype(ms.float32)
-        weights = get_is_mode(s.is_mode)(gap, mask, s.is_cap)
-        loss, metrics = policy_loss(
-            logp, old, advantages, completion_mask, ref_logp=ref_logp if s.beta > 0 else None,
-            loss_type=s.loss_type, epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high, beta=s.beta,
-            kl_estimator=s.kl_estimator, loss_agg_mode=s.loss_agg_mode,
-            max_completion_length=s.max_completion_length, global_num_tokens=num_tokens, global_num_seqs=num_seqs,
-            is_weights=weights if s.is_correction else None)
-        # Means are over this micro-batch; weighted by its token count, the caller forms exact global means.
-        tokens = mask.sum()
-        metrics["sampling/sampling_logp_difference/mean"] = ops.abs(gap).sum() / ops.maximum(tokens, 1.0)
-        # Ratio statistics over what the ratio is per: valid tokens, or completions with a valid token.
-        counted = mask if weights.shape[-1] != 1 else (mask.sum(axis=-1, keepdims=True) > 0).astype(ms.float32)
-        weights = ops.broadcast_to(weights, counted.shape)
-        inf = float("inf")
-        aux = tuple(metrics[k] * tokens for k in LOSS_METRICS) + (tokens,)
-        aux += ((weights * counted).sum(), counted.sum())
-        aux += (ops.abs(gap).max(), ops.where(counted > 0, weights, -inf).max(),
-                -ops.where(counted > 0, weights, inf).min())
-        return loss * loss_scale, aux
 
     @staticmethod
     def _sum_squares(grads):
@@ -157,36 +133,27 @@ class PolicyUpdater:
             self.scaler.counter.copy_(Tensor(np.int32(state["loss_scale_counter"])))
 
     def logprobs(self, micro_batches: Sequence[Dict[str, np.ndarray]]) -> List[np.ndarray]:
-        """The policy's completion log-probs of each micro-batch (the same on every rank of a replica)."""
+        """The model's completion log-probs of each micro-batch (the same on every rank of a replica)."""
         return self.runner.logprobs(micro_batches)
 
-    def step(self, micro_batches: Sequence[Dict[str, np.ndarray]], num_tokens: float,
-             num_seqs: float) -> Dict[str, float]:
-        """One optimizer step over this rank's micro-batches of a mini-batch.
+    def step(self, micro_batches: Sequence[Dict[str, np.ndarray]], scalars: Sequence[float] = ()) -> Dict[str, float]:
+        """One optimizer step over this rank's micro-batches.
 
-        ``num_tokens``/``num_seqs``: valid completion tokens / sequences of the whole mini-batch
-        over all ranks. Returns loss (global), grad_norm, token-weighted metric sums, whether the
-        update was skipped because the loss or gradients were not finite, and whether that was a
-        float16 overflow above the loss scale's floor (the scale then halves; ``overflow``).
+        ``scalars``: numbers every micro-batch's loss gets after its arrays (e.g. the global token and
+        sequence counts of the mini-batch). Returns the global loss, grad_norm, whether the update was
+        skipped because the loss or gradients were not finite, whether that was a float16 overflow
+        above the loss scale's floor (the scale then halves; ``overflow``), and the objective's metrics.
         """
-        n_tok, n_seq = Tensor(np.float32(num_tokens)), Tensor(np.float32(num_seqs))
         scale = self.loss_scale
-        grads, loss_sum, aux = self.runner.loss_and_grads(micro_batches, LOSS_KEYS,
-                                                          extra=(n_tok, n_seq, Tensor(np.float32(scale))))
+        extra = tuple(Tensor(np.float32(s)) for s in scalars) + (Tensor(np.float32(scale)),)
+        grads, loss_sum, aux = self.runner.loss_and_grads(micro_batches, self.objective.inputs, extra=extra)
         faults.point("grad_allreduce", comm.rank())
         if self.reducer is not None:
             grads = self.reducer(grads)
         if self.scaler is not None:
             grads = self.scaler.unscale(tuple(grads))
-        n_sums = len(LOSS_METRICS) + 1 + len(IS_SUMS)
-        mine = np.zeros(1 + n_sums, np.float32)
-        maxima = np.full((1, len(IS_MAXIMA)), -np.inf, np.float32)
-        if self.reports_loss:
-            mine[0], mine[1:] = loss_sum, aux[:, :n_sums].sum(axis=0)
-            maxima = aux[:, n_sums:].max(axis=0, keepdims=True).astype(np.float32)
-        sums = comm.all_sum(mine).astype(np.float64)
-        maxima = comm.all_gather(maxima).max(axis=0)
-        loss_sum, metric_sums = float(sums[0]) / scale, sums[1:]
+        loss_sum, reduced = self._reduce(loss_sum, aux)
+        loss_sum /= scale
         norm = self.global_grad_norm(grads)
         finite = bool(np.isfinite(loss_sum) and np.isfinite(norm))
         if finite:
@@ -196,21 +163,32 @@ class PolicyUpdater:
             self.scaler.adjust(Tensor(finite))
         out = {"loss": loss_sum, "grad_norm": norm, "skipped": 0.0 if finite else 1.0,
                "overflow": 1.0 if not finite and scale > 1.0 else 0.0}
-        tokens = max(metric_sums[len(LOSS_METRICS)], 1.0)
-        out.update({k: metric_sums[i] / tokens for i, k in enumerate(LOSS_METRICS)})
-        ratio_sum, ratio_count = metric_sums[len(LOSS_METRICS) + 1:]
-        out["sampling/importance_sampling_ratio/mean"] = ratio_sum / ratio_count if ratio_count else 0.0
-        for k, v in zip(IS_MAXIMA, maxima):
-            v = float(v) if np.isfinite(v) else 0.0  # no valid token anywhere
-            out[k[1:] if k.startswith("-") else k] = -v if k.startswith("-") else v
+        out.update(self.objective.metrics(reduced))
         return out
+
+    def _reduce(self, loss_sum: float, aux: Optional[np.ndarray]) -> Tuple[float, Dict[str, float]]:
+        """The loss and each aux value over micro-batches and ranks (each dp replica counted once)."""
+        names = self.objective.aux
+        sums = [i for i, (_, how) in enumerate(names) if how == "sum"]
+        extremes = [i for i, (_, how) in enumerate(names) if how != "sum"]
+        sign = np.array([1.0 if names[i][1] == "max" else -1.0 for i in extremes], np.float32)
+        mine = np.zeros(1 + len(sums), np.float32)
+        top = np.full((1, len(extremes)), -np.inf, np.float32)
+        if self.reports_loss:
+            mine[0], mine[1:] = loss_sum, aux[:, sums].sum(axis=0)
+            top = (aux[:, extremes] * sign).max(axis=0, keepdims=True).astype(np.float32)
+        total = comm.all_sum(mine).astype(np.float64)
+        top = comm.all_gather(top).max(axis=0) * sign  # a minimum is the negated maximum of the negations
+        reduced = {names[i][0]: float(v) for i, v in zip(sums, total[1:])}
+        reduced.update({names[i][0]: float(v) for i, v in zip(extremes, top)})
+        return float(total[0]), reduced
 
     def optimizer_state(self) -> Dict[str, ms.Parameter]:
         """Optimizer moments and step counter by name (for checkpoints)."""
         return self.optimizer.state()
 
     def master_weights(self) -> Dict[str, ms.Parameter]:
-        """The float32 master weights by parameter name (what checkpoints store as the policy)."""
+        """The float32 master weights by parameter name (what checkpoints store as the model)."""
         return self.optimizer.master_weights()
 
     def refresh_weights(self) -> None:

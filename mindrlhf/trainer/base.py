@@ -1,0 +1,252 @@
+"""The training loop every stage shares: steps, metrics, progress bar, checkpoints and exact resume.
+
+A stage (GRPO today; SFT, RM, DPO, PPO next) subclasses ``Trainer`` and writes ``train_one_step``;
+it adds its own state through the hooks (``stage_state`` / ``load_stage_state`` for numbers in
+``state.json``, ``extra_tensors`` / ``load_extra_tensors`` for tensors beside the model and the
+optimizer) and names the config groups that change its math (``math_groups``). Checkpoints go
+through ``checkpoint.manager`` (atomic, checksummed, run-scoped) and always hold full tensors, so a
+run resumes under any layout.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import mindspore as ms
+import yaml
+from tqdm.auto import tqdm
+
+from mindrlhf.checkpoint.hf_io import config_with_dtype
+from mindrlhf.checkpoint.manager import CheckpointManager, load_parameters_into
+from mindrlhf.errors import MindRLHFError
+from mindrlhf.parallel import comm
+from mindrlhf.parallel.groups import RunLayout, data_parallel_groups
+from mindrlhf.parallel.layout import ParallelLayout
+from mindrlhf.parallel.resharding import STATE_PREFIXES, assemble, load_full_into, model_names
+from mindrlhf.tokenizer import TOKENIZER_FILES
+from mindrlhf.trainer.metrics import MetricsLogger, console_line
+from mindrlhf.trainer.schedule import lr_at
+from mindrlhf.trainer.update import Updater
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    """Owns the trained model's updater, the run's id, step counters and checkpoints."""
+
+    #: The progress bar's label.
+    stage = "train"
+    #: Config groups whose fields change what resumed steps compute (compared on resume).
+    math_groups: Tuple[str, ...] = ("optimizer", "data")
+    #: Further (group, field) pairs that change the math: the seed, the schedule's length, the dtype.
+    math_fields: Tuple[Tuple[str, str], ...] = (("train", "seed"), ("train", "max_steps"), ("model", "dtype"))
+    #: The metric shown beside the progress bar.
+    headline = "loss"
+
+    def __init__(self, cfg, *, model, updater: Updater, tokenizer, layout: Optional[RunLayout] = None,
+                 total_steps: Optional[int] = None):
+        self.cfg = cfg
+        t = cfg.train
+        self.model, self.updater, self.tokenizer = model, updater, tokenizer
+        self.rank, self.world = comm.rank(), comm.world_size()
+        if layout is None:
+            dp = ParallelLayout(dp=self.world)
+            layout = RunLayout(train=dp, infer=dp, groups=data_parallel_groups(self.rank, self.world),
+                               infer_tp_group=None, rank=self.rank)
+        self.layout = layout
+        self.output_dir = Path(t.output_dir)
+        if comm.is_main():
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.run_id = uuid.uuid4().hex[:12]  # a resumed run takes its checkpoint's
+        self.ckpt = CheckpointManager(cfg.checkpoint_dir, t.keep_last, self.run_id)
+        self.total_steps = int(total_steps if total_steps is not None else t.max_steps)
+        self.step = 0
+        self.consecutive_nonfinite = 0
+        self.skipped_updates = 0
+
+    # -- what a stage writes ------------------------------------------------------------------------
+    def train_one_step(self) -> Dict[str, float]:
+        """Run step ``self.step + 1``, advance ``self.step``; return its metrics."""
+        raise NotImplementedError
+
+    def stage_state(self) -> Dict[str, object]:
+        """The stage's numbers to checkpoint in ``state.json`` (JSON values)."""
+        return {}
+
+    def load_stage_state(self, state: Mapping[str, object]) -> None:
+        """Restore what ``stage_state`` returned."""
+
+    def extra_tensors(self) -> Dict[str, Dict[str, ms.Parameter]]:
+        """Further model-shaped tensors to checkpoint, by file stem (e.g. a re-synced reference)."""
+        return {}
+
+    def load_extra_tensors(self, path: Path, state: Mapping[str, object]) -> None:
+        """Load what ``extra_tensors`` saved (``self.load_tensors`` reads one file into this rank's shard)."""
+
+    def after_load(self) -> None:
+        """Called after a resume loaded the weights (e.g. to push them to a generator)."""
+
+    def write_curves(self, logger: MetricsLogger) -> None:
+        """Plots refreshed with each checkpoint."""
+        logger.write_curves()
+
+    # -- shared pieces of a step --------------------------------------------------------------------
+    def learning_rate(self) -> float:
+        """The schedule's rate for the coming step (it advances once per training step)."""
+        o = self.cfg.optimizer
+        return lr_at(self.step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
+                     total_steps=self.total_steps, schedule=o.lr_schedule)
+
+    def count_nonfinite(self, res: Dict[str, float]) -> None:
+        """The non-finite policy: a float16 overflow or a non-finite loss/gradient skipped the update;
+        ``max_consecutive_nonfinite`` non-finite updates in a row stop the run."""
+        if res["overflow"]:  # float16: the loss scale halves and the next update tries again
+            self.skipped_updates += 1
+            log.info("float16 gradients overflowed: update skipped, loss scale now %g", self.updater.loss_scale)
+        elif res["skipped"]:
+            self.skipped_updates += 1
+            self.consecutive_nonfinite += 1
+            limit = self.cfg.optimizer.max_consecutive_nonfinite
+            log.warning("non-finite loss or gradient (loss=%s, grad_norm=%s): update skipped",
+                        res["loss"], res["grad_norm"])
+            if self.consecutive_nonfinite >= limit:
+                raise MindRLHFError(
+                    f"{self.consecutive_nonfinite} consecutive updates had non-finite loss/gradients "
+                    f"(max_consecutive_nonfinite={limit}); lower lr, check the data, or use float32")
+        else:
+            self.consecutive_nonfinite = 0
+
+    def update_metrics(self) -> Dict[str, float]:
+        """The counters every stage logs after its own metrics."""
+        out = {"skipped_updates": float(self.skipped_updates)}
+        if self.updater.scaler is not None:
+            out["loss_scale"] = self.updater.loss_scale
+        return out
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    @property
+    def sharded(self) -> bool:
+        """Whether the trained model is split over tensor/pipeline ranks."""
+        return self.layout.train.tp * self.layout.train.pp > 1
+
+    def _full_state(self, tensors: Dict[str, object], names: List[str]) -> Dict[str, object]:
+        """Full tensors of a sharded state, assembled on every rank (kept by rank 0 only)."""
+        out = {}
+        for name, full in assemble(tensors, names, self.model.config, self.layout.train, self.rank):
+            if comm.is_main():
+                out[name] = ms.Tensor(full)
+        return out
+
+    def save_checkpoint(self) -> None:
+        """Rank 0 writes the full (unsharded) state, so any layout can resume from it. The model is stored
+        as its float32 master weights, whatever the compute dtype."""
+        tensors = {"policy": self.updater.master_weights(), **self.extra_tensors()}
+        optimizer = self.updater.optimizer_state()
+        if self.sharded:  # a collective: every rank takes part
+            names = model_names(self.model.config)
+            tensors = {stem: self._full_state(params, names) for stem, params in tensors.items()}
+            moments = [p + n for p in STATE_PREFIXES for n in names]
+            optimizer = dict(self._full_state(optimizer, moments), adam_step=optimizer["adam_step"])
+        if comm.is_main():
+            tensors = {"policy": tensors.pop("policy"), "optimizer": optimizer, **tensors}
+            state = {"step": self.step, "run_id": self.run_id, "consecutive_nonfinite": self.consecutive_nonfinite,
+                     "skipped_updates": self.skipped_updates, "world_size": self.world,
+                     **self.stage_state(), **self.updater.loss_scale_state()}
+            self.ckpt.save(self.step, tensors, state, yaml.safe_dump(self.cfg.to_dict(), sort_keys=False),
+                           files=self._model_files())
+        # No rank starts the next step before the checkpoint is complete: msrun kills every worker of a
+        # node when one dies, and rank 0 must not be taken down mid-write by a death in the next step.
+        comm.barrier()
+
+    def _model_files(self) -> Dict[str, object]:
+        """config.json of the model and its tokenizer's files: a checkpoint folder is a loadable model."""
+        config = config_with_dtype(self.model.config.to_hf_dict(), "float32")  # policy.ckpt holds the masters
+        files: Dict[str, object] = {"config.json": json.dumps(config, indent=2).encode("utf-8")}
+        folder = Path(self.tokenizer.source)
+        if folder.is_dir():
+            files.update({name: folder / name for name in TOKENIZER_FILES if (folder / name).is_file()})
+        return files
+
+    def load_tensors(self, params: Dict[str, object], path: Path) -> None:
+        """Load a full checkpoint file into this rank's (possibly sharded) tensors."""
+        if not self.sharded:
+            load_parameters_into(params, path)
+            return
+        loaded = ms.load_checkpoint(str(path))
+        load_full_into(params, ((n, p.asnumpy()) for n, p in loaded.items()), self.model.config,
+                       self.layout.train, self.rank, source=str(path))
+
+    def resume(self, path: Path) -> None:
+        """Restore the run from checkpoint folder ``path`` (``checkpoint.run_dir.check_run_dirs`` found and
+        verified it): weights, optimizer, counters and the stage's state; this run takes its run id."""
+        path = Path(path)
+        state = CheckpointManager.read_state(path)
+        done, limit = int(state["step"]), self.total_steps
+        if done > limit:
+            raise MindRLHFError(f"--resume {path}: the checkpoint is at step {done}, past --max_steps {limit}; "
+                                f"raise --max_steps to train on, or resume an earlier checkpoint")
+        self.warn_config_changes(path)
+        self.run_id = self.ckpt.run_id = str(state.get("run_id") or self.run_id)
+        self.load_tensors(self.updater.master_weights(), path / "policy.ckpt")
+        self.updater.refresh_weights()
+        self.load_tensors(self.updater.optimizer_state(), path / "optimizer.ckpt")
+        self.load_extra_tensors(path, state)
+        self.step = done
+        self.consecutive_nonfinite = int(state["consecutive_nonfinite"])
+        self.skipped_updates = int(state["skipped_updates"])
+        self.load_stage_state(state)
+        self.updater.load_loss_scale_state(state)
+        self.after_load()
+        log.info("resumed from %s (step %d)", path, self.step)
+        if self.step == limit:
+            log.warning("--resume %s: the run already reached --max_steps %d; nothing to train (raise --max_steps "
+                        "to train on)", path, limit)
+
+    def warn_config_changes(self, path: Path) -> None:
+        """Name every field that changes the math and differs from the checkpoint's config."""
+        saved_path = path / "config.yaml"
+        if not saved_path.is_file():
+            return
+        saved, now = yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {}, self.cfg.to_dict()
+        keys = [(g, k) for g in self.math_groups for k in now.get(g, {})] + list(self.math_fields)
+        changed = [f"{k} {saved[g][k]!r} -> {now[g][k]!r}" for g, k in keys
+                   if k in saved.get(g, {}) and k in now.get(g, {}) and saved[g][k] != now[g][k]]
+        if changed:
+            log.warning("--resume: %s was trained with a different config: %s; the resumed steps will not be "
+                        "what the original run would have computed", path, "; ".join(changed))
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def train(self) -> List[Dict[str, float]]:
+        """Run from ``self.step`` (0, or where ``resume`` left it) until ``total_steps``; checkpoints every
+        ``save_steps`` and at the end."""
+        t = self.cfg.train
+        logger = MetricsLogger(self.output_dir, comm.is_main(), t.tensorboard, resume_step=self.step)
+        history = []
+        bar = tqdm(total=self.total_steps, initial=self.step, desc=self.stage.upper(), unit="step",
+                   disable=not (t.progress_bar and comm.is_main()), dynamic_ncols=True)
+        try:
+            while self.step < self.total_steps:
+                t0 = time.perf_counter()
+                metrics = self.train_one_step()
+                metrics.setdefault("step_time", time.perf_counter() - t0)
+                history.append(metrics)
+                if self.step % t.logging_steps == 0 or self.step == self.total_steps:
+                    logger.log(self.step, metrics)
+                    if comm.is_main():
+                        bar.write(console_line(self.step, metrics))
+                # The postfix first: update() redraws the bar, which then shows this step's headline.
+                value = metrics.get(self.headline, float("nan"))
+                bar.set_postfix({self.headline: f"{value:.3f}"}, refresh=False)
+                bar.update(1)
+                if (t.save_steps and self.step % t.save_steps == 0) or self.step == self.total_steps:
+                    self.save_checkpoint()
+                    self.write_curves(logger)
+        finally:
+            bar.close()
+            logger.close()
+        return history
+

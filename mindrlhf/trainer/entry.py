@@ -1,0 +1,102 @@
+"""What every training command does around its stage: parse, check the run's directories, set up the
+device and the parallel groups, build the trainer, resume, start the run's files, train, and turn a
+lost worker into one line. A stage's command is ``run_cli(partial(run_stage, spec), argv)``.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import mindspore as ms
+
+from mindrlhf.checkpoint.manager import CheckpointManager
+from mindrlhf.checkpoint.run_dir import check_run_dirs, clear_previous_run, write_run_id
+from mindrlhf.errors import MindRLHFError, WorkerLostError
+from mindrlhf.parallel import comm
+from mindrlhf.parallel.groups import RunLayout, init_run_layout
+from mindrlhf.parallel.layout import ParallelLayout
+
+log = logging.getLogger("mindrlhf")
+
+
+@dataclass
+class StageSpec:
+    """A training command: how to read its config, what to check before the runtime starts (cheap
+    checks that must fail before a model loads, e.g. importing reward functions), and how to build its
+    ``trainer.base.Trainer`` on this rank's layout."""
+
+    parse: Callable[[Optional[Sequence[str]]], object]
+    build: Callable[[object, RunLayout], object]
+    precheck: Callable[[object], None] = lambda cfg: None
+
+
+def setup_runtime(cfg) -> RunLayout:
+    """Device, execution mode, compile cache, communication, parallel groups and seeds, from the config
+    (``cfg.parallel``: the device, ``use_parallel``, the train layout and, if the stage has one, the infer
+    layout; ``cfg.train``: seed and output_dir; ``cfg.world_size``)."""
+    p = cfg.parallel
+    ms.set_device(p.device_target)
+    ms.set_context(mode=ms.PYNATIVE_MODE)  # hot paths are compiled with mindspore.jit
+    if p.enable_compile_cache:
+        ms.set_context(enable_compile_cache=True,
+                       compile_cache_path=str(Path(cfg.train.output_dir) / "compile_cache"))
+    if p.use_parallel:
+        comm.init_distributed(p.collective_timeout, p.device_target)
+        if comm.world_size() != cfg.world_size:
+            raise MindRLHFError(f"msrun started {comm.world_size()} workers but the config's layout needs "
+                                f"train_dp*train_tp*train_pp = {cfg.world_size}; set --worker_num={cfg.world_size} "
+                                f"or change the layout")
+    ms.set_seed(cfg.train.seed)
+    train = ParallelLayout(dp=p.train_dp, tp=p.train_tp, pp=p.train_pp, micro_batches=p.train_micro_batches)
+    # A stage without a generator has no infer layout: its processes form one data-parallel "generator".
+    infer = ParallelLayout(dp=p.infer_dp, tp=p.infer_tp) if hasattr(p, "infer_dp") else \
+        ParallelLayout(dp=comm.world_size())
+    return init_run_layout(train, infer, comm.rank(), comm.world_size())
+
+
+def worker_lost(cfg, op: str, err: RuntimeError) -> WorkerLostError:
+    """The one-line report of a collective that got no answer: another worker died or hangs."""
+    # MindSpore's message may open with ruler and heading lines; log its first line with words in it.
+    said = next((line.strip() for line in str(err).splitlines() if any(c.isalnum() for c in line)
+                 and "Kernel error" not in line), "")
+    log.error("rank %d: %s failed: %s", comm.rank(), op, said)
+    found = CheckpointManager(cfg.checkpoint_dir).latest_complete()
+    resume = (f"the newest complete checkpoint here is step {found[0]}: rerun the same command with --resume"
+              if found else "no complete checkpoint here yet: rerun the same command")
+    return WorkerLostError(f"worker rank {comm.rank()} of {comm.world_size()}: {op} got no answer from the other "
+                           f"workers within {comm.collective_timeout_text()}, so another "
+                           f"worker of this job died or hangs (msrun's --log_dir has each worker's log); {resume}")
+
+
+def run_stage(spec: StageSpec, argv: Optional[Sequence[str]] = None) -> int:
+    """Run one training command to the end; returns its exit code (errors raise ``MindRLHFError``)."""
+    cfg = spec.parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    t = cfg.train
+    # Before anything is written, on every worker (msrun's rendezvous in setup_runtime comes after):
+    # what this start may do in the output and checkpoint directories, and which checkpoint it resumes.
+    start = check_run_dirs(t.output_dir, cfg.checkpoint_dir, resume=t.resume, overwrite=t.overwrite_output_dir)
+    spec.precheck(cfg)
+    layout = setup_runtime(cfg)
+    try:
+        trainer = spec.build(cfg, layout)
+        if start.checkpoint is not None:
+            trainer.resume(start.checkpoint)
+        # Everything is validated and loaded: only now may the previous run go and this one's files begin.
+        if comm.is_main():
+            if t.overwrite_output_dir and start.checkpoint is None:
+                clear_previous_run(t.output_dir, cfg.checkpoint_dir)
+            write_run_id(t.output_dir, trainer.run_id)
+            cfg.save_yaml(Path(t.output_dir) / "config.yaml")
+        history = trainer.train()
+    except RuntimeError as err:
+        op = comm.collective_failure(err) if comm.world_size() > 1 else None
+        if op is None:
+            raise
+        raise worker_lost(cfg, op, err) from None
+    if comm.is_main() and history:
+        log.info("done: %d steps, last %s %.4f, metrics in %s", trainer.step, trainer.headline,
+                 history[-1].get(trainer.headline, float("nan")), Path(t.output_dir) / "metrics.jsonl")
+    return 0
