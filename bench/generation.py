@@ -1,7 +1,7 @@
 """Rollout throughput: mindrlhf's NativeSampler vs Hugging Face ``generate`` on the same weights.
 
 A random Qwen2-architecture model (real Qwen vocabulary, 151,936 rows) is written with
-``tests/tiny_models.make_tiny_qwen2``; both engines sample with temperature 1.0, top-p 1.0,
+``mindrlhf.testing.make_tiny_qwen2``; both engines sample with temperature 1.0, top-p 1.0,
 top-k off and exactly ``--new_tokens`` new tokens per row (HF ``min_new_tokens=max_new_tokens``,
 ours ``min_tokens=max_tokens``). Each engine is warmed up first (our compile time is reported
 separately), then the engines are timed in alternation ``--repeats`` times in the same process;
@@ -12,16 +12,11 @@ the best run of each counts (the machine may be shared: the best run is the leas
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,9 +40,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     import mindspore as ms
 
-    from tiny_models import make_tiny_qwen2
     from mindrlhf.generation import NativeSampler, SamplingParams
     from mindrlhf.models import DecoderConfig, load_model
+    from mindrlhf.testing import make_tiny_qwen2
 
     ms.set_device("CPU")
     ms.set_context(mode=ms.PYNATIVE_MODE)

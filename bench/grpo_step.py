@@ -12,14 +12,12 @@ from __future__ import annotations
 import argparse
 import resource
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
 PHASES = ("time/generate", "time/reward", "time/ref", "time/old_logp", "time/train", "time/sync")
 
 
@@ -52,7 +50,7 @@ def _track_phase_peaks(trainer, peaks: dict) -> None:
 
 
 def _tiny_model(root: Path, tokenizer_dir: Path) -> Path:
-    from tiny_models import add_tokenizer, make_tiny_qwen2
+    from mindrlhf.testing import add_tokenizer, make_tiny_qwen2
 
     model = make_tiny_qwen2(root / "tiny", hidden_size=64, intermediate_size=128, max_position_embeddings=1024)
     return add_tokenizer(model, tokenizer_dir)
@@ -73,6 +71,7 @@ def main() -> None:
     args, fields = ap.parse_known_args()  # the rest are config fields (--share_prompts false, --dtype float16)
 
     import mindspore as ms
+
     from mindrlhf.configs import parse_args
     from mindrlhf.grpo import build_trainer
     from mindrlhf.trainer.entry import setup_runtime

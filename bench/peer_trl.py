@@ -113,13 +113,13 @@ def _matmul_gflops() -> float:
 
 def run_ours(spec: Dict[str, Any]) -> Dict[str, Any]:
     """Run ``spec["steps"]`` mindrlhf GRPO steps the way ``bench/grpo_step.py`` does; return the results."""
-    sys.path.insert(0, str(BENCH))  # so the trainer can import the reward as peer_trl:length_reward
+    # peer_trl:length_reward imports: this child runs the script, and Python puts the script's folder on the path.
     from mindrlhf.configs import parse_args
     from mindrlhf.data.gsm8k import DEFAULT_SYSTEM_PROMPT
     from mindrlhf.data.rlhf_data import convert_to_mindrecord
     from mindrlhf.grpo import build_trainer
-    from mindrlhf.trainer.entry import setup_runtime
     from mindrlhf.tokenizer import Tokenizer
+    from mindrlhf.trainer.entry import setup_runtime
 
     work = Path(spec["work_dir"]) / "ours"
     work.mkdir(parents=True, exist_ok=True)
@@ -260,8 +260,7 @@ def ensure_trl_venv(venv: Path) -> Path:
 
 def _tiny_model(root: Path) -> Path:
     """A random Qwen2 (hidden 256, 4 layers, Qwen vocab) with the real Qwen tokenizer, written under ``root``."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from tiny_models import add_tokenizer, make_tiny_qwen2
+    from mindrlhf.testing import add_tokenizer, make_tiny_qwen2
 
     model = make_tiny_qwen2(root / "tiny-qwen2", hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
+# Helper modules here (grpo_runs, e2e_rewards, ...) import by name: pytest.ini's pythonpath puts tests/ first.
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
 
 
 # The repository carries its test data (GSM8K train/test, MIT; the Qwen2.5 tokenizer, Apache-2.0):
@@ -49,14 +48,14 @@ def _mindspore_cpu():
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> Path:
-    from tiny_models import make_tiny_qwen2
+    from mindrlhf.testing import make_tiny_qwen2
 
     return make_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"))
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
-    from tiny_models import make_tiny_llama
+    from mindrlhf.testing import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 

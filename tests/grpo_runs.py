@@ -19,8 +19,8 @@ def is_timing(key: str) -> bool:
 
 def make_grpo_assets(root: Path, tokenizer_dir: Path, data_dir: Path) -> dict:
     """A tiny Qwen2 HF dir (with the real tokenizer files) and a 16-prompt GSM8K mindrecord."""
-    from tiny_models import add_tokenizer, make_tiny_qwen2
     from mindrlhf.data.rlhf_data import convert_to_mindrecord
+    from mindrlhf.testing import add_tokenizer, make_tiny_qwen2
     from mindrlhf.tokenizer import Tokenizer
 
     model_dir = make_tiny_qwen2(root / "model", hidden_size=32, intermediate_size=64, num_attention_heads=4,

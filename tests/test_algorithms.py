@@ -505,6 +505,12 @@ def test_policy_loss_in_jit_matches_pynative(batch, tmp_path, monkeypatch):
     with pytest.raises(MindRLHFError, match="needs ref_logp"):
         ms.jit(needs_ref)(t(b["logp"]))
 
+    def unknown_loss(lp):  # the registry look-up raises the one-line error inside a graph too
+        return policy_loss(lp, old, adv, mask, loss_type="ppo")[0]
+
+    with pytest.raises(MindRLHFError, match="unknown policy loss 'ppo'; choose one of grpo, gspo, gspo-token"):
+        ms.jit(unknown_loss)(t(b["logp"]))
+
 
 def test_policy_loss_argument_errors(batch):
     b = batch

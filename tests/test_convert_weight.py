@@ -244,7 +244,7 @@ def test_sharded_hf_input_and_sharded_hf_output(tiny_llama_dir, tmp_path):
 
 
 def test_llama_with_attention_and_mlp_bias(tmp_path):
-    from tiny_models import make_tiny_llama
+    from mindrlhf.testing import make_tiny_llama
 
     src = make_tiny_llama(tmp_path / "biased", attention_bias=True, mlp_bias=True, num_hidden_layers=1)
     ckpt = tmp_path / "ms" / "m.safetensors"

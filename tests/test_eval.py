@@ -13,7 +13,7 @@ import pytest
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.evaluation import binomial_stderr, evaluate, load_questions, majority_vote, score_question
 from mindrlhf.evaluation.gsm8k_eval import main
-from tiny_models import add_tokenizer
+from mindrlhf.testing import add_tokenizer
 
 FIELDS = {"index", "line", "question", "solution", "completions", "extracted_answers", "predicted_answer",
           "votes", "correct", "format_ok", "sample_correct", "completion_tokens", "finish_reasons"}

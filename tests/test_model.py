@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 import shutil
 
+import mindspore as ms
 import numpy as np
 import pytest
-import mindspore as ms
 
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.models import DecoderConfig, load_model
@@ -48,7 +48,7 @@ def test_logits_match_transformers_with_padding(fixture, request):
 
 
 def test_llama3_rope_scaling_matches_transformers(tmp_path):
-    from tiny_models import make_tiny_llama
+    from mindrlhf.testing import make_tiny_llama
 
     rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64}
@@ -108,7 +108,8 @@ def test_llama_with_attention_and_mlp_bias_matches_transformers(tmp_path):
     # HF Llama's attention_bias puts a bias on q/k/v AND o_proj (Qwen2: q/k/v only).
     import torch
     from transformers import AutoModelForCausalLM
-    from tiny_models import make_tiny_llama
+
+    from mindrlhf.testing import make_tiny_llama
 
     hf_dir = make_tiny_llama(tmp_path / "llama_bias", attention_bias=True, mlp_bias=True, num_hidden_layers=2)
     hf = AutoModelForCausalLM.from_pretrained(hf_dir).eval()

@@ -190,13 +190,37 @@ def test_registry_user_function_by_dotted_path(tmp_path, monkeypatch):
     assert get_reward_fn("mindrlhf_test_user_rewards.length_penalty") is fn
     total, per_fn = RewardManager(["mindrlhf_test_user_rewards:length_penalty"])(["ab", "abcdef"], ["1", "2"])
     np.testing.assert_allclose(total, [-0.02, -0.06], rtol=1e-6)
-    assert list(per_fn) == ["mindrlhf_test_user_rewards:length_penalty"]
+    # Logged under the function's __name__, as TRL names reward metrics (rewards/length_penalty/mean).
+    assert list(per_fn) == ["length_penalty"]
     with pytest.raises(MindRLHFError, match="no callable 'missing'"):
         get_reward_fn("mindrlhf_test_user_rewards:missing")
     with pytest.raises(MindRLHFError, match="no callable 'NOT_A_FUNCTION'"):
         get_reward_fn("mindrlhf_test_user_rewards:NOT_A_FUNCTION")
     with pytest.raises(MindRLHFError, match="cannot import module 'no_such_pkg_xyz.rewards'.*built-ins: accuracy"):
         get_reward_fn("no_such_pkg_xyz.rewards:fn")
+
+
+def test_manager_names_are_trl_names_and_a_clash_is_one_error(tmp_path, monkeypatch):
+    (tmp_path / "mindrlhf_test_rewards_a.py").write_text(
+        "def length_parity(completions, **kw):\n    return [float(len(c) % 2) for c in completions]\n"
+        "def accuracy(completions, **kw):\n    return [1.0 for c in completions]\n", encoding="utf-8")
+    (tmp_path / "mindrlhf_test_rewards_b.py").write_text(
+        "def length_parity(completions, **kw):\n    return [0.0 for c in completions]\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def gsm8k_style(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    manager = RewardManager(["accuracy", "mindrlhf_test_rewards_a:length_parity", gsm8k_style])
+    assert manager.names == ["accuracy", "length_parity", "gsm8k_style"]
+    with pytest.raises(MindRLHFError) as err:
+        RewardManager(["mindrlhf_test_rewards_a:length_parity", "mindrlhf_test_rewards_b.length_parity"])
+    assert str(err.value) == (
+        "reward function 'length_parity' names two functions, 'mindrlhf_test_rewards_a:length_parity' and "
+        "'mindrlhf_test_rewards_b.length_parity'; rename one of them (each is logged as rewards/<name>/mean)")
+    # A user function named like a built-in clashes with it too.
+    with pytest.raises(MindRLHFError, match="'accuracy' names two functions, 'accuracy' and 'mindrlhf_test_rewards_a:"):
+        RewardManager(["accuracy", "mindrlhf_test_rewards_a:accuracy"])
 
 
 def test_register_reward_decorator():
@@ -210,7 +234,7 @@ def test_register_reward_decorator():
         with pytest.raises(MindRLHFError, match="already registered"):
             register_reward("test_always_half")(lambda completions, **kw: [])
     finally:
-        REWARD_FUNCS.pop("test_always_half", None)
+        REWARD_FUNCS.unregister("test_always_half")
 
 
 # --- RewardManager -------------------------------------------------------------------------------
@@ -392,3 +416,17 @@ def test_overlong_reward_hand_values():
         pytest.approx([0.0, 0.0, 0.0, -0.125, -0.25, -0.5])
     with pytest.raises(ValueError, match="overlong buffer 10 must be in"):
         overlong_reward(10, 10, 1.0)
+
+
+def test_config_refuses_two_reward_funcs_of_one_name_before_anything_loads():
+    from mindrlhf.configs import parse_args
+
+    with pytest.raises(MindRLHFError, match=r"reward_funcs \['a.rewards:length_parity', 'b.more.length_parity'\] are "
+                                            r"all named 'length_parity' \(logged as rewards/length_parity/mean"):
+        parse_args(["--reward_funcs", "a.rewards:length_parity", "b.more.length_parity"])
+    with pytest.raises(MindRLHFError, match=r"reward_funcs \['accuracy', 'my.rewards:accuracy'\] are all named"):
+        parse_args(["--reward_funcs", "accuracy", "my.rewards:accuracy"])
+    with pytest.raises(MindRLHFError, match="reward_funcs names a function 'overlong'"):
+        parse_args(["--overlong_buffer_length", "16", "--reward_funcs", "accuracy", "my.rewards:overlong"])
+    assert parse_args(["--reward_funcs", "accuracy", "my.rewards:length_parity"]).algorithm.reward_funcs == [
+        "accuracy", "my.rewards:length_parity"]

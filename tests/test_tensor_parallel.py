@@ -16,9 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tp_worker import BETA
-
 from mindrlhf.parallel.layout import ParallelLayout
+from tp_worker import BETA
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "tp_worker.py"
@@ -193,7 +192,7 @@ def _cases(tiny_qwen2_dir: Path, tiny_llama_dir: Path, shared: bool = False):
 @pytest.fixture(scope="module")
 def tiny_llama4_dir(tmp_path_factory) -> Path:
     """A 4-layer untied Llama with attention_bias (q/k/v and o_proj biases), so pp=2 divides it."""
-    from tiny_models import make_tiny_llama
+    from mindrlhf.testing import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama4"), seed=3, num_hidden_layers=4,
                            attention_bias=True)
@@ -203,11 +202,10 @@ def tiny_llama4_dir(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("dp,tp,pp", [(1, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (1, 2, 2)])
 def test_shard_names_and_shapes_match_rank_state(tiny_qwen2_dir, tiny_llama4_dir, dp, tp, pp):
     from mindrlhf.models import DecoderConfig, get_weights, load_model, set_weights
-    from mindrlhf.parallel.layout import ParallelLayout
-    from mindrlhf.parallel.sharding import rank_state
     from mindrlhf.models.decoder import CausalLM
     from mindrlhf.parallel.groups import group_name
-    from mindrlhf.parallel.layout import ModelShard
+    from mindrlhf.parallel.layout import ModelShard, ParallelLayout
+    from mindrlhf.parallel.sharding import rank_state
 
     layout = ParallelLayout(dp=dp, tp=tp, pp=pp)
     for model_dir in (tiny_qwen2_dir, tiny_llama4_dir):

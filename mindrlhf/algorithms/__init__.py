@@ -1,11 +1,10 @@
 """GRPO-family algorithm pieces: advantage estimators, KL estimators, policy losses, aggregation.
 
 Data flows reward → ``group_advantages`` / ``get_advantage_estimator`` → ``policy_loss`` (which
-uses ``kl_penalty`` and ``aggregate_loss``). Everything is registered by name so configs select it.
+uses ``kl_penalty`` and ``aggregate_loss``). Everything is registered by name so configs select it;
+the registries themselves (``mindrlhf.registry``) import no MindSpore.
 """
 from mindrlhf.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    SCALE_REWARDS,
     batch_std_advantages,
     dr_grpo_advantages,
     get_advantage_estimator,
@@ -15,23 +14,28 @@ from mindrlhf.algorithms.advantages import (
     register_advantage_estimator,
     rloo_advantages,
 )
-from mindrlhf.algorithms.kl import KL_ESTIMATORS, get_kl_estimator, kl_penalty, register_kl_estimator
+from mindrlhf.algorithms.kl import get_kl_estimator, kl_penalty, register_kl_estimator
 from mindrlhf.algorithms.losses import (
-    IS_MODES,
     LOG_RATIO_BOUND,
-    LOSS_AGG_MODES,
-    POLICY_LOSSES,
     aggregate_loss,
     get_is_mode,
     get_policy_loss,
+    grpo_loss,
     gspo_loss,
     gspo_token_loss,
-    grpo_loss,
     loss_denominators,
     masked_mean,
     policy_loss,
     register_is_mode,
     register_policy_loss,
+)
+from mindrlhf.registry import (
+    ADVANTAGE_ESTIMATORS,
+    IS_MODES,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    SCALE_REWARDS,
 )
 
 __all__ = [

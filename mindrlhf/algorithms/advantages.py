@@ -14,15 +14,14 @@ there is no device round trip to save) and returned in the input's dtype and con
 """
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Callable
 
 import mindspore as ms
 import numpy as np
 
-from mindrlhf.algorithms.registry import check_registered, new_registry, registrar
+from mindrlhf.algorithms.registry import lookup
 from mindrlhf.errors import MindRLHFError
-
-SCALE_REWARDS = ("group", "batch", "none")
+from mindrlhf.registry import ADVANTAGE_ESTIMATORS, SCALE_REWARDS
 
 
 def _to_numpy(rewards):
@@ -100,16 +99,13 @@ def informative_groups(rewards, num_generations: int, tol: float = 1e-8) -> np.n
 
 # --- registry ------------------------------------------------------------------------------------
 AdvantageEstimator = Callable[..., object]
-ADVANTAGE_ESTIMATORS: Dict[str, AdvantageEstimator] = new_registry("advantage estimator")
-register_advantage_estimator = registrar(
-    "advantage estimator", "Decorator: register ``fn(rewards, num_generations, eps=1e-6)`` under ``name``."
-)
+#: Decorator: register ``fn(rewards, num_generations, eps=1e-6)`` under ``name``.
+register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
 
 
 def get_advantage_estimator(name: str) -> AdvantageEstimator:
     """The registered estimator ``name``; a clear error listing the known names otherwise."""
-    check_registered("advantage estimator", name)
-    return ADVANTAGE_ESTIMATORS[name]
+    return lookup(ADVANTAGE_ESTIMATORS, name)
 
 
 @register_advantage_estimator("grpo")

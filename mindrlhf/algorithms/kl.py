@@ -7,23 +7,21 @@ Each estimator is a small function of ``d`` so the loss can mask ``d`` before it
 """
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Callable
 
 from mindspore import Tensor, ops
 
-from mindrlhf.algorithms.registry import check_registered, new_registry, registrar
+from mindrlhf.algorithms.registry import lookup
+from mindrlhf.registry import KL_ESTIMATORS
 
 KLEstimator = Callable[[Tensor], Tensor]
-KL_ESTIMATORS: Dict[str, KLEstimator] = new_registry("KL estimator")
-register_kl_estimator = registrar(
-    "KL estimator", "Decorator: register ``fn(log_ratio) -> per-token KL`` under ``name``."
-)
+#: Decorator: register ``fn(log_ratio) -> per-token KL`` under ``name``.
+register_kl_estimator = KL_ESTIMATORS.register
 
 
 def get_kl_estimator(name: str) -> KLEstimator:
     """The registered KL estimator ``name`` (a function of ``logp − ref_logp``)."""
-    check_registered("KL estimator", name)
-    return KL_ESTIMATORS[name]
+    return lookup(KL_ESTIMATORS, name)
 
 
 @register_kl_estimator("k1")

@@ -18,10 +18,10 @@ from typing import Callable, Dict, Optional, Tuple, Union
 from mindspore import Tensor, ops
 
 from mindrlhf.algorithms.kl import get_kl_estimator
-from mindrlhf.algorithms.registry import check_registered, new_registry, registrar
+from mindrlhf.algorithms.registry import check_registered, lookup
 from mindrlhf.errors import MindRLHFError
+from mindrlhf.registry import IS_MODES, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 
-LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 #: Log-ratios (policy vs old, policy vs reference) are clamped to ±this before ``exp`` (as verl does):
 #: exp(20) ≈ 4.9e8 is far outside any clip range, yet one off-policy outlier can no longer overflow
 #: float32 (exp(89) = inf) and turn the whole update non-finite.
@@ -124,19 +124,13 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
 
 # --- policy losses -------------------------------------------------------------------------------
 PolicyLoss = Callable[[Tensor, Tensor, Tensor, float, float], Tuple[Tensor, Tensor]]
-POLICY_LOSSES: Dict[str, PolicyLoss] = new_registry(
-    "policy loss",
-    hints={"dapo": "DAPO is loss_type='grpo' with epsilon_high > epsilon_low and loss_agg_mode='token-mean'"},
-)
-register_policy_loss = registrar(
-    "policy loss", "Decorator: register ``fn(log_ratio, advantages, mask, eps_low, eps_high) -> (loss, ratio)``."
-)
+#: Decorator: register ``fn(log_ratio, advantages, mask, eps_low, eps_high) -> (loss, ratio)`` under ``name``.
+register_policy_loss = POLICY_LOSSES.register
 
 
 def get_policy_loss(name: str) -> PolicyLoss:
     """The registered policy loss ``name``; a clear error listing the known names otherwise."""
-    check_registered("policy loss", name)
-    return POLICY_LOSSES[name]
+    return lookup(POLICY_LOSSES, name)
 
 
 def _clipped_surrogate(ratio: Tensor, advantages: Tensor, epsilon_low: float, epsilon_high: float) -> Tensor:
@@ -177,17 +171,13 @@ def gspo_token_loss(log_ratio, advantages, mask, epsilon_low, epsilon_high):
 # --- rollout/train mismatch: importance-sampling weights ----------------------------------------
 #: ``fn(log_ratio (B, T), mask (B, T), cap) -> weights``: per token (B, T) or per sequence (B, 1).
 ISWeights = Callable[[Tensor, Tensor, float], Tensor]
-IS_MODES: Dict[str, ISWeights] = new_registry("importance sampling mode")
-register_is_mode = registrar(
-    "importance sampling mode",
-    "Decorator: register ``fn(log_ratio, mask, cap) -> weights`` (log_ratio = trainer − sampler log-probs, masked).",
-)
+#: Decorator: register ``fn(log_ratio, mask, cap) -> weights`` (log_ratio = trainer − sampler log-probs, masked).
+register_is_mode = IS_MODES.register
 
 
 def get_is_mode(name: str) -> ISWeights:
     """The registered importance-sampling mode ``name`` (TRL's four modes)."""
-    check_registered("importance sampling mode", name)
-    return IS_MODES[name]
+    return lookup(IS_MODES, name)
 
 
 def _bounded_exp(log_ratio: Tensor) -> Tensor:
@@ -261,7 +251,7 @@ def policy_loss(
     fractions are over valid tokens, or over non-empty sequences for "gspo"'s sequence ratio.
     """
     loss_fn = get_policy_loss(loss_type)
-    check_registered("KL estimator", kl_estimator)  # validate even when beta == 0
+    check_registered(KL_ESTIMATORS.kind, kl_estimator)  # validate even when beta == 0
     _check_beta(beta, ref_logp is not None)
     dtype = logp.dtype
     valid = mask > 0

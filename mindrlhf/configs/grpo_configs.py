@@ -21,17 +21,20 @@ from typing import List, Optional, Sequence, Tuple, Union
 from mindrlhf.configs.base import GroupedConfig, config_field
 from mindrlhf.configs.mindformers import is_model_yaml, read_model_yaml
 from mindrlhf.errors import MindRLHFError
-from mindrlhf.rewards.manager import REWARD_ERRORS
+from mindrlhf.registry import (
+    ADVANTAGE_ESTIMATORS,
+    IS_MODES,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    SCALE_REWARDS,
+)
+from mindrlhf.rewards.manager import REWARD_ERRORS, reward_spec_name
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-POLICY_LOSS_TYPES = ("grpo", "gspo", "gspo-token")
 #: TRL's loss_type names that are an aggregation of our token-level "grpo" loss (TRL's own "grpo" is ours).
 TRL_LOSS_TYPES = {"bnpo": "token-mean", "dapo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
-LOSS_TYPES = POLICY_LOSS_TYPES + tuple(TRL_LOSS_TYPES)
-LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
-REWARD_SCALINGS = ("group", "batch", "none")
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# Choices are read from the registries (mindrlhf.registry, no MindSpore), never listed here.
+LOSS_TYPES = POLICY_LOSSES.names() + tuple(TRL_LOSS_TYPES)
 #: The registered estimator (algorithms.advantages) for advantage_estimator grpo and each scale_rewards.
 _GRPO_SCALINGS = {"group": "grpo", "batch": "batch_std", "none": "dr_grpo"}
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -82,7 +85,7 @@ class AlgorithmConfig:
     kl_estimator: str = config_field(
         "k3", "KL estimator per token, with d = logp_ref - logp: k1 = -d, k2 = d^2 / 2, "
         "k3 = exp(d) - d - 1 (unbiased, non-negative; the GRPO paper's). Used only when beta > 0.",
-        choices=KL_ESTIMATORS)
+        choices=KL_ESTIMATORS.names())
     loss_type: str = config_field(
         "grpo", "Policy loss: grpo = per-token clipped ratio exp(logp - logp_old) (PPO-style); gspo = "
         "sequence-level ratio exp(mean_t(logp - logp_old)) clipped with the sequence advantage (GSPO; use "
@@ -111,14 +114,15 @@ class AlgorithmConfig:
         "grpo", "Advantage estimator: grpo = reward minus its group's mean, divided as scale_rewards says (group std: "
         "GRPO; batch std: LitePPO; none: Dr.GRPO); dr_grpo = grpo with no division (the same as scale_rewards none); "
         "rloo = reward minus the mean of the other rewards of its group (RLOO: G/(G-1) x (reward - group mean), no "
-        "division). With dr_grpo and rloo, scale_rewards must stay group. A NaN reward (every "
-        "reward function declined) gets advantage 0 and is left out of its group's statistics.",
-        choices=ADVANTAGE_ESTIMATORS)
+        "division); batch_std = grpo with scale_rewards batch (LitePPO). With dr_grpo, batch_std and rloo, "
+        "scale_rewards must stay group. A NaN reward (every reward function declined) gets advantage 0 and is left "
+        "out of its group's statistics.",
+        choices=ADVANTAGE_ESTIMATORS.names())
     scale_rewards: str = config_field(
         "group", "Advantage scaling: advantage = (reward - group mean) / (std + eps) with the std of the "
         "group (group, the GRPO paper) or of all the step's rewards (batch, LitePPO); none = no division "
         "(Dr.GRPO). Groups whose rewards are all equal get advantage 0.",
-        choices=REWARD_SCALINGS)
+        choices=SCALE_REWARDS)
     mask_truncated_completions: bool = config_field(
         False, "Exclude completions that hit max_completion_length without a stop token from the loss "
         "(DAPO's overlong filtering); they still count in the reward metrics.")
@@ -152,7 +156,7 @@ class AlgorithmConfig:
         "sequence_mask", "token_truncate = per-token ratio capped at importance_sampling_cap; token_mask = tokens "
         "whose ratio exceeds the cap get weight 0; sequence_truncate / sequence_mask = the same with one ratio per "
         "completion, exp(sum of its tokens' log-ratios). TRL's names and default.",
-        choices=IS_MODES)
+        choices=IS_MODES.names())
     importance_sampling_cap: float = config_field(
         3.0, "The cap C of importance_sampling_mode (TRL's vllm_importance_sampling_clip_max). Range >= 1.",
         ge=1.0)
@@ -171,8 +175,9 @@ class AlgorithmConfig:
         "gsm8k_format: the answer ends with its only '#### <number>' line, the default prompt style's format; format: "
         "<think>...</think><answer>...</answer>, the 'tags' prompt style's; boxed: a \\boxed{} answer matches) or by "
         "dotted path 'package.module:function' for user functions. The step reward is their weighted sum "
-        "(reward_weights); each is logged as rewards/<name>/mean. Names must be unique. Use the format reward of "
-        "the prompt style the data was built with (rlhf_data.py --prompt_style).")
+        "(reward_weights); each is logged as rewards/<name>/mean, as TRL names it: a built-in's name, else the "
+        "function's __name__ (my_rewards:length_parity logs rewards/length_parity/mean). Names must be unique. Use "
+        "the format reward of the prompt style the data was built with (rlhf_data.py --prompt_style).")
     reward_weights: Optional[List[float]] = config_field(
         None, "Weight of each reward function, in reward_funcs order; null = 1.0 for all. Length must equal "
         "len(reward_funcs). Negative weights turn a reward into a penalty.")
@@ -661,7 +666,7 @@ class GRPOConfig(GroupedConfig):
         if a.overlong_buffer_length >= g.max_completion_length:
             errors.append(f"overlong_buffer_length = {a.overlong_buffer_length} must be below max_completion_length = "
                           f"{g.max_completion_length} (the punishment starts that many tokens before the limit)")
-        if a.overlong_buffer_length and "overlong" in a.reward_funcs:
+        if a.overlong_buffer_length and "overlong" in map(reward_spec_name, a.reward_funcs):
             errors.append("reward_funcs names a function 'overlong', the name of the overlong_buffer_length term; "
                           "rename it")
         if a.advantage_estimator != "grpo" and a.scale_rewards != "group":
@@ -680,6 +685,11 @@ class GRPOConfig(GroupedConfig):
         duplicates = sorted({f for f in a.reward_funcs if a.reward_funcs.count(f) > 1})
         if duplicates:
             errors.append(f"reward_funcs lists {duplicates} more than once; each function once (use reward_weights)")
+        names = [reward_spec_name(f) for f in a.reward_funcs]
+        for name in sorted({n for n in names if names.count(n) > 1} - set(duplicates)):
+            same = [f for f in a.reward_funcs if reward_spec_name(f) == name]
+            errors.append(f"reward_funcs {same} are all named {name!r} (logged as rewards/{name}/mean, TRL's name: "
+                          "the function's __name__); rename one of the functions")
         if a.reward_weights is not None and len(a.reward_weights) != len(a.reward_funcs):
             errors.append(f"reward_weights has {len(a.reward_weights)} values {a.reward_weights} but reward_funcs has "
                           f"{len(a.reward_funcs)} {a.reward_funcs}; give one weight per function or null")

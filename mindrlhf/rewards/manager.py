@@ -8,7 +8,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from mindrlhf.errors import MindRLHFError
-from mindrlhf.rewards.registry import RewardFn, get_reward_fn
+from mindrlhf.rewards.registry import REWARD_FUNCS, RewardFn, get_reward_fn
 
 logger = logging.getLogger(__name__)
 
@@ -16,11 +16,35 @@ logger = logging.getLogger(__name__)
 REWARD_ERRORS = ("raise", "skip")
 
 
+def reward_name(spec: Union[str, RewardFn], fn: RewardFn) -> str:
+    """The name a reward is logged under (``rewards/<name>/mean``), as TRL names it: a built-in's registry
+    name (``accuracy``), else the function's ``__name__`` (``my_rewards:length_parity`` -> ``length_parity``)."""
+    if isinstance(spec, str) and spec in REWARD_FUNCS:
+        return spec
+    return getattr(fn, "__name__", None) or repr(fn)
+
+
+def reward_spec_name(spec: str) -> str:
+    """``reward_name`` of a ``reward_funcs`` entry without importing it: a built-in's name, else the function
+    part of the dotted path (configs check names with it before anything loads; the manager checks ``__name__``)."""
+    if spec in REWARD_FUNCS or not isinstance(spec, str):
+        return spec
+    return spec.rpartition(":")[2] if ":" in spec else spec.rpartition(".")[2]
+
+
+def _shown(spec: Union[str, RewardFn], fn: RewardFn) -> str:
+    """A spec as given, or where a callable is defined (``module:qualname``)."""
+    if isinstance(spec, str):
+        return spec
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
 class RewardManager:
     """Scores completions with several reward functions and combines them with weights.
 
     ``funcs``: built-in names, ``"package.module:function"`` paths, or callables. ``weights``: one
-    per function (default all 1.0). Every function is called as TRL calls its reward functions:
+    per function (default all 1.0). ``names``: each function's name as TRL logs it (``reward_name``);
+    two functions of one name are an error. Every function is called as TRL calls its reward functions:
     ``fn(prompts=, completions=, completion_ids=, **dataset_columns)`` (here ``solution``,
     ``question``), all by keyword. ``errors``: a function that raises stops the run with one error
     naming it (``"raise"``), or (``"skip"``) every sample of that call scores None,
@@ -38,12 +62,19 @@ class RewardManager:
             raise MindRLHFError(f"reward funcs must be a non-empty list, e.g. ['accuracy', 'format']; got {funcs!r}")
         self.names: List[str] = []
         self.funcs: List[RewardFn] = []
+        #: What the user gave for each name (a built-in name or a dotted path; a callable's name): errors show
+        #: it, so the function is easy to find.
+        self.specs: Dict[str, str] = {}
         for spec in funcs:
             fn = spec if callable(spec) else get_reward_fn(spec)
-            name = getattr(spec, "__name__", repr(spec)) if callable(spec) else spec
-            if name in self.names:
-                raise MindRLHFError(f"reward function {name!r} is listed twice in reward funcs")
+            name = reward_name(spec, fn)
+            if name in self.specs:
+                first, second = self.funcs[self.names.index(name)], fn
+                what = "is listed twice in reward funcs" if first is second else \
+                    f"names two functions, {self.specs[name]!r} and {_shown(spec, fn)!r}; rename one of them"
+                raise MindRLHFError(f"reward function {name!r} {what} (each is logged as rewards/<name>/mean)")
             self.names.append(name)
+            self.specs[name] = spec if isinstance(spec, str) else name
             self.funcs.append(fn)
         if weights is None:
             weights = [1.0] * len(self.funcs)
@@ -87,9 +118,9 @@ class RewardManager:
         except Exception as err:
             if self.errors == "raise":
                 raise MindRLHFError(
-                    f"reward function {name!r} raised {type(err).__name__}: {err}; fix the function (it is called "
-                    f"as fn(prompts=, completions=, completion_ids=, solution=, question=), so it needs **kwargs), "
-                    f"or set reward_errors: skip to score such calls None and train on"
+                    f"reward function {self.specs[name]!r} raised {type(err).__name__}: {err}; fix the function (it is "
+                    f"called as fn(prompts=, completions=, completion_ids=, solution=, question=), so it needs "
+                    f"**kwargs), or set reward_errors: skip to score such calls None and train on"
                 ) from err
             # skip: a user reward bug does not kill a long run; score None, count, log once
             self._failed(name, "raised", exc_info=True)
@@ -100,7 +131,7 @@ class RewardManager:
             length = None
         if length != n:
             raise MindRLHFError(
-                f"reward function {name!r} returned {length if length is not None else type(out).__name__} "
+                f"reward function {self.specs[name]!r} returned {length if length is not None else type(out).__name__} "
                 f"values for {n} completions; it must return one float or None per completion"
             )
         values = np.empty(n, dtype=np.float32)
@@ -112,7 +143,7 @@ class RewardManager:
                 values[i] = float(v)
             except (TypeError, ValueError):
                 raise MindRLHFError(
-                    f"reward function {name!r} returned {v!r} for completion {i}; expected a float or None"
+                    f"reward function {self.specs[name]!r} returned {v!r} for completion {i}; expected a float or None"
                 ) from None
         # inf, NaN, or a float64 beyond float32's range: one such value would make its whole group's std
         # NaN and every advantage of the group 0, training nothing without a word. A failure of the
@@ -123,8 +154,8 @@ class RewardManager:
             i = int(np.flatnonzero(bad)[0])
             if self.errors == "raise":
                 raise MindRLHFError(
-                    f"reward function {name!r} returned {out[i]!r} for completion {i} ({int(bad.sum())} of {n} "
-                    f"non-finite); return a finite float, or None for no score, or set reward_errors: skip to "
+                    f"reward function {self.specs[name]!r} returned {out[i]!r} for completion {i} ({int(bad.sum())} "
+                    f"of {n} non-finite); return a finite float, or None for no score, or set reward_errors: skip to "
                     f"score such values None and train on")
             self._failed(name, f"returned {out[i]!r} for completion {i} ({int(bad.sum())} of {n} non-finite)")
             values[bad] = np.nan
@@ -136,4 +167,4 @@ class RewardManager:
         if name not in self._logged:
             self._logged.add(name)
             logger.warning("reward function %r %s; those scores are None (later failures are only counted, in "
-                           "rewards/<name>/failures)", name, what, exc_info=exc_info)
+                           "rewards/%s/failures)", self.specs[name], what, name, exc_info=exc_info)

@@ -1,4 +1,4 @@
-"""Reward-function registry: built-ins by name, user functions by dotted path.
+"""Reward functions by name: the built-ins' ``Registry``, and user functions by dotted path.
 
 A reward function has TRL's signature ``fn(prompts, completions, completion_ids, **kwargs) ->
 list[float | None]``: one score per completion, None meaning "not applicable". Everything arrives
@@ -9,25 +9,16 @@ function names what it reads and takes the rest as ``**kwargs``.
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 from mindrlhf.errors import MindRLHFError
+from mindrlhf.registry import Registry
 
 RewardFn = Callable[..., List[Optional[float]]]
-REWARD_FUNCS: Dict[str, RewardFn] = {}
-
-
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator: make ``fn`` available as the built-in reward ``name``."""
-
-    def wrap(fn: RewardFn) -> RewardFn:
-        if name in REWARD_FUNCS and REWARD_FUNCS[name] is not fn:
-            previous = REWARD_FUNCS[name].__qualname__
-            raise MindRLHFError(f"reward function {name!r} is already registered (by {previous})")
-        REWARD_FUNCS[name] = fn
-        return fn
-
-    return wrap
+#: The built-in reward functions (``rewards.builtin``) and any registered with ``register_reward``.
+REWARD_FUNCS: Registry = Registry("reward function", module="mindrlhf.rewards.builtin")
+#: Decorator: make ``fn`` available as the built-in reward ``name``.
+register_reward = REWARD_FUNCS.register
 
 
 def get_reward_fn(name: str) -> RewardFn:
@@ -36,14 +27,15 @@ def get_reward_fn(name: str) -> RewardFn:
     if not isinstance(name, str) or not name.strip():
         raise MindRLHFError(f"reward function name must be a non-empty string, got {name!r}")
     if name in REWARD_FUNCS:
-        return REWARD_FUNCS[name]
+        return REWARD_FUNCS.get(name)
+    builtins = ", ".join(sorted(REWARD_FUNCS.names()))
     if ":" in name:
         module_name, _, attr = name.partition(":")
     elif "." in name:
         module_name, _, attr = name.rpartition(".")
     else:
         raise MindRLHFError(
-            f"unknown reward function {name!r}; built-ins: {', '.join(sorted(REWARD_FUNCS))}; "
+            f"unknown reward function {name!r}; built-ins: {builtins}; "
             "or give a user function as 'package.module:function'"
         )
     try:
@@ -51,7 +43,7 @@ def get_reward_fn(name: str) -> RewardFn:
     except Exception as err:  # ImportError, or any error raised while the user module runs
         raise MindRLHFError(
             f"reward function {name!r}: cannot import module {module_name!r} ({type(err).__name__}: {err}); "
-            f"check the path and PYTHONPATH (built-ins: {', '.join(sorted(REWARD_FUNCS))})"
+            f"check the path and PYTHONPATH (built-ins: {builtins})"
         ) from err
     fn = getattr(module, attr, None)
     if not callable(fn):

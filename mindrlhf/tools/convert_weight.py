@@ -30,9 +30,6 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-if __package__ in (None, ""):  # run as a file: make the checkout importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from mindrlhf.checkpoint import hf_io  # noqa: E402
 from mindrlhf.errors import MindRLHFError  # noqa: E402
 from mindrlhf.tokenizer import TOKENIZER_FILES  # noqa: E402

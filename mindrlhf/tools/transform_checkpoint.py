@@ -49,9 +49,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-if __package__ in (None, ""):  # run as a file: make the checkout importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 import numpy as np  # noqa: E402
 
 from mindrlhf.checkpoint import hf_io  # noqa: E402

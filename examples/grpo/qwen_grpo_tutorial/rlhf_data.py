@@ -5,15 +5,7 @@
 
 All options: ``--help``; the work is done by ``mindrlhf.data.rlhf_data``.
 """
-import sys
-from pathlib import Path
-
-try:
-    import mindrlhf  # noqa: F401
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-
 from mindrlhf.data.rlhf_data import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,6 +1,7 @@
-"""Tiny random Hugging Face checkpoints for tests and benchmarks (uses torch + transformers).
+"""Tiny random Hugging Face checkpoints for tests, benchmarks and bug reports.
 
-Only tests and bench scripts import this module; the ``mindrlhf`` package never does.
+torch and transformers (the ``test`` extra) are imported inside the functions, so importing this
+module needs neither; nothing else in the ``mindrlhf`` package imports it.
 """
 from __future__ import annotations
 

@@ -1,0 +1,126 @@
+"""``Registry``: name → function tables that configs select from, and the algorithm registries.
+
+One small class serves every "pick it by name" table: policy losses, importance-sampling modes,
+advantage estimators, KL estimators (here) and reward functions (``rewards.registry``). Register
+with a decorator, look up with ``get`` (a one-line ``MindRLHFError`` naming the unknown name and the
+choices), list with ``names()``.
+
+This module imports no MindSpore, so ``configs`` reads its choices from here. The functions of the
+algorithm registries live in ``mindrlhf.algorithms`` (MindSpore code); each registry lists the names
+that module registers as ``builtins`` and names the module, so the choices are known without
+importing MindSpore, and ``get`` imports the module when a built-in is first needed. A test ties each
+``builtins`` list to what its module really registers.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Dict, Generic, Iterator, Mapping, Optional, Sequence, Tuple, TypeVar
+
+from mindrlhf.errors import MindRLHFError
+
+T = TypeVar("T", bound=Callable)
+
+
+class Registry(Generic[T]):
+    """Functions of one kind by name.
+
+    ``kind`` names the table in errors ("policy loss"). ``module`` is where the built-ins are
+    registered, imported on first need; ``builtins``, when given, are the names it registers, so
+    ``names()`` answers without importing it (for modules that import MindSpore). ``hints`` map a
+    likely wrong name (lower case) to advice appended to the unknown-name error.
+    """
+
+    def __init__(self, kind: str, *, module: str = "", builtins: Optional[Sequence[str]] = None,
+                 hints: Optional[Mapping[str, str]] = None):
+        self.kind = kind
+        self.module = module
+        self.builtins: Optional[Tuple[str, ...]] = tuple(builtins) if builtins is not None else None
+        self.hints = dict(hints or {})
+        self._entries: Dict[str, T] = {}
+
+    # ------------------------------------------------------------------ registering
+    def register(self, name: str) -> Callable[[T], T]:
+        """Decorator: register ``fn`` under ``name``; a different function already there is an error."""
+        if not isinstance(name, str) or not name:
+            raise MindRLHFError(f"a {self.kind} name must be a non-empty string, got {name!r}")
+
+        def wrap(fn: T) -> T:
+            previous = self._entries.get(name)
+            if previous is not None and previous is not fn:
+                raise MindRLHFError(f"{self.kind} {name!r} is already registered (by {_where(previous)}); "
+                                    f"register {_where(fn)} under another name")
+            self._entries[name] = fn
+            return fn
+
+        return wrap
+
+    def unregister(self, name: str) -> None:
+        """Remove ``name`` (a no-op when absent); for tests and interactive sessions."""
+        self._entries.pop(name, None)
+
+    # ------------------------------------------------------------------ looking up
+    def names(self) -> Tuple[str, ...]:
+        """Every choice: the built-ins, then the names registered since, in registration order."""
+        if self.builtins is None:
+            self._load()
+            return tuple(self._entries)
+        return self.builtins + tuple(n for n in self._entries if n not in self.builtins)
+
+    def check(self, name) -> None:
+        """Raise the one-line unknown-name error unless ``name`` is a choice."""
+        if not isinstance(name, str) or name not in self.names():
+            hint = self.hints.get(str(name).lower(), "")
+            raise MindRLHFError(f"unknown {self.kind} {name!r}; choose one of {', '.join(sorted(self.names()))}"
+                                + (f" ({hint})" if hint else ""))
+
+    def get(self, name: str) -> T:
+        """The function registered as ``name``; a one-line ``MindRLHFError`` listing the choices otherwise."""
+        self.check(name)
+        if name not in self._entries:
+            self._load()
+        if name not in self._entries:  # a builtins list that its module does not keep
+            raise MindRLHFError(f"{self.kind} {name!r} is listed as a built-in but {self.module} did not register "
+                                "it; fix the builtins list in mindrlhf/registry.py")
+        return self._entries[name]
+
+    @property
+    def entries(self) -> Dict[str, T]:
+        """The registered functions by name (do not modify). Inside ``mindspore.jit`` look up here after
+        a ``constexpr`` check: the compiler parses ``get``'s ``raise`` of a non-builtin exception and fails."""
+        return self._entries
+
+    def _load(self) -> None:
+        if self.module:
+            importlib.import_module(self.module)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self.names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self.names())
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}: {', '.join(self.names())})"
+
+
+def _where(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+# --- the algorithm registries (functions in mindrlhf.algorithms, which imports MindSpore) --------
+POLICY_LOSSES: Registry = Registry(
+    "policy loss", module="mindrlhf.algorithms.losses", builtins=("grpo", "gspo", "gspo-token"),
+    hints={"dapo": "DAPO is loss_type='grpo' with epsilon_high > epsilon_low and loss_agg_mode='token-mean'"})
+IS_MODES: Registry = Registry(
+    "importance sampling mode", module="mindrlhf.algorithms.losses",
+    builtins=("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"))
+ADVANTAGE_ESTIMATORS: Registry = Registry(
+    "advantage estimator", module="mindrlhf.algorithms.advantages", builtins=("grpo", "dr_grpo", "batch_std", "rloo"))
+KL_ESTIMATORS: Registry = Registry("KL estimator", module="mindrlhf.algorithms.kl", builtins=("k1", "k2", "k3"))
+
+#: Fixed choices of the algorithm code (plain branches, not registries), here so configs read them without MindSpore.
+LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+SCALE_REWARDS = ("group", "batch", "none")
