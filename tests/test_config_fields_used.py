@@ -27,9 +27,12 @@ def _read(name: str, code: str) -> bool:
 
 def _derived_properties() -> dict:
     """GRPOConfig's derived properties and methods (``model_weights``), by name: their source."""
-    return {name: inspect.getsource(obj.fget if isinstance(obj, property) else obj)
-            for name, obj in vars(GRPOConfig).items()
-            if isinstance(obj, property) or (inspect.isfunction(obj) and not name.startswith("__"))}
+    found = {}
+    for klass in reversed(GRPOConfig.__mro__):  # GRPOConfig's own and those of the shared TrainingConfig
+        found.update({name: inspect.getsource(obj.fget if isinstance(obj, property) else obj)
+                      for name, obj in vars(klass).items()
+                      if isinstance(obj, property) or (inspect.isfunction(obj) and not name.startswith("__"))})
+    return found
 
 
 def _live_properties(code: str) -> dict:

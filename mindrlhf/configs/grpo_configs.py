@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 
-from mindrlhf.configs.base import GroupedConfig, config_field
+from mindrlhf.configs.base import config_field
+from mindrlhf.configs.common import ModelBaseConfig, OptimizerConfig, TrainingConfig, TrainLayoutConfig, TrainLoopConfig
 from mindrlhf.configs.mindformers import is_model_yaml, read_model_yaml
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.registry import (
@@ -37,10 +37,6 @@ TRL_LOSS_TYPES = {"bnpo": "token-mean", "dapo": "token-mean", "dr_grpo": "seq-me
 LOSS_TYPES = POLICY_LOSSES.names() + tuple(TRL_LOSS_TYPES)
 #: The registered estimator (algorithms.advantages) for advantage_estimator grpo and each scale_rewards.
 _GRPO_SCALINGS = {"group": "grpo", "batch": "batch_std", "none": "dr_grpo"}
-LR_SCHEDULES = ("cosine", "linear", "constant")
-DTYPES = ("float32", "bfloat16", "float16")
-DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-DEVICE_TARGETS = ("CPU", "Ascend", "GPU")
 
 
 @dataclass
@@ -240,64 +236,7 @@ class GenerationConfig:
 
 
 @dataclass
-class OptimizerConfig:
-    """AdamW, learning-rate schedule, gradient clipping and non-finite guards."""
-
-    lr: float = config_field(
-        2e-5, "Peak learning rate of AdamW (reached after warmup_steps). Range > 0. The default suits the "
-        "embedded 135M model's short CPU run (the README's results use it); use ~1e-6 for 0.5-1.5B models and "
-        "~5e-7 for 7B. At most 0.1: Adam moves every weight by about lr per update, so larger values destroy "
-        "any model (1e6 took |w| ~ 0.1 to 2e6 in one step, all finite). MindRLHF's name: start_lr (the "
-        "decay's start).",
-        gt=0.0, le=0.1, key_aliases=("start_lr",))
-    min_lr: float = config_field(
-        0.0, "Learning rate at the end of the cosine / linear decay (at the run's last step: max_steps, or "
-        "grpo_epochs' end). Range [0, lr]. Unused with lr_schedule constant. MindRLHF's name: end_lr.",
-        ge=0.0, key_aliases=("end_lr",))
-    warmup_steps: int = config_field(
-        0, "Training steps of linear warmup from ~0 to lr. Range [0, max_steps]. The schedule advances once per "
-        "training step (all optimizer updates of a step use the same lr).",
-        ge=0)
-    lr_schedule: str = config_field(
-        "cosine", "Learning rate after warmup: cosine or linear decay from lr to min_lr at max_steps, or "
-        "constant lr.",
-        choices=LR_SCHEDULES)
-    weight_decay: float = config_field(
-        0.0, "AdamW decoupled weight decay on weight matrices (not on biases, norms): each update scales them by "
-        "1 - lr * weight_decay. Range [0, 1].",
-        ge=0.0, le=1.0)
-    adam_beta1: float = config_field(
-        0.9, "AdamW first-moment decay. Range [0, 1).",
-        ge=0.0, lt=1.0)
-    adam_beta2: float = config_field(
-        0.999, "AdamW second-moment decay. Range [0, 1). Large-model recipes often use 0.95.",
-        ge=0.0, lt=1.0)
-    adam_eps: float = config_field(
-        1e-8, "AdamW epsilon added to the denominator. Range (0, 1e-2]: larger turns Adam into plain SGD with "
-        "a tiny step.",
-        gt=0.0, le=1e-2)
-    max_grad_norm: float = config_field(
-        1.0, "Clip the global gradient norm (over all ranks and parameters) to this value before each update; "
-        "0 disables clipping. Range >= 0. The pre-clip norm is logged as grad_norm.",
-        ge=0.0)
-    max_consecutive_nonfinite: int = config_field(
-        3, "An update whose loss or gradients contain NaN/inf is skipped (weights and optimizer state "
-        "unchanged, logged); after this many consecutive skipped updates training stops with an error. "
-        "Range >= 1. Under float16, an overflow skipped while the loss scale is above 1 does not count.",
-        ge=1)
-    loss_scale_init: float = config_field(
-        65536.0, "float16 only: initial dynamic loss scale. The loss is multiplied by it before the backward "
-        "pass (so small float16 gradients do not underflow) and the gradients divided by it in float32. An "
-        "update whose gradients overflow is skipped and the scale halves (down to 1); after loss_scale_window "
-        "finite updates in a row it doubles. Logged as loss_scale. Range >= 1.",
-        ge=1.0)
-    loss_scale_window: int = config_field(
-        1000, "float16 only: finite updates in a row after which the loss scale doubles. Range >= 1.",
-        ge=1)
-
-
-@dataclass
-class ModelConfig:
+class ModelConfig(ModelBaseConfig):
     """Weights and tokenizer of the policy, generator and reference models."""
 
     sft_path_train: str = config_field(
@@ -332,21 +271,6 @@ class ModelConfig:
         "that checkpoint (full, HF, or rank_{r} shards for the train layout; ref_path must then be '' or the "
         "same path); false (or '') = the reference starts as a copy of the initial policy (no second load); "
         "then ref_path must be ''.")
-    vocab_path: str = config_field(
-        "", "Tokenizer vocab.json (the seed's flag; give merges_file_path with it). '' = use tokenizer_dir.")
-    merges_file_path: str = config_field(
-        "", "Tokenizer merges.txt, paired with vocab_path. '' = use tokenizer_dir.")
-    tokenizer_dir: str = config_field(
-        "", "Directory with tokenizer.json or vocab.json + merges.txt, and tokenizer_config.json (chat "
-        "template). Alternative to vocab_path / merges_file_path. '' = the directory of sft_path_train "
-        "(or the packaged default model's tokenizer).")
-    dtype: str = config_field(
-        "float32", "Compute dtype of all models (bf16 / fp16 / fp32 accepted as aliases): the policy's forward "
-        "and backward, the generator and the reference run in it and hold only copies in it. The policy's "
-        "master weights and both Adam moments are always float32 (checkpoints store them); gradients are "
-        "accumulated, reduced and clipped in float32; log-probs and the loss are computed in float32. float16 "
-        "adds dynamic loss scaling (loss_scale_init). bfloat16 needs Ascend; float16 and float32 run on CPU.",
-        choices=DTYPES, aliases=DTYPE_ALIASES)
 
 
 @dataclass
@@ -359,28 +283,9 @@ class DataConfig:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(TrainLayoutConfig):
     """Device and parallel layouts of training (policy, reference) and generation."""
 
-    use_parallel: bool = config_field(
-        False, "Run as one of several processes started by msrun (communication initialised). Required for "
-        "any layout size > 1; a single process with use_parallel false uses one device.")
-    train_dp: int = config_field(
-        1, "Training data parallel: replicas of the policy, each processing mini_batch_size / train_dp "
-        "completions per update (gradients all-reduced). Range >= 1.",
-        ge=1)
-    train_tp: int = config_field(
-        1, "Training tensor parallel: attention heads and MLP columns split over this many devices "
-        "(must divide the number of KV heads). Range >= 1.",
-        ge=1)
-    train_pp: int = config_field(
-        1, "Training pipeline parallel: the layers split into this many stages. Range >= 1.",
-        ge=1)
-    train_micro_batches: int = config_field(
-        1, "Pipeline micro-batches: each rank's micro-batch (micro_batch_size) is cut into this many pieces "
-        "that flow through the train_pp stages; >= train_pp keeps the pipeline busy. Must be 1 when "
-        "train_pp is 1.",
-        ge=1)
     infer_dp: int = config_field(
         1, "Generation data parallel: generator replicas, each sampling chunk_size / infer_dp prompts. "
         "Range >= 1.",
@@ -389,34 +294,9 @@ class ParallelConfig:
         1, "Generation tensor parallel. infer_dp * infer_tp must equal the training world size "
         "train_dp * train_tp * train_pp (the same processes train and generate). Range >= 1.",
         ge=1)
-    device_target: str = config_field(
-        "CPU", "Device for all models: CPU, Ascend (NPU, production) or GPU. The entry point sets it; "
-        "library code never does.",
-        choices=DEVICE_TARGETS)
-    collective_timeout: int = config_field(
-        600, "Seconds a collective (gradient all-reduce, gathering rollouts, ...) waits for the other workers "
-        "before it fails. When a worker dies or hangs, every other worker then stops with one error line "
-        "(exit code 3) instead of waiting forever, and msrun returns non-zero; rerun with --resume. Sets "
-        "MS_CPU_COMM_OP_TIMEOUT (CPU) or HCCL_EXEC_TIMEOUT (Ascend) unless the environment already does; "
-        "GPU (NCCL) has no such bound. Raise it if one worker can legitimately lag the others this long "
-        "(compiling a large model, or rank 0 writing a large checkpoint while the others wait). Range 1..86400.",
-        ge=1, le=86400)
-    enable_compile_cache: bool = config_field(
-        False, "Cache compiled graphs on disk (MindSpore compile cache, under output_dir) so a restart "
-        "skips compilation.")
     jit: bool = config_field(
         True, "Compile the decode step and the reference model's forward pass with mindspore.jit (decoding is "
         "dominated by per-kernel overhead, which jit removes); false = pynative, for debugging.")
-    train_jit: bool = config_field(
-        False, "Compile the training forward+backward with mindspore.jit. About 2x faster on CPU, but a "
-        "compiled CPU graph keeps all of its intermediate tensors allocated: for one SmolLM2-135M micro-batch "
-        "of 4 packed completions, 9.6 GiB peak vs 4.3 GiB in pynative, so the default is pynative.")
-    layer_graphs: bool = config_field(
-        True, "With train_jit false, run the policy's decoder layers in training and in its log-prob passes "
-        "as two compiled graphs (forward; recomputed forward + backward) that every layer shares, loading its "
-        "weights before each call. Same gradients; on the SmolLM2-135M benchmark step the update took 29.7 s "
-        "instead of 33.8 and peak RSS fell from 6.0 to 4.45 GiB (only each layer's input is kept for the "
-        "backward). false = pynative layers.")
     share_prompts: bool = config_field(
         True, "Encode each prompt once for all completions that share it: the sampler prefills each distinct "
         "prompt once and copies its KV cache to its num_generations rows, and the policy / reference / "
@@ -425,17 +305,14 @@ class ParallelConfig:
         "Training under pipeline parallelism (train_pp > 1) uses padded rows. false = every row carries "
         "its own prompt.")
 
+    def layout_sizes(self) -> dict:
+        return {**super().layout_sizes(), "infer_dp": self.infer_dp, "infer_tp": self.infer_tp}
+
 
 @dataclass
-class TrainConfig:
+class TrainConfig(TrainLoopConfig):
     """Training loop: length, seed, outputs, checkpoints, resume, logging, experience dumps."""
 
-    max_steps: int = config_field(
-        12, "Training steps (the default run: ~70 s each for SmolLM2-135M on 2 CPU cores, ~15 min in all). One "
-        "step = num_rollouts generation calls of chunk_size prompts, scoring, then num_iterations passes of "
-        "optimizer updates. Range >= 1. With grpo_epochs the run ends at whichever limit comes first; when "
-        "grpo_epochs is set and max_steps is not given, grpo_epochs alone sets the length.",
-        ge=1)
     grpo_epochs: int = config_field(
         0, "Passes over the prompt dataset (MindRLHF's grpo_epochs): the run is grpo_epochs * (dataset batches per "
         "epoch // num_rollouts) steps, a batch being chunk_size prompts (a partial batch at an epoch's end is "
@@ -443,46 +320,10 @@ class TrainConfig:
         "resumed run computes the same length from the same data. With dynamic_sampling a step may read more "
         "batches, so an epoch then counts steps, not prompts. 0 = max_steps alone. Range >= 0.",
         ge=0)
-    seed: int = config_field(
-        42, "Seed for data order, initialisation and sampling; same seed and config = same run "
-        "(resume restores the random state). Range >= 0.",
-        ge=0)
-    output_dir: str = config_field(
-        "output/grpo", "Directory for logs, metrics, TensorBoard events, completions dumps, the saved "
-        "config and (by default) checkpoints. Created if missing.")
-    save_ckpt_dir: str = config_field(
-        "", "Checkpoint directory (one sub-directory per saved step, written atomically). "
-        "'' = output_dir/checkpoints.")
-    save_steps: int = config_field(
-        10, "Save a checkpoint (policy, optimizer, reference if synced, data position, RNG) every N steps; "
-        "the last step is always saved. 0 = only the last step. Range >= 0.",
-        ge=0)
-    keep_last: int = config_field(
-        3, "Keep the newest N checkpoints of this run and delete its older ones (another run's checkpoints in a "
-        "shared save_ckpt_dir are never deleted). 0 = keep all. Range >= 0.",
-        ge=0)
-    overwrite_output_dir: bool = config_field(
-        False, "Start a fresh run in an output_dir / save_ckpt_dir that holds another run's checkpoints or "
-        "metrics.jsonl, replacing it: once the new run's model, data and rewards have loaded, the old run's "
-        "checkpoints, metrics, TensorBoard events, completion dumps, config and plots are deleted (named in the "
-        "log). Without it (and without resume) such a start is refused, so a run is never overwritten, nor later "
-        "resumed from another run's checkpoint, by mistake.")
-    resume: str = config_field(
-        "", "Resume training: '' = start fresh; 'latest' (or 'auto') = the newest intact checkpoint in the "
-        "checkpoint directory (refused when it holds several runs; a fresh start when there is no checkpoint "
-        "and output_dir has no metrics, refused when it has); or a checkpoint folder (step_N). Refused when the "
-        "checkpoint is past max_steps, or when save_ckpt_dir / output_dir hold another run's history. A bare "
-        "--resume means 'latest'.",
-        aliases={"auto": "latest"}, cli_const="latest")
-    logging_steps: int = config_field(
-        1, "Log metrics (reward, kl, clip_ratio, lengths, step_time, ...) every N steps. Range >= 1.",
-        ge=1)
     log_completions_steps: int = config_field(
         10, "Write output_dir/completions_step_N.jsonl (prompt, completion, rewards, advantage) every N "
         "steps. 0 = never. Range >= 0.",
         ge=0)
-    tensorboard: bool = config_field(
-        True, "Also write metrics as TensorBoard event files under output_dir/tensorboard.")
     save_data_file: str = config_field(
         "", "Dump every step's experience (prompt and completion ids, masks, sampler log-probs, rewards per "
         "function, advantages) as .npz files, one per step: <path without .npz>.step<N>.npz. For debugging "
@@ -491,8 +332,12 @@ class TrainConfig:
         "", "Replay rollouts from a save_data_file dump (the same path given there) instead of generating "
         "(debugging; the 1-vs-N-worker parity test). The dump must come from the same batch geometry "
         "(chunk_size, num_rollouts, num_generations). '' = off.")
-    progress_bar: bool = config_field(
-        True, "Show a tqdm progress bar over training steps (rank 0 only).")
+
+    def check(self, errors: List[str]) -> None:
+        super().check(errors)
+        if self.save_data_file and self.save_data_file == self.replay_data_file:
+            errors.append(f"save_data_file and replay_data_file are both {self.save_data_file!r}: the dump would "
+                          "overwrite its own input; give save_data_file another path")
 
 
 _PREAMBLE = """
@@ -515,7 +360,7 @@ of `micro_batch_size`, each cut into `train_micro_batches` pipeline micro-batche
 
 
 @dataclass
-class GRPOConfig(GroupedConfig):
+class GRPOConfig(TrainingConfig):
     """All GRPO settings, one attribute per group: ``cfg.algorithm.beta``, ``cfg.train.max_steps``."""
 
     REFERENCE_PREAMBLE = _PREAMBLE
@@ -567,12 +412,6 @@ class GRPOConfig(GroupedConfig):
         return self.mini_batch_completions // self.parallel.train_dp // self.micro_batch_completions
 
     @property
-    def world_size(self) -> int:
-        """Processes (devices): train_dp * train_tp * train_pp == infer_dp * infer_tp."""
-        p = self.parallel
-        return p.train_dp * p.train_tp * p.train_pp
-
-    @property
     def uses_reference(self) -> bool:
         """Whether a reference model is built and its log-probs computed: only for a KL term (beta > 0)."""
         return self.algorithm.beta > 0
@@ -582,12 +421,6 @@ class GRPOConfig(GroupedConfig):
         """True when updates are off-policy (several updates per step), so logp_old must be computed."""
         return self.optimizer_steps_per_step > 1
 
-    @property
-    def checkpoint_dir(self) -> str:
-        """``save_ckpt_dir`` with '' resolved to ``output_dir/checkpoints``."""
-        return self.train.save_ckpt_dir or os.path.join(self.train.output_dir, "checkpoints")
-
-    # ---------------------------------------------------------------- cross-field rules
     @property
     def policy_loss(self) -> Tuple[str, str]:
         """(policy loss, loss aggregation) the run uses: TRL's loss_type names resolved (TRL_LOSS_TYPES)."""
@@ -661,6 +494,7 @@ class GRPOConfig(GroupedConfig):
                           "load_sft_checkpoint_train PATH")
 
     def _check_combinations(self, errors: List[str]) -> None:
+        super()._check_combinations(errors)  # each group's own rules
         a, g, o, m, p, t = self.algorithm, self.generation, self.optimizer, self.model, self.parallel, self.train
         self._check_weights(errors)
         if a.overlong_buffer_length >= g.max_completion_length:
@@ -708,14 +542,6 @@ class GRPOConfig(GroupedConfig):
             errors.append(f"sft_path_infer = {m.sft_path_infer!r} is ignored with load_sft_checkpoint_infer = false; "
                           "set load_sft_checkpoint_infer true or sft_path_infer ''")
 
-        # Tokenizer.
-        if bool(m.vocab_path) != bool(m.merges_file_path):
-            errors.append(f"vocab_path = {m.vocab_path!r} and merges_file_path = {m.merges_file_path!r}: "
-                          "give both or neither")
-        if m.vocab_path and m.tokenizer_dir:
-            errors.append(f"both vocab_path ({m.vocab_path!r}) and tokenizer_dir ({m.tokenizer_dir!r}) are set; "
-                          "give one tokenizer source")
-
         # Generation.
         if g.min_new_tokens > g.max_completion_length:
             errors.append(f"min_new_tokens = {g.min_new_tokens} > max_completion_length = "
@@ -728,30 +554,11 @@ class GRPOConfig(GroupedConfig):
                           "set use_vllm false for the built-in sampler")
 
         # Optimizer / schedule.
-        if o.min_lr > o.lr:
-            errors.append(f"min_lr = {o.min_lr} > lr = {o.lr}; min_lr must be <= lr")
         if o.warmup_steps > t.max_steps and not (t.grpo_epochs and "max_steps" not in self.explicitly_set()):
             errors.append(f"warmup_steps = {o.warmup_steps} > max_steps = {t.max_steps}; "
                           "the learning rate would never reach lr")
 
-        # Outputs.
-        if not t.output_dir:
-            errors.append("output_dir is empty; give a directory for logs and checkpoints")
-        if t.save_data_file and t.save_data_file == t.replay_data_file:
-            errors.append(f"save_data_file and replay_data_file are both {t.save_data_file!r}: the dump would "
-                          "overwrite its own input; give save_data_file another path")
-
         # Parallel layout.
-        sizes = {"train_dp": p.train_dp, "train_tp": p.train_tp, "train_pp": p.train_pp,
-                 "train_micro_batches": p.train_micro_batches, "infer_dp": p.infer_dp, "infer_tp": p.infer_tp}
-        if not p.use_parallel:
-            above_one = [f"{k} = {v}" for k, v in sizes.items() if v > 1]
-            if above_one:
-                errors.append(f"use_parallel = false but {', '.join(above_one)}; set use_parallel true "
-                              "(and launch with msrun) or set them to 1")
-        if p.train_micro_batches > 1 and p.train_pp == 1:
-            errors.append(f"train_micro_batches = {p.train_micro_batches} with train_pp = 1: pipeline "
-                          "micro-batches need train_pp > 1; use micro_batch_size for gradient accumulation")
         infer_world = p.infer_dp * p.infer_tp
         if self.world_size != infer_world:
             errors.append(f"train world size train_dp*train_tp*train_pp = {p.train_dp}*{p.train_tp}*{p.train_pp} = "
