@@ -21,6 +21,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 from mindrlhf.configs.base import GroupedConfig, config_field
 from mindrlhf.configs.mindformers import is_model_yaml, read_model_yaml
 from mindrlhf.errors import MindRLHFError
+from mindrlhf.models.dtypes import DTYPE_ALIASES, DTYPES  # the one dtype table
 from mindrlhf.rewards.manager import REWARD_ERRORS
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -35,8 +36,6 @@ IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
 #: The registered estimator (algorithms.advantages) for advantage_estimator grpo and each scale_rewards.
 _GRPO_SCALINGS = {"group": "grpo", "batch": "batch_std", "none": "dr_grpo"}
 LR_SCHEDULES = ("cosine", "linear", "constant")
-DTYPES = ("float32", "bfloat16", "float16")
-DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 DEVICE_TARGETS = ("CPU", "Ascend", "GPU")
 
 

@@ -27,13 +27,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, NamedTuple, Optional, Tuple
 
 from mindrlhf.errors import MindRLHFError
+from mindrlhf.models.family import EMBED, FINAL_NORM, LM_HEAD  # noqa: F401  (names from the family spec)
 
 if TYPE_CHECKING:  # pragma: no cover
     from mindrlhf.models.config import DecoderConfig
 
-EMBED = "model.embed_tokens.weight"
-FINAL_NORM = "model.norm.weight"
-LM_HEAD = "lm_head.weight"
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
