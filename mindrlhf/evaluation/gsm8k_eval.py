@@ -177,7 +177,7 @@ def binomial_stderr(p: float, n: int) -> float:
 def resolve_model_path(model: Optional[PathLike], progress: bool = False) -> Path:
     """The given model path (checked to exist), or the embedded SmolLM2-135M-Instruct."""
     if model is None or str(model) == "":
-        from mindrlhf.models.smollm2 import prepare_smollm2
+        from mindrlhf.checkpoint.smollm2 import prepare_smollm2
 
         return Path(prepare_smollm2(progress=progress))
     path = Path(model)
