@@ -211,6 +211,16 @@ register(ModelFamily(
     gguf_arch="llama", gguf_permuted_qk=True,
     gguf_config=lambda cfg, bias: dict(attention_bias=bias, mlp_bias=False, pretraining_tp=1),
 ))
+register(ModelFamily(
+    model_type="qwen3", architecture="Qwen3ForCausalLM", cli_names=("qwen3",),
+    description="Qwen3 dense checkpoints",
+    # RMSNorm over each q/k head before RoPE; attention_bias (default off) covers q/k/v and o_proj;
+    # head_dim is its own config field (transformers' default 128), not hidden_size / heads.
+    qk_norm=True, mlp_bias=False, default_head_dim=128,
+    gguf_arch="qwen3",
+    gguf_config=lambda cfg, bias: dict(attention_bias=bias, use_sliding_window=False, sliding_window=None,
+                                       max_window_layers=cfg["num_hidden_layers"]),
+))
 
 
 def supported_model_types() -> Tuple[str, ...]:
