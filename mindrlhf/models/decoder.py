@@ -6,7 +6,7 @@ Hugging Face ones, so weights move between the two with a dtype cast only.
 
 The same classes build one **shard** of the model (``ModelShard``): with ``tp > 1`` the linears
 are Megatron column/row-parallel and the embedding/output projection vocab-parallel
-(``mindrlhf.parallel.tp_layers``; a parameter holds the slice ``parallel.sharding`` gives), and
+(``models.tp_layers``; a parameter holds the slice ``parallel.sharding`` gives), and
 with ``pp > 1`` the model holds one pipeline stage: its contiguous block of layers (still named
 ``model.layers.{global index}``), the embedding on the first stage, the final norm and output
 projection on the last. A default ``ModelShard()`` is the whole single-process model.
@@ -31,9 +31,9 @@ from mindrlhf.errors import MindRLHFError
 from mindrlhf.models.config import DecoderConfig
 from mindrlhf.models.dtypes import DTYPE_ALIASES, VALID_DTYPES
 from mindrlhf.models.layer_graphs import LayerGraphs
-from mindrlhf.parallel.layout import ModelShard
-from mindrlhf.parallel.tp_layers import (ColumnParallelLinear, CopyToTP, GatherFromTP, RowParallelLinear,
-                                         VocabParallelEmbedding, VocabParallelLogProb)
+from mindrlhf.models.shard import ModelShard
+from mindrlhf.models.tp_layers import (ColumnParallelLinear, CopyToTP, GatherFromTP, RowParallelLinear,
+                                       VocabParallelEmbedding, VocabParallelLogProb)
 
 # Additive mask value: large enough to zero a softmax weight, finite so a fully masked row
 # (a left-padding query) stays a harmless uniform distribution instead of NaN.
