@@ -32,7 +32,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from mindrlhf.checkpoint.hf_io import expected_hf_shapes, save_hf_dir
+from mindrlhf.checkpoint.hf_io import bf16_bits_to_fp32, expected_hf_shapes, is_hf_weight_file, save_hf_dir
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.models.dtypes import DTYPES, normalize_dtype
 from mindrlhf.models.family import FAMILIES, ModelFamily, gguf_family
@@ -296,8 +296,7 @@ def _dequantize(tensor, gguf_path: Path) -> np.ndarray:
     elif qtype == QT.F64:
         out = data.view(np.float64).astype(np.float32)
     elif qtype == QT.BF16:
-        # bf16 is the top half of a float32: widen the bit pattern.
-        out = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        out = bf16_bits_to_fp32(data.view(np.uint16))
     else:
         from gguf import quants
 
@@ -504,9 +503,7 @@ def _publish(staging: Path, out: Path) -> None:
     # earlier conversion, leave anything else the user keeps there alone.
     ours = {p.name for p in staging.iterdir()}
     for old in out.iterdir():
-        if old.name not in ours and old.is_file() and (
-                re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors", old.name)
-                or old.name == "model.safetensors.index.json"):
+        if old.name not in ours and old.is_file() and is_hf_weight_file(old.name):
             old.unlink()
     for name in sorted(ours):
         os.replace(staging / name, out / name)

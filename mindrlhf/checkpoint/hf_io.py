@@ -59,8 +59,9 @@ TensorIter = Iterable[Tuple[str, np.ndarray]]
 # ---------------------------------------------------------------------------------------------
 # dtypes
 # ---------------------------------------------------------------------------------------------
-# safetensors dtype codes for the three supported output dtypes
-_ST_CODE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+# safetensors dtype codes of the three dtypes we write, both ways
+SAFETENSORS_CODE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+DTYPE_OF_SAFETENSORS_CODE = {code: name for name, code in SAFETENSORS_CODE.items()}
 # safetensors dtype codes we can read: code -> numpy dtype of the stored bytes
 _ST_READ = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 READABLE_DTYPE_CODES = tuple(_ST_READ)
@@ -334,7 +335,7 @@ class _StreamingSafetensorsWriter:
             raise MindRLHFError(f"tensor {name!r} given twice while writing {self.path}; pass each name once")
         data = _as_le_bytes(stored)
         self._spool.write(data)
-        self.entries[name] = {"dtype": _ST_CODE[dtype], "shape": list(stored.shape),
+        self.entries[name] = {"dtype": SAFETENSORS_CODE[dtype], "shape": list(stored.shape),
                               "data_offsets": [self.nbytes, self.nbytes + data.nbytes]}
         self.nbytes += data.nbytes
         self.numel += int(stored.size)
@@ -574,6 +575,11 @@ _TORCH_DTYPE_NAME = {"float32": "float32", "bfloat16": "bfloat16", "float16": "f
 _HF_WEIGHT_FILE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 
 
+def is_hf_weight_file(name: str) -> bool:
+    """Whether a file name is one of an HF export's weight files (a shard, the single file or the index)."""
+    return bool(_HF_WEIGHT_FILE.match(name)) or name == SAFETENSORS_INDEX
+
+
 def config_with_dtype(config: Dict[str, Any], dtype: str) -> Dict[str, Any]:
     """A copy of an HF config with its dtype field(s) (``torch_dtype`` and/or ``dtype``) set."""
     dtype = normalize_dtype(dtype)
@@ -649,7 +655,7 @@ def save_hf_dir(tensors: TensorIter, config: Dict[str, Any], out_dir: PathLike, 
 
     # replace any previous export, then move the new shards to HF's names
     for old in out_dir.iterdir():
-        if old.is_file() and (_HF_WEIGHT_FILE.match(old.name) or old.name == SAFETENSORS_INDEX):
+        if old.is_file() and is_hf_weight_file(old.name):
             old.unlink()
     n = len(shards)
     names = [SINGLE_SAFETENSORS] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]

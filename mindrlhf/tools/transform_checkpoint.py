@@ -64,8 +64,8 @@ from mindrlhf.parallel.strategy import (Strategy, check_strategy, layout_of, loc
 from mindrlhf.utils.cli import run_cli  # noqa: E402
 
 STRATEGY_NAMES = ("strategy.json", "strategy.ckpt")
-_DTYPE_OF_CODE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-_CODE_OF_DTYPE = {v: k for k, v in _DTYPE_OF_CODE.items()}
+_DTYPE_OF_CODE = hf_io.DTYPE_OF_SAFETENSORS_CODE
+_CODE_OF_DTYPE = hf_io.SAFETENSORS_CODE
 
 
 def build_parser() -> argparse.ArgumentParser:
