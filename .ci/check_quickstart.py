@@ -16,11 +16,11 @@ import numpy as np
 
 def main(out: Path, steps: int) -> None:
     import mindspore as ms
+    from matplotlib.image import imread
 
     from mindrlhf.models import load_model
     from mindrlhf.tokenizer import resolve_tokenizer
     from mindrlhf.trainer.metrics import read_metrics
-    from matplotlib.image import imread
 
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, steps + 1)), [r.get("step") for r in rows]

@@ -79,7 +79,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="mindrlhf_bench_"))
     data_dir = Path(args.data_dir)
     if args.model == "smollm2":
-        from mindrlhf.models.smollm2 import prepare_smollm2
+        from mindrlhf.checkpoint.smollm2 import prepare_smollm2
 
         model = str(prepare_smollm2())
     elif args.model:

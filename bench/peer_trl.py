@@ -275,7 +275,7 @@ def make_spec(name: str, steps: int, work: Path) -> Dict[str, Any]:
 
     conf = CONFIGS[name]
     if conf["model"] == "smollm2":
-        from mindrlhf.models.smollm2 import prepare_smollm2
+        from mindrlhf.checkpoint.smollm2 import prepare_smollm2
 
         model_dir = Path(prepare_smollm2())
     else:

@@ -33,7 +33,7 @@ def resolve_model_path(cfg: GRPOConfig) -> str:
     SmolLM2 default when none is given."""
     if cfg.model_weights("train"):
         return cfg.model_weights("train")
-    from mindrlhf.models.smollm2 import prepare_smollm2
+    from mindrlhf.checkpoint.smollm2 import prepare_smollm2
 
     # The conversion into the cache is atomic, so racing ranks are harmless; rank 0 goes first
     # so the others find it done instead of converting again.

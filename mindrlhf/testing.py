@@ -55,6 +55,31 @@ def make_tiny_llama(path: os.PathLike, *, seed: int = 0, **overrides: Any) -> Pa
     return path
 
 
+def make_tiny_qwen3(path: os.PathLike, *, seed: int = 0, **overrides: Any) -> Path:
+    """Save a tiny random Qwen3 (per-head q/k RMSNorm, no bias, head_dim 32 != hidden/heads = 16, tied
+    embeddings, GQA) to ``path``; return it."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = dict(
+        vocab_size=QWEN_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        bos_token_id=151643, eos_token_id=151645, torch_dtype="float32",
+    )
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(Qwen3Config(**cfg)).eval()
+    # The q/k norm weights start at 1; spread them so that a norm applied wrongly (or not at all) shows.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.normal_(1.0, 0.5)
+            layer.self_attn.k_norm.weight.normal_(1.0, 0.5)
+    path = Path(path)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
 def add_tokenizer(model_dir: os.PathLike, tokenizer_dir: os.PathLike) -> Path:
     """Copy a tokenizer's files (not its config.json) next to a model; return the model folder."""
     import shutil

@@ -340,8 +340,8 @@ class Tokenizer:
 
     def _compiled(self, template: str) -> Any:
         if template not in self._template_cache:
-            from jinja2.ext import loopcontrols
             from jinja2.exceptions import TemplateError
+            from jinja2.ext import loopcontrols
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             def raise_exception(message: str) -> None:

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mindrlhf.configs import GRPOConfig, config_reference_markdown, parse_args
-from mindrlhf.configs import grpo_configs
+from mindrlhf.configs import GRPOConfig, config_reference_markdown, grpo_configs, parse_args
 from mindrlhf.errors import MindRLHFError
 
 REPO = Path(__file__).resolve().parents[1]

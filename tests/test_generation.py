@@ -7,8 +7,14 @@ import pytest
 from mindspore import Tensor
 
 from mindrlhf.errors import MindRLHFError
-from mindrlhf.generation import (Completion, NativeSampler, SamplingParams, apply_repetition_penalty,
-                                 filter_weights, select_tokens)
+from mindrlhf.generation import (
+    Completion,
+    NativeSampler,
+    SamplingParams,
+    apply_repetition_penalty,
+    filter_weights,
+    select_tokens,
+)
 from mindrlhf.generation.selection import _inverse_cdf, top_values
 from mindrlhf.models import get_weights, load_model, set_weights
 
@@ -347,8 +353,12 @@ def test_entropy_equals_numpy_on_the_same_logits():
 
 def test_filters_match_hugging_face_warpers():
     torch = pytest.importorskip("torch")
-    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
-                                                        TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
     rng = np.random.default_rng(0)
     logits = (rng.standard_normal((3, 2000)) * 3).astype(np.float32)
     x = torch.tensor(logits)

@@ -12,9 +12,11 @@ import pytest
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
+from mindrlhf.checkpoint import gguf as gguf_lib  # noqa: E402
+from mindrlhf.checkpoint.gguf import convert_gguf_to_hf  # noqa: E402
+from mindrlhf.checkpoint.hf_io import fp32_to_bf16_bits  # noqa: E402
 from mindrlhf.errors import MindRLHFError  # noqa: E402
 from mindrlhf.tools import gguf_to_hf  # noqa: E402
-from mindrlhf.tools.gguf_to_hf import convert_gguf_to_hf  # noqa: E402
 
 # --------------------------------------------------------------------------------------------
 # Writing GGUF files the way llama.cpp's convert_hf_to_gguf.py does
@@ -309,7 +311,7 @@ def test_bf16_rounding_special_values():
     import torch
 
     want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    got = gguf_to_hf._cast(x, "bfloat16")
+    got = fp32_to_bf16_bits(x)
     assert got.dtype == np.uint16
     finite = ~np.isnan(x)
     np.testing.assert_array_equal(got[finite], want[finite])
@@ -320,9 +322,9 @@ def test_unpermute_inverts_llamacpp_permutation():
     rng = np.random.default_rng(1)
     for heads, hd, cols in ((4, 16, 8), (3, 64, 5), (1, 2, 1)):
         w = rng.normal(size=(heads * hd, cols)).astype(np.float32)
-        np.testing.assert_array_equal(gguf_to_hf.unpermute_rotary_rows(llamacpp_permute(w, heads), heads), w)
+        np.testing.assert_array_equal(gguf_lib.unpermute_rotary_rows(llamacpp_permute(w, heads), heads), w)
         b = w[:, 0].copy()
-        np.testing.assert_array_equal(gguf_to_hf.unpermute_rotary_rows(llamacpp_permute(b, heads), heads), b)
+        np.testing.assert_array_equal(gguf_lib.unpermute_rotary_rows(llamacpp_permute(b, heads), heads), b)
 
 
 def _hf_tensors_and_cfg(hf_dir: Path):
@@ -578,7 +580,7 @@ def test_gguf_package_missing(monkeypatch, tmp_path):
 def test_smollm2_package_missing(monkeypatch, tmp_path):
     import importlib.util
 
-    from mindrlhf.models import smollm2
+    from mindrlhf.checkpoint import smollm2
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -594,7 +596,7 @@ def test_smollm2_package_missing(monkeypatch, tmp_path):
 # --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2_dir(tmp_path_factory):
-    from mindrlhf.models import smollm2
+    from mindrlhf.checkpoint import smollm2
 
     try:
         smollm2.smollm2_gguf_path()
@@ -615,17 +617,17 @@ def smollm2_model(smollm2_dir):
 
 
 def test_smollm2_cache_is_reused_and_checked(smollm2_dir, monkeypatch, tmp_path):
-    from mindrlhf.models import smollm2
+    from mindrlhf.checkpoint import smollm2
 
     cfg = json.loads((smollm2_dir / "config.json").read_text())
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
             cfg["vocab_size"], cfg["tie_word_embeddings"], cfg["rope_theta"]) == (576, 30, 9, 3, 49152, True, 100000.0)
-    meta = gguf_to_hf.read_gguf_metadata(smollm2.smollm2_gguf_path())
+    meta = gguf_lib.read_gguf_metadata(smollm2.smollm2_gguf_path())
     assert (meta["general.architecture"], meta["tokenizer.ggml.pre"]) == ("llama", "smollm")
     marker = json.loads((smollm2_dir / ".mindrlhf-gguf-source.json").read_text())
     assert len(marker["source_sha256"]) == 64
     # A second call converts nothing.
-    monkeypatch.setattr("mindrlhf.tools.gguf_to_hf.convert_gguf_to_hf",
+    monkeypatch.setattr("mindrlhf.checkpoint.gguf.convert_gguf_to_hf",
                         lambda *a, **k: pytest.fail("converted again"))
     assert smollm2.prepare_smollm2(smollm2_dir) == smollm2_dir
     # A directory that is not ours is refused, not deleted.
@@ -642,7 +644,7 @@ def test_smollm2_cache_is_reused_and_checked(smollm2_dir, monkeypatch, tmp_path)
 
 
 def test_smollm2_stale_cache_is_rebuilt(tmp_path):
-    from mindrlhf.models import smollm2
+    from mindrlhf.checkpoint import smollm2
 
     try:
         smollm2.smollm2_gguf_path()

@@ -9,8 +9,14 @@ import math
 import pytest
 
 from mindrlhf.errors import MindRLHFError
-from mindrlhf.trainer.metrics import (MetricsLogger, TensorBoardWriter, console_line, read_metrics, rolling_mean,
-                                      write_curves)
+from mindrlhf.trainer.metrics import (
+    MetricsLogger,
+    TensorBoardWriter,
+    console_line,
+    read_metrics,
+    rolling_mean,
+    write_curves,
+)
 from tb_events import crc32c, read_events, scalar_steps
 
 

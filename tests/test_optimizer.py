@@ -1,8 +1,8 @@
 """Our AdamW equals torch.optim.AdamW step by step (bias correction, decoupled decay, lr changes)."""
 from __future__ import annotations
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, Tensor
 
 from mindrlhf.trainer.optimizer import AdamW

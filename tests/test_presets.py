@@ -8,8 +8,13 @@ from pathlib import Path
 import pytest
 
 from mindrlhf.configs import GRPOConfig
-from mindrlhf.data.gsm8k import (DEFAULT_PROMPT_STYLE, PROMPT_STYLES, check_format_reward, detect_prompt_style,
-                                 style_format_reward)
+from mindrlhf.data.gsm8k import (
+    DEFAULT_PROMPT_STYLE,
+    PROMPT_STYLES,
+    check_format_reward,
+    detect_prompt_style,
+    style_format_reward,
+)
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.tokenizer import Tokenizer
 

@@ -2,14 +2,14 @@
 gives the same logits as transformers on the converted directory."""
 from __future__ import annotations
 
+import mindspore as ms
 import numpy as np
 import pytest
-import mindspore as ms
 
 
 @pytest.fixture(scope="module")
 def smollm2_dir(tmp_path_factory):
-    from mindrlhf.models.smollm2 import prepare_smollm2
+    from mindrlhf.checkpoint.smollm2 import prepare_smollm2
 
     return prepare_smollm2(tmp_path_factory.mktemp("smollm2") / "smollm2")
 

@@ -14,8 +14,7 @@ from mindrlhf.errors import MindRLHFError
 from mindrlhf.models.config import DecoderConfig
 from mindrlhf.parallel import sharding
 from mindrlhf.parallel.layout import ParallelLayout
-from mindrlhf.parallel.strategy import (check_strategy, layout_of, read_strategy, strategy_entries,
-                                        write_strategy)
+from mindrlhf.parallel.strategy import check_strategy, layout_of, read_strategy, strategy_entries, write_strategy
 from mindrlhf.tools.transform_checkpoint import main as transform
 
 

@@ -47,7 +47,7 @@ def check_primitives(groups, out_dir: Path) -> None:
     import mindspore as ms
     from mindspore import Tensor
 
-    from mindrlhf.parallel.tp_layers import CopyToTP, GatherFromTP, ReduceFromTP
+    from mindrlhf.models.tp_layers import CopyToTP, GatherFromTP, ReduceFromTP
 
     tp, t = groups.tp, groups.tp_rank
     x = Tensor(np.arange(6, dtype=np.float32).reshape(2, 3) + 10.0 * groups.rank)

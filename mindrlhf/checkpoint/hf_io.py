@@ -48,6 +48,11 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import numpy as np
 
 from mindrlhf.errors import MindRLHFError
+from mindrlhf.models.config import DecoderConfig
+
+# Re-exported here (``mindrlhf.checkpoint``) for callers; the tables live in models.dtypes / models.family.
+from mindrlhf.models.dtypes import DTYPE_ALIASES, VALID_DTYPES, normalize_dtype  # noqa: F401
+from mindrlhf.models.family import DERIVED_SUFFIXES, get_family, is_derived_buffer  # noqa: F401
 
 PathLike = Union[str, "os.PathLike[str]"]
 TensorIter = Iterable[Tuple[str, np.ndarray]]
@@ -55,14 +60,9 @@ TensorIter = Iterable[Tuple[str, np.ndarray]]
 # ---------------------------------------------------------------------------------------------
 # dtypes
 # ---------------------------------------------------------------------------------------------
-_DTYPE_ALIASES = {
-    "fp32": "float32", "float32": "float32",
-    "bf16": "bfloat16", "bfloat16": "bfloat16",
-    "fp16": "float16", "float16": "float16",
-}
-VALID_DTYPES = ("fp32/float32", "bf16/bfloat16", "fp16/float16")
-# safetensors dtype codes for the three supported output dtypes
-_ST_CODE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+# safetensors dtype codes of the three dtypes we write, both ways
+SAFETENSORS_CODE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+DTYPE_OF_SAFETENSORS_CODE = {code: name for name, code in SAFETENSORS_CODE.items()}
 # safetensors dtype codes we can read: code -> numpy dtype of the stored bytes
 _ST_READ = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 READABLE_DTYPE_CODES = tuple(_ST_READ)
@@ -72,15 +72,6 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 SINGLE_SAFETENSORS = "model.safetensors"
 _COPY_CHUNK = 64 << 20  # bytes per read/write when assembling a safetensors file
 _CAST_CHUNK = 1 << 24  # elements per chunk when rounding to bf16 (bounds the uint32 temporary)
-
-
-def normalize_dtype(dtype: str, *, where: str = "--dtype") -> str:
-    """Return the canonical name (``float32``/``bfloat16``/``float16``) of a dtype alias."""
-    key = str(dtype).strip().lower()
-    if key not in _DTYPE_ALIASES:
-        raise MindRLHFError(
-            f"{where}: dtype {dtype!r} is not supported; use one of {', '.join(VALID_DTYPES)}")
-    return _DTYPE_ALIASES[key]
 
 
 def bf16_bits_to_fp32(bits: np.ndarray) -> np.ndarray:
@@ -257,27 +248,16 @@ def read_json(path: PathLike) -> Dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
-# expected names and shapes (Qwen2 / Llama family, HF names and shapes)
+# expected names and shapes (from the model family's spec, ``models.family``)
 # ---------------------------------------------------------------------------------------------
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
-DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some HF checkpoints carry; recomputed, never loaded
-
-
-def is_derived_buffer(name: str) -> bool:
-    """True for tensors that are derived from the config (skipped silently on load)."""
-    return name.endswith(DERIVED_SUFFIXES)
-
 
 def expected_hf_shapes(config: Dict[str, Any], *, config_file: str = "config.json") -> Dict[str, Tuple[int, ...]]:
-    """``name -> shape`` of every parameter of a Qwen2 / Llama causal LM built from ``config``.
+    """``name -> shape`` of every parameter of the causal LM ``config`` (a parsed config.json) describes.
 
-    Qwen2 has q/k/v biases; Llama has q/k/v/o biases when ``attention_bias`` and MLP biases when
-    ``mlp_bias``. ``lm_head.weight`` is absent when ``tie_word_embeddings`` is true.
+    The bias, norm and tying rules are the family's (``models.family``); ``lm_head.weight`` is absent
+    when ``tie_word_embeddings`` is true.
     """
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise MindRLHFError(f"{config_file}: model_type {model_type!r} is not supported; "
-                            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    get_family(config.get("model_type"), source=config_file)
 
     def need(key: str) -> int:
         value = config.get(key)
@@ -286,41 +266,15 @@ def expected_hf_shapes(config: Dict[str, Any], *, config_file: str = "config.jso
                                 "use the config.json of the Hugging Face model")
         return value
 
-    vocab, hidden, inter = need("vocab_size"), need("hidden_size"), need("intermediate_size")
-    layers, heads = need("num_hidden_layers"), need("num_attention_heads")
-    kv_heads = need("num_key_value_heads") if config.get("num_key_value_heads") is not None else heads
-    head_dim = need("head_dim") if config.get("head_dim") is not None else hidden // heads
-    if config.get("head_dim") is None and hidden % heads:
-        raise MindRLHFError(f"{config_file}: hidden_size {hidden} is not divisible by num_attention_heads "
-                            f"{heads}; set head_dim")
-    if model_type == "qwen2":
-        qkv_bias, o_bias, mlp_bias = True, False, False
-    else:
-        qkv_bias = o_bias = bool(config.get("attention_bias", False))
-        mlp_bias = bool(config.get("mlp_bias", False))
-    q_out, kv_out = heads * head_dim, kv_heads * head_dim
-
-    shapes: Dict[str, Tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        for proj, out in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
-            shapes[f"{p}self_attn.{proj}.weight"] = (out, hidden)
-            if qkv_bias:
-                shapes[f"{p}self_attn.{proj}.bias"] = (out,)
-        shapes[f"{p}self_attn.o_proj.weight"] = (hidden, q_out)
-        if o_bias:
-            shapes[f"{p}self_attn.o_proj.bias"] = (hidden,)
-        for proj, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
-                            ("down_proj", (hidden, inter))):
-            shapes[f"{p}mlp.{proj}.weight"] = shape
-            if mlp_bias:
-                shapes[f"{p}mlp.{proj}.bias"] = (shape[0],)
-        shapes[f"{p}input_layernorm.weight"] = (hidden,)
-        shapes[f"{p}post_attention_layernorm.weight"] = (hidden,)
-    shapes["model.norm.weight"] = (hidden,)
-    if not bool(config.get("tie_word_embeddings", False)):
-        shapes["lm_head.weight"] = (vocab, hidden)
-    return shapes
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        need(key)
+    for key in ("num_key_value_heads", "head_dim"):
+        if config.get(key) is not None:
+            need(key)
+    if config.get("head_dim") is None and config["hidden_size"] % config["num_attention_heads"]:
+        raise MindRLHFError(f"{config_file}: hidden_size {config['hidden_size']} is not divisible by "
+                            f"num_attention_heads {config['num_attention_heads']}; set head_dim")
+    return DecoderConfig.from_hf_dict(config, source=config_file, check_rope=False).expected_shapes()
 
 
 def check_tensor_specs(specs: Dict[str, Tuple[Tuple[int, ...], str]], config: Dict[str, Any], *,
@@ -382,7 +336,7 @@ class _StreamingSafetensorsWriter:
             raise MindRLHFError(f"tensor {name!r} given twice while writing {self.path}; pass each name once")
         data = _as_le_bytes(stored)
         self._spool.write(data)
-        self.entries[name] = {"dtype": _ST_CODE[dtype], "shape": list(stored.shape),
+        self.entries[name] = {"dtype": SAFETENSORS_CODE[dtype], "shape": list(stored.shape),
                               "data_offsets": [self.nbytes, self.nbytes + data.nbytes]}
         self.nbytes += data.nbytes
         self.numel += int(stored.size)
@@ -622,6 +576,11 @@ _TORCH_DTYPE_NAME = {"float32": "float32", "bfloat16": "bfloat16", "float16": "f
 _HF_WEIGHT_FILE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 
 
+def is_hf_weight_file(name: str) -> bool:
+    """Whether a file name is one of an HF export's weight files (a shard, the single file or the index)."""
+    return bool(_HF_WEIGHT_FILE.match(name)) or name == SAFETENSORS_INDEX
+
+
 def config_with_dtype(config: Dict[str, Any], dtype: str) -> Dict[str, Any]:
     """A copy of an HF config with its dtype field(s) (``torch_dtype`` and/or ``dtype``) set."""
     dtype = normalize_dtype(dtype)
@@ -636,8 +595,8 @@ def config_dtype(config: Dict[str, Any], default: str = "float32") -> str:
     """The dtype an HF config declares (``torch_dtype``/``dtype``) if it is one we write, else ``default``."""
     for key in ("torch_dtype", "dtype"):
         value = config.get(key)
-        if isinstance(value, str) and value.lower() in _DTYPE_ALIASES:
-            return _DTYPE_ALIASES[value.lower()]
+        if isinstance(value, str) and value.lower() in DTYPE_ALIASES:
+            return DTYPE_ALIASES[value.lower()]
     return normalize_dtype(default)
 
 
@@ -697,7 +656,7 @@ def save_hf_dir(tensors: TensorIter, config: Dict[str, Any], out_dir: PathLike, 
 
     # replace any previous export, then move the new shards to HF's names
     for old in out_dir.iterdir():
-        if old.is_file() and (_HF_WEIGHT_FILE.match(old.name) or old.name == SAFETENSORS_INDEX):
+        if old.is_file() and is_hf_weight_file(old.name):
             old.unlink()
     n = len(shards)
     names = [SINGLE_SAFETENSORS] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]

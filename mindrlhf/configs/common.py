@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from typing import List
 
 from mindrlhf.configs.base import GroupedConfig, config_field
+from mindrlhf.models.dtypes import DTYPE_ALIASES, DTYPES  # the one dtype table
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
-DTYPES = ("float32", "bfloat16", "float16")
-DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 DEVICE_TARGETS = ("CPU", "Ascend", "GPU")
 
 

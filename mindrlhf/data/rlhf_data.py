@@ -23,8 +23,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from tqdm import tqdm
 
-from mindrlhf.data.gsm8k import (DEFAULT_PROMPT_STYLE, DEFAULT_SYSTEM_PROMPT, PROMPT_STYLES, build_prompt,
-                                 extract_gsm8k_solution, style_system_prompt)
+from mindrlhf.data.gsm8k import (
+    DEFAULT_PROMPT_STYLE,
+    DEFAULT_SYSTEM_PROMPT,
+    PROMPT_STYLES,
+    build_prompt,
+    extract_gsm8k_solution,
+    style_system_prompt,
+)
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.rewards.answers import parse_number
 from mindrlhf.tokenizer import Tokenizer, resolve_tokenizer

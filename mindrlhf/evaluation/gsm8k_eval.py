@@ -27,8 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from mindrlhf.data.gsm8k import (DEFAULT_PROMPT_STYLE, PROMPT_STYLES, build_prompt, extract_gsm8k_solution,
-                                 style_format_reward, style_system_prompt)
+from mindrlhf.data.gsm8k import (
+    DEFAULT_PROMPT_STYLE,
+    PROMPT_STYLES,
+    build_prompt,
+    extract_gsm8k_solution,
+    style_format_reward,
+    style_system_prompt,
+)
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.rewards import accuracy_reward, extract_answer, get_reward_fn, numbers_match, parse_number
 from mindrlhf.tokenizer import resolve_tokenizer
@@ -177,7 +183,7 @@ def binomial_stderr(p: float, n: int) -> float:
 def resolve_model_path(model: Optional[PathLike], progress: bool = False) -> Path:
     """The given model path (checked to exist), or the embedded SmolLM2-135M-Instruct."""
     if model is None or str(model) == "":
-        from mindrlhf.models.smollm2 import prepare_smollm2
+        from mindrlhf.checkpoint.smollm2 import prepare_smollm2
 
         return Path(prepare_smollm2(progress=progress))
     path = Path(model)

@@ -28,8 +28,8 @@ import time
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from mindrlhf.errors import MindRLHFError
@@ -67,11 +67,11 @@ class _KV(nn.Cell):
 class CachedDecoder(nn.Cell):
     """The layers of a ``CausalLM`` run against a KV cache held in this cell's Parameters.
 
-    The cache is written with an in-place ``ScatterUpdate`` on Parameters: slice assignment of
-    every layer's K and V in one graph does not compile more than once on MindSpore 2.10, and
-    ``ScatterNdUpdate`` copies the whole cache on CPU (0.25 ms per call, 60 calls per SmolLM2 decode
-    step; ``ScatterUpdate`` on the flat cache: 0.03 ms). The arithmetic is the model's (same sub-cells, same weights);
-    tests pin it to the full forward.
+    The cache is written with an in-place ``ScatterUpdate`` on Parameters (``Attention.construct``
+    with ``kv_cache``): slice assignment of every layer's K and V in one graph does not compile more
+    than once on MindSpore 2.10, and ``ScatterNdUpdate`` copies the whole cache on CPU (0.25 ms per
+    call, 60 calls per SmolLM2 decode step; ``ScatterUpdate`` on the flat cache: 0.03 ms). The layers,
+    attention scores and weights are the model's own; tests pin the result to the full forward.
     """
 
     def __init__(self, model: CausalLM, batch_size: int, cache_len: int):
@@ -85,30 +85,10 @@ class CachedDecoder(nn.Cell):
         self.kv_heads = c.num_key_value_heads // model.tp
         shape = (batch_size * self.kv_heads * cache_len, c.head_dim)
         self.kv = nn.CellList([_KV(i, shape, model.compute_dtype) for i in range(self.num_layers)])
-        self.scatter = ops.ScatterUpdate()
         self.seen_shapes: set = set()  # (kind, input shape) already run: the first run compiles
         self.phases: set = set()       # MindSpore compile phases of this cell's graphs
         self.dtype = model.compute_dtype
         self.cast = model.compute_dtype != ms.float32  # skip no-op casts (each is a kernel launch)
-    def _attention(self, attn, x, rope, bias, k_cache, v_cache, index):
-        b, t, _ = x.shape
-        hk, g, d = attn.num_kv_heads, attn.group, attn.head_dim
-        q, k, v = attn.project(x, rope)  # q carries the 1/sqrt(d) score scale
-        q = q.reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, g * t, d)
-        self.scatter(k_cache, index, k.transpose(0, 2, 1, 3))
-        self.scatter(v_cache, index, v.transpose(0, 2, 1, 3))
-        s = self.cache_len
-        k_cache, v_cache = k_cache.reshape(b, hk, s, d), v_cache.reshape(b, hk, s, d)
-        scores = attn.bmm_qk(q, k_cache)
-        if self.cast:
-            scores = scores.astype(ms.float32)
-        scores = scores.reshape(b, hk, g, t, s) + bias
-        probs = ops.softmax(scores, axis=-1)
-        if self.cast:
-            probs = probs.astype(v_cache.dtype)
-        out = attn.bmm_pv(probs.reshape(b, hk, g * t, s), v_cache)
-        out = out.reshape(b, hk, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, -1)
-        return attn.o_proj(out)
 
     def construct(self, input_ids: Tensor, position_ids: Tensor, attn_bias: Tensor, cache_index: Tensor) -> Tensor:
         """Float32 logits (B, V) of the last position of ``input_ids`` (B, t), whose K/V are written at
@@ -122,11 +102,9 @@ class CachedDecoder(nn.Cell):
         rope = model.rope_tables(position_ids)  # once per step for all layers
         bias = attn_bias.expand_dims(1).expand_dims(1)  # (B, 1, 1, t, S): broadcast over kv heads, groups
         x = model.model.embed_tokens(input_ids)
-        for i in range(self.num_layers):
-            layer = model.model.layers[i]
+        for i in range(self.num_layers):  # the model's own layers, writing and reading this cell's cache
             kv = self.kv[i]
-            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), rope, bias, kv.k, kv.v, index)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = model.model.layers[i](x, rope, bias, (kv.k, kv.v, index))
         x = model.model.norm(x[:, t - 1])  # (B, H): the last position only
         # The model's ``logits`` casts to float32 unconditionally; for a float32 model that cast
         # is a full copy of the (B, V) logits, a sizeable part of a decode step.

@@ -1,4 +1,4 @@
-"""Architecture hyperparameters of a Qwen2 / Llama decoder, read from a Hugging Face config.json."""
+"""Architecture hyperparameters of a decoder, read from a Hugging Face config.json (family facts: ``models.family``)."""
 from __future__ import annotations
 
 import json
@@ -8,13 +8,14 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 from mindrlhf.errors import MindRLHFError
+from mindrlhf.models.family import ModelFamily, get_family, supported_model_types
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_MODEL_TYPES = supported_model_types()
 
 
 @dataclass
 class DecoderConfig:
-    """The fields of an HF ``config.json`` that define a Qwen2 / Llama decoder."""
+    """The fields of an HF ``config.json`` that define a decoder of one of ``models.family.FAMILIES``."""
 
     model_type: str
     vocab_size: int
@@ -37,19 +38,19 @@ class DecoderConfig:
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_hf_dict(cls, d: Dict[str, Any], source: str = "config.json") -> "DecoderConfig":
-        """Build from a parsed HF config; ``source`` names the file in error messages."""
+    def from_hf_dict(cls, d: Dict[str, Any], source: str = "config.json", *,
+                     check_rope: bool = True) -> "DecoderConfig":
+        """Build from a parsed HF config; ``source`` names the file in error messages.
+
+        ``check_rope=False`` accepts any rope scaling (weight conversion needs shapes, not the forward)."""
         model_type = d.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise MindRLHFError(
-                f"{source}: model_type {model_type!r} is not supported; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Qwen2/Qwen2.5 and Llama-family checkpoints)")
+        family = get_family(model_type, source=source)
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if not isinstance(d.get(key), int) or d[key] <= 0:
                 raise MindRLHFError(f"{source}: field {key!r} must be a positive integer, got {d.get(key)!r}")
         heads = d["num_attention_heads"]
         kv_heads = d.get("num_key_value_heads") or heads
-        head_dim = d.get("head_dim") or d["hidden_size"] // heads
+        head_dim = d.get("head_dim") or family.default_head_dim or d["hidden_size"] // heads
         if heads % kv_heads:
             raise MindRLHFError(
                 f"{source}: num_attention_heads={heads} is not divisible by num_key_value_heads={kv_heads}")
@@ -59,9 +60,9 @@ class DecoderConfig:
         rope = d.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
         if rope is not None:
             rope_type = rope.get("rope_type", rope.get("type", "default"))
-            if rope_type not in ("default", "llama3"):
-                raise MindRLHFError(
-                    f"{source}: rope_scaling type {rope_type!r} is not supported; supported: default, llama3")
+            if check_rope and rope_type not in family.rope_types:
+                raise MindRLHFError(f"{source}: rope_scaling type {rope_type!r} is not supported for "
+                                    f"{model_type}; supported: {', '.join(family.rope_types)}")
             if rope_type == "default":
                 rope = None
         known = {f for f in cls.__dataclass_fields__ if f != "extra"}
@@ -79,8 +80,8 @@ class DecoderConfig:
             rope_scaling=rope,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v bias; Llama has it only when attention_bias is set.
-            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            # What the file says (the family decides what it means: ``qkv_bias``/``o_bias``).
+            attention_bias=bool(d.get("attention_bias", bool(family.qkv_bias))),
             mlp_bias=bool(d.get("mlp_bias", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
@@ -110,22 +111,55 @@ class DecoderConfig:
             d.pop("rope_scaling")
         out = dict(extra)
         out.update(d)
-        out.setdefault("architectures", ["Qwen2ForCausalLM" if self.model_type == "qwen2" else "LlamaForCausalLM"])
+        out.setdefault("architectures", [self.family.architecture])
         return out
+
+    # -- the family's rules, applied to this config ------------------------------------------------
+    @property
+    def family(self) -> ModelFamily:
+        return get_family(self.model_type)
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether q/k/v projections have a bias."""
+        return self.family.has_qkv_bias(self.attention_bias)
+
+    @property
+    def o_bias(self) -> bool:
+        """Whether o_proj has a bias."""
+        return self.family.has_o_bias(self.attention_bias)
+
+    @property
+    def mlp_has_bias(self) -> bool:
+        """Whether the MLP projections have biases."""
+        return self.family.has_mlp_bias(self.mlp_bias)
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether q and k get a per-head RMSNorm before RoPE."""
+        return self.family.qk_norm
 
     @property
     def num_parameters(self) -> int:
         """Parameter count implied by the architecture."""
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        q = self.num_attention_heads * self.head_dim
-        kv = self.num_key_value_heads * self.head_dim
-        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
-        mlp = 3 * h * i
-        layer = attn + mlp + 2 * h
-        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * layer + h
+        total = 0
+        for shape in self.expected_shapes().values():
+            n = 1
+            for dim in shape:
+                n *= dim
+            total += n
+        return total
 
     def expected_shapes(self) -> Dict[str, tuple]:
-        """HF parameter name → shape, for every parameter the model holds."""
-        from mindrlhf.checkpoint.hf_io import expected_hf_shapes
+        """HF parameter name → shape, for every parameter the model holds, in model order."""
+        key = tuple(getattr(self, f) for f in _SHAPE_FIELDS)
+        if key not in _SHAPE_CACHE:
+            _SHAPE_CACHE[key] = {n: t.shape for n, t in self.family.tensors(self).items()}
+        return dict(_SHAPE_CACHE[key])
 
-        return expected_hf_shapes(self.to_hf_dict())
+
+# expected_shapes is asked for per parameter by the sharding helpers: memoise on what decides it.
+_SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias",
+                 "mlp_bias")
+_SHAPE_CACHE: Dict[tuple, Dict[str, tuple]] = {}

@@ -6,7 +6,7 @@ Hugging Face ones, so weights move between the two with a dtype cast only.
 
 The same classes build one **shard** of the model (``ModelShard``): with ``tp > 1`` the linears
 are Megatron column/row-parallel and the embedding/output projection vocab-parallel
-(``mindrlhf.parallel.tp_layers``; a parameter holds the slice ``parallel.sharding`` gives), and
+(``models.tp_layers``; a parameter holds the slice ``parallel.sharding`` gives), and
 with ``pp > 1`` the model holds one pipeline stage: its contiguous block of layers (still named
 ``model.layers.{global index}``), the embedding on the first stage, the final norm and output
 projection on the last. A default ``ModelShard()`` is the whole single-process model.
@@ -22,31 +22,38 @@ import contextlib
 import math
 from typing import Optional, Tuple
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import initializer
 
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.models.config import DecoderConfig
+from mindrlhf.models.dtypes import DTYPE_ALIASES, VALID_DTYPES
 from mindrlhf.models.layer_graphs import LayerGraphs
-from mindrlhf.parallel.layout import ModelShard
-from mindrlhf.parallel.tp_layers import (ColumnParallelLinear, CopyToTP, GatherFromTP, RowParallelLinear,
-                                         VocabParallelEmbedding, VocabParallelLogProb)
+from mindrlhf.models.shard import ModelShard
+from mindrlhf.models.tp_layers import (
+    ColumnParallelLinear,
+    CopyToTP,
+    GatherFromTP,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelLogProb,
+)
 
 # Additive mask value: large enough to zero a softmax weight, finite so a fully masked row
 # (a left-padding query) stays a harmless uniform distribution instead of NaN.
 MASK_VALUE = -1e9
 
-DTYPES = {"float32": ms.float32, "bfloat16": ms.bfloat16, "float16": ms.float16}
+_MS_DTYPES = {"float32": ms.float32, "bfloat16": ms.bfloat16, "float16": ms.float16}
 
 
 def resolve_dtype(name: str) -> ms.Type:
-    """Map "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16" to a MindSpore dtype."""
-    alias = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(name, name)
-    if alias not in DTYPES:
-        raise MindRLHFError(f"unsupported dtype {name!r}; use one of float32, bfloat16, float16 (or fp32, bf16, fp16)")
-    return DTYPES[alias]
+    """The MindSpore dtype of any spelling in ``models.dtypes`` ("float32"/"fp32", "bf16", "fp16", ...)."""
+    key = str(name).strip().lower()
+    if key not in DTYPE_ALIASES:
+        raise MindRLHFError(f"unsupported dtype {name!r}; use one of {', '.join(VALID_DTYPES)}")
+    return _MS_DTYPES[DTYPE_ALIASES[key]]
 
 
 def rope_inv_freq(config: DecoderConfig) -> np.ndarray:
@@ -116,16 +123,19 @@ class Attention(nn.Cell):
         self.num_heads, self.num_kv_heads = config.num_attention_heads // tp, config.num_key_value_heads // tp
         self.head_dim = d
         self.group = self.num_heads // self.num_kv_heads
-        bias = config.attention_bias
+        bias = config.qkv_bias
         # One gradient AllReduce for q, k and v together (they share the input).
         self.copy = CopyToTP(tp, group) if tp > 1 else None
         kw = dict(group=group, dtype=dtype, copy_input=False)
         self.q_proj = ColumnParallelLinear(h, config.num_attention_heads * d, bias, tp, **kw)
         self.k_proj = ColumnParallelLinear(h, config.num_key_value_heads * d, bias, tp, **kw)
         self.v_proj = ColumnParallelLinear(h, config.num_key_value_heads * d, bias, tp, **kw)
-        # HF Llama's attention_bias also covers o_proj; Qwen2 has q/k/v bias only.
-        self.o_proj = RowParallelLinear(config.num_attention_heads * d, h, bias and config.model_type == "llama", tp,
-                                        group=group, dtype=dtype)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * d, h, config.o_bias, tp, group=group, dtype=dtype)
+        # Per-head RMSNorm of q and k before RoPE (the family's ``qk_norm``; replicated under tp).
+        self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.upcast = dtype != ms.float32  # scores and softmax in float32 (a no-op cast is a kernel launch)
+        self.scatter = ops.ScatterUpdate()
         self.bmm_qk = ops.BatchMatMul(transpose_b=True)
         self.bmm_pv = ops.BatchMatMul()
         # rotate_half(x) = [-x[d/2:], x[:d/2]] as one small matmul with a signed permutation
@@ -148,35 +158,55 @@ class Attention(nn.Cell):
         q = self.q_proj(x).reshape(b, t, self.num_heads, d)
         k = self.k_proj(x).reshape(b, t, hk, d)
         v = self.v_proj(x).reshape(b, t, hk, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos_q, sin_q, cos_k, sin_k = rope
         q = q * cos_q + self.matmul(q.reshape(-1, d), self.rotation).reshape(q.shape) * sin_q
         k = k * cos_k + self.matmul(k.reshape(-1, d), self.rotation).reshape(k.shape) * sin_k
         return q, k, v
 
-    def construct(self, x: Tensor, rope: Tuple[Tensor, ...], bias) -> Tensor:
+    def construct(self, x: Tensor, rope: Tuple[Tensor, ...], bias, kv_cache=None) -> Tensor:
         """``bias``: an additive mask (B, 1, T, T) for padded rows, or (prompt bias, completion bias,
-        slot key index) of shared-prompt packed rows (``models.packing``)."""
+        slot key index) of shared-prompt packed rows (``models.packing``).
+
+        With ``kv_cache = (k_cache, v_cache, index)`` (the sampler's ``CachedDecoder``) this step's K/V
+        are written into the flat caches (B*KV*S, d) at rows ``index`` (B, KV, T) and the queries attend
+        over the whole cache; ``bias`` is then (B, 1, 1, T, S)."""
         b, t, _ = x.shape
         q, k, v = self.project(x, rope)
-        if isinstance(bias, tuple):
+        if kv_cache is not None:
+            k_cache, v_cache, index = kv_cache
+            self.scatter(k_cache, index, k.transpose(0, 2, 1, 3))
+            self.scatter(v_cache, index, v.transpose(0, 2, 1, 3))
+            s = k_cache.shape[0] // (b * self.num_kv_heads)
+            shape = (b, self.num_kv_heads, s, self.head_dim)
+            out = self.attend(q, k_cache.reshape(shape), v_cache.reshape(shape), bias)
+        elif isinstance(bias, tuple):
             out = self._shared_prompt(q, k, v, bias[0], bias[1], bias[2])
         else:
             out = self._attend(q, k, v, bias)
         return self.o_proj(out.reshape(b, t, -1))
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
-        """Softmax attention: q (B, Tq, H, d), k/v (B, Tk, KV, d), additive float32 bias (B, 1, Tq, Tk)
-        → (B, Tq, H, d)."""
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+        """Softmax attention, the one place scores are formed: q (B, Tq, H, d) carrying the 1/sqrt(d)
+        scale, k/v (B, KV, Tk, d), an additive float32 bias broadcastable to (B, KV, H/KV, Tq, Tk)
+        → (B, Tq, H, d). Query head j*g+r attends with kv head j, as HF's repeat_kv does, without
+        repeating K/V: the g query heads of a kv head are stacked along the rows of one matmul."""
         b, tq, _, d = q.shape
-        tk, hk, g = k.shape[1], self.num_kv_heads, self.group
-        # (b, hk, g*tq, d): query head j*g+r attends with kv head j, as HF's repeat_kv does.
+        tk, hk, g = k.shape[2], self.num_kv_heads, self.group
         q = q.reshape(b, tq, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, g * tq, d)
-        k = k.transpose(0, 2, 1, 3)
-        v = v.transpose(0, 2, 1, 3)
-        scores = self.bmm_qk(q, k).astype(ms.float32)  # q carries the 1/sqrt(d) scale
-        scores = scores.reshape(b, hk, g, tq, tk) + bias.expand_dims(1)
-        probs = ops.softmax(scores, axis=-1).astype(v.dtype).reshape(b, hk, g * tq, tk)
-        return self.bmm_pv(probs, v).reshape(b, hk, g, tq, d).transpose(0, 3, 1, 2, 4).reshape(b, tq, hk * g, d)
+        scores = self.bmm_qk(q, k)
+        if self.upcast:
+            scores = scores.astype(ms.float32)
+        probs = ops.softmax(scores.reshape(b, hk, g, tq, tk) + bias, axis=-1)
+        if self.upcast:
+            probs = probs.astype(v.dtype)
+        out = self.bmm_pv(probs.reshape(b, hk, g * tq, tk), v)
+        return out.reshape(b, hk, g, tq, d).transpose(0, 3, 1, 2, 4).reshape(b, tq, hk * g, d)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+        """``attend`` for k/v (B, Tk, KV, d) as projected and a mask (B, 1, Tq, Tk)."""
+        return self.attend(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), bias.expand_dims(1))
 
     def _shared_prompt(self, q: Tensor, k: Tensor, v: Tensor, prompt_bias: Tensor, completion_bias: Tensor,
                        slot_keys: Tensor) -> Tensor:
@@ -202,7 +232,8 @@ class MLP(nn.Cell):
 
     def __init__(self, config: DecoderConfig, dtype: ms.Type, shard: ModelShard):
         super().__init__()
-        h, i, bias, tp, group = config.hidden_size, config.intermediate_size, config.mlp_bias, shard.tp, shard.tp_group
+        h, i, tp, group = config.hidden_size, config.intermediate_size, shard.tp, shard.tp_group
+        bias = config.mlp_has_bias
         self.copy = CopyToTP(tp, group) if tp > 1 else None
         kw = dict(group=group, dtype=dtype, copy_input=False)
         self.gate_proj = ColumnParallelLinear(h, i, bias, tp, **kw)
@@ -223,8 +254,9 @@ class DecoderLayer(nn.Cell):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype, shard)
 
-    def construct(self, x, rope, bias):
-        x = x + self.self_attn(self.input_layernorm(x), rope, bias)
+    def construct(self, x, rope, bias, kv_cache=None):
+        """Pre-norm residual block; ``kv_cache`` as in ``Attention.construct`` (the sampler's path)."""
+        x = x + self.self_attn(self.input_layernorm(x), rope, bias, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

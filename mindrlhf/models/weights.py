@@ -3,14 +3,12 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, Iterator, Mapping, Tuple, Union
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor
 
 from mindrlhf.errors import MindRLHFError
-
-# Buffers some HF checkpoints carry that are derived from the config, not learned.
-DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
+from mindrlhf.models.family import is_derived_buffer
 
 NamedArrays = Union[Mapping[str, np.ndarray], Iterable[Tuple[str, np.ndarray]]]
 
@@ -30,7 +28,7 @@ def set_weights(model: ms.nn.Cell, tensors: NamedArrays, source: str = "checkpoi
     params = dict(model.parameters_and_names())
     seen = set()
     for name, array in _items(tensors):
-        if name.endswith(DERIVED_SUFFIXES):
+        if is_derived_buffer(name):
             continue
         if name not in params:
             if strict:

@@ -117,14 +117,6 @@ def all_gather(x: np.ndarray) -> np.ndarray:
     return np.concatenate(parts).astype(dtype)
 
 
-def broadcast_from_main(x: np.ndarray) -> np.ndarray:
-    """Rank 0's copy of ``x`` on every rank."""
-    x = np.asarray(x)
-    if world_size() == 1:
-        return x
-    return ops.Broadcast(0)((Tensor(x.astype(np.float32)),))[0].asnumpy().astype(x.dtype)
-
-
 def grad_reducer(parameters, size: Optional[int] = None, group: Optional[str] = None):
     """A gradient reducer that SUMS over ``group`` of ``size`` ranks (default: the world), or None if size is 1.
 

@@ -27,13 +27,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, NamedTuple, Optional, Tuple
 
 from mindrlhf.errors import MindRLHFError
+from mindrlhf.models.family import EMBED, FINAL_NORM, LM_HEAD  # noqa: F401  (names from the family spec)
+from mindrlhf.models.shard import ModelShard, check_divisible  # noqa: F401  (ModelShard: a rank's part, for callers)
 
 if TYPE_CHECKING:  # pragma: no cover
     from mindrlhf.models.config import DecoderConfig
 
-EMBED = "model.embed_tokens.weight"
-FINAL_NORM = "model.norm.weight"
-LM_HEAD = "lm_head.weight"
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -112,21 +111,7 @@ class ParallelLayout:
                 f"launch {self.world_size} processes or change dp/tp/pp")
         if config is None:
             return self
-        tp, pp = self.tp, self.pp
-        checks = (
-            ("num_attention_heads", config.num_attention_heads, "tp", tp),
-            ("num_key_value_heads", config.num_key_value_heads, "tp", tp),
-            ("vocab_size", config.vocab_size, "tp", tp),
-            ("intermediate_size", config.intermediate_size, "tp", tp),
-            ("num_hidden_layers", config.num_hidden_layers, "pp", pp),
-        )
-        for field_name, value, axis, n in checks:
-            if value % n:
-                hint = (" (pad the embedding/lm_head rows to a multiple of tp first)"
-                        if field_name == "vocab_size" else "")
-                raise MindRLHFError(
-                    f"parallel layout {self}: {field_name}={value} is not divisible by {axis}={n}; "
-                    f"choose a {axis} that divides {value}{hint}")
+        check_divisible(config, self.tp, self.pp, f"parallel layout {self}")
         return self
 
     # -- ranks --------------------------------------------------------------------------------
@@ -216,49 +201,3 @@ class ParallelLayout:
         """Names of the parameters pipeline ``stage`` holds, in model order."""
         self.stage_layers(stage, config)  # validates
         return [n for n in config.expected_shapes() if stage in self.param_stages(n, config)]
-
-
-@dataclass(frozen=True)
-class ModelShard:
-    """The part of a decoder one process holds: tp slice ``tp_rank`` of ``tp``, pipeline stage ``stage`` of ``pp``.
-
-    ``tp_group`` names the tp communication group (required when ``tp > 1``). The default is the
-    whole model on one process. ``CausalLM(config, dtype, shard)`` builds exactly this part.
-    """
-
-    tp: int = 1
-    tp_rank: int = 0
-    tp_group: Optional[str] = None
-    pp: int = 1
-    stage: int = 0
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.tp_rank < self.tp:
-            raise MindRLHFError(f"model shard: tp_rank {self.tp_rank} is outside tp={self.tp} (0..{self.tp - 1})")
-        if not 0 <= self.stage < self.pp:
-            raise MindRLHFError(f"model shard: stage {self.stage} is outside pp={self.pp} (0..{self.pp - 1})")
-        if self.tp > 1 and not self.tp_group:
-            raise MindRLHFError(f"model shard with tp={self.tp} needs tp_group=<tp group name>; get it from "
-                                "mindrlhf.parallel.groups.init_parallel_groups(layout)")
-
-    @classmethod
-    def of(cls, layout: ParallelLayout, rank: int, tp_group: Optional[str] = None) -> "ModelShard":
-        """The shard global ``rank`` holds in ``layout``."""
-        c = layout.coords(rank)
-        return cls(tp=layout.tp, tp_rank=c.tp, tp_group=tp_group, pp=layout.pp, stage=c.pp)
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.pp - 1
-
-    def validate(self, config: "DecoderConfig") -> None:
-        """Heads, kv heads, vocabulary and MLP width divisible by tp; layers by pp (error names both)."""
-        ParallelLayout(tp=self.tp, pp=self.pp).validate(config)
-
-    def layer_range(self, config: "DecoderConfig") -> range:
-        """Global indices of the decoder layers this stage owns (``ParallelLayout.stage_layers``)."""
-        return ParallelLayout(tp=self.tp, pp=self.pp).stage_layers(self.stage, config)

@@ -26,8 +26,8 @@ import contextlib
 import logging
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor, ops
 
 from mindrlhf.errors import MindRLHFError

@@ -18,8 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, Mapping, Optional, Tuple
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor
 
 from mindrlhf.errors import MindRLHFError
@@ -164,7 +164,8 @@ def load_shard(path, layout: ParallelLayout, rank: int, *, dtype: str = "float32
     """
     from mindrlhf.checkpoint.hf_io import open_weights
     from mindrlhf.models.decoder import CausalLM
-    from mindrlhf.models.weights import DERIVED_SUFFIXES, set_weights
+    from mindrlhf.models.family import is_derived_buffer
+    from mindrlhf.models.weights import set_weights
     from mindrlhf.parallel.layout import ModelShard
 
     shard = ModelShard.of(layout, rank, tp_group)
@@ -193,7 +194,7 @@ def load_shard(path, layout: ParallelLayout, rank: int, *, dtype: str = "float32
 
     def pieces():
         for name, array in source:
-            if name.endswith(DERIVED_SUFFIXES) or (name not in held and name in known):
+            if is_derived_buffer(name) or (name not in held and name in known):
                 continue  # a derived buffer, or another pipeline stage's tensor
             # Unknown names go through so set_weights reports them.
             yield name, shard_tensor(name, array, config, layout, tp_rank) if name in known else array

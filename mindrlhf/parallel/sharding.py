@@ -14,7 +14,10 @@ Which dimension of each parameter is split across the ``tp`` ranks (HF shapes, L
   is replicated.
 * **vocab-parallel** — split dim 0 (the vocabulary rows): ``model.embed_tokens.weight`` and
   ``lm_head.weight``; rank ``t`` holds token ids ``[t*V/tp, (t+1)*V/tp)``.
-* **replicated** — the RMSNorm weights.
+* **replicated** — the RMSNorm weights (incl. a family's per-head q/k norms).
+
+The split rule of each tensor is part of the model family's spec (``models.family``); this module
+applies it.
 
 Pipeline stages (``ParallelLayout.param_stages``) decide *which* parameters a rank holds; this
 module decides *which slice*. Everything is numpy and device-free, so the same functions serve
@@ -23,7 +26,6 @@ collectives (``reshard`` returns a plan of slices; moving them is the caller's b
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -31,31 +33,15 @@ import numpy as np
 
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.models.config import DecoderConfig
-from mindrlhf.parallel.layout import EMBED, LM_HEAD, ParallelLayout
-
-COLUMN, ROW, VOCAB, REPLICATED = "column", "row", "vocab", "replicated"
-_KIND_DIM = {COLUMN: 0, ROW: 1, VOCAB: 0, REPLICATED: None}
-_COLUMN_RE = re.compile(r"\.(self_attn\.(q_proj|k_proj|v_proj)|mlp\.(gate_proj|up_proj))\.(weight|bias)$")
-_ROW_RE = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.weight$")
+from mindrlhf.models.family import COLUMN, REPLICATED, ROW, SPLIT_DIM, VOCAB, split_kind  # noqa: F401
+from mindrlhf.parallel.layout import ParallelLayout
 
 WeightsLike = Union[Mapping[str, np.ndarray], Iterable[Tuple[str, np.ndarray]]]
-
-_SHAPE_CACHE: Dict[tuple, Dict[str, tuple]] = {}
-
-
-def _shapes(config: DecoderConfig) -> Dict[str, tuple]:
-    """``config.expected_shapes()``, memoised on the fields that determine it."""
-    key = (config.model_type, config.vocab_size, config.hidden_size, config.intermediate_size,
-           config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-           config.tie_word_embeddings, config.attention_bias, config.mlp_bias)
-    if key not in _SHAPE_CACHE:
-        _SHAPE_CACHE[key] = config.expected_shapes()
-    return _SHAPE_CACHE[key]
 
 
 def param_shape(name: str, config: DecoderConfig) -> tuple:
     """Full (unsharded) shape of parameter ``name``; a clear error for a name the model lacks."""
-    shapes = _shapes(config)
+    shapes = config.expected_shapes()
     if name not in shapes:
         raise MindRLHFError(f"parameter {name!r} is not part of this {config.model_type} model "
                             f"({config.num_hidden_layers} layers, tie_word_embeddings={config.tie_word_embeddings}, "
@@ -64,19 +50,13 @@ def param_shape(name: str, config: DecoderConfig) -> tuple:
 
 
 def param_kind(name: str) -> str:
-    """``column`` / ``row`` / ``vocab`` / ``replicated`` (see the module docstring)."""
-    if name in (EMBED, LM_HEAD):
-        return VOCAB
-    if _COLUMN_RE.search(name):
-        return COLUMN
-    if _ROW_RE.search(name):
-        return ROW
-    return REPLICATED
+    """``column`` / ``row`` / ``vocab`` / ``replicated``: the family spec's split rule (``models.family``)."""
+    return split_kind(name)
 
 
 def split_dim(name: str) -> Optional[int]:
     """The dimension tp splits for ``name`` independent of the tp degree (``None``: replicated)."""
-    return _KIND_DIM[param_kind(name)]
+    return SPLIT_DIM[split_kind(name)]
 
 
 def shard_spec(name: str, config: DecoderConfig, layout: ParallelLayout) -> Optional[int]:
@@ -254,17 +234,6 @@ def reshard(src_layout: ParallelLayout, dst_layout: ParallelLayout, config: Deco
                                     _index(ndim, dim, lo - s_lo, hi - s_lo), _index(ndim, dim, lo - d_lo, hi - d_lo)))
         plans[name] = ParamPlan(name, shard_shape(name, config, dst_layout), tuple(pieces))
     return plans
-
-
-def reshard_plan(src_layout: ParallelLayout, dst_layout: ParallelLayout,
-                 config: DecoderConfig) -> Dict[int, Dict[str, ParamPlan]]:
-    """``reshard`` for every destination rank: ``{dst_rank: {name: ParamPlan}}``."""
-    return {r: reshard(src_layout, dst_layout, config, r) for r in range(dst_layout.world_size)}
-
-
-def needed_src_ranks(plan: Mapping[str, ParamPlan]) -> List[int]:
-    """Source ranks a destination rank's plan reads from, sorted."""
-    return sorted({p.src_rank for pp in plan.values() for p in pp.pieces})
 
 
 def apply_reshard(plan: Mapping[str, ParamPlan],

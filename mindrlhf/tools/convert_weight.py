@@ -1,4 +1,4 @@
-"""Convert Hugging Face Qwen2 / Qwen2.5 / Llama weights to a MindSpore checkpoint, and back.
+"""Convert Hugging Face weights (any family of ``models.family``) to a MindSpore checkpoint, and back.
 
 HF → MindSpore::
 
@@ -30,13 +30,12 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from mindrlhf.checkpoint import hf_io  # noqa: E402
-from mindrlhf.errors import MindRLHFError  # noqa: E402
-from mindrlhf.tokenizer import TOKENIZER_FILES  # noqa: E402
-from mindrlhf.utils.cli import run_cli  # noqa: E402
+from mindrlhf.checkpoint import hf_io
+from mindrlhf.errors import MindRLHFError
+from mindrlhf.models.family import cli_names, family_of_cli_name, get_family
+from mindrlhf.tokenizer import TOKENIZER_FILES
+from mindrlhf.utils.cli import run_cli
 
-# --model value -> HF config model_type
-MODEL_TYPES = {"qwen2_5": "qwen2", "qwen2": "qwen2", "llama": "llama"}
 # keys a --config_path file may set even when config.json lacks them (HF defaults otherwise)
 OVERRIDABLE_EXTRA_KEYS = frozenset({
     "head_dim", "num_key_value_heads", "attention_bias", "mlp_bias", "tie_word_embeddings",
@@ -50,10 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     p = argparse.ArgumentParser(
         prog="convert_weight",
-        description="Convert Hugging Face Qwen2/Qwen2.5/Llama safetensors to a MindSpore checkpoint "
+        description=f"Convert Hugging Face safetensors ({', '.join(cli_names())}) to a MindSpore checkpoint "
                     "(.ckpt or .safetensors), or back with --reverse.")
     p.add_argument("--model", default=None,
-                   help="model family: qwen2_5, qwen2 or llama; must agree with model_type in config.json "
+                   help=f"model family: {', '.join(cli_names())}; must agree with model_type in config.json "
                         "(default: taken from config.json)")
     p.add_argument("--input_path", required=True,
                    help="HF model directory (config.json + *.safetensors); with --reverse a MindSpore "
@@ -130,18 +129,10 @@ def _apply_overrides(config: Dict[str, Any], config_path: Optional[str]) -> Tupl
 
 def _check_model(model: Optional[str], config: Dict[str, Any], config_label: str) -> str:
     model_type = config.get("model_type")
-    supported = sorted(set(MODEL_TYPES.values()))
-    if model_type not in supported:
-        raise MindRLHFError(f"{config_label}: model_type {model_type!r} is not supported; "
-                            f"supported model_type values: {', '.join(supported)}")
-    if model is not None:
-        key = model.strip().lower().replace(".", "_").replace("-", "_")
-        if key not in MODEL_TYPES:
-            raise MindRLHFError(f"--model {model!r} is not supported; use one of {', '.join(MODEL_TYPES)}")
-        if MODEL_TYPES[key] != model_type:
-            fits = [m for m, t in MODEL_TYPES.items() if t == model_type]
-            raise MindRLHFError(f"--model {model} does not match model_type {model_type!r} in {config_label}; "
-                                f"pass --model {' or '.join(fits)} (or fix the config)")
+    family = get_family(model_type, source=config_label)
+    if model is not None and family_of_cli_name(model) is not family:
+        raise MindRLHFError(f"--model {model} does not match model_type {model_type!r} in {config_label}; "
+                            f"pass --model {' or '.join(family.cli_names)} (or fix the config)")
     return model_type
 
 

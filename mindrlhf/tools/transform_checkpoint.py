@@ -49,20 +49,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from mindrlhf.checkpoint import hf_io  # noqa: E402
-from mindrlhf.errors import MindRLHFError  # noqa: E402
-from mindrlhf.models.config import DecoderConfig  # noqa: E402
-from mindrlhf.parallel.layout import ParallelLayout  # noqa: E402
-from mindrlhf.parallel import sharding  # noqa: E402
-from mindrlhf.parallel.strategy import (Strategy, check_strategy, layout_of, local_shape,  # noqa: E402
-                                        read_strategy, write_strategy)
-from mindrlhf.utils.cli import run_cli  # noqa: E402
+from mindrlhf.checkpoint import hf_io
+from mindrlhf.errors import MindRLHFError
+from mindrlhf.models.config import DecoderConfig
+from mindrlhf.parallel import sharding
+from mindrlhf.parallel.layout import ParallelLayout
+from mindrlhf.parallel.strategy import Strategy, check_strategy, layout_of, local_shape, read_strategy, write_strategy
+from mindrlhf.utils.cli import run_cli
 
 STRATEGY_NAMES = ("strategy.json", "strategy.ckpt")
-_DTYPE_OF_CODE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-_CODE_OF_DTYPE = {v: k for k, v in _DTYPE_OF_CODE.items()}
+_DTYPE_OF_CODE = hf_io.DTYPE_OF_SAFETENSORS_CODE
+_CODE_OF_DTYPE = hf_io.SAFETENSORS_CODE
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 
 from mindrlhf.algorithms import get_advantage_estimator, informative_groups
 from mindrlhf.data import PromptDataset
@@ -30,8 +30,16 @@ from mindrlhf.parallel.pipeline import PipelineRunner
 from mindrlhf.parallel.resharding import reshard_arrays
 from mindrlhf.rewards import RewardManager, overlong_reward
 from mindrlhf.trainer.base import Trainer
-from mindrlhf.trainer.experience import (Experience, bucket, concat_experiences, left_pad, load_experience, right_pad,
-                                         save_experience, step_file)
+from mindrlhf.trainer.experience import (
+    Experience,
+    bucket,
+    concat_experiences,
+    left_pad,
+    load_experience,
+    right_pad,
+    save_experience,
+    step_file,
+)
 from mindrlhf.trainer.grpo_loss import LossSettings, grpo_updater
 from mindrlhf.trainer.schedule import run_steps
 from mindrlhf.utils import faults

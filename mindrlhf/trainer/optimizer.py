@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from typing import Dict, Optional, Sequence
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from mindrlhf.errors import MindRLHFError

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from mindrlhf.errors import MindRLHFError
+from mindrlhf.models.dtypes import normalize_dtype
 
 __all__ = ["SMOLLM2_GGUF_NAME", "default_smollm2_cache_dir", "prepare_smollm2", "smollm2_gguf_path"]
 
@@ -114,10 +115,9 @@ def prepare_smollm2(cache_dir: Optional[os.PathLike] = None, *, dtype: str = "fl
     into place, with a marker holding the GGUF's SHA-256, so concurrent or interrupted runs never
     leave a half-written model; a cache made from another file, dtype or converter version is rebuilt.
     """
-    from mindrlhf.tools.gguf_to_hf import SUPPORTED_DTYPES, convert_gguf_to_hf
+    from mindrlhf.checkpoint import gguf
 
-    if dtype not in SUPPORTED_DTYPES:
-        raise MindRLHFError(f"dtype {dtype!r} is not supported; choose one of {', '.join(SUPPORTED_DTYPES)}")
+    dtype = normalize_dtype(dtype, where="prepare_smollm2")
     source = smollm2_gguf_path()
     target = Path(cache_dir).expanduser() if cache_dir is not None else default_smollm2_cache_dir()
     package_dir = source.parent.resolve()
@@ -145,7 +145,7 @@ def prepare_smollm2(cache_dir: Optional[os.PathLike] = None, *, dtype: str = "fl
     target.parent.mkdir(parents=True, exist_ok=True)
     staging_root = Path(tempfile.mkdtemp(prefix=f".{target.name}.build-", dir=target.parent))
     try:
-        built = convert_gguf_to_hf(source, staging_root / "model", dtype, progress=progress)
+        built = gguf.convert_gguf_to_hf(source, staging_root / "model", dtype, progress=progress)
         with open(built / _MARKER, "w", encoding="utf-8") as fh:
             json.dump({**expected, "source_path": str(source)}, fh, indent=2)
         _install(built, target, expected)
