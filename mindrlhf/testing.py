@@ -91,3 +91,28 @@ def add_tokenizer(model_dir: os.PathLike, tokenizer_dir: os.PathLike) -> Path:
         if (Path(tokenizer_dir) / name).is_file():
             shutil.copy(Path(tokenizer_dir) / name, model_dir / name)
     return model_dir
+
+
+def padded_batch(vocab: int, seed: int = 0):
+    """``(ids (3, 12), mask)``: random token ids with one left-padded and one right-padded row."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, (3, 12))
+    mask = np.ones((3, 12), np.int64)
+    mask[1, :4] = 0   # left padding
+    mask[2, 9:] = 0   # right padding
+    return ids, mask
+
+
+def hf_logits(hf_dir: os.PathLike, ids, mask):
+    """transformers' float32 logits of ``ids`` under ``mask``, positions counting real tokens (as ours do)."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    pos = np.clip(mask.cumsum(1) - 1, 0, None)
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                     position_ids=torch.tensor(pos)).logits.numpy()

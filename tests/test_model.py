@@ -10,34 +10,15 @@ import pytest
 
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.models import DecoderConfig, load_model
-
-
-def _batch(vocab: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, vocab, (3, 12))
-    mask = np.ones((3, 12), np.int64)
-    mask[1, :4] = 0   # left padding
-    mask[2, 9:] = 0   # right padding
-    return ids, mask
-
-
-def _hf_logits(hf_dir, ids, mask):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    pos = np.clip(mask.cumsum(1) - 1, 0, None)
-    with torch.no_grad():
-        return model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                     position_ids=torch.tensor(pos)).logits.numpy()
+from mindrlhf.testing import hf_logits, padded_batch
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen2_dir", "tiny_llama_dir"])
 def test_logits_match_transformers_with_padding(fixture, request):
     hf_dir = request.getfixturevalue(fixture)
     cfg = DecoderConfig.from_file(hf_dir)
-    ids, mask = _batch(min(cfg.vocab_size, 20000))
-    ref = _hf_logits(hf_dir, ids, mask)
+    ids, mask = padded_batch(min(cfg.vocab_size, 20000))
+    ref = hf_logits(hf_dir, ids, mask)
     ours = load_model(hf_dir)(ms.Tensor(ids, ms.int32), ms.Tensor(mask, ms.int32)).asnumpy()
     valid = mask.astype(bool)
     assert ours.shape == ref.shape
@@ -59,13 +40,13 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     rng = np.random.default_rng(1)
     ids = rng.integers(0, cfg.vocab_size, (2, 200))
     mask = np.ones_like(ids)
-    ref = _hf_logits(hf_dir, ids, mask)
+    ref = hf_logits(hf_dir, ids, mask)
     ours = load_model(hf_dir)(ms.Tensor(ids, ms.int32), ms.Tensor(mask, ms.int32)).asnumpy()
     assert np.abs(ours - ref).max() <= 1e-4
 
 
 def test_float16_model_close_to_float32(tiny_qwen2_dir):
-    ids, mask = _batch(20000)
+    ids, mask = padded_batch(20000)
     f32 = load_model(tiny_qwen2_dir)(ms.Tensor(ids, ms.int32), ms.Tensor(mask, ms.int32)).asnumpy()
     fp16_model = load_model(tiny_qwen2_dir, dtype="fp16")
     assert fp16_model.model.embed_tokens.weight.dtype == ms.float16
@@ -119,8 +100,8 @@ def test_llama_with_attention_and_mlp_bias_matches_transformers(tmp_path):
                 p.normal_(0.0, 0.5)  # zero-initialised biases would hide a missing one
     hf.save_pretrained(hf_dir)
     assert "model.layers.0.self_attn.o_proj.bias" in DecoderConfig.from_file(hf_dir).expected_shapes()
-    ids, mask = _batch(1000)
-    ref = _hf_logits(hf_dir, ids, mask)
+    ids, mask = padded_batch(1000)
+    ref = hf_logits(hf_dir, ids, mask)
     ours = load_model(hf_dir)(ms.Tensor(ids, ms.int32), ms.Tensor(mask, ms.int32)).asnumpy()
     assert np.abs(ours - ref)[mask.astype(bool)].max() <= 1e-4
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mindrlhf.models import DecoderConfig, load_model
+from mindrlhf.testing import hf_logits, padded_batch
 
 
 @pytest.fixture(scope="module")
@@ -17,26 +18,6 @@ def qwen3_dir(tmp_path_factory):
     from mindrlhf.testing import make_tiny_qwen3
 
     return make_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"), vocab_size=1000, bos_token_id=1, eos_token_id=2)
-
-
-def _hf_logits(hf_dir, ids, mask):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    pos = np.clip(mask.cumsum(1) - 1, 0, None)
-    with torch.no_grad():
-        return model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                     position_ids=torch.tensor(pos)).logits.numpy()
-
-
-def _batch(vocab: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, vocab, (3, 12))
-    mask = np.ones((3, 12), np.int64)
-    mask[1, :4] = 0   # left padding
-    mask[2, 9:] = 0   # right padding
-    return ids, mask
 
 
 def _ours(path, ids, mask):
@@ -66,8 +47,8 @@ def test_config_reads_head_dim_and_the_family_rules(qwen3_dir):
 
 
 def test_logits_match_transformers_from_the_hf_dir(qwen3_dir):
-    ids, mask = _batch(1000)
-    ref = _hf_logits(qwen3_dir, ids, mask)
+    ids, mask = padded_batch(1000)
+    ref = hf_logits(qwen3_dir, ids, mask)
     ours = _ours(qwen3_dir, ids, mask)
     valid = mask.astype(bool)
     assert ours.shape == ref.shape
@@ -82,8 +63,8 @@ def test_logits_match_transformers_after_convert_weight_and_back(qwen3_dir, tmp_
     ckpt = tmp_path / "ms" / "qwen3.ckpt"
     assert convert_weight.main(["--model", "qwen3", "--input_path", str(qwen3_dir), "--output_path", str(ckpt),
                                 "--dtype", "fp32", "--no_progress"]) == 0
-    ids, mask = _batch(1000, seed=1)
-    ref = _hf_logits(qwen3_dir, ids, mask)
+    ids, mask = padded_batch(1000, seed=1)
+    ref = hf_logits(qwen3_dir, ids, mask)
     assert np.abs(_ours(ckpt, ids, mask) - ref)[mask.astype(bool)].max() <= 1e-4
     back = tmp_path / "hf_back"
     assert convert_weight.main(["--reverse", "--input_path", str(ckpt), "--output_path", str(back),
@@ -92,7 +73,7 @@ def test_logits_match_transformers_after_convert_weight_and_back(qwen3_dir, tmp_
     assert set(original) == set(exported)
     for name, array in original.items():
         np.testing.assert_array_equal(exported[name], array, err_msg=name)
-    assert np.abs(_hf_logits(back, ids, mask) - ref)[mask.astype(bool)].max() == 0.0
+    assert np.abs(hf_logits(back, ids, mask) - ref)[mask.astype(bool)].max() == 0.0
     # --model qwen2 on a qwen3 config is refused, naming the right value
     from mindrlhf.errors import MindRLHFError
 
@@ -198,7 +179,7 @@ def test_gguf_import_matches_transformers(tmp_path):
     assert set(converted) == set(tensors)
     for name, array in tensors.items():
         np.testing.assert_array_equal(converted[name], array, err_msg=name)
-    ids, mask = _batch(VOCAB_ROWS, seed=2)
-    ref = _hf_logits(hf_dir, ids, mask)
-    assert np.abs(_hf_logits(out, ids, mask) - ref)[mask.astype(bool)].max() <= 1e-5
+    ids, mask = padded_batch(VOCAB_ROWS, seed=2)
+    ref = hf_logits(hf_dir, ids, mask)
+    assert np.abs(hf_logits(out, ids, mask) - ref)[mask.astype(bool)].max() <= 1e-5
     assert np.abs(_ours(out, ids, mask) - ref)[mask.astype(bool)].max() <= 1e-4
