@@ -53,6 +53,7 @@ from mindrlhf.models.config import DecoderConfig
 # Re-exported here (``mindrlhf.checkpoint``) for callers; the tables live in models.dtypes / models.family.
 from mindrlhf.models.dtypes import DTYPE_ALIASES, VALID_DTYPES, normalize_dtype  # noqa: F401
 from mindrlhf.models.family import DERIVED_SUFFIXES, get_family, is_derived_buffer  # noqa: F401
+from mindrlhf.utils.fs import write_text_atomic
 
 PathLike = Union[str, "os.PathLike[str]"]
 TensorIter = Iterable[Tuple[str, np.ndarray]]
@@ -601,11 +602,9 @@ def config_dtype(config: Dict[str, Any], default: str = "float32") -> str:
 
 
 def write_json_atomic(path: PathLike, data: Dict[str, Any]) -> None:
-    """Write JSON (indent 2, like HF) via a temporary file and a rename."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    """Write JSON (indent 2, like HF) atomically (``utils.fs.write_text_atomic``: a failed write is one
+    error line and leaves the old file)."""
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n", "the JSON file")
 
 
 def save_hf_dir(tensors: TensorIter, config: Dict[str, Any], out_dir: PathLike, dtype: str = "float32", *,

@@ -67,8 +67,6 @@ def _runs_text(runs: Dict[str, List[int]]) -> str:
 
 def _ensure_writable(name: str, path: Path) -> None:
     """Create ``path`` (an empty directory is harmless) and prove a file can be written in it."""
-    if path.exists() and not path.is_dir():
-        raise MindRLHFError(f"{name} {path} is a file, not a directory; choose a directory path")
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
@@ -100,11 +98,19 @@ def check_run_dirs(output_dir: PathLike, ckpt_dir: PathLike, *, resume: str, ove
       belongs to another run.
     """
     output_dir, ckpt_dir = Path(output_dir), Path(ckpt_dir)
-    manager = CheckpointManager(str(ckpt_dir))
-    steps = manager.list_steps()
     for name, path in (("--output_dir", output_dir), ("--save_ckpt_dir", ckpt_dir)):
         if path.exists() and not path.is_dir():
             raise MindRLHFError(f"{name} {path} is a file, not a directory; choose a directory path")
+    start = _resolve_start(output_dir, ckpt_dir, resume, overwrite)
+    _ensure_writable("--output_dir", output_dir)
+    _ensure_writable("--save_ckpt_dir", ckpt_dir)
+    return start
+
+
+def _resolve_start(output_dir: Path, ckpt_dir: Path, resume: str, overwrite: bool) -> RunStart:
+    """``check_run_dirs``' decision (read-only): a fresh start, or the one checkpoint to resume."""
+    manager = CheckpointManager(str(ckpt_dir))
+    steps = manager.list_steps()
     if not resume:
         found = []
         if steps:
@@ -115,8 +121,6 @@ def check_run_dirs(output_dir: PathLike, ckpt_dir: PathLike, *, resume: str, ove
             raise MindRLHFError(f"--output_dir {output_dir} already holds a run ({'; '.join(found)}); pass --resume "
                                 f"to continue it, --overwrite_output_dir true to replace it, or choose another "
                                 f"--output_dir")
-        _ensure_writable("--output_dir", output_dir)
-        _ensure_writable("--save_ckpt_dir", ckpt_dir)
         return RunStart()
 
     runs: Dict[str, List[int]] = defaultdict(list)
@@ -139,8 +143,6 @@ def check_run_dirs(output_dir: PathLike, ckpt_dir: PathLike, *, resume: str, ove
                                     f"--overwrite_output_dir true without --resume to replace that run")
             log.warning("--resume: no checkpoint in %s and no metrics in %s yet; starting from step 0",
                         ckpt_dir, output_dir)
-            _ensure_writable("--output_dir", output_dir)
-            _ensure_writable("--save_ckpt_dir", ckpt_dir)
             return RunStart()
         checkpoint = found[1]
     else:
@@ -163,8 +165,6 @@ def check_run_dirs(output_dir: PathLike, ckpt_dir: PathLike, *, resume: str, ove
     if owner and run_id and owner != run_id and _history(output_dir):
         raise MindRLHFError(f"--output_dir {output_dir} holds the metrics of run {owner}, not of run {run_id} that "
                             f"{checkpoint} belongs to; choose another --output_dir for the resumed run")
-    _ensure_writable("--output_dir", output_dir)
-    _ensure_writable("--save_ckpt_dir", ckpt_dir)
     return RunStart(checkpoint, run_id)
 
 
