@@ -23,7 +23,7 @@ from mindrlhf.configs.offline import SFTConfig, parse_sft_args
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.parallel import comm
 from mindrlhf.trainer.entry import StageSpec, load_tokenizer, resolve_weights, run_stage
-from mindrlhf.trainer.offline import OfflineTrainer, shifted_micro_batches
+from mindrlhf.trainer.offline import OfflineTrainer, pack_rows, shifted_micro_batches
 from mindrlhf.utils.cli import run_cli
 
 log = logging.getLogger("mindrlhf")
@@ -52,35 +52,59 @@ class SFTTrainer(OfflineTrainer):
     curves = (("loss", "loss.png", "SFT: training loss", "loss"),)
 
     def __init__(self, cfg: SFTConfig, *, model, updater, tokenizer, layout, train_rows, valid_rows=None):
-        super().__init__(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout,
-                         columns={"input_ids": train_rows.input_ids, "trained": train_rows.completion_mask},
+        self.packing = cfg.data.packing
+        train = sequences(train_rows, cfg.data.max_length if self.packing else 0)
+        super().__init__(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout, columns=train,
                          source=train_rows.source)
-        self.valid_rows = valid_rows
+        if self.packing and comm.is_main():
+            log.info("packing: %d rows in %d sequences of up to %d tokens", len(train_rows),
+                     len(train["input_ids"]), cfg.data.max_length)
+        self.valid = sequences(valid_rows, cfg.data.max_length if self.packing else 0) \
+            if valid_rows is not None else None
+
+    def micro_batches(self, columns):
+        """Shifted, padded micro-batches of sequences (packed ones attend per row: their segments as the mask)."""
+        return shifted_micro_batches(columns["input_ids"], columns["trained"], self.micro_rows, self.pad_id,
+                                     segments=columns.get("segments"))
 
     def prepare(self, batch, rows):
         columns = self.dataset.columns
         self.num_tokens += sum(len(columns["input_ids"][i]) for i in rows)
-        trained = sum(float(columns["trained"][i][1:].sum()) for i in rows)  # the first token is never predicted
-        return shifted_micro_batches(batch["input_ids"], batch["trained"], self.micro_rows, self.pad_id), (trained,)
+        trained = sum(float(columns["trained"][i].sum()) for i in rows)  # a row's first token is never trained
+        return self.micro_batches(batch), (trained,)
 
     def stage_metrics(self, res, rows):
         return {"mean_token_accuracy": res["mean_token_accuracy"], "entropy": res["entropy"]}
 
     @property
     def has_validation(self) -> bool:
-        return self.valid_rows is not None
+        return self.valid is not None
 
     def evaluate(self) -> Dict[str, float]:
         """eval/loss (token-mean NLL) and eval/mean_token_accuracy over every validation row."""
-        ids, masks = self.replica_share(self.valid_rows.input_ids), self.replica_share(self.valid_rows.completion_mask)
+        share = {k: self.replica_share(v) for k, v in self.valid.items()}
         sums = np.zeros(3)
-        if ids:
-            micro = shifted_micro_batches(ids, masks, self.micro_rows, self.pad_id)
+        if share["input_ids"]:
+            micro = self.micro_batches(share)
             for mb, (logp, _, correct) in zip(micro, self.updater.forward(micro)):
                 m = mb["completion_mask"]
                 sums += [-(logp * m).sum(), (correct * m).sum(), m.sum()]
         nll, correct, tokens = self.replica_sum(sums)
         return {"eval/loss": nll / max(tokens, 1.0), "eval/mean_token_accuracy": correct / max(tokens, 1.0)}
+
+
+def sequences(rows, max_length: int = 0) -> Dict[str, list]:
+    """The training sequences of tokenised rows: each row alone, or with ``max_length`` packed
+    (``trainer.offline.pack_rows``) with ``segments`` numbering each sequence's rows from 1."""
+    if not max_length:
+        return {"input_ids": list(rows.input_ids), "trained": list(rows.completion_mask)}
+    out: Dict[str, list] = {"input_ids": [], "trained": [], "segments": []}
+    for members in pack_rows([len(r) for r in rows.input_ids], max_length):
+        out["input_ids"].append(np.concatenate([rows.input_ids[i] for i in members]))
+        out["trained"].append(np.concatenate([rows.completion_mask[i] for i in members]))
+        out["segments"].append(np.concatenate([np.full(len(rows.input_ids[i]), n + 1, np.int32)
+                                               for n, i in enumerate(members)]))
+    return out
 
 
 def default_train_file(cfg: SFTConfig) -> str:

@@ -255,12 +255,19 @@ def test_gsm8k_pairs_from_a_models_wrong_answers(stage_assets, tmp_path, qwen_to
 def test_rm_and_dpo_start_from_an_sft_checkpoint(stage_assets, tmp_path):
     """The walkthrough's chain: an SFT checkpoint folder is the --model of the reward model (its lm_head replaced
     by a score head, the tokenizer read from the folder) and of DPO, whose reference is then that same model:
-    DPO's first step has loss ln 2 and zero rewards, as TRL's."""
+    DPO's first step has loss ln 2 and zero rewards, as TRL's. The SFT packs its 8 rows into 2 sequences of up to
+    1024 tokens, so its one step of batch_size 2 trains on every row."""
     from mindrlhf import dpo, rm, sft
+    from mindrlhf.data.text_rows import read_sft_rows
+    from mindrlhf.tokenizer import Tokenizer
 
     common = ["--max_steps", "1", "--batch_size", "4", "--max_length", "256", "--progress_bar", "false"]
     assert sft.main(["--model", str(stage_assets["model"]), "--train_file", str(stage_assets["sft_train.jsonl"]),
-                     "--output_dir", str(tmp_path / "sft"), *common]) == 0
+                     "--output_dir", str(tmp_path / "sft"), *common, "--packing", "true", "--max_length", "1024",
+                     "--batch_size", "2"]) == 0
+    rows, _ = read_sft_rows(stage_assets["sft_train.jsonl"], Tokenizer.from_dir(stage_assets["model"]),
+                            max_length=1024)
+    assert len(rows) == 8 and _metrics(tmp_path / "sft")[0]["num_tokens"] == sum(len(r) for r in rows.input_ids)
     ckpt = _last_checkpoint(tmp_path / "sft", step=1)
     assert rm.main(["--model", str(ckpt), "--train_file", str(stage_assets["pairs_train.jsonl"]),
                     "--output_dir", str(tmp_path / "rm"), *common]) == 0

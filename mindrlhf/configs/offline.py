@@ -75,6 +75,11 @@ class SFTDataConfig(OfflineDataConfig):
         True, "Train on the completion tokens only (prompt tokens masked out of the loss, as TRL does for "
         "prompt/completion rows). false = every token after the first. Rows in the 'messages' format have no "
         "prompt: every token is trained.")
+    packing: bool = config_field(
+        False, "Pack several rows into each sequence of up to max_length tokens (best-fit decreasing, as TRL's "
+        "packing_strategy='bfd'); every row keeps its own positions and attends only to itself, so the loss is "
+        "unpacked training's. Fewer, fuller sequences: less padding computed. batch_size then counts packed "
+        "sequences (as in TRL); validation rows are packed too.")
 
 
 @dataclass

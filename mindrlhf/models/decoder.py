@@ -91,8 +91,16 @@ class RMSNorm(nn.Cell):
 
 def real_token_positions(attention_mask: Tensor) -> Tensor:
     """Positions (B, T) counting real tokens only (``cumsum(mask) - 1``; padding repeats the previous
-    real position, left padding gets 0). ``host_positions`` is the same rule on the host."""
-    return ops.relu(ops.cumsum(attention_mask.astype(ms.int32), 1) - 1)
+    real position, left padding gets 0). ``host_positions`` is the same rule on the host.
+
+    The mask may also number the rows packed into one sequence (1, 2, ... left to right, 0 for padding:
+    ``trainer.offline.pack_rows``): each packed row then counts its positions from 0, as on its own.
+    A 0/1 mask is the one-row case, so its positions are exactly the plain rule's."""
+    seg = attention_mask.astype(ms.int32)
+    positions = ops.relu(ops.cumsum((seg > 0).astype(ms.int32), 1) - 1)
+    keys, queries = seg.expand_dims(1), seg.expand_dims(2)
+    earlier_rows = ops.logical_and(keys > 0, keys < queries)  # (B, Tq, Tk): real tokens of the rows before
+    return positions - earlier_rows.astype(ms.int32).sum(-1)
 
 
 def host_positions(mask: np.ndarray, start: int = 0) -> np.ndarray:
@@ -102,10 +110,15 @@ def host_positions(mask: np.ndarray, start: int = 0) -> np.ndarray:
 
 
 def attention_bias(attention_mask: Tensor) -> Tensor:
-    """Additive float32 mask (B, 1, T, T): causal and no attending to padding (mask 0)."""
+    """Additive float32 mask (B, 1, T, T): causal and no attending to padding (mask 0). With packed rows
+    (mask values 1, 2, ...: see ``real_token_positions``) a token attends only to its own row's tokens;
+    a padding query attends to every real token before it, as with a 0/1 mask (its output is never used)."""
     b, t = attention_mask.shape
-    causal = ops.tril(ops.ones((t, t), ms.bool_))
-    allowed = ops.logical_and(causal.expand_dims(0), attention_mask.astype(ms.bool_).expand_dims(1))
+    seg = attention_mask.astype(ms.int32)
+    keys, queries = seg.expand_dims(1), seg.expand_dims(2)
+    same_row = ops.logical_or(keys == queries, queries == 0)
+    causal = ops.tril(ops.ones((t, t), ms.bool_)).expand_dims(0)
+    allowed = ops.logical_and(ops.logical_and(causal, keys > 0), same_row)
     bias = ops.select(allowed, ops.zeros((b, t, t), ms.float32), ops.full((b, t, t), MASK_VALUE, dtype=ms.float32))
     return bias.expand_dims(1)  # broadcast over query groups
 

@@ -8,7 +8,8 @@ micro-batches and the step's global counts (``prepare``), which of the objective
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+import bisect
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -105,16 +106,48 @@ def pad_rows(rows: Sequence[np.ndarray], pad_id: int, bucket: int = 32) -> Tuple
 
 
 def shifted_micro_batches(input_ids: Sequence[np.ndarray], trained: Sequence[np.ndarray], size: int, pad_id: int,
-                          bucket: int = 32) -> List[Dict[str, np.ndarray]]:
+                          bucket: int = 32, segments: Optional[Sequence[np.ndarray]] = None
+                          ) -> List[Dict[str, np.ndarray]]:
     """Rows cut into micro-batches of ``size``, each right-padded (``pad_rows``): the model reads tokens
     ``[0, T-1)`` and predicts ``[1, T)``, so ``completion_ids`` are the rows shifted by one and
-    ``completion_mask`` marks the trained ones."""
+    ``completion_mask`` marks the trained ones. ``segments``: packed sequences' row numbers
+    (``pack_rows``), which become the attention mask (each packed row sees itself only)."""
     out = []
     for s in range(0, len(input_ids), size):
         full, real = pad_rows(input_ids[s:s + size], pad_id, bucket)
         train = np.zeros(full.shape, np.float32)
         for i, m in enumerate(trained[s:s + size]):
             train[i, :len(m)] = m
+        if segments is not None:
+            for i, seg in enumerate(segments[s:s + size]):
+                real[i, :len(seg)] = seg
         out.append({"input_ids": full[:, :-1], "attention_mask": real[:, :-1], "completion_ids": full[:, 1:],
                     "completion_mask": train[:, 1:]})
     return out
+
+
+def pack_rows(lengths: Sequence[int], capacity: int, block: int = 1000) -> List[List[int]]:
+    """Rows grouped into sequences of at most ``capacity`` tokens by best-fit decreasing, as TRL's SFT
+    ``packing_strategy="bfd"`` (which packs each block of 1000 rows on its own, its ``datasets.map`` batch):
+    longest row first, each into the fullest sequence it fits (the earliest such on a tie), else a new one.
+    Returns each sequence's row indices in packing order; rows longer than ``capacity`` are an error (the
+    readers truncate to ``max_length`` first)."""
+    if lengths and max(lengths) > capacity:
+        raise ValueError(f"a row of {max(lengths)} tokens does not fit a packed sequence of {capacity}")
+    bins: List[List[int]] = []
+    for start in range(0, len(lengths), block):
+        ids = np.arange(start, min(start + block, len(lengths)))
+        order = ids[np.argsort(-np.asarray(lengths, np.int64)[ids], kind="stable")]
+        free: List[Tuple[int, int, int]] = []  # (space left, when it was left, bin): sorted, best fit first
+        for n, i in enumerate(order):
+            size = int(lengths[i])
+            at = bisect.bisect_left(free, (size, -1, -1))
+            if at < len(free):
+                space, _, b = free.pop(at)
+            else:
+                space, b = capacity, len(bins)
+                bins.append([])
+            bins[b].append(int(i))
+            if space - size > 0:
+                bisect.insort(free, (space - size, n, b))
+    return bins
