@@ -19,13 +19,13 @@ from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import RunLayout, init_run_layout
 from mindrlhf.parallel.layout import ParallelLayout
 from mindrlhf.parallel.resharding import checkpoint_config, load_shard
+from mindrlhf.resources import GSM8K_TRAIN_SAMPLE
 from mindrlhf.rewards import get_reward_fn
 from mindrlhf.trainer.entry import StageSpec, load_policy, load_tokenizer, resolve_weights, run_stage
 from mindrlhf.utils.cli import run_cli
 
 log = logging.getLogger("mindrlhf")
-RESOURCES = Path(__file__).resolve().parent / "resources"
-DEFAULT_TRAIN_DATA = RESOURCES / "gsm8k_train_sample.jsonl"
+DEFAULT_TRAIN_DATA = GSM8K_TRAIN_SAMPLE
 
 
 def resolve_model_path(cfg: GRPOConfig) -> str:

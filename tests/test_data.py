@@ -406,3 +406,22 @@ def test_a_utf8_bom_does_not_cost_the_first_row():
         path.write_bytes(b"\xef\xbb\xbf" + "\n".join(rows).encode("utf-8"))  # as Windows editors save it
         parsed, skipped, read = read_rows(path, "gsm8k", "question", "answer")
     assert read == 3 and not skipped and [q for _, q, _ in parsed] == ["q0?", "q1?", "q2?"]
+
+
+def test_data_sft_mode_writes_conversational_gsm8k_rows(tmp_path, capsys):
+    """``mindrlhf-data --sft``: the chosen slice of a GSM8K file as sft_row rows; an existing output or an empty
+    slice is a one-line error and writes nothing."""
+    from mindrlhf.data.gsm8k import sft_row
+    from mindrlhf.resources import GSM8K_TEST_SAMPLE
+    from mindrlhf.tools.data_cli import main
+
+    out = tmp_path / "sft.jsonl"
+    argv = ["--sft", "--data_path", str(GSM8K_TEST_SAMPLE), "--output", str(out), "--offset", "3", "--limit", "2"]
+    assert main(argv) == 0
+    source = [json.loads(line) for line in GSM8K_TEST_SAMPLE.read_text().splitlines()][3:5]
+    assert [json.loads(line) for line in out.read_text().splitlines()] == \
+        [sft_row(r["question"], r["answer"]) for r in source]
+    assert json.loads(capsys.readouterr().out)["rows"] == 2
+    assert main(argv) == 2 and "exists; pass --overwrite" in capsys.readouterr().err
+    assert main(["--sft", "--output", str(tmp_path / "none.jsonl"), "--offset", "100000"]) == 2
+    assert "no rows after offset 100000" in capsys.readouterr().err and not (tmp_path / "none.jsonl").exists()

@@ -114,19 +114,56 @@ def sft_row(question: str, answer: str, style: str = DEFAULT_PROMPT_STYLE) -> di
     return {"prompt": prompt, "completion": [{"role": "assistant", "content": strip_calculator_notes(answer)}]}
 
 
-def write_sft_rows(gsm8k_jsonl, out) -> int:
-    """Write GSM8K's ``{"question", "answer"}`` jsonl as conversational SFT rows (``sft_row``), atomically;
-    returns the row count."""
+def write_sft_rows(gsm8k_jsonl, out, *, limit: int = 0, offset: int = 0,
+                   style: str = DEFAULT_PROMPT_STYLE) -> int:
+    """Write GSM8K's ``{"question", "answer"}`` jsonl as conversational SFT rows (``sft_row``), atomically:
+    the rows after the first ``offset``, at most ``limit`` (0 = all); returns the row count."""
     import json
     from pathlib import Path
 
     from mindrlhf.utils.fs import write_text_atomic
 
-    lines = []
-    for line in Path(gsm8k_jsonl).read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            row = json.loads(line)
-            lines.append(json.dumps(sft_row(row["question"], row["answer"]), ensure_ascii=False))
+    rows = [json.loads(line) for line in Path(gsm8k_jsonl).read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = rows[offset:offset + limit] if limit else rows[offset:]
+    if not rows:
+        from mindrlhf.errors import MindRLHFError
+
+        raise MindRLHFError(f"{gsm8k_jsonl} has no rows after offset {offset}; lower --offset")
+    lines = [json.dumps(sft_row(r["question"], r["answer"], style), ensure_ascii=False) for r in rows]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(Path(out), "\n".join(lines) + "\n")
     return len(lines)
+
+
+def sft_rows_main(argv=None) -> int:
+    """``mindrlhf-data --sft``: GSM8K (question/answer jsonl) → conversational SFT rows for ``mindrlhf-sft``."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from mindrlhf.errors import MindRLHFError
+    from mindrlhf.utils.cli import run_cli
+
+    def run(args) -> int:
+        p = argparse.ArgumentParser(prog="mindrlhf-data --sft", description=sft_rows_main.__doc__)
+        p.add_argument("--output", required=True, help="the SFT jsonl to write (prompt/completion message lists)")
+        p.add_argument("--data_path", default=None, help="GSM8K jsonl with question/answer rows (default: the "
+                       "packaged training sample)")
+        p.add_argument("--limit", type=int, default=0, help="rows to write (0 = all)")
+        p.add_argument("--offset", type=int, default=0, help="skip this many rows first")
+        p.add_argument("--prompt_style", default=DEFAULT_PROMPT_STYLE, choices=sorted(PROMPT_STYLES),
+                       help="system prompt style (as GRPO's prompt_style)")
+        p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+        a = p.parse_args(args)
+        if a.limit < 0 or a.offset < 0:
+            raise MindRLHFError(f"--limit {a.limit} / --offset {a.offset} must be >= 0")
+        if Path(a.output).exists() and not a.overwrite:
+            raise MindRLHFError(f"{a.output} exists; pass --overwrite to replace it, or choose another --output")
+        from mindrlhf.resources import GSM8K_TRAIN_SAMPLE
+
+        source = a.data_path or GSM8K_TRAIN_SAMPLE
+        n = write_sft_rows(source, a.output, limit=a.limit, offset=a.offset, style=a.prompt_style)
+        print(json.dumps({"output": str(a.output), "rows": n, "source": str(source)}))
+        return 0
+
+    return run_cli(run, argv)

@@ -36,13 +36,14 @@ from mindrlhf.data.gsm8k import (
     style_system_prompt,
 )
 from mindrlhf.errors import MindRLHFError
+from mindrlhf.resources import GSM8K_TEST_SAMPLE
 from mindrlhf.rewards import accuracy_reward, extract_answer, get_reward_fn, numbers_match, parse_number
 from mindrlhf.tokenizer import resolve_tokenizer
 from mindrlhf.utils.cli import run_cli
 
 log = logging.getLogger(__name__)
 
-DEFAULT_DATA = Path(__file__).resolve().parents[1] / "resources" / "gsm8k_test_sample.jsonl"
+DEFAULT_DATA = GSM8K_TEST_SAMPLE
 MODES = ("greedy", "maj")
 DEVICE_TARGETS = ("CPU", "Ascend", "GPU")
 
