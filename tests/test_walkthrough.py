@@ -1,0 +1,143 @@
+"""The README's SFT → reward model → DPO walkthrough on the embedded SmolLM2 and real GSM8K data.
+
+Real-model runs take most of an hour on a 2-core CPU, so this module runs only when asked:
+``MINDRLHF_REALDATA=1 python -m pytest -q tests/test_walkthrough.py -s`` (it is the source of the README's
+figures). ``MINDRLHF_WALKTHROUGH_DIR`` keeps the outputs in a folder of your choice; every command is the
+README's, run as a user runs it, and ``walkthrough_summary.json`` there collects the numbers and wall times.
+
+What it shows: SFT on GSM8K train lowers ``eval/loss`` on GSM8K test; a reward model trained on pairs of
+(reference solution, the SFT model's own wrong answer) ranks held-out pairs (other questions, from the test
+split) above chance by more than 3 standard errors; DPO on the same pairs raises ``rewards/accuracies``;
+GSM8K accuracy and format rate (greedy, the first 64 test questions) before and after SFT and DPO.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.realdata,
+              pytest.mark.skipif(os.environ.get("MINDRLHF_REALDATA") != "1",
+                                 reason="real-model walkthrough: set MINDRLHF_REALDATA=1 (about an hour on 2 cores)")]
+
+BIN = Path(sys.executable).parent
+SFT_STEPS, RM_STEPS, DPO_STEPS = 16, 12, 12
+
+
+def _run(summary: dict, name: str, *cmd: str) -> None:
+    """One README command, timed; its output is shown (pytest -s) so a long run can be followed."""
+    t0 = time.perf_counter()
+    subprocess.run([str(BIN / cmd[0]), *cmd[1:]], check=True)
+    summary.setdefault("wall_s", {})[name] = round(time.perf_counter() - t0, 1)
+
+
+def _gsm8k(path: Path) -> dict:
+    """Accuracy (± binomial standard error), format rate, mean length and cut-off share of an eval output file."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    n = len(rows)
+    acc = sum(r["correct"] for r in rows) / n
+    return {"accuracy": acc, "accuracy_se": math.sqrt(acc * (1 - acc) / n), "correct": sum(r["correct"] for r in rows),
+            "format_rate": sum(r["format_ok"][0] for r in rows) / n,
+            "mean_tokens": sum(r["completion_tokens"][0] for r in rows) / n,
+            "truncated_rate": sum(r["finish_reasons"][0] == "length" for r in rows) / n, "questions": n}
+
+
+def _metrics(out: Path) -> list:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _pairs(path: Path) -> int:
+    """Pairs in a file of ReaL's pair rows."""
+    return sum(len(json.loads(line)["pos_answers"]) for line in path.read_text().splitlines())
+
+
+def _base_eval_loss(valid: Path, work: Path) -> dict:
+    """eval/loss of the base model on the SFT validation rows (the SFT trainer's own evaluation, no update)."""
+    code = ("import json, sys\n"
+            "from mindrlhf.configs.offline import parse_sft_args\n"
+            "from mindrlhf.sft import build_trainer\n"
+            "from mindrlhf.trainer.entry import setup_runtime\n"
+            "cfg = parse_sft_args(sys.argv[1:])\n"
+            "print('BASE_EVAL ' + json.dumps(build_trainer(cfg, setup_runtime(cfg)).evaluate()))\n")
+    out = subprocess.run([sys.executable, "-c", code, "--valid_file", str(valid), "--output_dir", str(work),
+                          "--max_length", "512", "--micro_batch_size", "4"], check=True, capture_output=True, text=True)
+    return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("BASE_EVAL "))[10:])
+
+
+def test_sft_rm_dpo_walkthrough_on_smollm2(tmp_path):
+    from mindrlhf.resources import GSM8K_TEST_SAMPLE
+
+    w = Path(os.environ.get("MINDRLHF_WALKTHROUGH_DIR") or tmp_path)
+    w.mkdir(parents=True, exist_ok=True)
+    summary: dict = {}
+    sft_ckpt = w / "sft" / "checkpoints" / f"step_{SFT_STEPS:08d}"
+    dpo_ckpt = w / "dpo" / "checkpoints" / f"step_{DPO_STEPS:08d}"
+    eval_args = ["--limit", "64", "--batch_size", "8", "--overwrite", "--no_progress"]
+
+    # 0. the base model on the 64 test questions
+    _run(summary, "eval_base", "mindrlhf-eval", "--output", str(w / "eval_base.jsonl"), *eval_args)
+    # 1. SFT on the packaged training sample (its default data), validated on 64 other test rows' solutions
+    _run(summary, "sft_valid_rows", "mindrlhf-data", "--sft", "--data_path", str(GSM8K_TEST_SAMPLE), "--offset", "64",
+         "--limit", "64", "--output", str(w / "sft_valid.jsonl"), "--overwrite")
+    t0 = time.perf_counter()
+    summary["sft_base_eval"] = _base_eval_loss(w / "sft_valid.jsonl", w / "base_eval")
+    summary.setdefault("wall_s", {})["sft_base_eval"] = round(time.perf_counter() - t0, 1)
+    _run(summary, "sft", "mindrlhf-sft", "--valid_file", str(w / "sft_valid.jsonl"), "--output_dir", str(w / "sft"),
+         "--max_steps", str(SFT_STEPS), "--batch_size", "8", "--micro_batch_size", "4", "--lr", "5e-5",
+         "--max_length", "512", "--eval_steps", "4", "--save_steps", str(SFT_STEPS), "--overwrite_output_dir",
+         "--progress_bar", "false")
+    _run(summary, "eval_sft", "mindrlhf-eval", "--model", str(sft_ckpt), "--output", str(w / "eval_sft.jsonl"),
+         *eval_args)
+    # 2. pairs: the reference solution against the SFT model's own wrong answers; held-out pairs from test questions
+    _run(summary, "pairs_train", "mindrlhf-data", "--pairs", "--model", str(sft_ckpt), "--output",
+         str(w / "pairs.jsonl"), "--offset", "256", "--limit", "96", "--k", "2", "--overwrite", "--no_progress")
+    _run(summary, "pairs_valid", "mindrlhf-data", "--pairs", "--model", str(sft_ckpt), "--data_path",
+         str(GSM8K_TEST_SAMPLE), "--offset", "128", "--limit", "64", "--k", "1", "--output",
+         str(w / "pairs_valid.jsonl"), "--overwrite", "--no_progress")
+    # 3. the reward model from the SFT checkpoint
+    _run(summary, "rm", "mindrlhf-rm", "--model", str(sft_ckpt), "--train_file", str(w / "pairs.jsonl"),
+         "--valid_file", str(w / "pairs_valid.jsonl"), "--output_dir", str(w / "rm"), "--max_steps", str(RM_STEPS),
+         "--batch_size", "8", "--micro_batch_size", "4", "--lr", "2e-5", "--max_length", "512", "--eval_steps", "4",
+         "--save_steps", str(RM_STEPS), "--overwrite_output_dir", "--progress_bar", "false")
+    # 4. DPO from the SFT checkpoint (reference = the SFT model, its log-probs computed once)
+    _run(summary, "dpo", "mindrlhf-dpo", "--model", str(sft_ckpt), "--train_file", str(w / "pairs.jsonl"),
+         "--valid_file", str(w / "pairs_valid.jsonl"), "--output_dir", str(w / "dpo"), "--max_steps", str(DPO_STEPS),
+         "--batch_size", "8", "--micro_batch_size", "4", "--lr", "5e-6", "--beta", "0.1", "--max_length", "512",
+         "--eval_steps", "4", "--save_steps", str(DPO_STEPS), "--precompute_ref_log_probs", "--overwrite_output_dir",
+         "--progress_bar", "false")
+    _run(summary, "eval_dpo", "mindrlhf-eval", "--model", str(dpo_ckpt), "--output", str(w / "eval_dpo.jsonl"),
+         *eval_args)
+
+    sft, rm, dpo = _metrics(w / "sft"), _metrics(w / "rm"), _metrics(w / "dpo")
+    valid_pairs = _pairs(w / "pairs_valid.jsonl")
+    rm_acc = rm[-1]["eval/accuracy"]
+    summary.update({
+        "gsm8k": {k: _gsm8k(w / f"eval_{k}.jsonl") for k in ("base", "sft", "dpo")},
+        "sft_eval_loss": [(m["step"], m["eval/loss"]) for m in sft if "eval/loss" in m],
+        "sft_loss": [m["loss"] for m in sft],
+        "train_pairs": _pairs(w / "pairs.jsonl"),
+        "valid_pairs": valid_pairs,
+        "rm_eval_accuracy": [(m["step"], m["eval/accuracy"]) for m in rm if "eval/accuracy" in m],
+        "rm_accuracy": [m["accuracy"] for m in rm],
+        "dpo_rewards_accuracies": [m["rewards/accuracies"] for m in dpo],
+        "dpo_rewards_margins": [m["rewards/margins"] for m in dpo],
+        "dpo_eval": [(m["step"], m["eval/rewards/accuracies"], m["eval/rewards/margins"]) for m in dpo
+                     if "eval/rewards/accuracies" in m],
+    })
+    (w / "walkthrough_summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1))
+
+    # SFT lowers the held-out loss (base → after SFT)
+    assert summary["sft_eval_loss"][-1][1] < summary["sft_base_eval"]["eval/loss"]
+    # the reward model ranks held-out pairs above chance by more than 3 standard errors
+    assert valid_pairs >= 32
+    assert rm_acc - 0.5 > 3 * math.sqrt(0.25 / valid_pairs)
+    # DPO's rewards/accuracies rises (step 1 is exactly 0: the reference is the policy)
+    q = max(1, DPO_STEPS // 4)
+    assert sum(summary["dpo_rewards_accuracies"][-q:]) / q > sum(summary["dpo_rewards_accuracies"][:q]) / q
