@@ -1,0 +1,171 @@
+"""PPO's pieces beyond the clipped policy surrogate: the KL-shaped per-token reward, GAE, whitening,
+running value normalisation and the clipped value loss.
+
+Formulas as InstructGPT's PPO implements them in TRL's last ``PPOTrainer`` (trl 0.11–0.2x,
+``ppo_trainer.py``: reward = −kl_coef·KL per token plus the score at the last completion token, GAE,
+returns = advantages + values, advantages whitened over the mask, value loss
+``0.5·max((V−R)², (clip(V, V_old±ε_v)−R)²)``) and ReaL (``realhf/impl/model/utils/ppo_functional.py``:
+score scaling/bias/clip, dual clip; its EMA value normaliser
+``ExponentialRunningMeanStd``).
+
+Rows are completions, right-padded: ``mask`` (B, T) is 1 on each completion's tokens. Host functions
+work in float64 numpy (rollout data lives on the host between phases, as GRPO's advantages do);
+``clipped_value_loss`` is a MindSpore function used inside the critic's loss.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+from mindspore import Tensor, ops
+
+from mindrlhf.errors import MindRLHFError
+
+_KL = {  # per-token KL of d = logp − ref_logp, as algorithms.kl's estimators (host float64)
+    "k1": lambda d: d,
+    "k2": lambda d: 0.5 * d * d,
+    "k3": lambda d: np.exp(-d) + d - 1.0,
+}
+
+
+def _mask(mask: np.ndarray) -> np.ndarray:
+    m = np.asarray(mask) > 0
+    if m.ndim != 2:
+        raise MindRLHFError(f"mask must have shape (B, T), got {m.shape}")
+    return m
+
+
+def last_token_index(mask: np.ndarray) -> np.ndarray:
+    """Index of each row's last completion token (B,); -1 for a row with none."""
+    m = _mask(mask)
+    return np.where(m.any(1), m.shape[1] - 1 - np.argmax(m[:, ::-1], axis=1), -1)
+
+
+def shape_scores(scores: np.ndarray, *, scaling: float = 1.0, bias: float = 0.0, clip: float = 0.0,
+                 truncated: Optional[np.ndarray] = None, truncated_penalty: Optional[float] = None) -> np.ndarray:
+    """Sequence scores as the reward uses them: ``clip(score·scaling + bias, ±clip)`` (ReaL's
+    ``reward_output_scaling`` / ``reward_output_bias`` / ``max_reward_clip``; clip 0 = none); a completion
+    cut at the token limit (``truncated``) gets ``truncated_penalty`` instead when it is set (TRL's
+    ``missing_eos_penalty`` subtracts; a fixed value is ReaL's choice and does not depend on the score)."""
+    s = np.asarray(scores, np.float64) * scaling + bias
+    if clip:
+        s = np.clip(s, -clip, clip)
+    if truncated is not None and truncated_penalty is not None:
+        s = np.where(np.asarray(truncated, bool), float(truncated_penalty), s)
+    return s
+
+
+def kl_shaped_rewards(logp: np.ndarray, ref_logp: np.ndarray, mask: np.ndarray, scores: np.ndarray,
+                      kl_coef: float, estimator: str = "k1") -> Tuple[np.ndarray, np.ndarray]:
+    """Per-token rewards (B, T): ``−kl_coef · KL_t`` on every completion token, plus the row's score at its last
+    token; 0 on padding. Returns ``(rewards, kl)`` (``kl`` per token, 0 on padding: ``objective/kl`` is its row
+    sum)."""
+    if estimator not in _KL:
+        raise MindRLHFError(f"kl estimator {estimator!r} is not one of {sorted(_KL)}")
+    m = _mask(mask)
+    d = np.asarray(logp, np.float64) - np.asarray(ref_logp, np.float64)
+    kl = np.where(m, _KL[estimator](np.where(m, d, 0.0)), 0.0)
+    rewards = -kl_coef * kl
+    last = last_token_index(m)
+    rows = np.nonzero(last >= 0)[0]
+    rewards[rows, last[rows]] += np.asarray(scores, np.float64)[rows]
+    return rewards, kl
+
+
+def gae(rewards: np.ndarray, values: np.ndarray, mask: np.ndarray, gamma: float = 1.0,
+        lam: float = 0.95) -> Tuple[np.ndarray, np.ndarray]:
+    """Generalised advantage estimation (Schulman et al. 2016) over each row's completion tokens:
+    ``δ_t = r_t + γ·V_{t+1} − V_t`` (``V`` after the last token is 0), ``A_t = δ_t + γλ·A_{t+1}``;
+    returns ``(advantages, returns = advantages + values)``, both 0 on padding."""
+    m = _mask(mask)
+    r = np.where(m, np.asarray(rewards, np.float64), 0.0)
+    v = np.where(m, np.asarray(values, np.float64), 0.0)
+    adv = np.zeros_like(r)
+    next_value = np.zeros(r.shape[0])
+    running = np.zeros(r.shape[0])
+    for t in range(r.shape[1] - 1, -1, -1):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        running = np.where(m[:, t], delta + gamma * lam * running, 0.0)
+        adv[:, t] = running
+        next_value = np.where(m[:, t], v[:, t], 0.0)
+    return adv, np.where(m, adv + v, 0.0)
+
+
+def masked_whiten(x: np.ndarray, mask: np.ndarray, shift_mean: bool = True, eps: float = 1e-8) -> np.ndarray:
+    """``(x − mean) / sqrt(var + eps)`` over the masked entries (unbiased variance, as TRL's ``masked_whiten``);
+    ``shift_mean=False`` adds the mean back. 0 on padding."""
+    m = _mask(mask)
+    x = np.asarray(x, np.float64)
+    n = m.sum()
+    if n < 2:
+        return np.where(m, x - (x[m].mean() if n else 0.0), 0.0)
+    mean = x[m].mean()
+    var = ((x[m] - mean) ** 2).sum() / (n - 1)
+    out = (x - mean) / np.sqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return np.where(m, out, 0.0)
+
+
+class RunningValueNorm:
+    """An exponential running mean/variance of the value targets, as ReaL's ``ExponentialRunningMeanStd``:
+    ``update`` folds in a batch's masked mean and mean square with weight ``1 − beta``, debiased by the running
+    weight sum (so the first batch counts fully); the variance is floored at 1e-2 and ``normalize`` clips to
+    ±5 (both ReaL's). The critic learns ``normalize(returns)`` and GAE reads ``denormalize(values)``.
+    ``state``/``load_state`` are what a checkpoint keeps."""
+
+    def __init__(self, beta: float = 0.99995, eps: float = 1e-5):
+        if not 0.0 < beta < 1.0:
+            raise MindRLHFError(f"value_norm_beta {beta} must be in (0, 1)")
+        self.beta, self.eps = float(beta), float(eps)
+        self.mean = self.mean_sq = self.debias = 0.0
+
+    def update(self, x: np.ndarray, mask: np.ndarray) -> None:
+        m = _mask(mask)
+        if not m.any():
+            return
+        values = np.asarray(x, np.float64)[m]
+        b = self.beta
+        self.mean = b * self.mean + (1 - b) * values.mean()
+        self.mean_sq = b * self.mean_sq + (1 - b) * (values ** 2).mean()
+        self.debias = b * self.debias + (1 - b)
+
+    def mean_std(self) -> Tuple[float, float]:
+        if self.debias == 0.0:
+            return 0.0, 1.0
+        debias = max(self.debias, self.eps)
+        mean = self.mean / debias
+        return mean, float(np.sqrt(max(self.mean_sq / debias - mean * mean, 1e-2)))
+
+    def normalize(self, x: np.ndarray) -> np.ndarray:
+        mean, std = self.mean_std()
+        return np.clip((np.asarray(x, np.float64) - mean) / std, -5.0, 5.0)
+
+    def denormalize(self, x: np.ndarray) -> np.ndarray:
+        mean, std = self.mean_std()
+        return np.asarray(x, np.float64) * std + mean
+
+    def state(self) -> Dict[str, float]:
+        return {"mean": self.mean, "mean_sq": self.mean_sq, "debias": self.debias}
+
+    def load_state(self, state: Dict[str, float]) -> None:
+        self.mean, self.mean_sq, self.debias = (float(state[k]) for k in ("mean", "mean_sq", "debias"))
+
+
+def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor,
+                       cliprange_value: float) -> Tuple[Tensor, Tensor]:
+    """Per-token ``0.5 · max((V − R)², (clip(V, V_old − ε, V_old + ε) − R)²)`` and where the clipped term is
+    the larger (``val/clipfrac``); the caller masks and aggregates (``losses.aggregate_loss``)."""
+    clipped = ops.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
+    plain_sq = (values - returns) ** 2
+    clipped_sq = (clipped - returns) ** 2
+    return 0.5 * ops.maximum(plain_sq, clipped_sq), (clipped_sq > plain_sq).astype(values.dtype)
+
+
+def dual_clip_surrogate(ratio: Tensor, advantages: Tensor, epsilon_low: float, epsilon_high: float,
+                        dual_clip: float) -> Tensor:
+    """The clipped surrogate (negated) with ReaL's dual clip (Ye et al. 2020): for negative advantages the
+    loss is capped at ``−dual_clip · A`` so a huge ratio cannot make one token dominate (``dual_clip`` > 1)."""
+    clipped = ops.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    loss = -ops.minimum(ratio * advantages, clipped * advantages)
+    return ops.where(advantages < 0, ops.minimum(loss, -dual_clip * advantages), loss)

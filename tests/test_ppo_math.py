@@ -1,0 +1,103 @@
+"""PPO's math (``algorithms.ppo``) against hand-computed cases: KL-shaped rewards, GAE and returns on
+variable-length rows, whitening, score shaping, the running value normaliser, the clipped value loss (values
+and gradients) and the dual-clip surrogate."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from mindrlhf.algorithms import ppo
+
+MASK = np.array([[1, 1, 1], [1, 1, 0]])
+
+
+def test_kl_shaped_rewards_put_the_score_on_each_rows_last_token():
+    logp = np.array([[-1.0, -2.0, -0.5], [-0.3, -0.4, -9.0]])
+    ref = np.array([[-1.5, -1.0, -0.5], [-0.1, -0.4, 3.0]])
+    rewards, kl = ppo.kl_shaped_rewards(logp, ref, MASK, scores=np.array([1.0, 2.0]), kl_coef=0.1)
+    # k1: d = logp - ref = [0.5, -1, 0] and [-0.2, 0, (padding)]
+    np.testing.assert_allclose(kl, [[0.5, -1.0, 0.0], [-0.2, 0.0, 0.0]])
+    np.testing.assert_allclose(rewards, [[-0.05, 0.1, 1.0], [0.02, 2.0, 0.0]])
+    _, k3 = ppo.kl_shaped_rewards(logp, ref, MASK, np.zeros(2), 0.1, estimator="k3")
+    assert k3[0, 1] == pytest.approx(math.exp(1.0) - 1.0 - 1.0) and k3[1, 2] == 0.0
+    with pytest.raises(Exception, match="k9"):
+        ppo.kl_shaped_rewards(logp, ref, MASK, np.zeros(2), 0.1, estimator="k9")
+
+
+def test_gae_and_returns_by_hand_on_variable_length_rows():
+    rewards = np.array([[0.0, 0.0, 1.0], [0.0, 2.0, 7.0]])  # row 2's last column is padding (ignored)
+    values = np.array([[0.5, 0.2, 0.4], [1.0, 1.0, 5.0]])
+    adv, ret = ppo.gae(rewards, values, MASK, gamma=1.0, lam=0.5)
+    # row 1: δ2 = 1 - 0.4 = 0.6, A2 = 0.6; δ1 = 0.4 - 0.2 = 0.2, A1 = 0.2 + 0.5·0.6 = 0.5;
+    #        δ0 = 0.2 - 0.5 = -0.3, A0 = -0.3 + 0.5·0.5 = -0.05
+    # row 2: δ1 = 2 - 1 = 1 (no value after the last token), A1 = 1; δ0 = 1 - 1 = 0, A0 = 0.5
+    np.testing.assert_allclose(adv, [[-0.05, 0.5, 0.6], [0.5, 1.0, 0.0]], atol=1e-12)
+    np.testing.assert_allclose(ret, [[0.45, 0.7, 1.0], [1.5, 2.0, 0.0]], atol=1e-12)
+    # γ = λ = 1: the advantage is the reward-to-go minus the value (Monte Carlo)
+    rng = np.random.default_rng(0)
+    r, v = rng.normal(size=(2, 3)), rng.normal(size=(2, 3))
+    adv, ret = ppo.gae(r, v, MASK, gamma=1.0, lam=1.0)
+    to_go = np.where(MASK > 0, np.cumsum((r * MASK)[:, ::-1], 1)[:, ::-1], 0.0)
+    np.testing.assert_allclose(adv, np.where(MASK > 0, to_go - v, 0.0), atol=1e-12)
+    np.testing.assert_allclose(ret, to_go, atol=1e-12)
+    # γ discounts: one row, rewards only at the end
+    adv, _ = ppo.gae(np.array([[0.0, 0.0, 1.0]]), np.zeros((1, 3)), np.ones((1, 3)), gamma=0.9, lam=1.0)
+    np.testing.assert_allclose(adv, [[0.81, 0.9, 1.0]])
+
+
+def test_masked_whiten_and_score_shaping():
+    x = np.array([[1.0, 2.0, 3.0], [9.0, 9.0, 100.0]])
+    mask = np.array([[1, 1, 1], [0, 0, 0]])
+    np.testing.assert_allclose(ppo.masked_whiten(x, mask), [[-1, 0, 1], [0, 0, 0]], atol=1e-7)  # var 1 (unbiased)
+    np.testing.assert_allclose(ppo.masked_whiten(x, mask, shift_mean=False), [[1, 2, 3], [0, 0, 0]], atol=1e-7)
+    s = ppo.shape_scores(np.array([1.0, -4.0, 10.0]), scaling=2.0, bias=0.5, clip=5.0,
+                         truncated=np.array([False, False, True]), truncated_penalty=-1.0)
+    np.testing.assert_allclose(s, [2.5, -5.0, -1.0])
+    np.testing.assert_array_equal(ppo.last_token_index(np.array([[1, 1, 0], [0, 0, 0], [1, 1, 1]])), [1, -1, 2])
+
+
+def test_running_value_norm_is_a_debiased_ema_and_round_trips():
+    norm = ppo.RunningValueNorm(beta=0.9)
+    assert norm.mean_std() == (0.0, 1.0)
+    norm.update(np.array([[1.0, 3.0, 50.0]]), np.array([[1, 1, 0]]))
+    mean, std = norm.mean_std()  # the first batch counts fully: mean 2, E[x²] 5, var 1
+    assert mean == pytest.approx(2.0) and std == pytest.approx(1.0)
+    norm.update(np.array([[4.0]]), np.array([[1]]))
+    # weights 0.9·0.1 and 0.1 over a debias of 0.19: mean (0.09·2 + 0.1·4) / 0.19
+    assert norm.mean_std()[0] == pytest.approx((0.09 * 2 + 0.1 * 4) / 0.19)
+    x = np.array([0.5, 7.0])
+    np.testing.assert_allclose(norm.denormalize(norm.normalize(x)), x)
+    assert norm.normalize(np.array([1e6]))[0] == 5.0  # clipped at ±5 (ReaL)
+    flat = ppo.RunningValueNorm(beta=0.9)
+    flat.update(np.full((1, 4), 3.0), np.ones((1, 4)))
+    assert flat.mean_std() == (pytest.approx(3.0), pytest.approx(0.1))  # the variance floor 1e-2
+    other = ppo.RunningValueNorm(beta=0.9)
+    other.load_state(norm.state())
+    assert other.mean_std() == norm.mean_std()
+
+
+def test_clipped_value_loss_values_and_gradients():
+    import mindspore as ms
+
+    values = ms.Tensor(np.array([1.0, 0.6, 0.45], np.float32))
+    old = ms.Tensor(np.array([0.5, 0.5, 0.5], np.float32))
+    returns = ms.Tensor(np.array([2.0, 2.0, 0.0], np.float32))
+    loss, clipped = ppo.clipped_value_loss(values, old, returns, cliprange_value=0.2)
+    # 1: clip(1.0) = 0.7, (0.7-2)² = 1.69 > (1-2)² = 1 → 0.845, clipped; 2: inside the range → 0.5·1.96
+    # 3: inside the range → 0.5·0.2025
+    np.testing.assert_allclose(loss.asnumpy(), [0.845, 0.98, 0.10125], rtol=1e-6)
+    np.testing.assert_array_equal(clipped.asnumpy(), [1.0, 0.0, 0.0])
+    grad = ms.grad(lambda v: ppo.clipped_value_loss(v, old, returns, 0.2)[0].sum())(values)
+    np.testing.assert_allclose(grad.asnumpy(), [0.0, -1.4, 0.45], rtol=1e-6)  # clipped: no gradient
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages():
+    import mindspore as ms
+
+    ratio = ms.Tensor(np.array([5.0, 5.0, 0.5], np.float32))
+    adv = ms.Tensor(np.array([-1.0, 1.0, -2.0], np.float32))
+    out = ppo.dual_clip_surrogate(ratio, adv, 0.2, 0.2, dual_clip=3.0).asnumpy()
+    # -min(r·A, clip(r)·A): [5, -1.2, 1.6]; A < 0 capped at -3·A: [3, -, 6 (not binding)]
+    np.testing.assert_allclose(out, [3.0, -1.2, 1.6], rtol=1e-6)
