@@ -174,3 +174,34 @@ def test_logprob_head_stats_equal_the_full_softmax(tiny_llama_dir):
     greedy = {**mb, "completion_ids": logits.argmax(-1).astype(np.int32)}
     _, _, correct = PipelineRunner(model, data_parallel_groups(0, 1), head=LogProbHead(stats=True)).forward([greedy])[0]
     assert correct.min() == 1.0  # every argmax token is a hit
+
+
+def test_value_head_equals_transformers_score_at_each_completion_position(reward_dirs):
+    """PPO's critic: ValueHead's values (B, C) are transformers' ``score`` of the final hidden states at the C
+    positions before each completion token (right-padded rows), through PipelineRunner; a causal LM or a
+    3-label model is refused."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from mindrlhf.models import load_model
+    from mindrlhf.models.heads import ValueHead
+    from mindrlhf.parallel.groups import data_parallel_groups
+    from mindrlhf.parallel.pipeline import PipelineRunner
+
+    model = load_model(reward_dirs["qwen2"])
+    rng = np.random.default_rng(7)
+    full = rng.integers(1, model.config.vocab_size, (2, 9)).astype(np.int32)
+    mask = np.array([[1] * 9, [1] * 6 + [0] * 3], np.int32)
+    c = 4
+    micro = [{"input_ids": full[:, :-1], "attention_mask": mask[:, :-1], "completion_ids": full[:, -c:]}]
+    got = PipelineRunner(model, data_parallel_groups(0, 1), head=ValueHead()).forward(micro)[0]
+    hf = AutoModelForSequenceClassification.from_pretrained(reward_dirs["qwen2"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden = hf.model(input_ids=torch.tensor(full[:, :-1]).long(),
+                          attention_mask=torch.tensor(mask[:, :-1]).long()).last_hidden_state
+        want = hf.score(hidden)[..., 0].numpy()[:, -c:]
+    assert got.shape == (2, c) and np.abs(want).max() > 0.1
+    real = mask[:, 1:][:, -c:] > 0  # positions predicting a real token (the padded row's last ones are not)
+    np.testing.assert_allclose(got[real], want[real], rtol=1e-4, atol=1e-4)
+    with pytest.raises(MindRLHFError, match="3 labels"):
+        ValueHead().build(load_model(reward_dirs["llama3labels"]))

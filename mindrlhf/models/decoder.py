@@ -522,6 +522,13 @@ class CausalLM(nn.Cell):
         rows = ops.gather(hidden.reshape(b * t, h), last.astype(ms.int32) + ops.arange(b, dtype=ms.int32) * t, 0)
         return self.score(self.model.norm(rows)).astype(ms.float32)
 
+    def completion_values(self, hidden: Tensor, width: int) -> Tensor:
+        """Last stage of a one-label sequence-classification model used as PPO's critic: the ``score`` head
+        (float32, (B, C)) at the last ``width`` positions, the states before each completion token (the
+        positions whose logits would predict it)."""
+        t = hidden.shape[1]
+        return self.score(self.model.norm(hidden[:, t - width:])).astype(ms.float32)[..., 0]
+
     # -- whole-model entry points (pp == 1) ----------------------------------------------------
     def scores(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Per-sequence scores (B, num_labels) of a sequence-classification model (a reward model)."""

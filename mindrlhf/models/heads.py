@@ -7,7 +7,8 @@ pipeline stage) and hands the last stage's hidden states (B, T, H), before the f
   ``softmax(logits / temperature)``, vocab-parallel under tp (GRPO's policy, SFT, DPO); with
   ``stats=True`` also each token's entropy and argmax hit (SFT's metrics), as a tuple;
 * ``ScoreHead`` (per sequence): a sequence-classification model's ``score`` head (B, num_labels) at
-  each row's last real token (a reward model, PPO's critic).
+  each row's last real token (a reward model);
+* ``ValueHead`` (per token): a one-label model's ``score`` head at each completion position (PPO's critic).
 
 A head names the micro-batch arrays it reads (``keys``, passed after the attention mask) and builds its
 forward as a closure over the model: graph mode (``mindspore.jit``) cannot read the attributes of a
@@ -102,6 +103,29 @@ class ScoreHead:
 
     def output_shapes(self, micro_batch: Dict[str, np.ndarray]) -> List[Tuple[int, ...]]:
         return [(micro_batch["input_ids"].shape[0], self.num_labels)]
+
+
+class ValueHead:
+    """Per-token values (B, C) of a one-label sequence-classification model (PPO's critic): its ``score`` head
+    at the positions that predict the C completion tokens ``completion_ids`` (only their width is read)."""
+
+    keys = ("completion_ids",)
+
+    def build(self, model) -> Callable:
+        if model.config.num_labels != 1:
+            what = "a causal LM" if not model.config.num_labels else f"{model.config.num_labels} labels"
+            raise MindRLHFError(f"a value head needs a one-label sequence-classification model (a critic); this "
+                                f"{model.config.model_type} model has {what}")
+
+        def values(hidden, attention_mask, completion_ids):
+            return model.completion_values(hidden, completion_ids.shape[1])
+        return values
+
+    def build_packed(self, model) -> None:
+        return None
+
+    def output_shapes(self, micro_batch: Dict[str, np.ndarray]) -> List[Tuple[int, ...]]:
+        return [tuple(micro_batch["completion_ids"].shape)]
 
 
 def head_for(config) -> "Head":
