@@ -19,7 +19,8 @@ from typing import Any, Dict, Optional, Sequence
 
 from mindrlhf.data.gsm8k import build_prompt, strip_calculator_notes, style_system_prompt
 from mindrlhf.errors import MindRLHFError
-from mindrlhf.evaluation.gsm8k_eval import DEFAULT_DATA, evaluate
+from mindrlhf.evaluation.gsm8k_eval import evaluate
+from mindrlhf.resources import GSM8K_TRAIN_SAMPLE
 from mindrlhf.utils.cli import run_cli
 
 log = logging.getLogger("mindrlhf")
@@ -37,7 +38,7 @@ def make_pairs(output: os.PathLike, *, model: Any = None, data_path: Optional[os
     output = Path(output)
     if output.exists() and not overwrite:
         raise MindRLHFError(f"{output} exists; pass --overwrite to replace it, or choose another --output")
-    data = Path(data_path) if data_path is not None else DEFAULT_DATA
+    data = Path(data_path) if data_path is not None else GSM8K_TRAIN_SAMPLE  # pairs train: never the test split
     samples = output.with_name(output.name + ".samples.jsonl")
     summary = evaluate(model, data_path=data, limit=limit, offset=offset, mode="maj", k=k, temperature=temperature,
                        max_new_tokens=max_new_tokens, seed=seed, prompt_style=prompt_style, output=samples,
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="HF dir, .ckpt, or a training checkpoint folder (default: the "
                    "embedded SmolLM2)")
     p.add_argument("--data_path", default=None, help="GSM8K jsonl with question/answer rows (default: the packaged "
-                   "sample)")
+                   "training sample)")
     p.add_argument("--k", type=int, default=4, help="completions sampled per question (default 4)")
     p.add_argument("--max_pairs_per_question", type=int, default=0, help="keep at most N wrong completions per "
                    "question (0 = all)")
