@@ -27,14 +27,26 @@ pytestmark = [pytest.mark.slow, pytest.mark.realdata,
                                  reason="real-model walkthrough: set MINDRLHF_REALDATA=1 (about an hour on 2 cores)")]
 
 BIN = Path(sys.executable).parent
+KEEP = os.environ.get("MINDRLHF_WALKTHROUGH_DIR")
+WORK: Path = Path(KEEP) if KEEP else Path()
+
+
+def _save(summary: dict) -> None:
+    (WORK / "walkthrough_summary.json").write_text(json.dumps(summary, indent=1))
 SFT_STEPS, RM_STEPS, DPO_STEPS = 16, 12, 12
 
 
-def _run(summary: dict, name: str, *cmd: str) -> None:
-    """One README command, timed; its output is shown (pytest -s) so a long run can be followed."""
+def _run(summary: dict, name: str, done: Path, *cmd: str) -> None:
+    """One README command, timed; its output is shown (pytest -s) so a long run can be followed. In a kept
+    ``MINDRLHF_WALKTHROUGH_DIR`` a command whose output ``done`` exists from an earlier run is not repeated
+    (its wall time is the earlier run's): delete the folder to start over."""
+    wall = summary.setdefault("wall_s", {})
+    if KEEP and done.exists() and name in wall:
+        return
     t0 = time.perf_counter()
     subprocess.run([str(BIN / cmd[0]), *cmd[1:]], check=True)
-    summary.setdefault("wall_s", {})[name] = round(time.perf_counter() - t0, 1)
+    wall[name] = round(time.perf_counter() - t0, 1)
+    _save(summary)
 
 
 def _gsm8k(path: Path) -> dict:
@@ -73,55 +85,63 @@ def _base_eval_loss(valid: Path, work: Path) -> dict:
 def test_sft_rm_dpo_walkthrough_on_smollm2(tmp_path):
     from mindrlhf.resources import GSM8K_TEST_SAMPLE
 
-    w = Path(os.environ.get("MINDRLHF_WALKTHROUGH_DIR") or tmp_path)
+    global WORK
+    w = WORK = Path(KEEP) if KEEP else tmp_path
     w.mkdir(parents=True, exist_ok=True)
-    summary: dict = {}
+    summary: dict = json.loads((w / "walkthrough_summary.json").read_text()) \
+        if KEEP and (w / "walkthrough_summary.json").exists() else {}
     sft_ckpt = w / "sft" / "checkpoints" / f"step_{SFT_STEPS:08d}"
     dpo_ckpt = w / "dpo" / "checkpoints" / f"step_{DPO_STEPS:08d}"
     eval_args = ["--limit", "64", "--batch_size", "8", "--overwrite", "--no_progress"]
 
+    rm_ckpt = w / "rm" / "checkpoints" / f"step_{RM_STEPS:08d}"
+    evals = {k: w / f"eval_{k}.jsonl" for k in ("base", "sft", "dpo")}
+    pairs, pairs_valid, sft_valid = w / "pairs.jsonl", w / "pairs_valid.jsonl", w / "sft_valid.jsonl"
+
     # 0. the base model on the 64 test questions
-    _run(summary, "eval_base", "mindrlhf-eval", "--output", str(w / "eval_base.jsonl"), *eval_args)
+    _run(summary, "eval_base", evals["base"], "mindrlhf-eval", "--output", str(evals["base"]), *eval_args)
     # 1. SFT on the packaged training sample (its default data), validated on 64 other test rows' solutions
-    _run(summary, "sft_valid_rows", "mindrlhf-data", "--sft", "--data_path", str(GSM8K_TEST_SAMPLE), "--offset", "64",
-         "--limit", "64", "--output", str(w / "sft_valid.jsonl"), "--overwrite")
-    t0 = time.perf_counter()
-    summary["sft_base_eval"] = _base_eval_loss(w / "sft_valid.jsonl", w / "base_eval")
-    summary.setdefault("wall_s", {})["sft_base_eval"] = round(time.perf_counter() - t0, 1)
-    _run(summary, "sft", "mindrlhf-sft", "--valid_file", str(w / "sft_valid.jsonl"), "--output_dir", str(w / "sft"),
+    _run(summary, "sft_valid_rows", sft_valid, "mindrlhf-data", "--sft", "--data_path", str(GSM8K_TEST_SAMPLE),
+         "--offset", "64", "--limit", "64", "--output", str(sft_valid), "--overwrite")
+    if "sft_base_eval" not in summary:
+        t0 = time.perf_counter()
+        summary["sft_base_eval"] = _base_eval_loss(sft_valid, w / "base_eval")
+        summary.setdefault("wall_s", {})["sft_base_eval"] = round(time.perf_counter() - t0, 1)
+    _run(summary, "sft", sft_ckpt, "mindrlhf-sft", "--valid_file", str(sft_valid), "--output_dir", str(w / "sft"),
          "--max_steps", str(SFT_STEPS), "--batch_size", "8", "--micro_batch_size", "4", "--lr", "5e-5",
          "--max_length", "512", "--eval_steps", "4", "--save_steps", str(SFT_STEPS), "--overwrite_output_dir",
          "--progress_bar", "false")
-    _run(summary, "eval_sft", "mindrlhf-eval", "--model", str(sft_ckpt), "--output", str(w / "eval_sft.jsonl"),
+    _run(summary, "eval_sft", evals["sft"], "mindrlhf-eval", "--model", str(sft_ckpt), "--output", str(evals["sft"]),
          *eval_args)
-    # 2. pairs: the reference solution against the SFT model's own wrong answers; held-out pairs from test questions
-    _run(summary, "pairs_train", "mindrlhf-data", "--pairs", "--model", str(sft_ckpt), "--output",
-         str(w / "pairs.jsonl"), "--offset", "256", "--limit", "96", "--k", "2", "--overwrite", "--no_progress")
-    _run(summary, "pairs_valid", "mindrlhf-data", "--pairs", "--model", str(sft_ckpt), "--data_path",
-         str(GSM8K_TEST_SAMPLE), "--offset", "128", "--limit", "64", "--k", "1", "--output",
-         str(w / "pairs_valid.jsonl"), "--overwrite", "--no_progress")
+    # 2. pairs: the reference solution against the SFT model's own wrong answers (training questions it was not
+    #    fine-tuned on); held-out pairs from test questions used nowhere else
+    _run(summary, "pairs_train", pairs, "mindrlhf-data", "--pairs", "--model", str(sft_ckpt), "--output", str(pairs),
+         "--offset", "256", "--limit", "96", "--k", "2", "--overwrite", "--no_progress")
+    _run(summary, "pairs_valid", pairs_valid, "mindrlhf-data", "--pairs", "--model", str(sft_ckpt), "--data_path",
+         str(GSM8K_TEST_SAMPLE), "--offset", "128", "--limit", "64", "--k", "1", "--output", str(pairs_valid),
+         "--overwrite", "--no_progress")
     # 3. the reward model from the SFT checkpoint
-    _run(summary, "rm", "mindrlhf-rm", "--model", str(sft_ckpt), "--train_file", str(w / "pairs.jsonl"),
-         "--valid_file", str(w / "pairs_valid.jsonl"), "--output_dir", str(w / "rm"), "--max_steps", str(RM_STEPS),
+    _run(summary, "rm", rm_ckpt, "mindrlhf-rm", "--model", str(sft_ckpt), "--train_file", str(pairs),
+         "--valid_file", str(pairs_valid), "--output_dir", str(w / "rm"), "--max_steps", str(RM_STEPS),
          "--batch_size", "8", "--micro_batch_size", "4", "--lr", "2e-5", "--max_length", "512", "--eval_steps", "4",
          "--save_steps", str(RM_STEPS), "--overwrite_output_dir", "--progress_bar", "false")
     # 4. DPO from the SFT checkpoint (reference = the SFT model, its log-probs computed once)
-    _run(summary, "dpo", "mindrlhf-dpo", "--model", str(sft_ckpt), "--train_file", str(w / "pairs.jsonl"),
-         "--valid_file", str(w / "pairs_valid.jsonl"), "--output_dir", str(w / "dpo"), "--max_steps", str(DPO_STEPS),
+    _run(summary, "dpo", dpo_ckpt, "mindrlhf-dpo", "--model", str(sft_ckpt), "--train_file", str(pairs),
+         "--valid_file", str(pairs_valid), "--output_dir", str(w / "dpo"), "--max_steps", str(DPO_STEPS),
          "--batch_size", "8", "--micro_batch_size", "4", "--lr", "5e-6", "--beta", "0.1", "--max_length", "512",
          "--eval_steps", "4", "--save_steps", str(DPO_STEPS), "--precompute_ref_log_probs", "--overwrite_output_dir",
          "--progress_bar", "false")
-    _run(summary, "eval_dpo", "mindrlhf-eval", "--model", str(dpo_ckpt), "--output", str(w / "eval_dpo.jsonl"),
+    _run(summary, "eval_dpo", evals["dpo"], "mindrlhf-eval", "--model", str(dpo_ckpt), "--output", str(evals["dpo"]),
          *eval_args)
 
     sft, rm, dpo = _metrics(w / "sft"), _metrics(w / "rm"), _metrics(w / "dpo")
-    valid_pairs = _pairs(w / "pairs_valid.jsonl")
+    valid_pairs = _pairs(pairs_valid)
     rm_acc = rm[-1]["eval/accuracy"]
     summary.update({
-        "gsm8k": {k: _gsm8k(w / f"eval_{k}.jsonl") for k in ("base", "sft", "dpo")},
+        "gsm8k": {k: _gsm8k(path) for k, path in evals.items()},
         "sft_eval_loss": [(m["step"], m["eval/loss"]) for m in sft if "eval/loss" in m],
         "sft_loss": [m["loss"] for m in sft],
-        "train_pairs": _pairs(w / "pairs.jsonl"),
+        "train_pairs": _pairs(pairs),
         "valid_pairs": valid_pairs,
         "rm_eval_accuracy": [(m["step"], m["eval/accuracy"]) for m in rm if "eval/accuracy" in m],
         "rm_accuracy": [m["accuracy"] for m in rm],
@@ -130,7 +150,7 @@ def test_sft_rm_dpo_walkthrough_on_smollm2(tmp_path):
         "dpo_eval": [(m["step"], m["eval/rewards/accuracies"], m["eval/rewards/margins"]) for m in dpo
                      if "eval/rewards/accuracies" in m],
     })
-    (w / "walkthrough_summary.json").write_text(json.dumps(summary, indent=1))
+    _save(summary)
     print(json.dumps(summary, indent=1))
 
     # SFT lowers the held-out loss (base → after SFT)
