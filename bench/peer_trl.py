@@ -1,8 +1,11 @@
-"""mindrlhf's GRPO step against TRL's ``GRPOTrainer`` on the same job, in one invocation.
+"""mindrlhf's training steps against TRL 1.16's trainers on the same job, in one invocation: GRPO against
+``GRPOTrainer`` (configs ``tiny``, ``smollm2``), and the offline stages SFT, reward model and DPO against
+``SFTTrainer``, ``RewardTrainer`` and ``DPOTrainer`` (configs ``sft``, ``rm``, ``dpo``).
 
-    python bench/peer_trl.py                          # both configs, 5 steps per side
+    python bench/peer_trl.py                          # both GRPO configs, 5 steps per side
     python bench/peer_trl.py --config tiny --steps 3  # the quick one
     python bench/peer_trl.py --config smollm2 --trl_venv /tmp/venv-trl
+    python bench/peer_trl.py --config stages --steps 4   # sft, rm, dpo (--config all: all five)
 
 Method. The parent process (run it with the mindrlhf environment's python) prepares the job: the model
 (an HF directory), the prompt texts and the settings. It then runs each side in its own child process:
@@ -31,6 +34,24 @@ and "train" for TRL is the rest of the step (reference and old-policy log-probs,
 backward, optimizer). For our side the achieved GFLOP/s of the update is also printed, approximately
 6 x trainable params x trained token positions / time/train, next to a float32 1024^3 matmul rate
 measured with MindSpore in the same process.
+
+Offline stages (``sft``, ``rm``, ``dpo``). The parent writes the rows both sides read: the first 8 questions
+of the packaged GSM8K sample as conversational rows (system prompt + question; ``mindrlhf.data.gsm8k.sft_row``).
+SFT trains prompt -> reference solution (completion-only loss). RM and DPO pairs: chosen = the question's
+reference solution, rejected = the next question's solution (a fluent but wrong answer). Model: the embedded
+SmolLM2-135M-Instruct in float32; for the RM the parent writes it once as a ``LlamaForSequenceClassification``
+(its tensors plus a ``score`` head drawn with numpy, seed ``SCORE_HEAD_SEED``) that both sides load, and each
+side reports per-tensor sums of what it loaded so the parent can check they are the same. A step reads all
+8 rows (pairs) in file order (TRL ``train_sampling_strategy="sequential"``; ours the dataset's order set to
+the file's), as 2 micro-batches of 4 (TRL ``per_device_train_batch_size=4``, ``gradient_accumulation_steps=2``),
+``max_length`` 512 (no row reaches it), no packing or padding-free, no gradient checkpointing on TRL's side;
+DPO: sigmoid, beta 0.1, reference = the initial policy (ours a copy of it, TRL's reloaded from the same path).
+Ours is built as ``mindrlhf-<stage>`` builds it (``parse_*_args``, ``setup_runtime``, the stage's
+``build_trainer``) and stepped with ``train_one_step``; TRL's steps are timed by the same callback as above.
+Both sides' per-step losses are printed (they agree to ~1e-4 when the job is the same). tokens/s counts the
+loss-bearing tokens of a step (SFT: completion tokens; DPO: the chosen and rejected completions' tokens;
+RM: every real token) per second; "real tok/s" every non-pad token of the rows (TRL's ``num_tokens``).
+``--ours_flags`` passes extra config flags to our side (e.g. ``--train_jit true``).
 
 Caveats. The machine has 2 cores and may be shared: a busy machine slows both sides, unevenly.
 Peak RSS is the whole child process (framework, both models, optimizer state, generation caches).
