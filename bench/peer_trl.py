@@ -1,8 +1,11 @@
-"""mindrlhf's GRPO step against TRL's ``GRPOTrainer`` on the same job, in one invocation.
+"""mindrlhf's training steps against TRL 1.16's trainers on the same job, in one invocation: GRPO against
+``GRPOTrainer`` (configs ``tiny``, ``smollm2``), and the offline stages SFT, reward model and DPO against
+``SFTTrainer``, ``RewardTrainer`` and ``DPOTrainer`` (configs ``sft``, ``rm``, ``dpo``).
 
-    python bench/peer_trl.py                          # both configs, 5 steps per side
+    python bench/peer_trl.py                          # both GRPO configs, 5 steps per side
     python bench/peer_trl.py --config tiny --steps 3  # the quick one
     python bench/peer_trl.py --config smollm2 --trl_venv /tmp/venv-trl
+    python bench/peer_trl.py --config stages --steps 4   # sft, rm, dpo (--config all: all five)
 
 Method. The parent process (run it with the mindrlhf environment's python) prepares the job: the model
 (an HF directory), the prompt texts and the settings. It then runs each side in its own child process:
@@ -32,6 +35,24 @@ backward, optimizer). For our side the achieved GFLOP/s of the update is also pr
 6 x trainable params x trained token positions / time/train, next to a float32 1024^3 matmul rate
 measured with MindSpore in the same process.
 
+Offline stages (``sft``, ``rm``, ``dpo``). The parent writes the rows both sides read: the first 8 questions
+of the packaged GSM8K sample as conversational rows (system prompt + question; ``mindrlhf.data.gsm8k.sft_row``).
+SFT trains prompt -> reference solution (completion-only loss). RM and DPO pairs: chosen = the question's
+reference solution, rejected = the next question's solution (a fluent but wrong answer). Model: the embedded
+SmolLM2-135M-Instruct in float32; for the RM the parent writes it once as a ``LlamaForSequenceClassification``
+(its tensors plus a ``score`` head drawn with numpy, seed ``SCORE_HEAD_SEED``) that both sides load, and each
+side reports per-tensor sums of what it loaded so the parent can check they are the same. A step reads all
+8 rows (pairs) in file order (TRL ``train_sampling_strategy="sequential"``; ours the dataset's order set to
+the file's), as 2 micro-batches of 4 (TRL ``per_device_train_batch_size=4``, ``gradient_accumulation_steps=2``),
+``max_length`` 512 (no row reaches it), no packing or padding-free, no gradient checkpointing on TRL's side;
+DPO: sigmoid, beta 0.1, reference = the initial policy (ours a copy of it, TRL's reloaded from the same path).
+Ours is built as ``mindrlhf-<stage>`` builds it (``parse_*_args``, ``setup_runtime``, the stage's
+``build_trainer``) and stepped with ``train_one_step``; TRL's steps are timed by the same callback as above.
+Both sides' per-step losses are printed (they agree to ~1e-4 when the job is the same). tokens/s counts the
+loss-bearing tokens of a step (SFT: completion tokens; DPO: the chosen and rejected completions' tokens;
+RM: every real token) per second; "real tok/s" every non-pad token of the rows (TRL's ``num_tokens``).
+``--ours_flags`` passes extra config flags to our side (e.g. ``--train_jit true``).
+
 Caveats. The machine has 2 cores and may be shared: a busy machine slows both sides, unevenly.
 Peak RSS is the whole child process (framework, both models, optimizer state, generation caches).
 TRL pads every completion's row with its own copy of the prompt, whereas ours (``share_prompts``)
@@ -51,7 +72,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -68,6 +89,18 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "smollm2": dict(model="smollm2", prompts=2, num_generations=4, max_completion_length=160, temperature=0.7,
                     beta=0.0, lr=1e-6),
 }
+
+
+# The offline stages' jobs. rows = the first `rows` GSM8K training questions (the packaged sample); a step reads
+# all of them (batch_size = rows), in file order on both sides, as micro-batches of micro_batch_size rows / pairs.
+STAGES: Dict[str, Dict[str, Any]] = {
+    "sft": dict(stage="sft", rows=8, batch_size=8, micro_batch_size=4, max_length=512, lr=1e-5),
+    "rm": dict(stage="rm", rows=8, batch_size=8, micro_batch_size=4, max_length=512, lr=1e-5),
+    "dpo": dict(stage="dpo", rows=8, batch_size=8, micro_batch_size=4, max_length=512, lr=1e-6, beta=0.1),
+}
+CONFIG_GROUPS = {"both": ("tiny", "smollm2"), "stages": ("sft", "rm", "dpo"),
+                 "all": ("tiny", "smollm2", "sft", "rm", "dpo")}
+SCORE_HEAD_SEED = 1234  # numpy seed of the reward model's score head (written once, read by both sides)
 
 
 def length_reward(completions: List[Any], **kwargs: Any) -> List[float]:
@@ -165,6 +198,84 @@ def run_ours(spec: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
+def _weight_sums(named: Any) -> Dict[str, List[float]]:
+    """(sum, sum of |x|) in float64 of each named float32 array (``lm_head.weight`` left out: a tied copy of the
+    embedding on one side, absent on the other); the parent compares both sides' sums to check they loaded the
+    same weights."""
+    import numpy as np
+
+    out = {}
+    for name, arr in named:
+        if name != "lm_head.weight":
+            out[name] = [float(np.sum(arr, dtype=np.float64)), float(np.sum(np.abs(arr), dtype=np.float64))]
+    return out
+
+
+def _step_summary(side: str, spec: Dict[str, Any], steps: List[Dict[str, float]], trained_tokens: Optional[float],
+                  extra: Dict[str, Any]) -> Dict[str, Any]:
+    """One side's result of an offline stage: medians of steps 2..N, tokens per second, peak RSS."""
+    step_s = _median_after_first([r["step"] for r in steps])
+    real = _median_after_first([r["real_tokens"] for r in steps])
+    return {"side": side, "ok": True, "steps": len(steps), "step_s": step_s, "first_step_s": steps[0]["step"],
+            "step_times": [r["step"] for r in steps], "real_tokens": real, "trained_tokens": trained_tokens,
+            "real_tokens_per_s": real / step_s,
+            "tokens_per_s": (trained_tokens if trained_tokens is not None else real) / step_s,
+            "losses": [r["loss"] for r in steps], "peak_rss_gib": _peak_rss_gib(), **extra}
+
+
+def run_ours_stage(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """``spec["steps"]`` steps of our SFT / reward-model / DPO trainer, built as ``mindrlhf-<stage>`` builds it
+    (the stage's ``parse_*_args``, ``trainer.entry.setup_runtime``, the stage's ``build_trainer``); the loop
+    calls ``train_one_step`` like ``Trainer.train`` minus its logging and checkpoint files."""
+    import numpy as np
+
+    from mindrlhf.trainer.entry import setup_runtime
+
+    stage = spec["stage"]
+    if stage == "sft":
+        from mindrlhf.configs.offline import parse_sft_args as parse
+        from mindrlhf.sft import build_trainer
+    elif stage == "rm":
+        from mindrlhf.configs.offline import parse_rm_args as parse
+        from mindrlhf.rm import build_trainer
+    else:
+        from mindrlhf.configs.offline import parse_dpo_args as parse
+        from mindrlhf.dpo import build_trainer
+    work = Path(spec["work_dir"]) / "ours"
+    argv = ["--model", spec["model_dir"], "--train_file", spec["train_file"], "--output_dir", str(work / "out"),
+            "--max_steps", str(spec["steps"]), "--batch_size", str(spec["batch_size"]),
+            "--micro_batch_size", str(spec["micro_batch_size"]), "--max_length", str(spec["max_length"]),
+            "--lr", str(spec["lr"]), "--seed", str(spec["seed"]), "--save_steps", str(10 ** 6),
+            "--progress_bar", "false", "--tensorboard", "false", "--strict", "true"]
+    if stage == "dpo":
+        argv += ["--loss_type", "sigmoid", "--beta", str(spec["beta"])]
+    cfg = parse(argv + list(spec.get("ours_flags", [])))
+    layout = setup_runtime(cfg)
+    trainer = build_trainer(cfg, layout)
+    rows = trainer.dataset.num_rows
+    # File order, as TRL's sequential sampler: every step trains the same micro-batches on both sides.
+    trainer.dataset.permutation = lambda epoch: np.arange(rows)
+    columns = trainer.dataset.columns
+    if stage == "sft":  # loss-bearing tokens of a step (the first token of a row is never predicted)
+        trained: Optional[float] = float(sum(m[1:].sum() for m in columns["trained"]))
+    elif stage == "dpo":
+        trained = float(sum(len(c) + len(r) for c, r in zip(columns["chosen"], columns["rejected"])))
+    else:
+        trained = None
+    sums = _weight_sums((q.name, q.asnumpy()) for q in trainer.model.get_parameters())
+    steps = []
+    for step in range(1, spec["steps"] + 1):
+        tokens0, t0 = trainer.num_tokens, time.perf_counter()
+        metrics = trainer.train_one_step()
+        steps.append({"step": time.perf_counter() - t0, "real_tokens": trainer.num_tokens - tokens0,
+                      "loss": float(metrics["loss"])})
+        _progress("ours", f"step {step}/{spec['steps']}: {steps[-1]['step']:.1f} s (loss {metrics['loss']:.4f})")
+    return _step_summary("ours", spec, steps, trained, {"rows": rows, "weight_sums": sums,
+                                                        "layer_graphs": bool(cfg.parallel.layer_graphs),
+                                                        "train_jit": bool(cfg.parallel.train_jit),
+                                                        "flags": list(spec.get("ours_flags", []))})
+
+
 # -- TRL's side (TRL virtualenv; never imports mindspore or mindrlhf) ---------------------------------
 def run_trl(spec: Dict[str, Any]) -> Dict[str, Any]:
     """Run ``spec["steps"]`` steps of ``trl.GRPOTrainer`` on the same job; return the results."""
@@ -182,9 +293,7 @@ def run_trl(spec: Dict[str, Any]) -> Dict[str, Any]:
     if hf_lengths != spec["prompt_lengths"]:
         _progress("trl", f"warning: prompt lengths differ from ours: {hf_lengths} vs {spec['prompt_lengths']}")
     dataset = datasets.Dataset.from_dict({"prompt": spec["prompt_texts"]})
-    # transformers 5.x renamed gradient_checkpointing to activation_checkpointing (the old name warns).
-    no_recompute = {name: False for name in ("gradient_checkpointing", "activation_checkpointing")
-                    if name in {f.name for f in dataclasses.fields(trl.GRPOConfig)}}
+    no_recompute = _no_recompute(trl.GRPOConfig)
     args = trl.GRPOConfig(
         output_dir=str(Path(spec["work_dir"]) / "trl"), max_steps=spec["steps"], seed=spec["seed"],
         per_device_train_batch_size=g, gradient_accumulation_steps=p, num_generations=g,
@@ -242,6 +351,86 @@ def run_trl(spec: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
+def _no_recompute(config_class: Any) -> Dict[str, bool]:
+    """Gradient checkpointing off (TRL's configs default it on); transformers 5.x renamed it
+    activation_checkpointing (the old name warns), so both names the config has are set."""
+    return {name: False for name in ("gradient_checkpointing", "activation_checkpointing")
+            if name in {f.name for f in dataclasses.fields(config_class)}}
+
+
+def run_trl_stage(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """``spec["steps"]`` steps of TRL's ``SFTTrainer`` / ``RewardTrainer`` / ``DPOTrainer`` on the same job."""
+    import datasets
+    import torch
+    import transformers
+    import trl
+    from transformers import AutoTokenizer, TrainerCallback
+
+    torch.set_num_threads(2)
+    stage = spec["stage"]
+    work = Path(spec["work_dir"]) / "trl"
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    dataset = datasets.load_dataset("json", data_files=spec["train_file"], split="train",
+                                    cache_dir=str(work / "hf_datasets"))
+    config_class = {"sft": trl.SFTConfig, "rm": trl.RewardConfig, "dpo": trl.DPOConfig}[stage]
+    mb = spec["micro_batch_size"]
+    kwargs: Dict[str, Any] = dict(
+        output_dir=str(work / "out"), max_steps=spec["steps"], seed=spec["seed"], learning_rate=spec["lr"],
+        per_device_train_batch_size=mb, gradient_accumulation_steps=spec["batch_size"] // mb,
+        max_length=spec["max_length"], use_cpu=True, bf16=False, fp16=False, **_no_recompute(config_class),
+        model_init_kwargs={"dtype": "float32"}, report_to=[], logging_steps=1, save_strategy="no",
+        disable_tqdm=True, dataloader_num_workers=0, train_sampling_strategy="sequential")
+    if stage == "sft":
+        args = config_class(**kwargs, packing=False, padding_free=False, completion_only_loss=True)
+        trainer = trl.SFTTrainer(model=spec["model_dir"], args=args, train_dataset=dataset,
+                                 processing_class=tokenizer)
+    elif stage == "rm":
+        args = config_class(**kwargs)
+        trainer = trl.RewardTrainer(model=spec["model_dir"], args=args, train_dataset=dataset,
+                                    processing_class=tokenizer)
+    else:  # ref_model=None: TRL loads the reference from the policy's path (the initial policy)
+        args = config_class(**kwargs, loss_type=["sigmoid"], beta=spec["beta"], precompute_ref_log_probs=False)
+        trainer = trl.DPOTrainer(model=spec["model_dir"], args=args, train_dataset=dataset,
+                                 processing_class=tokenizer)
+    prepared = trainer.train_dataset
+    if stage == "sft":  # loss-bearing tokens of a step: labels not -100 (the model shifts them: never the first)
+        trained: Optional[float] = float(sum(sum(x != -100 for x in labels[1:]) for labels in prepared["labels"]))
+    elif stage == "dpo":
+        trained = float(sum(len(c) + len(r) for c, r in zip(prepared["chosen_ids"], prepared["rejected_ids"])))
+    else:
+        trained = None
+    sums = _weight_sums((n, q.detach().cpu().numpy()) for n, q in trainer.model.named_parameters())
+    steps: List[Dict[str, float]] = []
+    logged: List[Dict[str, float]] = []
+
+    class StepTimer(TrainerCallback):
+        """Wall time of each optimizer step; the logged loss and cumulative num_tokens."""
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            steps.append({"step": time.perf_counter() - self.t0})
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Optional[Dict] = None, **kw: Any) -> None:
+            if logs and "loss" in logs:
+                logged.append(dict(logs))
+                _progress("trl", f"step {len(steps)}/{spec['steps']}: {steps[-1]['step']:.1f} s "
+                                 f"(loss {logs['loss']:.4f})")
+
+    trainer.add_callback(StepTimer())
+    trainer.train()
+    seen = 0.0
+    for row, log in zip(steps, logged):
+        row["real_tokens"], seen = float(log["num_tokens"]) - seen, float(log["num_tokens"])
+        row["loss"] = float(log["loss"])
+    recompute = any(bool(getattr(args, n, False)) for n in ("gradient_checkpointing", "activation_checkpointing"))
+    return _step_summary("trl", spec, steps, trained, {
+        "rows": len(prepared), "weight_sums": sums, "gradient_checkpointing": recompute,
+        "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
+                     "datasets": datasets.__version__}})
+
+
 # -- parent -------------------------------------------------------------------------------------------
 def ensure_trl_venv(venv: Path) -> Path:
     """The TRL virtualenv's python, creating the venv and pip-installing TRL's side into it if needed."""
@@ -291,6 +480,59 @@ def make_spec(name: str, steps: int, work: Path) -> Dict[str, Any]:
             "prompt_texts": texts, "prompt_lengths": [len(tokenizer.encode(t)) for t in texts]}
 
 
+def _reward_model_dir(policy_dir: Path, out: Path) -> Path:
+    """SmolLM2 as a ``LlamaForSequenceClassification`` (one label) with a seeded score head, written once with
+    numpy: the causal LM's tensors (no ``lm_head``), ``score.weight`` ~ N(0, initializer_range) drawn with
+    ``SCORE_HEAD_SEED``, the tokenizer files. Both sides load this directory as it is."""
+    import numpy as np
+
+    from mindrlhf.checkpoint.hf_io import iter_hf_tensors, read_hf_config, save_hf_dir
+
+    config = read_hf_config(policy_dir)
+    config.update(architectures=[config["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")],
+                  id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0}, tie_word_embeddings=False)
+    std = float(config.get("initializer_range", 0.02))
+    head = np.random.default_rng(SCORE_HEAD_SEED).normal(0.0, std, (1, config["hidden_size"])).astype(np.float32)
+
+    def tensors():
+        for name, arr in iter_hf_tensors(policy_dir):
+            if name != "lm_head.weight":
+                yield name, arr
+        yield "score.weight", head
+
+    save_hf_dir(tensors(), config, out, "float32")
+    for f in policy_dir.iterdir():
+        if f.is_file() and f.name.startswith(("tokenizer", "vocab", "merges", "special_tokens")):
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+def make_stage_spec(name: str, steps: int, work: Path, ours_flags: Sequence[str] = ()) -> Dict[str, Any]:
+    """Model directory, training rows (a jsonl both sides read) and settings of an offline stage's config;
+    ``ours_flags``: extra config flags for our side (e.g. ``--train_jit true``)."""
+    import mindrlhf.resources
+    from mindrlhf.checkpoint.smollm2 import prepare_smollm2
+    from mindrlhf.data.gsm8k import sft_row
+
+    conf = STAGES[name]
+    source = Path(mindrlhf.resources.__file__).parent / "gsm8k_train_sample.jsonl"
+    rows = [json.loads(line) for line in source.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = rows[:conf["rows"]]
+    convs = [sft_row(r["question"], r["answer"]) for r in rows]
+    if conf["stage"] == "sft":  # conversational prompt/completion: system prompt + question -> reference solution
+        lines = convs
+    else:  # pairs: chosen = the question's reference solution, rejected = the next question's solution
+        lines = [{"prompt": c["prompt"], "chosen": c["completion"],
+                  "rejected": convs[(i + 1) % len(convs)]["completion"]} for i, c in enumerate(convs)]
+    train_file = work / f"{conf['stage']}_rows.jsonl"
+    train_file.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines), encoding="utf-8")
+    model_dir = Path(prepare_smollm2())
+    if conf["stage"] == "rm":
+        model_dir = _reward_model_dir(model_dir, work / "smollm2-rm")
+    return {**conf, "config": name, "steps": steps, "seed": 42, "model_dir": str(model_dir),
+            "work_dir": str(work), "train_file": str(train_file), "ours_flags": list(ours_flags)}
+
+
 def run_side(side: str, python: str, spec_file: Path, log_file: Path) -> Dict[str, Any]:
     """Run one side in a child process; echo its progress lines, keep its output in ``log_file``."""
     cmd = [python, str(Path(__file__).resolve()), "--side", side, "--spec", str(spec_file)]
@@ -317,8 +559,63 @@ def _fmt(value: Optional[float], spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def print_stage_report(results: List[Any]) -> None:
+    """The offline stages' table (config, side) x (s/step, tokens/s, real tokens/s, peak RSS GiB), the ratios
+    and the checks that both sides ran the same job (weights, tokens per step)."""
+    print("\nmedians of steps 2..N; tokens/s = loss-bearing tokens per second (sft: completion tokens; dpo: "
+          "chosen + rejected completion tokens; rm: every real token); real tok/s = all non-pad tokens of the rows")
+    print(f"{'config':<9}{'side':<6}{'s/step':>9}{'tokens/s':>10}{'real tok/s':>12}{'peak RSS GiB':>14}"
+          f"{'first step s':>14}")
+    for spec, ours, trl in results:
+        for res in (ours, trl):
+            if res.get("skipped"):
+                continue
+            if not res["ok"]:
+                print(f"{spec['config']:<9}{res['side']:<6}  FAILED (see below)")
+                continue
+            print(f"{spec['config']:<9}{res['side']:<6}{res['step_s']:>9.2f}{res['tokens_per_s']:>10.1f}"
+                  f"{res['real_tokens_per_s']:>12.1f}{res['peak_rss_gib']:>14.2f}{res['first_step_s']:>14.1f}")
+    for spec, ours, trl in results:
+        print(f"\n[{spec['config']}] {spec['rows']} rows per step (batch_size {spec['batch_size']}, micro-batches of "
+              f"{spec['micro_batch_size']}), max_length {spec['max_length']}, lr {spec['lr']}"
+              + (f", beta {spec['beta']}" if "beta" in spec else "") + f", {spec['steps']} steps; "
+              f"model {spec['model_dir']}; rows {spec['train_file']}")
+        for res in (ours, trl):
+            if res["ok"]:
+                if res["side"] == "trl":
+                    extra = f"; gradient checkpointing {res['gradient_checkpointing']}; versions {res['versions']}"
+                else:
+                    extra = (f"; layer_graphs {res['layer_graphs']}, train_jit {res['train_jit']}, "
+                             f"extra flags {res['flags']}")
+                print(f"  {res['side']}: steps (s) {', '.join(f'{t:.1f}' for t in res['step_times'])}; "
+                      f"loss {', '.join(f'{v:.4f}' for v in res['losses'])}; real tokens/step "
+                      f"{res['real_tokens']:.0f}, loss tokens/step {_fmt(res['trained_tokens'], '.0f')}{extra}")
+            elif not res.get("skipped"):
+                print(f"  {res['side']} FAILED: {res['error']}")
+        if ours["ok"] and trl["ok"]:
+            a, b = ours["weight_sums"], trl["weight_sums"]
+            diff = max((abs(a[k][i] - b[k][i]) / max(abs(b[k][i]), 1e-30) for k in a.keys() & b.keys()
+                        for i in (0, 1)), default=float("inf"))
+            same = a.keys() == b.keys() and diff < 1e-9
+            print(f"  same weights loaded: {same} ({len(a)} vs {len(b)} tensors, max relative difference of the "
+                  f"sums {diff:.1e}); same tokens per step: {ours['real_tokens'] == trl['real_tokens']} "
+                  f"(real), {ours['trained_tokens'] == trl['trained_tokens']} (loss)")
+            if not same:
+                print(f"  names only ours: {sorted(a.keys() - b.keys())[:5]}; "
+                      f"only TRL: {sorted(b.keys() - a.keys())[:5]}")
+            print(f"  ours/TRL step time = {ours['step_s'] / trl['step_s']:.2f}, tokens/s = "
+                  f"{ours['tokens_per_s'] / trl['tokens_per_s']:.2f}, peak RSS = "
+                  f"{ours['peak_rss_gib'] / trl['peak_rss_gib']:.2f}")
+
+
 def print_report(results: List[Dict[str, Any]]) -> None:
     """The table (config, side) x (s/step, generate s, train s, tokens/s, peak RSS GiB), then the ratios."""
+    stages = [r for r in results if "stage" in r[0]]
+    results = [r for r in results if "stage" not in r[0]]
+    if stages:
+        print_stage_report(stages)
+    if not results:
+        return
     print("\nmedians of steps 2..N; TRL 'train s' = step - generate (ref/old log-probs, reward, update)")
     print(f"{'config':<9}{'side':<6}{'s/step':>9}{'generate s':>12}{'train s':>9}{'tokens/s':>10}{'peak RSS GiB':>14}")
     for spec, ours, trl in results:
@@ -361,12 +658,14 @@ def print_report(results: List[Dict[str, Any]]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """Command-line options."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", choices=("tiny", "smollm2", "both"), default="both",
-                    help="tiny: random Qwen2 (hidden 256, 4 layers, Qwen vocab), 4 prompts x G 4, 128 new tokens, "
-                         "beta 0.04; smollm2: the embedded SmolLM2-135M-Instruct, 2 prompts x G 4, 160 new tokens, "
-                         "beta 0; both (default): tiny then smollm2")
+    ap.add_argument("--config", choices=(*CONFIGS, *STAGES, *CONFIG_GROUPS), default="both",
+                    help="GRPO: tiny: random Qwen2 (hidden 256, 4 layers, Qwen vocab), 4 prompts x G 4, 128 new "
+                         "tokens, beta 0.04; smollm2: the embedded SmolLM2-135M-Instruct, 2 prompts x G 4, 160 new "
+                         "tokens, beta 0; both (default): tiny then smollm2. Offline stages on SmolLM2, 8 GSM8K "
+                         "rows per step in micro-batches of 4, max_length 512: sft (vs SFTTrainer), rm (vs "
+                         "RewardTrainer), dpo (vs DPOTrainer, sigmoid, beta 0.1); stages: sft, rm, dpo; all: the five")
     ap.add_argument("--steps", type=int, default=5,
-                    help="GRPO steps per side (default 5); medians are taken over steps 2..N, so use >= 2")
+                    help="optimizer steps per side (default 5); medians are taken over steps 2..N, so use >= 2")
     ap.add_argument("--trl_venv", default=str(DEFAULT_VENV),
                     help="virtualenv for TRL's side, created with pip on first use (default bench/.venv-trl)")
     ap.add_argument("--keep_venv", action=argparse.BooleanOptionalAction, default=True,
@@ -378,6 +677,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sides", choices=("both", "ours", "trl"), default="both",
                     help="which sides to run (default both); one side alone prints its figures without ratios, "
                          "e.g. to re-measure ours after a change")
+    ap.add_argument("--ours_flags", default="",
+                    help="offline stages only: extra config flags for our side, one string, e.g. "
+                         "--ours_flags='--train_jit true' (default none)")
     ap.add_argument("--side", choices=("ours", "trl"), default=None, help=argparse.SUPPRESS)  # internal: child
     ap.add_argument("--spec", default="", help=argparse.SUPPRESS)  # internal: the child's job file
     return ap
@@ -388,7 +690,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.side:
         spec = json.loads(Path(args.spec).read_text(encoding="utf-8"))
-        runner: Callable[[Dict[str, Any]], Dict[str, Any]] = run_ours if args.side == "ours" else run_trl
+        runners: Dict[str, Callable[[Dict[str, Any]], Dict[str, Any]]] = (
+            {"ours": run_ours_stage, "trl": run_trl_stage} if "stage" in spec else {"ours": run_ours, "trl": run_trl})
+        runner = runners[args.side]
         print(RESULT_TAG + json.dumps(runner(spec)), flush=True)
         return 0
     if args.steps < 1:
@@ -404,10 +708,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             trl_python: Optional[Path] = ensure_trl_venv(venv) if args.sides != "ours" else None
         except (subprocess.CalledProcessError, OSError) as err:
             trl_python, trl_error = None, f"could not create the TRL virtualenv {venv}: {err}"
-        for name in (("tiny", "smollm2") if args.config == "both" else (args.config,)):
+        for name in CONFIG_GROUPS.get(args.config, (args.config,)):
             cwork = work / name
             cwork.mkdir(exist_ok=True)
-            spec = make_spec(name, args.steps, cwork)
+            spec = (make_stage_spec(name, args.steps, cwork, args.ours_flags.split()) if name in STAGES
+                    else make_spec(name, args.steps, cwork))
             spec_file = cwork / "spec.json"
             spec_file.write_text(json.dumps(spec, indent=1), encoding="utf-8")
             skipped = {"ok": False, "skipped": True, "error": "not run (--sides)"}
