@@ -24,7 +24,7 @@ from mindrlhf.errors import MindRLHFError
 from mindrlhf.parallel import comm
 from mindrlhf.rm import read_pairs
 from mindrlhf.trainer.entry import StageSpec, load_tokenizer, resolve_weights, run_stage
-from mindrlhf.trainer.offline import OfflineTrainer
+from mindrlhf.trainer.offline import OfflineTrainer, prompt_completion_micro_batches
 from mindrlhf.utils.cli import run_cli
 
 log = logging.getLogger("mindrlhf")
@@ -72,28 +72,18 @@ class DPOObjective:
 def pair_logp_micro_batches(prompts: Sequence[np.ndarray], chosen: Sequence[np.ndarray],
                             rejected: Sequence[np.ndarray], pairs: int, pad_id: int,
                             bucket: int = 32) -> List[Dict[str, np.ndarray]]:
-    """Pairs cut into micro-batches of ``pairs`` pairs in the log-prob head's layout: rows ``chosen_i,
-    rejected_i`` (interleaved, so a pair's rows share their prompt and pack together), prompts left-padded
-    and completions right-padded to the micro-batch's longest (rounded up to ``bucket``); the model reads
-    ``[prompt | completion]`` minus its last token and the last C positions predict the completion."""
-    out = []
-    for s in range(0, len(chosen), pairs):
-        rows = []
-        for p, c, r in zip(prompts[s:s + pairs], chosen[s:s + pairs], rejected[s:s + pairs]):
-            if not len(p):  # nothing predicts a first token without context: it joins the (empty) prompt
-                rows += [(c[:1], c[1:]), (r[:1], r[1:])]
-            else:
-                rows += [(p, c), (p, r)]
-        width_p = -(-max(len(p) for p, _ in rows) // bucket) * bucket
-        width_c = -(-max(len(c) for _, c in rows) // bucket) * bucket
-        ids = np.full((len(rows), width_p + width_c), pad_id, np.int32)
-        real = np.zeros((len(rows), width_p + width_c), np.int32)
-        for i, (p, c) in enumerate(rows):
-            ids[i, width_p - len(p):width_p], ids[i, width_p:width_p + len(c)] = p, c
-            real[i, width_p - len(p):width_p + len(c)] = 1
-        out.append({"input_ids": ids[:, :-1], "attention_mask": real[:, :-1], "completion_ids": ids[:, width_p:],
-                    "completion_mask": real[:, width_p:].astype(np.float32)})
-    return out
+    """Pairs cut into micro-batches of ``pairs`` pairs in the log-prob head's layout
+    (``trainer.offline.prompt_completion_micro_batches``): rows ``chosen_i, rejected_i`` interleaved, so a
+    pair's rows share their prompt and pack together."""
+    rows_p, rows_c = [], []
+    for p, c, r in zip(prompts, chosen, rejected):
+        if not len(p):  # nothing predicts a first token without context: it joins the (empty) prompt
+            rows_p += [c[:1], r[:1]]
+            rows_c += [c[1:], r[1:]]
+        else:
+            rows_p += [p, p]
+            rows_c += [c, r]
+    return prompt_completion_micro_batches(rows_p, rows_c, 2 * pairs, pad_id, bucket=bucket)
 
 
 def sequence_logps(micro: Sequence[Dict[str, np.ndarray]], logps: Sequence[np.ndarray], token_mean: bool) -> np.ndarray:

@@ -23,7 +23,7 @@ from mindrlhf.configs.offline import SFTConfig, parse_sft_args
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.parallel import comm
 from mindrlhf.trainer.entry import StageSpec, load_tokenizer, resolve_weights, run_stage
-from mindrlhf.trainer.offline import OfflineTrainer, pack_rows, shifted_micro_batches
+from mindrlhf.trainer.offline import OfflineTrainer, pack_rows, prompt_completion_micro_batches
 from mindrlhf.utils.cli import run_cli
 
 log = logging.getLogger("mindrlhf")
@@ -63,9 +63,9 @@ class SFTTrainer(OfflineTrainer):
             if valid_rows is not None else None
 
     def micro_batches(self, columns):
-        """Shifted, padded micro-batches of sequences (packed ones attend per row: their segments as the mask)."""
-        return shifted_micro_batches(columns["input_ids"], columns["trained"], self.micro_rows, self.pad_id,
-                                     segments=columns.get("segments"))
+        """Padded micro-batches of sequences (``sft_micro_batches``)."""
+        return sft_micro_batches(columns["input_ids"], columns["trained"], self.micro_rows, self.pad_id,
+                                 segments=columns.get("segments"))
 
     def prepare(self, batch, rows):
         columns = self.dataset.columns
@@ -91,6 +91,24 @@ class SFTTrainer(OfflineTrainer):
                 sums += [-(logp * m).sum(), (correct * m).sum(), m.sum()]
         nll, correct, tokens = self.replica_sum(sums)
         return {"eval/loss": nll / max(tokens, 1.0), "eval/mean_token_accuracy": correct / max(tokens, 1.0)}
+
+
+def sft_micro_batches(input_ids: Sequence[np.ndarray], trained: Sequence[np.ndarray], size: int, pad_id: int,
+                      segments: Optional[Sequence[np.ndarray]] = None, bucket: int = 32):
+    """Sequences cut into micro-batches in the log-prob head's layout: each split before its first trained token
+    (the "prompt", left-padded) so the vocabulary head runs only from there on (the "completion", right-padded;
+    ``trainer.offline.prompt_completion_micro_batches``); untrained tokens after it (packed rows' prompts) stay
+    masked. Packed sequences attend per row (their segments as the mask)."""
+    prompts, completions, masks, segs = [], [], [], []
+    for i, (ids, m) in enumerate(zip(input_ids, trained)):
+        k = max(int(np.argmax(m > 0)), 1) if m.any() else len(ids) - 1  # a row's first token is never trained
+        prompts.append(ids[:k])
+        completions.append(ids[k:])
+        masks.append(m[k:])
+        if segments is not None:
+            segs.append(segments[i])
+    return prompt_completion_micro_batches(prompts, completions, size, pad_id, trained=masks,
+                                           segments=segs if segments is not None else None, bucket=bucket)
 
 
 def sequences(rows, max_length: int = 0) -> Dict[str, list]:

@@ -52,7 +52,7 @@ def test_sft_loss_and_gradients_equal_torch_cross_entropy(tiny_llama_dir, micro)
     from mindrlhf.models import load_model
     from mindrlhf.models.heads import LogProbHead
     from mindrlhf.sft import SFTObjective
-    from mindrlhf.trainer.offline import shifted_micro_batches as micro_batches
+    from mindrlhf.sft import sft_micro_batches as micro_batches
     from mindrlhf.trainer.update import Updater
 
     model = load_model(tiny_llama_dir)
@@ -88,7 +88,7 @@ def test_prompt_tokens_change_nothing_when_masked(tiny_llama_dir):
     from mindrlhf.models import load_model
     from mindrlhf.models.heads import LogProbHead
     from mindrlhf.sft import SFTObjective
-    from mindrlhf.trainer.offline import shifted_micro_batches as micro_batches
+    from mindrlhf.sft import sft_micro_batches as micro_batches
     from mindrlhf.trainer.update import Updater
 
     model = load_model(tiny_llama_dir)
@@ -111,24 +111,26 @@ def test_prompt_tokens_change_nothing_when_masked(tiny_llama_dir):
     assert loss2 == loss
     for a, b in zip(grads, grads2):
         np.testing.assert_array_equal(a, b)
-    unmasked = [dict(mb, completion_mask=mb["attention_mask"].astype(np.float32)) for mb in base]
+    unmasked = [dict(mb, completion_mask=np.ones_like(mb["completion_mask"])) for mb in base]  # padding too
     loss3, _ = run(unmasked)
     assert loss3 != loss
 
 
-def test_micro_batches_shift_pad_and_bucket():
-    from mindrlhf.trainer.offline import shifted_micro_batches as micro_batches
+def test_micro_batches_split_at_the_first_trained_token_and_bucket():
+    """The head's layout: each row's untrained start left-padded, the rest right-padded, both to multiples of 32;
+    completion_ids are the columns after the prompt (what the last C input positions predict)."""
+    from mindrlhf.sft import sft_micro_batches as micro_batches
 
-    ids = [np.array([5, 6, 7], np.int32), np.array([8, 9], np.int32)]
-    masks = [np.array([0, 1, 1], np.int8), np.array([0, 1], np.int8)]
+    ids = [np.array([5, 6, 7], np.int32), np.array([8, 9, 4, 4], np.int32)]
+    masks = [np.array([0, 1, 1], np.int8), np.array([0, 0, 1, 0], np.int8)]
     (mb,) = micro_batches(ids, masks, 2, pad_id=3)
-    assert mb["input_ids"].shape == (2, 32 - 1)
-    np.testing.assert_array_equal(mb["input_ids"][0, :3], [5, 6, 7])
-    np.testing.assert_array_equal(mb["completion_ids"][0, :3], [6, 7, 3])
-    np.testing.assert_array_equal(mb["completion_mask"][0, :3], [1, 1, 0])
-    np.testing.assert_array_equal(mb["completion_mask"][1, :2], [1, 0])
-    np.testing.assert_array_equal(mb["attention_mask"][1, :3], [1, 1, 0])
-    assert mb["completion_mask"].sum() == 3  # every trained token once: the first token is never predicted
+    assert mb["input_ids"].shape == (2, 64 - 1) and mb["completion_ids"].shape == (2, 32)
+    np.testing.assert_array_equal(mb["input_ids"][0, 30:35], [3, 5, 6, 7, 3])
+    np.testing.assert_array_equal(mb["input_ids"][1, 30:35], [8, 9, 4, 4, 3])
+    np.testing.assert_array_equal(mb["attention_mask"][1, 29:35], [0, 1, 1, 1, 1, 0])
+    np.testing.assert_array_equal(mb["completion_ids"][:, :3], [[6, 7, 3], [4, 4, 3]])
+    np.testing.assert_array_equal(mb["completion_mask"][:, :3], [[1, 1, 0], [1, 0, 0]])
+    assert mb["completion_mask"].sum() == 3  # every trained token once
 
 
 def test_pack_rows_is_best_fit_decreasing():
@@ -176,7 +178,7 @@ def test_packed_loss_gradients_and_metrics_equal_unpacked(tiny_llama_dir):
     from mindrlhf.models import load_model
     from mindrlhf.models.heads import LogProbHead
     from mindrlhf.sft import SFTObjective, sequences
-    from mindrlhf.trainer.offline import shifted_micro_batches as micro_batches
+    from mindrlhf.sft import sft_micro_batches as micro_batches
     from mindrlhf.trainer.update import Updater
 
     model = load_model(tiny_llama_dir)

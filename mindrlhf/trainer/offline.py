@@ -105,24 +105,35 @@ def pad_rows(rows: Sequence[np.ndarray], pad_id: int, bucket: int = 32) -> Tuple
     return ids, real
 
 
-def shifted_micro_batches(input_ids: Sequence[np.ndarray], trained: Sequence[np.ndarray], size: int, pad_id: int,
-                          bucket: int = 32, segments: Optional[Sequence[np.ndarray]] = None
-                          ) -> List[Dict[str, np.ndarray]]:
-    """Rows cut into micro-batches of ``size``, each right-padded (``pad_rows``): the model reads tokens
-    ``[0, T-1)`` and predicts ``[1, T)``, so ``completion_ids`` are the rows shifted by one and
-    ``completion_mask`` marks the trained ones. ``segments``: packed sequences' row numbers
-    (``pack_rows``), which become the attention mask (each packed row sees itself only)."""
+def prompt_completion_micro_batches(prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray], size: int,
+                                    pad_id: int, *, trained: Optional[Sequence[np.ndarray]] = None,
+                                    segments: Optional[Sequence[np.ndarray]] = None,
+                                    bucket: int = 32) -> List[Dict[str, np.ndarray]]:
+    """Rows ``[prompt_i | completion_i]`` cut into micro-batches of ``size`` in the log-prob head's layout:
+    prompts left-padded and completions right-padded to the micro-batch's longest (each rounded up to
+    ``bucket``, so compiled layer graphs see few shapes). The model reads the rows minus their last token and
+    its last C positions predict the C completion columns (``completion_ids``), so the vocabulary head runs
+    over completions only. ``completion_mask`` is 1 on the trained tokens: ``trained`` (per completion
+    token) or every real completion token. ``segments``: each row's packed-row numbers (``pack_rows``, as
+    long as prompt + completion), which become the attention mask (each packed row sees itself only).
+    Every prompt needs at least one token (nothing predicts a first token without context)."""
     out = []
-    for s in range(0, len(input_ids), size):
-        full, real = pad_rows(input_ids[s:s + size], pad_id, bucket)
-        train = np.zeros(full.shape, np.float32)
-        for i, m in enumerate(trained[s:s + size]):
-            train[i, :len(m)] = m
-        if segments is not None:
-            for i, seg in enumerate(segments[s:s + size]):
-                real[i, :len(seg)] = seg
-        out.append({"input_ids": full[:, :-1], "attention_mask": real[:, :-1], "completion_ids": full[:, 1:],
-                    "completion_mask": train[:, 1:]})
+    for s in range(0, len(prompts), size):
+        ps, cs = prompts[s:s + size], completions[s:s + size]
+        width_p = -(-max(len(p) for p in ps) // bucket) * bucket
+        width_c = -(-max(len(c) for c in cs) // bucket) * bucket
+        ids = np.full((len(ps), width_p + width_c), pad_id, np.int32)
+        real = np.zeros(ids.shape, np.int32)
+        train = np.zeros((len(ps), width_c), np.float32)
+        for i, (p, c) in enumerate(zip(ps, cs)):
+            if not len(p):
+                raise ValueError("a row with an empty prompt: its first token has no context to be predicted from")
+            lo, hi = width_p - len(p), width_p + len(c)
+            ids[i, lo:width_p], ids[i, width_p:hi] = p, c
+            real[i, lo:hi] = 1 if segments is None else segments[s + i]
+            train[i, :len(c)] = 1.0 if trained is None else trained[s + i]
+        out.append({"input_ids": ids[:, :-1], "attention_mask": real[:, :-1], "completion_ids": ids[:, width_p:],
+                    "completion_mask": train})
     return out
 
 
