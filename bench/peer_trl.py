@@ -559,6 +559,16 @@ def _fmt(value: Optional[float], spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _print_rows(results: List[Any], columns: Callable[[Dict[str, Any]], str]) -> None:
+    """One table row per (config, side) that ran: its name, then ``columns(result)``."""
+    for spec, ours, trl in results:
+        for res in (ours, trl):
+            if res.get("skipped"):
+                continue
+            status = columns(res) if res["ok"] else "  FAILED (see below)"
+            print(f"{spec['config']:<9}{res['side']:<6}{status}")
+
+
 def print_stage_report(results: List[Any]) -> None:
     """The offline stages' table (config, side) x (s/step, tokens/s, real tokens/s, peak RSS GiB), the ratios
     and the checks that both sides ran the same job (weights, tokens per step)."""
@@ -566,15 +576,8 @@ def print_stage_report(results: List[Any]) -> None:
           "chosen + rejected completion tokens; rm: every real token); real tok/s = all non-pad tokens of the rows")
     print(f"{'config':<9}{'side':<6}{'s/step':>9}{'tokens/s':>10}{'real tok/s':>12}{'peak RSS GiB':>14}"
           f"{'first step s':>14}")
-    for spec, ours, trl in results:
-        for res in (ours, trl):
-            if res.get("skipped"):
-                continue
-            if not res["ok"]:
-                print(f"{spec['config']:<9}{res['side']:<6}  FAILED (see below)")
-                continue
-            print(f"{spec['config']:<9}{res['side']:<6}{res['step_s']:>9.2f}{res['tokens_per_s']:>10.1f}"
-                  f"{res['real_tokens_per_s']:>12.1f}{res['peak_rss_gib']:>14.2f}{res['first_step_s']:>14.1f}")
+    _print_rows(results, lambda res: f"{res['step_s']:>9.2f}{res['tokens_per_s']:>10.1f}"
+                f"{res['real_tokens_per_s']:>12.1f}{res['peak_rss_gib']:>14.2f}{res['first_step_s']:>14.1f}")
     for spec, ours, trl in results:
         print(f"\n[{spec['config']}] {spec['rows']} rows per step (batch_size {spec['batch_size']}, micro-batches of "
               f"{spec['micro_batch_size']}), max_length {spec['max_length']}, lr {spec['lr']}"
@@ -618,15 +621,8 @@ def print_report(results: List[Dict[str, Any]]) -> None:
         return
     print("\nmedians of steps 2..N; TRL 'train s' = step - generate (ref/old log-probs, reward, update)")
     print(f"{'config':<9}{'side':<6}{'s/step':>9}{'generate s':>12}{'train s':>9}{'tokens/s':>10}{'peak RSS GiB':>14}")
-    for spec, ours, trl in results:
-        for res in (ours, trl):
-            if res.get("skipped"):
-                continue
-            if not res["ok"]:
-                print(f"{spec['config']:<9}{res['side']:<6}  FAILED (see below)")
-                continue
-            print(f"{spec['config']:<9}{res['side']:<6}{res['step_s']:>9.2f}{_fmt(res['generate_s'], '.2f'):>12}"
-                  f"{_fmt(res['train_s'], '.2f'):>9}{res['tokens_per_s']:>10.1f}{res['peak_rss_gib']:>14.2f}")
+    _print_rows(results, lambda res: f"{res['step_s']:>9.2f}{_fmt(res['generate_s'], '.2f'):>12}"
+                f"{_fmt(res['train_s'], '.2f'):>9}{res['tokens_per_s']:>10.1f}{res['peak_rss_gib']:>14.2f}")
     for spec, ours, trl in results:
         print(f"\n[{spec['config']}] {spec['prompts']} prompts x G {spec['num_generations']}, exactly "
               f"{spec['max_completion_length']} new tokens, temperature {spec['temperature']}, beta {spec['beta']}, "
