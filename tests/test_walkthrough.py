@@ -1,6 +1,6 @@
 """The README's SFT → reward model → DPO walkthrough on the embedded SmolLM2 and real GSM8K data.
 
-Real-model runs take most of an hour on a 2-core CPU, so this module runs only when asked:
+Real-model runs take about two hours on a 2-core CPU, so this module runs only when asked:
 ``MINDRLHF_REALDATA=1 python -m pytest -q tests/test_walkthrough.py -s`` (it is the source of the README's
 figures). ``MINDRLHF_WALKTHROUGH_DIR`` keeps the outputs in a folder of your choice; every command is the
 README's, run as a user runs it, and ``walkthrough_summary.json`` there collects the numbers and wall times.
@@ -24,7 +24,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.realdata,
               pytest.mark.skipif(os.environ.get("MINDRLHF_REALDATA") != "1",
-                                 reason="real-model walkthrough: set MINDRLHF_REALDATA=1 (about an hour on 2 cores)")]
+                                 reason="real-model walkthrough: set MINDRLHF_REALDATA=1 (about two hours on 2 cores)")]
 
 BIN = Path(sys.executable).parent
 KEEP = os.environ.get("MINDRLHF_WALKTHROUGH_DIR")
