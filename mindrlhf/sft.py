@@ -52,15 +52,14 @@ class SFTTrainer(OfflineTrainer):
     curves = (("loss", "loss.png", "SFT: training loss", "loss"),)
 
     def __init__(self, cfg: SFTConfig, *, model, updater, tokenizer, layout, train_rows, valid_rows=None):
-        self.packing = cfg.data.packing
-        train = sequences(train_rows, cfg.data.max_length if self.packing else 0)
+        capacity = cfg.data.max_length if cfg.data.packing else 0  # 0: one row per sequence
+        train = sequences(train_rows, capacity)
         super().__init__(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout, columns=train,
                          source=train_rows.source)
-        if self.packing and comm.is_main():
+        if capacity and comm.is_main():
             log.info("packing: %d rows in %d sequences of up to %d tokens", len(train_rows),
-                     len(train["input_ids"]), cfg.data.max_length)
-        self.valid = sequences(valid_rows, cfg.data.max_length if self.packing else 0) \
-            if valid_rows is not None else None
+                     len(train["input_ids"]), capacity)
+        self.valid = sequences(valid_rows, capacity) if valid_rows is not None else None
 
     def micro_batches(self, columns):
         """Padded micro-batches of sequences (``sft_micro_batches``)."""
@@ -99,16 +98,14 @@ def sft_micro_batches(input_ids: Sequence[np.ndarray], trained: Sequence[np.ndar
     (the "prompt", left-padded) so the vocabulary head runs only from there on (the "completion", right-padded;
     ``trainer.offline.prompt_completion_micro_batches``); untrained tokens after it (packed rows' prompts) stay
     masked. Packed sequences attend per row (their segments as the mask)."""
-    prompts, completions, masks, segs = [], [], [], []
-    for i, (ids, m) in enumerate(zip(input_ids, trained)):
+    prompts, completions, masks = [], [], []
+    for ids, m in zip(input_ids, trained):
         k = max(int(np.argmax(m > 0)), 1) if m.any() else len(ids) - 1  # a row's first token is never trained
         prompts.append(ids[:k])
         completions.append(ids[k:])
         masks.append(m[k:])
-        if segments is not None:
-            segs.append(segments[i])
-    return prompt_completion_micro_batches(prompts, completions, size, pad_id, trained=masks,
-                                           segments=segs if segments is not None else None, bucket=bucket)
+    return prompt_completion_micro_batches(prompts, completions, size, pad_id, trained=masks, segments=segments,
+                                           bucket=bucket)
 
 
 def sequences(rows, max_length: int = 0) -> Dict[str, list]:

@@ -16,6 +16,7 @@ import numpy as np
 from mindrlhf.data.dataset import ShardedDataset
 from mindrlhf.parallel import comm
 from mindrlhf.trainer.base import Trainer
+from mindrlhf.trainer.experience import bucket as round_up
 from mindrlhf.trainer.schedule import run_length
 
 
@@ -97,7 +98,7 @@ class OfflineTrainer(Trainer):
 def pad_rows(rows: Sequence[np.ndarray], pad_id: int, bucket: int = 32) -> Tuple[np.ndarray, np.ndarray]:
     """Right-pad rows of ids to the longest rounded up to ``bucket`` (so compiled layer graphs see few shapes):
     ``(ids (B, T) int32, real (B, T) int32)``, ``real`` 1 on each row's own tokens."""
-    width = -(-max(len(r) for r in rows) // bucket) * bucket
+    width = round_up(max(len(r) for r in rows), bucket)
     ids = np.full((len(rows), width), pad_id, np.int32)
     real = np.zeros((len(rows), width), np.int32)
     for i, r in enumerate(rows):
@@ -120,8 +121,8 @@ def prompt_completion_micro_batches(prompts: Sequence[np.ndarray], completions: 
     out = []
     for s in range(0, len(prompts), size):
         ps, cs = prompts[s:s + size], completions[s:s + size]
-        width_p = -(-max(len(p) for p in ps) // bucket) * bucket
-        width_c = -(-max(len(c) for c in cs) // bucket) * bucket
+        width_p = round_up(max(len(p) for p in ps), bucket)
+        width_c = round_up(max(len(c) for c in cs), bucket)
         ids = np.full((len(ps), width_p + width_c), pad_id, np.int32)
         real = np.zeros(ids.shape, np.int32)
         train = np.zeros((len(ps), width_c), np.float32)
