@@ -9,45 +9,26 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from pathlib import Path
 from typing import Optional, Sequence
 
 from mindrlhf.configs import GRPOConfig, parse_args
-from mindrlhf.errors import MindRLHFError
 from mindrlhf.generation.factory import build_sampler, check_sampler_config
 from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import RunLayout, init_run_layout
 from mindrlhf.parallel.layout import ParallelLayout
 from mindrlhf.parallel.resharding import checkpoint_config, load_shard
-from mindrlhf.resources import GSM8K_TRAIN_SAMPLE
 from mindrlhf.rewards import get_reward_fn
 from mindrlhf.trainer.entry import StageSpec, load_policy, load_tokenizer, resolve_weights, run_stage
+from mindrlhf.trainer.rollout import load_prompt_dataset
 from mindrlhf.utils.cli import run_cli
 
 log = logging.getLogger("mindrlhf")
-DEFAULT_TRAIN_DATA = GSM8K_TRAIN_SAMPLE
 
 
 def resolve_model_path(cfg: GRPOConfig) -> str:
     """The policy weights (``load_sft_checkpoint_train PATH`` or ``sft_path_train``); the embedded
     SmolLM2 default when none is given."""
     return resolve_weights(cfg.model_weights("train"))
-
-
-def resolve_dataset(cfg: GRPOConfig, tokenizer) -> str:
-    """The prompt mindrecord; the packaged GSM8K sample (tokenised once into output_dir) by default."""
-    if cfg.data.mind_dataset_dir:
-        return cfg.data.mind_dataset_dir
-    from mindrlhf.data.rlhf_data import convert_to_mindrecord
-
-    out = Path(cfg.train.output_dir) / "data" / "gsm8k_train_sample.mindrecord"
-    if comm.is_main() and not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        report = convert_to_mindrecord(str(DEFAULT_TRAIN_DATA), str(out), tokenizer,
-                                       max_prompt_length=cfg.generation.max_prompt_length, show_progress=False)
-        log.info("default data: %s", report.summary())
-    comm.barrier()  # the other ranks wait for the file
-    return str(out)
 
 
 def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
@@ -58,7 +39,6 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
     bf16/fp16 the policy's float32 master weights are read from the file (nothing rounded before
     training starts) and its compute copy is cast from them.
     """
-    from mindrlhf.data import PromptDataset
     from mindrlhf.models import CausalLM, get_weights, set_weights
     from mindrlhf.trainer.grpo_trainer import GRPOTrainer
 
@@ -86,25 +66,7 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
         else:
             ref_model = CausalLM(policy.config, m.dtype, train_shard)
             set_weights(ref_model, get_weights(policy), source="initial policy")
-    data_path = resolve_dataset(cfg, tokenizer)
-    # Generator replica j samples its share of every global chunk (its tp ranks: the same prompts).
-    dataset = PromptDataset(data_path, batch_size=cfg.algorithm.chunk_size, seed=cfg.train.seed,
-                            shard_id=layout.infer_dp_rank, num_shards=layout.infer.dp)
-    if dataset.max_prompt_length > cfg.generation.max_prompt_length:
-        raise MindRLHFError(f"{data_path} was built with max_prompt_length={dataset.max_prompt_length} but the config "
-                            f"has max_prompt_length={cfg.generation.max_prompt_length}; rebuild the data or raise it")
-    check_reward_style(cfg, tokenizer, dataset)
-    lengths = dataset.prompt_length.astype(int)
-    largest = max((int(ids[:n].max()) for ids, n in zip(dataset.prompt_ids, lengths) if n), default=0)
-    if largest >= policy.config.vocab_size:
-        raise MindRLHFError(f"{data_path} holds token id {largest} but the model's vocabulary has "
-                            f"{policy.config.vocab_size} tokens: the data was tokenised for another model; rebuild it "
-                            f"with rlhf_data.py and this model's tokenizer")
-    limit = policy.config.max_position_embeddings
-    if dataset.max_prompt_length + cfg.generation.max_completion_length > limit:
-        raise MindRLHFError(f"max_prompt_length + max_completion_length = "
-                            f"{dataset.max_prompt_length + cfg.generation.max_completion_length} exceeds the model's "
-                            f"max_position_embeddings={limit}; lower one of them")
+    dataset = load_prompt_dataset(cfg, layout, tokenizer, policy.config, cfg.algorithm.chunk_size)
     sampler = build_sampler(cfg, sampler_model if sampler_model is not None else policy)
     trainer = GRPOTrainer(cfg, policy=policy, tokenizer=tokenizer, dataset=dataset, sampler=sampler,
                           ref_model=ref_model, layout=layout,
@@ -130,19 +92,6 @@ def check_model_yamls(cfg: GRPOConfig, config, weights: str) -> None:
         if ignored and comm.is_main():
             log.info("%s (sft_path_%s): used parallel_config for the %s layout and checked the architecture; "
                      "ignored (no meaning here): %s", path, side, side, ", ".join(ignored))
-
-
-def check_reward_style(cfg: GRPOConfig, tokenizer, dataset) -> None:
-    """A format reward must match the prompt style the data was built with (read from its first
-    prompt); the other style's format reward never fires. Custom system prompts are not checked."""
-    from mindrlhf.data.gsm8k import check_format_reward, detect_prompt_style
-
-    if not dataset.num_rows:
-        return
-    first = tokenizer.decode(dataset.prompt_ids[0, :int(dataset.prompt_length[0])], skip_special_tokens=False)
-    style = detect_prompt_style(first)
-    if style is not None:
-        check_format_reward(style, cfg.algorithm.reward_funcs, dataset.path)
 
 
 def precheck(cfg: GRPOConfig) -> None:

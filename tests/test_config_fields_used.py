@@ -1,5 +1,5 @@
-"""No config field is dead: each is read by the code (directly or through a derived property of
-GRPOConfig), and the few that only constrain a layout are checked by validation."""
+"""No config field is dead, in any stage's config: each is read by the code (directly or through a derived
+property of its config), and the few that only constrain a layout are checked by validation."""
 from __future__ import annotations
 
 import inspect
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mindrlhf.configs import GRPOConfig
+from mindrlhf.configs import REFERENCES
 from mindrlhf.errors import MindRLHFError
 
 PKG = Path(__file__).resolve().parents[1] / "mindrlhf"
@@ -25,19 +25,19 @@ def _read(name: str, code: str) -> bool:
     return re.search(r"\.%s\b" % re.escape(name), code) is not None
 
 
-def _derived_properties() -> dict:
-    """GRPOConfig's derived properties and methods (``model_weights``), by name: their source."""
+def _derived_properties(config_cls) -> dict:
+    """A config's derived properties and methods (``model_weights``), by name: their source."""
     found = {}
-    for klass in reversed(GRPOConfig.__mro__):  # GRPOConfig's own and those of the shared TrainingConfig
+    for klass in reversed(config_cls.__mro__):  # the config's own and those of the shared TrainingConfig
         found.update({name: inspect.getsource(obj.fget if isinstance(obj, property) else obj)
                       for name, obj in vars(klass).items()
                       if isinstance(obj, property) or (inspect.isfunction(obj) and not name.startswith("__"))})
     return found
 
 
-def _live_properties(code: str) -> dict:
+def _live_properties(code: str, config_cls) -> dict:
     """Derived properties that the code reads, directly or through other live properties."""
-    props = _derived_properties()
+    props = _derived_properties(config_cls)
     live = {name: src for name, src in props.items() if _read(name, code)}
     grew = True
     while grew:
@@ -49,11 +49,13 @@ def _live_properties(code: str) -> dict:
     return live
 
 
-@pytest.mark.parametrize("field", sorted(GRPOConfig.field_index()))
-def test_every_field_is_read_or_validated(field):
+@pytest.mark.parametrize("stage,field", [(stage, field) for stage, (cls, _, _) in REFERENCES.items()
+                                         for field in sorted(cls.field_index())])
+def test_every_field_is_read_or_validated(stage, field):
+    cls = REFERENCES[stage][0]
     code = _code_outside_configs()
-    used = _read(field, code) or any(_read(field, src) for src in _live_properties(code).values())
-    if field in LAYOUT_CHECKED:
+    used = _read(field, code) or any(_read(field, src) for src in _live_properties(code, cls).values())
+    if field in LAYOUT_CHECKED and "infer_dp" in cls.field_index():
         with pytest.raises(MindRLHFError, match=field):
-            GRPOConfig.from_dict(LAYOUT_CHECKED[field])
-    assert used, f"config field {field!r} is never read by mindrlhf (dead field)"
+            cls.from_dict(LAYOUT_CHECKED[field])
+    assert used, f"{stage}: config field {field!r} is never read by mindrlhf (dead field)"

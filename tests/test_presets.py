@@ -45,7 +45,7 @@ def packaged_data_style(tmp_path_factory, qwen_tokenizer_dir) -> str:
     """The style of the packaged default data as the job builds it (read back from its first prompt)."""
     from mindrlhf.data.dataset import PromptDataset
     from mindrlhf.data.rlhf_data import convert_to_mindrecord
-    from mindrlhf.grpo import DEFAULT_TRAIN_DATA
+    from mindrlhf.resources import GSM8K_TRAIN_SAMPLE as DEFAULT_TRAIN_DATA
 
     tokenizer = Tokenizer.from_dir(qwen_tokenizer_dir)
     out = tmp_path_factory.mktemp("default_data") / "sample.mindrecord"

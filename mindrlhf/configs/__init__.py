@@ -18,6 +18,7 @@ from mindrlhf.configs.grpo_configs import (
     parse_args,
 )
 from mindrlhf.configs.offline import DPOConfig, RMConfig, SFTConfig
+from mindrlhf.configs.ppo import PPOConfig
 
 #: stage -> (config class, reference file under the repository, title)
 REFERENCES: Dict[str, Tuple[type, str, str]] = {
@@ -25,6 +26,7 @@ REFERENCES: Dict[str, Tuple[type, str, str]] = {
     "sft": (SFTConfig, "docs/config_reference_sft.md", "SFT configuration reference (mindrlhf-sft)"),
     "rm": (RMConfig, "docs/config_reference_rm.md", "Reward-model configuration reference (mindrlhf-rm)"),
     "dpo": (DPOConfig, "docs/config_reference_dpo.md", "DPO configuration reference (mindrlhf-dpo)"),
+    "ppo": (PPOConfig, "docs/config_reference_ppo.md", "PPO configuration reference (mindrlhf-ppo)"),
 }
 
 
@@ -43,6 +45,7 @@ __all__ = [
     "REFERENCES",
     "AlgorithmConfig",
     "DPOConfig",
+    "PPOConfig",
     "RMConfig",
     "SFTConfig",
     "write_config_references",

@@ -240,11 +240,11 @@ class GRPOTrainer(RolloutTrainer):
                 save_experience(gathered, step_file(t.save_data_file, step))
         t1 = time.perf_counter()
         if cfg.uses_reference:
-            exp.ref_logp = self.batched_logp(self.ref_runner, exp)
+            exp.ref_logp = self.completion_forward(self.ref_runner, exp)
         times["time/ref"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         if self.off_policy:
-            exp.old_logp = self.batched_logp(self.updater.runner, exp)
+            exp.old_logp = self.completion_forward(self.updater.runner, exp)
         times["time/old_logp"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         train_metrics = self.train_on(exp)

@@ -12,11 +12,13 @@ writes ``train_one_step``.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -33,6 +35,7 @@ from mindrlhf.trainer.base import Trainer
 from mindrlhf.trainer.experience import Experience, bucket, left_pad, load_experience, right_pad, step_file
 from mindrlhf.utils import faults
 
+log = logging.getLogger(__name__)
 PROMPT_BUCKET = 32  # prompt columns are padded to a multiple of this (fewer compiled shapes)
 # Completion columns: the longest completion of the step (over all ranks), rounded up to a multiple
 # of this, at most max_completion_length. A policy that learns to stop trains on fewer columns.
@@ -55,12 +58,13 @@ class RolloutTrainer(Trainer):
     """The rollout half of an RL stage on the shared loop (see the module docstring)."""
 
     def __init__(self, cfg, *, policy: CausalLM, updater, tokenizer, dataset: PromptDataset, sampler: Sampler,
-                 rewards: RewardManager, layout, total_steps: int, num_generations: int, rollouts_per_step: int = 1,
-                 mask_truncated: bool = False):
+                 rewards: Optional[RewardManager], layout, total_steps: int, num_generations: int,
+                 rollouts_per_step: int = 1, mask_truncated: bool = False):
         """``sampler``: the rollout backend (``generation.build_sampler``); the policy's weights reach it
         through ``sync_generator`` only. ``num_generations`` completions per prompt; each step samples
         ``rollouts_per_step`` dataset batches; ``mask_truncated``: completions cut at the token limit get a
-        zero loss mask (they still count in the reward metrics)."""
+        zero loss mask (they still count in the reward metrics). ``rewards``: the rule rewards (None: the stage
+        scores completions itself)."""
         super().__init__(cfg, model=policy, updater=updater, tokenizer=tokenizer, layout=layout,
                          total_steps=total_steps)
         self.policy, self.dataset, self.sampler, self.rewards = policy, dataset, sampler, rewards
@@ -124,9 +128,12 @@ class RolloutTrainer(Trainer):
         t0 = time.perf_counter()
         # TRL's reward arguments: the prompt text as the model saw it (chat template included) and the ids.
         prompt_texts = rep(self.tokenizer.batch_decode(prompts, skip_special_tokens=False))
-        total, per_fn = self.rewards(texts, solution_rep, prompts=prompt_texts,
-                                     completion_ids=[list(c.token_ids) for c in completions],
-                                     question=rep(rollout.questions))
+        if self.rewards is not None:
+            total, per_fn = self.rewards(texts, solution_rep, prompts=prompt_texts,
+                                         completion_ids=[list(c.token_ids) for c in completions],
+                                         question=rep(rollout.questions))
+        else:  # a stage scored by a model alone (PPO with a reward model and no reward_funcs)
+            total, per_fn = np.full(len(completions), np.nan, np.float32), {}
         reward_time = time.perf_counter() - t0
         mask = present.astype(np.float32)
         if self.mask_truncated:
@@ -134,7 +141,8 @@ class RolloutTrainer(Trainer):
         exp = Experience(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=comp_ids, completion_mask=mask,
             sampler_logp=sampler_logp, truncated=truncated, rewards=total.astype(np.float32),
-            reward_per_fn=np.stack([per_fn[k] for k in self.rewards.names], axis=1).astype(np.float32),
+            reward_per_fn=np.stack([per_fn[k] for k in self.reward_names], axis=1).astype(np.float32) if per_fn
+            else np.zeros((len(completions), 0), np.float32),
             advantages=np.zeros(len(completions), np.float32), prompt_index=np.array(rep(rollout.index), np.int64),
             extras={"completion_present": present,
                     "sampler_entropy": right_pad([c.entropies for c in completions], C, 0.0, np.float32)})
@@ -178,8 +186,9 @@ class RolloutTrainer(Trainer):
         return self._train_share(exp)
 
     # -- log-probs ------------------------------------------------------------------------------
-    def batched_logp(self, runner: PipelineRunner, exp: Experience) -> np.ndarray:
-        """Completion log-probs of every row of ``exp`` under ``runner``'s model, micro-batch by micro-batch."""
+    def completion_forward(self, runner: PipelineRunner, exp: Experience) -> np.ndarray:
+        """``runner``'s per-completion-token output (log-probs, or a critic's values) for every row of ``exp``,
+        micro-batch by micro-batch."""
         inputs = exp.train_inputs()
         size = self._micro_size()
         micro = [{"input_ids": inputs["input_ids"][s:s + size], "attention_mask": inputs["attention_mask"][s:s + size],
@@ -205,13 +214,20 @@ class RolloutTrainer(Trainer):
 
 
     # -- checkpoint hooks (trainer.base) ----------------------------------------------------------
+    @property
+    def reward_names(self) -> List[str]:
+        """The reward functions' names (none without a ``RewardManager``)."""
+        return list(self.rewards.names) if self.rewards is not None else []
+
     def stage_state(self) -> Dict[str, object]:
-        return {"batches_drawn": self.batches_drawn, "reward_failures": dict(self.rewards.failures)}
+        failures = dict(self.rewards.failures) if self.rewards is not None else {}
+        return {"batches_drawn": self.batches_drawn, "reward_failures": failures}
 
     def load_stage_state(self, state) -> None:
         # Checkpoints from before dynamic sampling: every step read rollouts_per_step batches.
         self.batches_drawn = int(state.get("batches_drawn", self.step * self.rollouts_per_step))
-        self.rewards.failures.update(state.get("reward_failures", {}))
+        if self.rewards is not None:
+            self.rewards.failures.update(state.get("reward_failures", {}))
 
     def after_load(self) -> None:
         self.sync_generator()
@@ -227,7 +243,7 @@ class RolloutTrainer(Trainer):
             group_std = np.nanstd(groups, axis=1, ddof=1) if G > 1 else np.zeros(len(groups))
             m = {"reward": float(np.nanmean(rewards)), "reward_std": float(np.nanmean(group_std)),
                  "frac_reward_zero_std": float(np.mean(np.nan_to_num(group_std) < 1e-8))}
-        for i, name in enumerate(self.rewards.names):
+        for i, name in enumerate(self.reward_names):
             m[f"rewards/{name}/mean"] = float(np.nanmean(per_fn[:, i])) if np.isfinite(per_fn[:, i]).any() else math.nan
             m[f"rewards/{name}/std"] = float(np.nanstd(per_fn[:, i])) if np.isfinite(per_fn[:, i]).any() else math.nan
         lengths = self._gather_rows(exp.extras["completion_present"].sum(1).astype(np.float32))
@@ -247,9 +263,67 @@ class RolloutTrainer(Trainer):
             for i, text in enumerate(texts):
                 row = {"step": step, "prompt": prompts[i], "completion": text, "solution": info["solutions"][i],
                        "reward": float(exp.rewards[i]), **self._dump_fields(exp, i),
-                       "rewards": {n: float(exp.reward_per_fn[i, j]) for j, n in enumerate(self.rewards.names)}}
+                       "rewards": {n: float(exp.reward_per_fn[i, j]) for j, n in enumerate(self.reward_names)}}
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
     def _dump_fields(self, exp: Experience, i: int) -> Dict[str, object]:
         """What a completions dump adds for row ``i`` beyond its text and rewards (the stage's view of it)."""
         return {"advantage": float(exp.advantages[i])}
+
+
+# -- the prompts ------------------------------------------------------------------------------------
+def resolve_dataset(cfg, tokenizer) -> str:
+    """The prompt mindrecord (``data.mind_dataset_dir``); the packaged GSM8K sample, tokenised once into
+    output_dir, by default."""
+    if cfg.data.mind_dataset_dir:
+        return cfg.data.mind_dataset_dir
+    from mindrlhf.data.rlhf_data import convert_to_mindrecord
+    from mindrlhf.resources import GSM8K_TRAIN_SAMPLE
+
+    out = Path(cfg.train.output_dir) / "data" / "gsm8k_train_sample.mindrecord"
+    if comm.is_main() and not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        report = convert_to_mindrecord(str(GSM8K_TRAIN_SAMPLE), str(out), tokenizer,
+                                       max_prompt_length=cfg.generation.max_prompt_length, show_progress=False)
+        log.info("default data: %s", report.summary())
+    comm.barrier()  # the other ranks wait for the file
+    return str(out)
+
+
+def load_prompt_dataset(cfg, layout, tokenizer, model_config, batch_size: int) -> PromptDataset:
+    """This generator replica's share of the prompts (``batch_size`` per global batch), checked against the
+    config and the model: prompt length limits, the vocabulary, the context length and the format reward's
+    prompt style."""
+    data_path = resolve_dataset(cfg, tokenizer)
+    # Generator replica j samples its share of every global batch (its tp ranks: the same prompts).
+    dataset = PromptDataset(data_path, batch_size=batch_size, seed=cfg.train.seed,
+                            shard_id=layout.infer_dp_rank, num_shards=layout.infer.dp)
+    if dataset.max_prompt_length > cfg.generation.max_prompt_length:
+        raise MindRLHFError(f"{data_path} was built with max_prompt_length={dataset.max_prompt_length} but the config "
+                            f"has max_prompt_length={cfg.generation.max_prompt_length}; rebuild the data or raise it")
+    check_reward_style(cfg, tokenizer, dataset)
+    lengths = dataset.prompt_length.astype(int)
+    largest = max((int(ids[:n].max()) for ids, n in zip(dataset.prompt_ids, lengths) if n), default=0)
+    if largest >= model_config.vocab_size:
+        raise MindRLHFError(f"{data_path} holds token id {largest} but the model's vocabulary has "
+                            f"{model_config.vocab_size} tokens: the data was tokenised for another model; rebuild it "
+                            f"with rlhf_data.py and this model's tokenizer")
+    limit = model_config.max_position_embeddings
+    if dataset.max_prompt_length + cfg.generation.max_completion_length > limit:
+        raise MindRLHFError(f"max_prompt_length + max_completion_length = "
+                            f"{dataset.max_prompt_length + cfg.generation.max_completion_length} exceeds the model's "
+                            f"max_position_embeddings={limit}; lower one of them")
+    return dataset
+
+
+def check_reward_style(cfg, tokenizer, dataset) -> None:
+    """A format reward must match the prompt style the data was built with (read from its first
+    prompt); the other style's format reward never fires. Custom system prompts are not checked."""
+    from mindrlhf.data.gsm8k import check_format_reward, detect_prompt_style
+
+    if not dataset.num_rows:
+        return
+    first = tokenizer.decode(dataset.prompt_ids[0, :int(dataset.prompt_length[0])], skip_special_tokens=False)
+    style = detect_prompt_style(first)
+    if style is not None:
+        check_format_reward(style, cfg.algorithm.reward_funcs, dataset.path)

@@ -1,0 +1,381 @@
+"""``mindrlhf-ppo`` / ``python -m mindrlhf.ppo``: PPO with a critic and a reward model (InstructGPT's RL stage).
+
+The recipe, top to bottom: prompts → the actor samples completions (``trainer.rollout``: the sampler and
+the train → infer weight sync GRPO uses) → each completion's score (the reward model's value at its last
+token, scaled and biased, plus the rule rewards) → the actor's, reference's and critic's passes over the
+rollout → per-token rewards ``−kl_coef·KL_t`` with the score at the last token, GAE, returns, whitened
+advantages (``algorithms.ppo``, on the global batch, so every layout computes the same numbers) →
+``ppo_epochs × num_mini_batches`` updates of the actor (the clipped surrogate, ``algorithms.policy_loss``)
+and of the critic (the clipped value loss, its own float32 masters and AdamW) → weight sync. Metrics carry
+the names of TRL's last ``PPOTrainer`` (``objective/*``, ``policy/*``, ``loss/*``, ``val/*``).
+
+Run on one process with ``python`` or on several with ``msrun … -m mindrlhf.ppo --use_parallel true``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from functools import partial
+from pathlib import Path
+from typing import Dict, Optional, Sequence
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, ops
+
+from mindrlhf.algorithms import ppo as ppo_math
+from mindrlhf.algorithms.losses import aggregate_loss, policy_loss
+from mindrlhf.configs.ppo import PPOConfig, parse_ppo_args
+from mindrlhf.errors import MindRLHFError
+from mindrlhf.parallel import comm
+from mindrlhf.trainer.entry import StageSpec, load_policy, load_tokenizer, resolve_weights, run_stage
+from mindrlhf.trainer.experience import Experience
+from mindrlhf.trainer.rollout import RolloutTrainer, load_prompt_dataset
+from mindrlhf.trainer.schedule import lr_at
+from mindrlhf.utils.cli import run_cli
+
+log = logging.getLogger("mindrlhf")
+
+#: Plots written beside metrics.jsonl with each checkpoint.
+PPO_CURVES = (("objective/scores", "reward.png", "PPO: mean score", "score"),
+              ("objective/kl", "kl.png", "PPO: KL to the reference (per completion)", "KL"),
+              ("loss/value_avg", "loss.png", "PPO: value loss", "value loss"))
+
+
+class ActorObjective:
+    """The actor's loss of one micro-batch: PPO's clipped surrogate with per-token advantages, averaged over the
+    mini-batch's completion tokens (``num_tokens``, global), and the sums of its metrics."""
+
+    inputs = ("completion_mask", "advantages", "old_logp")
+    aux = (("tokens", "sum"), ("clipped", "sum"), ("approxkl", "sum"))
+
+    def __init__(self, cliprange: float):
+        self.cliprange = float(cliprange)
+
+    def loss(self, logp: Tensor, completion_mask: Tensor, advantages: Tensor, old_logp: Tensor, num_tokens: Tensor):
+        loss, m = policy_loss(logp, old_logp, advantages, completion_mask, loss_type="grpo",
+                              epsilon_low=self.cliprange, epsilon_high=self.cliprange, loss_agg_mode="token-mean",
+                              global_num_tokens=num_tokens)
+        mask = (completion_mask > 0).astype(logp.dtype)
+        tokens = mask.sum()
+        d = ops.stop_gradient(logp - old_logp) * mask
+        # TRL's policy/approxkl: 0.5·(logp − logp_old)²; its clipfrac: where the clipped term is the larger,
+        # i.e. the ratio left the clip range on the side the advantage pushes (clip_ratio/region_mean).
+        return loss, (tokens, m["clip_ratio/region_mean"] * tokens, 0.5 * (d * d).sum())
+
+    def metrics(self, reduced: Dict[str, float]) -> Dict[str, float]:
+        tokens = max(reduced["tokens"], 1.0)
+        return {"policy/clipfrac": reduced["clipped"] / tokens, "policy/approxkl": reduced["approxkl"] / tokens}
+
+
+class CriticObjective:
+    """The critic's loss of one micro-batch: ``vf_coef`` × the clipped value loss averaged over the mini-batch's
+    completion tokens (``algorithms.ppo.clipped_value_loss``)."""
+
+    inputs = ("completion_mask", "returns", "old_values")
+    aux = (("tokens", "sum"), ("clipped", "sum"))
+
+    def __init__(self, cliprange_value: float, vf_coef: float):
+        self.cliprange_value, self.vf_coef = float(cliprange_value), float(vf_coef)
+
+    def loss(self, values: Tensor, completion_mask: Tensor, returns: Tensor, old_values: Tensor, num_tokens: Tensor):
+        per_token, clipped = ppo_math.clipped_value_loss(values, old_values, returns, self.cliprange_value)
+        mask = (completion_mask > 0).astype(values.dtype)
+        value_loss = aggregate_loss(per_token, mask, "token-mean", global_num_tokens=num_tokens)
+        return self.vf_coef * value_loss, (mask.sum(), (clipped * mask).sum())
+
+    def metrics(self, reduced: Dict[str, float]) -> Dict[str, float]:
+        return {"val/clipfrac": reduced["clipped"] / max(reduced["tokens"], 1.0)}
+
+
+class PPOTrainer(RolloutTrainer):
+    """PPO on the shared loop: the actor is the trained model of ``trainer.base`` (its masters and optimizer
+    are the checkpoint's policy.ckpt / optimizer.ckpt); the critic is a second ``Updater`` saved beside it."""
+
+    stage = "ppo"
+    math_groups = ("algorithm", "generation", "optimizer", "data")
+    headline = "objective/scores"
+    curves = PPO_CURVES
+
+    def __init__(self, cfg: PPOConfig, *, actor, critic, tokenizer, dataset, sampler, layout, ref_model=None,
+                 reward_model=None, actor_masters=None, critic_masters=None):
+        from mindrlhf.models.heads import LogProbHead, ScoreHead, ValueHead
+        from mindrlhf.parallel.pipeline import PipelineRunner
+        from mindrlhf.rewards import RewardManager
+        from mindrlhf.trainer.update import build_updater
+
+        a, g, p = cfg.algorithm, cfg.generation, cfg.parallel
+        if cfg.uses_reference and ref_model is None:
+            raise MindRLHFError("kl_coef > 0 needs a reference model; the trainer was built without one")
+        groups = layout.groups
+        temperature = g.temperature
+        updater = build_updater(cfg, actor, ActorObjective(a.cliprange), head=LogProbHead(temperature), groups=groups,
+                                masters=actor_masters, share_prompts=p.share_prompts)
+        rewards = RewardManager(list(a.reward_funcs), a.reward_weights, a.reward_errors) if a.reward_funcs else None
+        super().__init__(cfg, policy=actor, updater=updater, tokenizer=tokenizer, dataset=dataset, sampler=sampler,
+                         rewards=rewards, layout=layout, total_steps=cfg.train.max_steps,
+                         num_generations=a.num_generations)
+        self.critic = critic
+        self.critic_updater = build_updater(cfg, critic, CriticObjective(a.cliprange_value, a.vf_coef),
+                                            head=ValueHead(), groups=groups, masters=critic_masters)
+        self.ref_runner = None if ref_model is None else PipelineRunner(
+            ref_model, groups, head=LogProbHead(temperature), jit=p.jit, share_prompts=p.share_prompts)
+        self.rm_runner = None if reward_model is None else PipelineRunner(reward_model, groups, head=ScoreHead(1),
+                                                                           jit=p.jit)
+        self.value_norm = ppo_math.RunningValueNorm(a.value_norm_beta) if a.value_norm else None
+
+    # -- scoring ------------------------------------------------------------------------------------
+    def model_scores(self, exp: Experience) -> np.ndarray:
+        """The reward model's score of every row of ``exp`` (B,): its value at each completion's last token."""
+        ids = np.concatenate([exp.prompt_ids, exp.completion_ids], axis=1).astype(np.int32)
+        mask = np.concatenate([exp.prompt_mask, exp.completion_ids_mask()], axis=1).astype(np.int32)
+        size = self._micro_size()
+        micro = [{"input_ids": ids[s:s + size], "attention_mask": mask[s:s + size]} for s in range(0, len(exp), size)]
+        return np.concatenate(self.rm_runner.forward(micro))[:, 0].astype(np.float64)
+
+    def scores(self, exp: Experience, rm_scores: Optional[np.ndarray]) -> np.ndarray:
+        """Each completion's score (B,): the reward model's (scaled, biased) plus the rule rewards' weighted sum
+        (a completion no rule scored adds 0), clipped; a truncated completion's replaced by truncated_penalty."""
+        a = self.cfg.algorithm
+        total = np.zeros(len(exp)) if rm_scores is None else rm_scores * a.reward_output_scaling + a.reward_output_bias
+        total = total + np.nan_to_num(exp.rewards.astype(np.float64), nan=0.0)
+        return ppo_math.shape_scores(total, clip=a.max_reward_clip, truncated=exp.truncated,
+                                     truncated_penalty=a.truncated_penalty)
+
+    # -- the step -----------------------------------------------------------------------------------
+    def train_one_step(self) -> Dict[str, float]:
+        """Run PPO step ``self.step + 1``; returns its metrics."""
+        a, t = self.cfg.algorithm, self.cfg.train
+        step = self.step + 1
+        times: Dict[str, float] = {}
+        t0 = time.perf_counter()
+        local, texts, info = self._score(self._rollout(step, 0))
+        exp = self._train_share(self._global_rows(local))
+        times["time/reward"] = info["reward_time"]
+        times["time/generate"] = time.perf_counter() - t0 - info["reward_time"]
+
+        t1 = time.perf_counter()
+        rm_scores = self.model_scores(exp) if self.rm_runner is not None else None
+        times["time/reward_model"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        old_logp = self.completion_forward(self.updater.runner, exp)
+        times["time/old_logp"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        ref_logp = self.completion_forward(self.ref_runner, exp) if self.ref_runner is not None else old_logp
+        times["time/ref"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        values = self.completion_forward(self.critic_updater.runner, exp)
+        times["time/values"] = time.perf_counter() - t1
+
+        # The reward, GAE and whitening on the global batch (every rank the same numbers), then this share.
+        gather = self._gather_rows
+        score = self.scores(exp, rm_scores)
+        mask = gather(exp.completion_mask)
+        g_old, g_values = gather(old_logp).astype(np.float64), gather(values).astype(np.float64)
+        g_score = gather(score)
+        rewards, kl = ppo_math.kl_shaped_rewards(g_old, gather(ref_logp), mask, g_score, a.kl_coef, a.kl_estimator)
+        gae_values = self.value_norm.denormalize(g_values) if self.value_norm is not None else g_values
+        advantages, returns = ppo_math.gae(rewards, gae_values, mask, a.gamma, a.lam)
+        if self.value_norm is not None:
+            self.value_norm.update(returns, mask)
+            returns = np.where(mask > 0, self.value_norm.normalize(returns), 0.0)
+        if a.adv_norm:
+            advantages = ppo_math.masked_whiten(advantages, mask)
+        share = self._share_rows(len(mask))
+        exp.advantages = advantages[share].astype(np.float32)
+        exp.old_logp = old_logp
+        exp.extras["returns"] = returns[share].astype(np.float32)
+        exp.extras["old_values"] = values.astype(np.float32)
+
+        t1 = time.perf_counter()
+        train_metrics = self.train_on(exp)
+        times["time/train"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        self.sync_generator()
+        times["time/sync"] = time.perf_counter() - t1
+        self.step = step
+
+        exp.rewards = score.astype(np.float32)  # the reward metrics describe the score the step trained on
+        metrics = self._reward_metrics(exp)
+        for k in ("reward_std", "frac_reward_zero_std"):  # group statistics: GRPO's, not PPO's
+            metrics.pop(k, None)
+        if rm_scores is not None:
+            metrics["rewards/reward_model/mean"] = float(np.mean(gather(rm_scores)))
+        m = mask > 0
+        non_score = (-a.kl_coef * kl).sum(1)
+        metrics.update({
+            "objective/kl": float(kl.sum(1).mean()),
+            "objective/entropy": float((-np.where(m, g_old, 0.0)).sum(1).mean()),
+            "objective/non_score_reward": float(non_score.mean()),
+            "objective/rlhf_reward": float((g_score + non_score).mean()),
+            "objective/scores": float(g_score.mean()),
+            "val/mean": float(gae_values[m].mean()) if m.any() else 0.0,
+            "val/var": float(gae_values[m].var()) if m.any() else 0.0,
+        })
+        metrics.update(train_metrics)
+        metrics.update(self.update_metrics())
+        if self.rewards is not None:
+            metrics["reward_fn_failures"] = float(sum(self.rewards.failures.values()))
+        metrics.update(times)
+        metrics["step_time"] = time.perf_counter() - t0
+        tokens = float(self._sum_replicas(np.array([exp.extras["completion_present"].sum()]))[0])
+        metrics["tokens_per_second"] = tokens / max(metrics["step_time"], 1e-9)
+        if t.log_completions_steps and step % t.log_completions_steps == 0 and comm.is_main():
+            self._dump_completions(step, texts, info, exp)
+        return metrics
+
+    def _share_rows(self, n: int) -> np.ndarray:
+        """This train replica's rows of a global batch of ``n`` (``_train_share``'s block)."""
+        per = n // self.layout.train.dp
+        return np.arange(self.layout.train_dp_rank * per, (self.layout.train_dp_rank + 1) * per)
+
+    def train_on(self, exp: Experience) -> Dict[str, float]:
+        """ppo_epochs × num_mini_batches updates of the actor, then the critic, on this step's rollout."""
+        a, o = self.cfg.algorithm, self.cfg.optimizer
+        inputs = exp.train_inputs()
+        n_mb = a.num_mini_batches
+        lr = self.learning_rate()
+        critic_lr = lr_at(self.step, lr=self.cfg.critic_lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
+                          total_steps=self.total_steps, schedule=o.lr_schedule)
+        self.updater.set_lr(lr)
+        self.critic_updater.set_lr(critic_lr)
+        actor_results, critic_results = [], []
+        size = self._micro_size()
+        for _ in range(a.ppo_epochs):
+            for k in range(n_mb):
+                # Mini-batch k holds local rows j ≡ k (mod n_mb): the same global rows for any number of ranks.
+                rows = np.arange(k, len(exp), n_mb)
+                num_tokens = float(self._sum_replicas(np.array([exp.completion_mask[rows].sum()]))[0])
+                pieces = [rows[s:s + size] for s in range(0, len(rows), size)]
+                base = [{"input_ids": inputs["input_ids"][r], "attention_mask": inputs["attention_mask"][r],
+                         "completion_ids": exp.completion_ids[r], "completion_mask": exp.completion_mask[r]}
+                        for r in pieces]
+                actor_micro = [dict(b, advantages=exp.advantages[r], old_logp=exp.old_logp[r])
+                               for b, r in zip(base, pieces)]
+                res = self.updater.step(actor_micro, (num_tokens,))
+                self.count_nonfinite(res)
+                actor_results.append(res)
+                critic_micro = [dict(b, returns=exp.extras["returns"][r], old_values=exp.extras["old_values"][r])
+                                for b, r in zip(base, pieces)]
+                res = self.critic_updater.step(critic_micro, (num_tokens,))
+                self.count_nonfinite(res)
+                critic_results.append(res)
+        mean = lambda rs, k: float(np.mean([r[k] for r in rs]))  # noqa: E731
+        return {"loss/policy_avg": mean(actor_results, "loss"),
+                "policy/approxkl_avg": mean(actor_results, "policy/approxkl"),
+                "policy/clipfrac_avg": mean(actor_results, "policy/clipfrac"),
+                "loss/value_avg": mean(critic_results, "loss") / self.cfg.algorithm.vf_coef,
+                "val/clipfrac_avg": mean(critic_results, "val/clipfrac"),
+                "grad_norm": mean(actor_results, "grad_norm"), "val/grad_norm": mean(critic_results, "grad_norm"),
+                "learning_rate": lr, "critic_learning_rate": critic_lr}
+
+    def _dump_fields(self, exp: Experience, i: int) -> Dict[str, object]:
+        return {"mean_advantage": float(exp.advantages[i][exp.completion_mask[i] > 0].mean())
+                if exp.completion_mask[i].any() else 0.0}
+
+    # -- checkpoint hooks (trainer.base) ------------------------------------------------------------
+    def extra_tensors(self) -> Dict[str, Dict[str, ms.Parameter]]:
+        return {"critic": self.critic_updater.master_weights(),
+                "critic_optimizer": self.critic_updater.optimizer_state()}
+
+    def load_extra_tensors(self, path: Path, state) -> None:
+        self.load_tensors(self.critic_updater.master_weights(), path / "critic.ckpt")
+        self.critic_updater.refresh_weights()
+        self.load_tensors(self.critic_updater.optimizer_state(), path / "critic_optimizer.ckpt")
+        self.critic_updater.load_loss_scale_state(state.get("critic_loss_scale", {}))
+
+    def stage_state(self) -> Dict[str, object]:
+        state = super().stage_state()
+        if self.value_norm is not None:
+            state["value_norm"] = self.value_norm.state()
+        if self.critic_updater.scaler is not None:
+            state["critic_loss_scale"] = self.critic_updater.loss_scale_state()
+        return state
+
+    def load_stage_state(self, state) -> None:
+        super().load_stage_state(state)
+        if self.value_norm is not None and "value_norm" in state:
+            self.value_norm.load_state(state["value_norm"])
+
+
+# -- building the run ---------------------------------------------------------------------------------
+def build_trainer(cfg: PPOConfig, layout) -> PPOTrainer:
+    """Load the actor (and its generator), the critic, the reference, the reward model, the tokenizer and the
+    prompts as the config says; return a ready ``PPOTrainer``."""
+    from mindrlhf.generation.factory import build_sampler
+    from mindrlhf.models import CausalLM, get_weights, set_weights
+    from mindrlhf.parallel.resharding import checkpoint_config, load_shard
+
+    m, a = cfg.model, cfg.algorithm
+    actor_path = resolve_weights(m.model_path)
+    tokenizer = load_tokenizer(m, actor_path)
+    config = checkpoint_config(actor_path)
+    if config.num_labels:
+        raise MindRLHFError(f"--model {actor_path} is a sequence-classification model; the actor must be a causal "
+                            "LM (give the reward model as --reward_model)")
+    shard = layout.groups.shard()
+    actor, actor_masters = load_policy(actor_path, config, layout, m.dtype)
+    sampler_model = None if layout.shared_generator else CausalLM(config, m.dtype, layout.infer_shard())
+    ref_model = None
+    if cfg.uses_reference:
+        if m.ref_model_path:
+            ref_model = load_shard(m.ref_model_path, layout.train, layout.rank, dtype=m.dtype, tp_group=shard.tp_group)
+        else:
+            ref_model = CausalLM(actor.config, m.dtype, shard)
+            set_weights(ref_model, get_weights(actor), source="initial actor")
+    reward_model = None
+    if m.reward_model_path:
+        rm_config = checkpoint_config(m.reward_model_path)
+        check_scorer(rm_config, config, m.reward_model_path, "--reward_model")
+        reward_model = load_shard(m.reward_model_path, layout.train, layout.rank, dtype=m.dtype,
+                                  tp_group=shard.tp_group)
+    critic_path = m.critic_model_path or m.reward_model_path or actor_path
+    critic_config = checkpoint_config(critic_path)
+    if critic_config.num_labels:
+        check_scorer(critic_config, config, critic_path, "--critic_model")
+    critic, critic_masters = load_policy(critic_path, critic_config, layout, m.dtype, num_labels=1,
+                                         seed=cfg.train.seed)
+    dataset = load_prompt_dataset(cfg, layout, tokenizer, config, a.batch_size)
+    sampler = build_sampler(cfg, sampler_model if sampler_model is not None else actor)
+    trainer = PPOTrainer(cfg, actor=actor, critic=critic, tokenizer=tokenizer, dataset=dataset, sampler=sampler,
+                         layout=layout, ref_model=ref_model, reward_model=reward_model, actor_masters=actor_masters,
+                         critic_masters=critic_masters)
+    if sampler_model is not None:
+        trainer.sync_generator()  # the generator starts from the actor's weights
+    return trainer
+
+
+def check_scorer(scorer, actor, path: str, flag: str) -> None:
+    """A reward model or critic must score the actor's tokens: one label, the same vocabulary."""
+    if scorer.num_labels != 1:
+        raise MindRLHFError(f"{flag} {path} has {scorer.num_labels} labels; a reward model or critic has one")
+    if scorer.vocab_size != actor.vocab_size:
+        raise MindRLHFError(f"{flag} {path} has a vocabulary of {scorer.vocab_size} tokens but the actor's has "
+                            f"{actor.vocab_size}: it must use the actor's tokenizer")
+
+
+def precheck(cfg: PPOConfig) -> None:
+    """What must fail before any model loads: a typo in a dotted reward path, an unavailable backend, a layout
+    the critic's checkpoint cannot be saved in yet."""
+    from mindrlhf.generation.factory import check_sampler_config
+    from mindrlhf.rewards import get_reward_fn
+
+    for name in cfg.algorithm.reward_funcs:
+        get_reward_fn(name)
+    check_sampler_config(cfg)
+    p = cfg.parallel
+    if p.train_tp * p.train_pp > 1:
+        raise MindRLHFError(f"train_tp = {p.train_tp}, train_pp = {p.train_pp}: PPO trains data-parallel only for "
+                            "now (the critic's sharded checkpoint is not written yet); use train_dp")
+
+
+PPO = StageSpec(parse=parse_ppo_args, build=build_trainer, precheck=precheck)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console entry point (``mindrlhf-ppo``)."""
+    return run_cli(partial(run_stage, PPO), argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
