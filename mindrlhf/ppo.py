@@ -149,10 +149,16 @@ class PPOTrainer(RolloutTrainer):
         step = self.step + 1
         times: Dict[str, float] = {}
         t0 = time.perf_counter()
-        local, texts, info = self._score(self._rollout(step, 0))
-        exp = self._train_share(self._global_rows(local))
-        times["time/reward"] = info["reward_time"]
-        times["time/generate"] = time.perf_counter() - t0 - info["reward_time"]
+        texts, info = None, None
+        if t.replay_data_file:
+            exp = self.replay(step)
+            times["time/generate"], times["time/reward"] = 0.0, 0.0
+        else:
+            local, texts, info = self._score(self._rollout(step, 0))
+            exp = self._train_share(self._global_rows(local))
+            times["time/reward"] = info["reward_time"]
+            times["time/generate"] = time.perf_counter() - t0 - info["reward_time"]
+        self.record(step, exp)
 
         t1 = time.perf_counter()
         rm_scores = self.model_scores(exp) if self.rm_runner is not None else None
@@ -220,7 +226,7 @@ class PPOTrainer(RolloutTrainer):
         metrics["step_time"] = time.perf_counter() - t0
         tokens = float(self._sum_replicas(np.array([exp.extras["completion_present"].sum()]))[0])
         metrics["tokens_per_second"] = tokens / max(metrics["step_time"], 1e-9)
-        if t.log_completions_steps and step % t.log_completions_steps == 0 and comm.is_main():
+        if texts is not None and t.log_completions_steps and step % t.log_completions_steps == 0 and comm.is_main():
             self._dump_completions(step, texts, info, exp)
         return metrics
 

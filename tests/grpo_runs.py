@@ -99,13 +99,14 @@ def launch_env(env_extra=None) -> dict:
     return env
 
 
-def msrun(n: int, argv, log_dir: Path, port: int) -> subprocess.CompletedProcess:
-    """``msrun`` of ``n`` local workers running the tutorial's grpo_one_stage.py with ``argv``; raises
-    with the workers' log tails when it fails."""
+def msrun(n: int, argv, log_dir: Path, port: int,
+          script: str = "examples/grpo/qwen_grpo_tutorial/grpo_one_stage.py") -> subprocess.CompletedProcess:
+    """``msrun`` of ``n`` local workers running ``script`` (the tutorial's grpo_one_stage.py by default) with
+    ``argv``; raises with the workers' log tails when it fails."""
     env = launch_env()
     cmd = [str(Path(sys.executable).parent / "msrun"), f"--worker_num={n}", f"--local_worker_num={n}",
            f"--master_port={port}", "--join=True", f"--log_dir={log_dir}",
-           str(REPO / "examples/grpo/qwen_grpo_tutorial/grpo_one_stage.py"), *map(str, argv)]
+           str(REPO / script), *map(str, argv)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         logs = "\n".join(p.read_text()[-3000:] for p in sorted(log_dir.glob("*.log")))

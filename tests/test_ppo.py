@@ -141,6 +141,36 @@ def test_without_a_reward_model_the_critic_is_the_actor_with_a_new_head(ppo_asse
     assert np.isfinite(row["loss/value_avg"]) and row["val/grad_norm"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.msrun
+def test_two_workers_match_one_on_replayed_rollouts(ppo_assets, tmp_path):
+    """dp2 under msrun replaying a one-process run's recorded rollouts computes that run's step: the same scores,
+    KL, GAE statistics, policy and value losses, gradient norms, and the same updated actor and critic (the
+    reward math runs on the global batch, the losses divide by global token counts)."""
+    import mindspore as ms
+
+    from grpo_runs import assert_same_updated_weights, msrun
+
+    dump = tmp_path / "exp" / "rollouts.npz"
+    one = tmp_path / "one"
+    proc = _run(_argv(ppo_assets, one, max_steps=2, save_data_file=dump))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = tmp_path / "two"
+    msrun(2, _argv(ppo_assets, two, max_steps=2, replay_data_file=dump, use_parallel="true", train_dp=2,
+                   infer_dp=2), tmp_path / "log", 8137, script="examples/stages/ppo.py")
+    m1, m2 = _rows(one), _rows(two)
+    assert [r["step"] for r in m2] == [1, 2]
+    for a, b in zip(m1, m2):
+        for key in ("objective/scores", "objective/kl", "objective/rlhf_reward", "objective/entropy", "val/mean",
+                    "val/var", "loss/policy_avg", "loss/value_avg", "policy/approxkl_avg", "val/clipfrac_avg",
+                    "grad_norm", "val/grad_norm", "completions/mean_length", "rewards/accuracy/mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    for stem in ("policy", "critic"):
+        w1 = ms.load_checkpoint(str(one / "checkpoints" / "step_00000002" / f"{stem}.ckpt"))
+        w2 = ms.load_checkpoint(str(two / "checkpoints" / "step_00000002" / f"{stem}.ckpt"))
+        assert_same_updated_weights(w1, w2, lr=1e-3)
+
+
 def test_ppo_refuses_bad_configs_in_one_line(tmp_path, capsys):
     """No reward at all, a mini-batch split that does not divide, a tp layout: one line each, exit 2."""
     from mindrlhf.ppo import main

@@ -310,7 +310,32 @@ class ParallelConfig(TrainLayoutConfig):
 
 
 @dataclass
-class TrainConfig(TrainLoopConfig):
+class RolloutTrainConfig(TrainLoopConfig):
+    """Training loop of a stage that samples its data (GRPO, PPO): the shared loop, completion dumps and the
+    experience record / replay."""
+
+    log_completions_steps: int = config_field(
+        10, "Write output_dir/completions_step_N.jsonl (prompt, completion, rewards and the stage's per-row "
+        "values: GRPO's advantage, PPO's mean advantage) every N steps. 0 = never. Range >= 0.",
+        ge=0)
+    save_data_file: str = config_field(
+        "", "Dump every step's experience (prompt and completion ids, masks, sampler log-probs, rewards per "
+        "function, GRPO's advantages) as .npz files, one per step: <path without .npz>.step<N>.npz. For debugging "
+        "and replay_data_file. '' = off.")
+    replay_data_file: str = config_field(
+        "", "Replay rollouts from a save_data_file dump (the same path given there) instead of generating "
+        "(debugging; the 1-vs-N-worker parity tests). The dump must come from the same batch geometry "
+        "(GRPO: chunk_size, num_rollouts, num_generations; PPO: batch_size, num_generations). '' = off.")
+
+    def check(self, errors: List[str]) -> None:
+        super().check(errors)
+        if self.save_data_file and self.save_data_file == self.replay_data_file:
+            errors.append(f"save_data_file and replay_data_file are both {self.save_data_file!r}: the dump would "
+                          "overwrite its own input; give save_data_file another path")
+
+
+@dataclass
+class TrainConfig(RolloutTrainConfig):
     """Training loop: length, seed, outputs, checkpoints, resume, logging, experience dumps."""
 
     grpo_epochs: int = config_field(
@@ -320,24 +345,6 @@ class TrainConfig(TrainLoopConfig):
         "resumed run computes the same length from the same data. With dynamic_sampling a step may read more "
         "batches, so an epoch then counts steps, not prompts. 0 = max_steps alone. Range >= 0.",
         ge=0)
-    log_completions_steps: int = config_field(
-        10, "Write output_dir/completions_step_N.jsonl (prompt, completion, rewards, advantage) every N "
-        "steps. 0 = never. Range >= 0.",
-        ge=0)
-    save_data_file: str = config_field(
-        "", "Dump every step's experience (prompt and completion ids, masks, sampler log-probs, rewards per "
-        "function, advantages) as .npz files, one per step: <path without .npz>.step<N>.npz. For debugging "
-        "and replay_data_file. '' = off.")
-    replay_data_file: str = config_field(
-        "", "Replay rollouts from a save_data_file dump (the same path given there) instead of generating "
-        "(debugging; the 1-vs-N-worker parity test). The dump must come from the same batch geometry "
-        "(chunk_size, num_rollouts, num_generations). '' = off.")
-
-    def check(self, errors: List[str]) -> None:
-        super().check(errors)
-        if self.save_data_file and self.save_data_file == self.replay_data_file:
-            errors.append(f"save_data_file and replay_data_file are both {self.save_data_file!r}: the dump would "
-                          "overwrite its own input; give save_data_file another path")
 
 
 _PREAMBLE = """

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from mindrlhf.configs.base import config_field
-from mindrlhf.configs.common import ModelBaseConfig, OptimizerConfig, TrainingConfig, TrainLoopConfig
-from mindrlhf.configs.grpo_configs import GenerationConfig, ParallelConfig
+from mindrlhf.configs.common import ModelBaseConfig, OptimizerConfig, TrainingConfig
+from mindrlhf.configs.grpo_configs import GenerationConfig, ParallelConfig, RolloutTrainConfig
 from mindrlhf.rewards.manager import REWARD_ERRORS, reward_spec_name
 
 #: Per-token KL estimators of the reward's penalty (``algorithms.ppo.kl_shaped_rewards``).
@@ -158,8 +158,8 @@ class PPOGenerationConfig(GenerationConfig):
 
 
 @dataclass
-class PPOTrainConfig(TrainLoopConfig):
-    """Training loop: length, seed, outputs, checkpoints, resume, logging."""
+class PPOTrainConfig(RolloutTrainConfig):
+    """Training loop: length, seed, outputs, checkpoints, resume, logging, experience dumps."""
 
     max_steps: int = config_field(
         12, "PPO steps: each samples batch_size prompts x num_generations completions, scores them, and runs "
@@ -168,10 +168,6 @@ class PPOTrainConfig(TrainLoopConfig):
     output_dir: str = config_field(
         "output/ppo", "Directory for logs, metrics, TensorBoard events, plots, completions dumps, the saved "
         "config and (by default) checkpoints. Created if missing.")
-    log_completions_steps: int = config_field(
-        10, "Write output_dir/completions_step_N.jsonl (prompt, completion, score, rewards) every N steps. "
-        "0 = never. Range >= 0.",
-        ge=0)
 
 
 _PREAMBLE = """

@@ -24,7 +24,7 @@ from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import RunLayout
 from mindrlhf.parallel.pipeline import PipelineRunner
 from mindrlhf.rewards import RewardManager, overlong_reward
-from mindrlhf.trainer.experience import Experience, concat_experiences, save_experience, step_file
+from mindrlhf.trainer.experience import Experience, concat_experiences
 from mindrlhf.trainer.grpo_loss import GRPOObjective, LossSettings
 from mindrlhf.trainer.metrics import GRPO_CURVES
 from mindrlhf.trainer.rollout import RolloutTrainer
@@ -234,10 +234,7 @@ class GRPOTrainer(RolloutTrainer):
             exp, texts, info = self.generate(step)
             times["time/reward"] = info["reward_time"]
             times["time/generate"] = time.perf_counter() - t0 - info["reward_time"]
-        if t.save_data_file:
-            gathered = exp.map(self._gather_rows)  # every replica's rows, in replica order
-            if comm.is_main():
-                save_experience(gathered, step_file(t.save_data_file, step))
+        self.record(step, exp)
         t1 = time.perf_counter()
         if cfg.uses_reference:
             exp.ref_logp = self.completion_forward(self.ref_runner, exp)

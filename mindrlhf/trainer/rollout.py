@@ -32,7 +32,15 @@ from mindrlhf.parallel.pipeline import PipelineRunner
 from mindrlhf.parallel.resharding import reshard_arrays
 from mindrlhf.rewards import RewardManager
 from mindrlhf.trainer.base import Trainer
-from mindrlhf.trainer.experience import Experience, bucket, left_pad, load_experience, right_pad, step_file
+from mindrlhf.trainer.experience import (
+    Experience,
+    bucket,
+    left_pad,
+    load_experience,
+    right_pad,
+    save_experience,
+    step_file,
+)
 from mindrlhf.utils import faults
 
 log = logging.getLogger(__name__)
@@ -174,6 +182,15 @@ class RolloutTrainer(Trainer):
         """Sum of per-replica values over train replicas (each replica counted once)."""
         x = np.asarray(x, np.float32)
         return comm.all_sum(x if self.layout.train_representative else np.zeros_like(x))
+
+    def record(self, step: int, exp: Experience) -> None:
+        """``save_data_file``: every train replica's rows of ``exp`` (in replica order) as step ``step``'s dump;
+        rank 0 writes it. A collective when recording: every rank calls it."""
+        path = self.cfg.train.save_data_file
+        if path:
+            gathered = exp.map(self._gather_rows)
+            if comm.is_main():
+                save_experience(gathered, step_file(path, step))
 
     def replay(self, step: int) -> Experience:
         """This rank's slice of a step recorded with --save_data_file."""
