@@ -16,10 +16,8 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
-from pathlib import Path
 from typing import Dict, Optional, Sequence
 
-import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 
@@ -280,14 +278,13 @@ class PPOTrainer(RolloutTrainer):
                 if exp.completion_mask[i].any() else 0.0}
 
     # -- checkpoint hooks (trainer.base) ------------------------------------------------------------
-    def extra_tensors(self) -> Dict[str, Dict[str, ms.Parameter]]:
-        return {"critic": self.critic_updater.master_weights(),
-                "critic_optimizer": self.critic_updater.optimizer_state()}
+    def trained(self):
+        return [*super().trained(), ("critic", "critic_optimizer", self.critic_updater)]
 
-    def load_extra_tensors(self, path: Path, state) -> None:
-        self.load_tensors(self.critic_updater.master_weights(), path / "critic.ckpt")
-        self.critic_updater.refresh_weights()
-        self.load_tensors(self.critic_updater.optimizer_state(), path / "critic_optimizer.ckpt")
+    def load_stage_state(self, state) -> None:
+        super().load_stage_state(state)
+        if self.value_norm is not None and "value_norm" in state:
+            self.value_norm.load_state(state["value_norm"])
         self.critic_updater.load_loss_scale_state(state.get("critic_loss_scale", {}))
 
     def stage_state(self) -> Dict[str, object]:
@@ -297,11 +294,6 @@ class PPOTrainer(RolloutTrainer):
         if self.critic_updater.scaler is not None:
             state["critic_loss_scale"] = self.critic_updater.loss_scale_state()
         return state
-
-    def load_stage_state(self, state) -> None:
-        super().load_stage_state(state)
-        if self.value_norm is not None and "value_norm" in state:
-            self.value_norm.load_state(state["value_norm"])
 
 
 # -- building the run ---------------------------------------------------------------------------------
@@ -361,18 +353,13 @@ def check_scorer(scorer, actor, path: str, flag: str) -> None:
 
 
 def precheck(cfg: PPOConfig) -> None:
-    """What must fail before any model loads: a typo in a dotted reward path, an unavailable backend, a layout
-    the critic's checkpoint cannot be saved in yet."""
+    """What must fail before any model loads: a typo in a dotted reward path, an unavailable backend."""
     from mindrlhf.generation.factory import check_sampler_config
     from mindrlhf.rewards import get_reward_fn
 
     for name in cfg.algorithm.reward_funcs:
         get_reward_fn(name)
     check_sampler_config(cfg)
-    p = cfg.parallel
-    if p.train_tp * p.train_pp > 1:
-        raise MindRLHFError(f"train_tp = {p.train_tp}, train_pp = {p.train_pp}: PPO trains data-parallel only for "
-                            "now (the critic's sharded checkpoint is not written yet); use train_dp")
 
 
 PPO = StageSpec(parse=parse_ppo_args, build=build_trainer, precheck=precheck)

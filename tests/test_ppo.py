@@ -37,6 +37,15 @@ def ppo_assets(tmp_path_factory, qwen_tokenizer_dir, data_dir) -> dict:
     return {**assets, "rm": add_tokenizer(rm, qwen_tokenizer_dir)}
 
 
+@pytest.fixture(scope="module")
+def recorded(ppo_assets, tmp_path_factory) -> Path:
+    """The uninterrupted 3-step run every other run is compared with; its rollouts recorded for replays."""
+    out = tmp_path_factory.mktemp("ppo_recorded")
+    proc = _run(_argv(ppo_assets, out / "run", save_data_file=out / "exp" / "rollouts.npz"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
 def _argv(assets, out, **extra):
     args = {"model": assets["model"], "reward_model": assets["rm"], "train_file": assets["data"], "output_dir": out,
             "batch_size": 4, "max_new_tokens": 12, "max_prompt_length": 256, "max_steps": 3, "save_steps": 1,
@@ -66,7 +75,7 @@ def _checkpoint(out: Path, step: int) -> Path:
 
 
 @pytest.mark.slow
-def test_ppo_runs_and_resumes_exactly_after_sigkill(ppo_assets, tmp_path):
+def test_ppo_runs_and_resumes_exactly_after_sigkill(ppo_assets, recorded, tmp_path):
     """3 steps uninterrupted vs killed (SIGKILL) in step 3's first gradient reduction and resumed: the same metrics
     (every key, rel 1e-6) and the same final actor and critic; TRL's metric names, finite values, the plots, and a
     checkpoint that loads as the actor with the critic and its optimizer beside it."""
@@ -74,9 +83,7 @@ def test_ppo_runs_and_resumes_exactly_after_sigkill(ppo_assets, tmp_path):
 
     from mindrlhf.models import get_weights, load_model
 
-    full = tmp_path / "full"
-    proc = _run(_argv(ppo_assets, full))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    full = recorded / "run"
     rows = _rows(full)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
@@ -143,36 +150,42 @@ def test_without_a_reward_model_the_critic_is_the_actor_with_a_new_head(ppo_asse
 
 @pytest.mark.slow
 @pytest.mark.msrun
-def test_two_workers_match_one_on_replayed_rollouts(ppo_assets, tmp_path):
-    """dp2 under msrun replaying a one-process run's recorded rollouts computes that run's step: the same scores,
-    KL, GAE statistics, policy and value losses, gradient norms, and the same updated actor and critic (the
-    reward math runs on the global batch, the losses divide by global token counts)."""
+@pytest.mark.parametrize("layout", [{"train_dp": 2, "infer_dp": 2}, {"train_tp": 2, "infer_dp": 2}],
+                         ids=["dp2", "tp2"])
+def test_two_workers_match_one_on_replayed_rollouts(ppo_assets, recorded, tmp_path, layout):
+    """Two workers under msrun replaying the one-process run's recorded rollouts compute its steps: the same scores,
+    KL, GAE statistics, policy and value losses, gradient norms, and the same updated actor and critic (the reward
+    math runs on the global batch, the losses divide by global token counts). dp2 splits every update's rows;
+    train tp2 splits the actor, the critic (value head) and the reward model, and its checkpoint assembles the
+    sharded critic and its optimizer state."""
     import mindspore as ms
 
     from grpo_runs import assert_same_updated_weights, msrun
 
-    dump = tmp_path / "exp" / "rollouts.npz"
-    one = tmp_path / "one"
-    proc = _run(_argv(ppo_assets, one, max_steps=2, save_data_file=dump))
-    assert proc.returncode == 0, proc.stderr[-3000:]
     two = tmp_path / "two"
-    msrun(2, _argv(ppo_assets, two, max_steps=2, replay_data_file=dump, use_parallel="true", train_dp=2,
-                   infer_dp=2), tmp_path / "log", 8137, script="examples/stages/ppo.py")
-    m1, m2 = _rows(one), _rows(two)
-    assert [r["step"] for r in m2] == [1, 2]
+    msrun(2, _argv(ppo_assets, two, replay_data_file=recorded / "exp" / "rollouts.npz", use_parallel="true",
+                   **layout), tmp_path / "log", 8137, script="examples/stages/ppo.py")
+    m1, m2 = _rows(recorded / "run"), _rows(two)
+    assert [r["step"] for r in m2] == [1, 2, 3]
     for a, b in zip(m1, m2):
         for key in ("objective/scores", "objective/kl", "objective/rlhf_reward", "objective/entropy", "val/mean",
                     "val/var", "loss/policy_avg", "loss/value_avg", "policy/approxkl_avg", "val/clipfrac_avg",
                     "grad_norm", "val/grad_norm", "completions/mean_length", "rewards/accuracy/mean"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
-    for stem in ("policy", "critic"):
-        w1 = ms.load_checkpoint(str(one / "checkpoints" / "step_00000002" / f"{stem}.ckpt"))
-        w2 = ms.load_checkpoint(str(two / "checkpoints" / "step_00000002" / f"{stem}.ckpt"))
-        assert_same_updated_weights(w1, w2, lr=1e-3)
+    for stem in ("policy", "critic", "critic_optimizer"):
+        w1 = ms.load_checkpoint(str(recorded / "run" / "checkpoints" / "step_00000003" / f"{stem}.ckpt"))
+        w2 = ms.load_checkpoint(str(two / "checkpoints" / "step_00000003" / f"{stem}.ckpt"))
+        if stem == "critic_optimizer":  # Adam's moments: the same tensors, assembled from the shards
+            assert set(w1) == set(w2)
+            for name in w1:
+                np.testing.assert_allclose(w2[name].asnumpy(), w1[name].asnumpy(), rtol=1e-3, atol=1e-7,
+                                           err_msg=name)
+        else:
+            assert_same_updated_weights(w1, w2, lr=1e-3)
 
 
 def test_ppo_refuses_bad_configs_in_one_line(tmp_path, capsys):
-    """No reward at all, a mini-batch split that does not divide, a tp layout: one line each, exit 2."""
+    """No reward at all, a mini-batch split that does not divide: one line each, exit 2."""
     from mindrlhf.ppo import main
 
     out = str(tmp_path / "o")
@@ -181,8 +194,6 @@ def test_ppo_refuses_bad_configs_in_one_line(tmp_path, capsys):
     assert "no reward" in err and "--reward_model" in err and len(err.strip().splitlines()) == 1
     assert main(["--batch_size", "3", "--num_mini_batches", "2", "--output_dir", out]) == 2
     assert "num_mini_batches = 2 does not divide the completions per step" in capsys.readouterr().err
-    assert main(["--use_parallel", "true", "--train_tp", "2", "--infer_tp", "2", "--output_dir", out]) == 2
-    assert "PPO trains data-parallel only for now" in capsys.readouterr().err
 
 
 def test_score_is_scaled_model_score_plus_rules_clipped_and_penalised():

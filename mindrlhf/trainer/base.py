@@ -83,6 +83,12 @@ class Trainer:
     def load_stage_state(self, state: Mapping[str, object]) -> None:
         """Restore what ``stage_state`` returned."""
 
+    def trained(self) -> List[Tuple[str, str, Updater]]:
+        """Every model the stage trains, as ``(weights stem, optimizer stem, updater)``: checkpoints hold each
+        one's float32 masters and optimizer state (full tensors) and resume restores them. The first is the
+        model the checkpoint folder loads as (its config.json)."""
+        return [("policy", "optimizer", self.updater)]
+
     def extra_tensors(self) -> Dict[str, Dict[str, ms.Parameter]]:
         """Further model-shaped tensors to checkpoint, by file stem (e.g. a re-synced reference)."""
         return {}
@@ -136,26 +142,34 @@ class Trainer:
         """Whether the trained model is split over tensor/pipeline ranks."""
         return self.layout.train.tp * self.layout.train.pp > 1
 
-    def _full_state(self, tensors: Dict[str, object], names: List[str]) -> Dict[str, object]:
-        """Full tensors of a sharded state, assembled on every rank (kept by rank 0 only)."""
+    def _full_state(self, tensors: Dict[str, object], names: List[str], config=None) -> Dict[str, object]:
+        """Full tensors of a sharded state (of the model ``config`` describes, the trained model's by default),
+        assembled on every rank (kept by rank 0 only)."""
         out = {}
-        for name, full in assemble(tensors, names, self.model.config, self.layout.train, self.rank):
+        for name, full in assemble(tensors, names, config or self.model.config, self.layout.train, self.rank):
             if comm.is_main():
                 out[name] = ms.Tensor(full)
         return out
 
     def save_checkpoint(self) -> None:
-        """Rank 0 writes the full (unsharded) state, so any layout can resume from it. The model is stored
-        as its float32 master weights, whatever the compute dtype."""
-        tensors = {"policy": self.updater.master_weights(), **self.extra_tensors()}
-        optimizer = self.updater.optimizer_state()
-        if self.sharded:  # a collective: every rank takes part
+        """Rank 0 writes the full (unsharded) state, so any layout can resume from it. Each trained model is
+        stored as its float32 master weights, whatever the compute dtype."""
+        tensors = {}
+        for stem, optimizer_stem, updater in self.trained():
+            masters, optimizer = updater.master_weights(), updater.optimizer_state()
+            if self.sharded:  # a collective: every rank takes part
+                config = updater.model.config
+                names = model_names(config)
+                masters = self._full_state(masters, names, config)
+                moments = [p + n for p in STATE_PREFIXES for n in names]
+                optimizer = dict(self._full_state(optimizer, moments, config), adam_step=optimizer["adam_step"])
+            tensors[stem], tensors[optimizer_stem] = masters, optimizer
+        extra = self.extra_tensors()
+        if self.sharded:
             names = model_names(self.model.config)
-            tensors = {stem: self._full_state(params, names) for stem, params in tensors.items()}
-            moments = [p + n for p in STATE_PREFIXES for n in names]
-            optimizer = dict(self._full_state(optimizer, moments), adam_step=optimizer["adam_step"])
+            extra = {stem: self._full_state(params, names) for stem, params in extra.items()}
         if comm.is_main():
-            tensors = {"policy": tensors.pop("policy"), "optimizer": optimizer, **tensors}
+            tensors.update(extra)
             state = {"step": self.step, "run_id": self.run_id, "consecutive_nonfinite": self.consecutive_nonfinite,
                      "skipped_updates": self.skipped_updates, "world_size": self.world,
                      **self.stage_state(), **self.updater.loss_scale_state()}
@@ -174,13 +188,14 @@ class Trainer:
             files.update({name: folder / name for name in TOKENIZER_FILES if (folder / name).is_file()})
         return files
 
-    def load_tensors(self, params: Dict[str, object], path: Path) -> None:
-        """Load a full checkpoint file into this rank's (possibly sharded) tensors."""
+    def load_tensors(self, params: Dict[str, object], path: Path, config=None) -> None:
+        """Load a full checkpoint file into this rank's (possibly sharded) tensors of the model ``config``
+        describes (the trained model's by default)."""
         if not self.sharded:
             load_parameters_into(params, path)
             return
         loaded = ms.load_checkpoint(str(path))
-        load_full_into(params, ((n, p.asnumpy()) for n, p in loaded.items()), self.model.config,
+        load_full_into(params, ((n, p.asnumpy()) for n, p in loaded.items()), config or self.model.config,
                        self.layout.train, self.rank, source=str(path))
 
     def resume(self, path: Path) -> None:
@@ -194,9 +209,11 @@ class Trainer:
                                 f"raise --max_steps to train on, or resume an earlier checkpoint")
         self.warn_config_changes(path)
         self.run_id = self.ckpt.run_id = str(state.get("run_id") or self.run_id)
-        self.load_tensors(self.updater.master_weights(), path / "policy.ckpt")
-        self.updater.refresh_weights()
-        self.load_tensors(self.updater.optimizer_state(), path / "optimizer.ckpt")
+        for stem, optimizer_stem, updater in self.trained():
+            config = updater.model.config
+            self.load_tensors(updater.master_weights(), path / f"{stem}.ckpt", config)
+            updater.refresh_weights()
+            self.load_tensors(updater.optimizer_state(), path / f"{optimizer_stem}.ckpt", config)
         self.load_extra_tensors(path, state)
         self.step = done
         self.consecutive_nonfinite = int(state["consecutive_nonfinite"])
