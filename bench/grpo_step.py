@@ -44,7 +44,7 @@ def _track_phase_peaks(trainer, peaks: dict) -> None:
         setattr(trainer, name, run)
 
     wrap("generate", trainer.generate, "generate")
-    wrap("batched_logp", trainer.batched_logp,
+    wrap("completion_forward", trainer.completion_forward,
          lambda runner, exp: "ref" if runner is trainer.ref_runner else "old_logp")
     wrap("train_on", trainer.train_on, "train")
 

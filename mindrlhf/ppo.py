@@ -115,7 +115,8 @@ class PPOTrainer(RolloutTrainer):
                          num_generations=a.num_generations)
         self.critic = critic
         self.critic_updater = build_updater(cfg, critic, CriticObjective(a.cliprange_value, a.vf_coef),
-                                            head=ValueHead(), groups=groups, masters=critic_masters)
+                                            head=ValueHead(), groups=groups, masters=critic_masters,
+                                            share_prompts=p.share_prompts)
         self.ref_runner = None if ref_model is None else PipelineRunner(
             ref_model, groups, head=LogProbHead(temperature), jit=p.jit, share_prompts=p.share_prompts)
         self.rm_runner = None if reward_model is None else PipelineRunner(reward_model, groups, head=ScoreHead(1),

@@ -84,6 +84,43 @@ def test_packed_logprobs_and_gradients_equal_the_padded_rows(which, request):
         assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(a), p.name
 
 
+def test_packed_critic_values_and_gradients_equal_the_padded_rows(tmp_path):
+    """PPO's critic (``ValueHead``'s packed form): a one-label model's values at the positions predicting each
+    completion token, and their gradients, are those of the padded rows (valid positions; a padded row's
+    positions after its last token predict nothing and are never trained)."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from mindrlhf.models import load_model
+    from mindrlhf.testing import make_tiny_reward_model
+
+    model = load_model(make_tiny_reward_model(tmp_path / "critic", seed=3))
+    ids, mask, comp, present = _rows(model.config.vocab_size)
+    packed = pack_shared_prompts(ids, mask, 6)
+    weights = Tensor(np.random.default_rng(2).normal(size=present.shape).astype(np.float32) * present)
+
+    def padded():
+        return model.completion_values(model.stage_forward(Tensor(ids), Tensor(mask)), comp.shape[1])
+
+    def shared():
+        arrays = (packed.input_ids, packed.position_ids, packed.prompt_bias, packed.completion_bias, packed.slot_keys,
+                  packed.gather_index)
+        return model.packed_values(*map(Tensor, arrays))
+
+    want, got = padded().asnumpy(), shared().asnumpy()
+    real = present > 0
+    assert np.abs(want[real]).max() > 0.01
+    np.testing.assert_allclose(got[real], want[real], rtol=1e-5, atol=1e-5)
+    params = model.trainable_params()
+    g_pad = ms.grad(lambda: (padded() * weights).sum(), None, params)()
+    g_pack = ms.grad(lambda: (shared() * weights).sum(), None, params)()
+    for p, a, b in zip(params, g_pad, g_pack):
+        a, b = a.asnumpy(), b.asnumpy()
+        if p.name != "model.embed_tokens.weight":  # rows of unused tokens: 0 both ways
+            assert np.linalg.norm(a) > 0, p.name
+        assert np.linalg.norm(a - b) <= 1e-5 * max(np.linalg.norm(a), 1e-12), p.name
+
+
 @pytest.mark.slow
 def test_grpo_steps_with_shared_prompts_equal_padded_rows(grpo_assets, tmp_path):
     """Replayed rollouts, reference KL and two iterations (old-policy log-probs): the same loss,

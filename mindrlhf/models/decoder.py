@@ -569,10 +569,22 @@ class CausalLM(nn.Cell):
         """Per-token log-probs (N, C) of N completions packed with their shared prompts
         (``models.packing``): the biases say what each prompt / completion-slot position sees and
         ``gather_index`` (N, C) which positions' logits predict each completion token."""
+        states = self._packed_states(input_ids, position_ids, prompt_bias, completion_bias, slot_keys, gather_index)
+        return self.head_logprobs(states, completion_ids, temperature)
+
+    def packed_values(self, input_ids: Tensor, position_ids: Tensor, prompt_bias: Tensor, completion_bias: Tensor,
+                      slot_keys: Tensor, gather_index: Tensor) -> Tensor:
+        """A critic's values (N, C) of N completions packed with their shared prompts: its ``score`` head at the
+        positions ``gather_index`` names (those that predict each completion token), as ``completion_values``."""
+        states = self._packed_states(input_ids, position_ids, prompt_bias, completion_bias, slot_keys, gather_index)
+        return self.score(states).astype(ms.float32)[..., 0]
+
+    def _packed_states(self, input_ids, position_ids, prompt_bias, completion_bias, slot_keys, gather_index):
+        """The final-normed hidden states (N, C, H) at ``gather_index`` of a packed batch."""
         x = self._layers(self.model.embed_tokens(input_ids), position_ids, (prompt_bias, completion_bias, slot_keys))
         b, t, h = x.shape
         x = ops.gather(x.reshape(b * t, h), gather_index.reshape(-1), 0).reshape(*gather_index.shape, h)
-        return self.head_logprobs(self.model.norm(x), completion_ids, temperature)
+        return self.model.norm(x)
 
     def gathered_logits(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
                         position_ids: Optional[Tensor] = None, logits_to_keep: int = 0) -> Tensor:

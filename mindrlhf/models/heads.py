@@ -8,7 +8,8 @@ pipeline stage) and hands the last stage's hidden states (B, T, H), before the f
   ``stats=True`` also each token's entropy and argmax hit (SFT's metrics), as a tuple;
 * ``ScoreHead`` (per sequence): a sequence-classification model's ``score`` head (B, num_labels) at
   each row's last real token (a reward model);
-* ``ValueHead`` (per token): a one-label model's ``score`` head at each completion position (PPO's critic).
+* ``ValueHead`` (per token): a one-label model's ``score`` head at each completion position (PPO's critic;
+  with a shared-prompt packed form, as ``LogProbHead``'s).
 
 A head names the micro-batch arrays it reads (``keys``, passed after the attention mask) and builds its
 forward as a closure over the model: graph mode (``mindspore.jit``) cannot read the attributes of a
@@ -121,8 +122,10 @@ class ValueHead:
             return model.completion_values(hidden, completion_ids.shape[1])
         return values
 
-    def build_packed(self, model) -> None:
-        return None
+    def build_packed(self, model) -> Optional[Callable]:
+        def packed(input_ids, position_ids, prompt_bias, completion_bias, slot_keys, gather_index, completion_ids):
+            return model.packed_values(input_ids, position_ids, prompt_bias, completion_bias, slot_keys, gather_index)
+        return packed
 
     def output_shapes(self, micro_batch: Dict[str, np.ndarray]) -> List[Tuple[int, ...]]:
         return [tuple(micro_batch["completion_ids"].shape)]
