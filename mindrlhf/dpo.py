@@ -211,10 +211,9 @@ def build_trainer(cfg: DPOConfig, layout=None):
     """Load the policy, the reference, the tokenizer and the pairs as the config says; return a ready trainer."""
     from mindrlhf.models import CausalLM, get_weights, set_weights
     from mindrlhf.models.heads import LogProbHead
-    from mindrlhf.parallel.pipeline import PipelineRunner
     from mindrlhf.parallel.resharding import checkpoint_config, load_shard
     from mindrlhf.trainer.entry import load_policy
-    from mindrlhf.trainer.update import build_updater
+    from mindrlhf.trainer.update import build_frozen_runner, build_updater
 
     if not cfg.data.train_file:
         raise MindRLHFError("--train_file is required: preference pairs as jsonl (README: preference data; "
@@ -235,8 +234,7 @@ def build_trainer(cfg: DPOConfig, layout=None):
         ref = CausalLM(policy.config, m.dtype, shard)
         set_weights(ref, get_weights(policy), source="initial policy")
     share = layout.train.pp == 1  # the pair's two rows share their prompt: encode it once
-    ref_runner = PipelineRunner(ref, layout.groups, head=LogProbHead(), jit=cfg.parallel.train_jit,
-                                share_prompts=share, layer_graphs=cfg.parallel.layer_graphs)
+    ref_runner = build_frozen_runner(cfg, ref, layout.groups, LogProbHead(), share_prompts=share)
     objective = DPOObjective(cfg.loss.loss_type, cfg.loss.beta, cfg.loss.label_smoothing)
     updater = build_updater(cfg, policy, objective, head=LogProbHead(), groups=layout.groups, masters=masters,
                             share_prompts=share)

@@ -25,7 +25,6 @@ from mindrlhf.algorithms import ppo as ppo_math
 from mindrlhf.algorithms.losses import aggregate_loss, policy_loss
 from mindrlhf.configs.ppo import PPOConfig, parse_ppo_args
 from mindrlhf.errors import MindRLHFError
-from mindrlhf.parallel import comm
 from mindrlhf.trainer.entry import StageSpec, load_policy, load_tokenizer, resolve_weights, run_stage
 from mindrlhf.trainer.experience import Experience
 from mindrlhf.trainer.rollout import RolloutTrainer, load_prompt_dataset
@@ -98,9 +97,8 @@ class PPOTrainer(RolloutTrainer):
     def __init__(self, cfg: PPOConfig, *, actor, critic, tokenizer, dataset, sampler, layout, ref_model=None,
                  reward_model=None, actor_masters=None, critic_masters=None):
         from mindrlhf.models.heads import LogProbHead, ScoreHead, ValueHead
-        from mindrlhf.parallel.pipeline import PipelineRunner
         from mindrlhf.rewards import RewardManager
-        from mindrlhf.trainer.update import build_updater
+        from mindrlhf.trainer.update import build_frozen_runner, build_updater
 
         a, g, p = cfg.algorithm, cfg.generation, cfg.parallel
         if cfg.uses_reference and ref_model is None:
@@ -117,10 +115,9 @@ class PPOTrainer(RolloutTrainer):
         self.critic_updater = build_updater(cfg, critic, CriticObjective(a.cliprange_value, a.vf_coef),
                                             head=ValueHead(), groups=groups, masters=critic_masters,
                                             share_prompts=p.share_prompts)
-        self.ref_runner = None if ref_model is None else PipelineRunner(
-            ref_model, groups, head=LogProbHead(temperature), jit=p.jit, share_prompts=p.share_prompts)
-        self.rm_runner = None if reward_model is None else PipelineRunner(reward_model, groups, head=ScoreHead(1),
-                                                                           jit=p.jit)
+        self.ref_runner = None if ref_model is None else build_frozen_runner(
+            cfg, ref_model, groups, LogProbHead(temperature), share_prompts=p.share_prompts)
+        self.rm_runner = None if reward_model is None else build_frozen_runner(cfg, reward_model, groups, ScoreHead(1))
         self.value_norm = ppo_math.RunningValueNorm(a.value_norm_beta) if a.value_norm else None
 
     # -- scoring ------------------------------------------------------------------------------------
@@ -219,15 +216,7 @@ class PPOTrainer(RolloutTrainer):
         })
         metrics.update(train_metrics)
         metrics.update(self.update_metrics())
-        if self.rewards is not None:
-            metrics["reward_fn_failures"] = float(sum(self.rewards.failures.values()))
-        metrics.update(times)
-        metrics["step_time"] = time.perf_counter() - t0
-        tokens = float(self._sum_replicas(np.array([exp.extras["completion_present"].sum()]))[0])
-        metrics["tokens_per_second"] = tokens / max(metrics["step_time"], 1e-9)
-        if texts is not None and t.log_completions_steps and step % t.log_completions_steps == 0 and comm.is_main():
-            self._dump_completions(step, texts, info, exp)
-        return metrics
+        return self._finish_metrics(step, metrics, times, t0, exp, texts, info)
 
     def _share_rows(self, n: int) -> np.ndarray:
         """This train replica's rows of a global batch of ``n`` (``_train_share``'s block)."""

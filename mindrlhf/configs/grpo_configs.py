@@ -295,8 +295,9 @@ class ParallelConfig(TrainLayoutConfig):
         "train_dp * train_tp * train_pp (the same processes train and generate). Range >= 1.",
         ge=1)
     jit: bool = config_field(
-        True, "Compile the decode step and the reference model's forward pass with mindspore.jit (decoding is "
-        "dominated by per-kernel overhead, which jit removes); false = pynative, for debugging.")
+        True, "Compile the decode step with mindspore.jit (decoding is dominated by per-kernel overhead, which "
+        "jit removes); false = pynative, for debugging. The reference's and reward model's forward passes are "
+        "compiled like the trained model's (layer_graphs, or whole with train_jit).")
     share_prompts: bool = config_field(
         True, "Encode each prompt once for all completions that share it: the sampler prefills each distinct "
         "prompt once and copies its KV cache to its num_generations rows, and the policy / reference / "

@@ -22,14 +22,13 @@ from mindrlhf.models import CausalLM
 from mindrlhf.models.heads import LogProbHead
 from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import RunLayout
-from mindrlhf.parallel.pipeline import PipelineRunner
 from mindrlhf.rewards import RewardManager, overlong_reward
 from mindrlhf.trainer.experience import Experience, concat_experiences
 from mindrlhf.trainer.grpo_loss import GRPOObjective, LossSettings
 from mindrlhf.trainer.metrics import GRPO_CURVES
 from mindrlhf.trainer.rollout import RolloutTrainer
 from mindrlhf.trainer.schedule import run_steps
-from mindrlhf.trainer.update import build_updater
+from mindrlhf.trainer.update import build_frozen_runner, build_updater
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +71,8 @@ class GRPOTrainer(RolloutTrainer):
                          mask_truncated=a.mask_truncated_completions)
         self.ref_model = ref_model
         self.off_policy = cfg.needs_old_logprobs
-        self.ref_runner = None if ref_model is None else PipelineRunner(
-            ref_model, self.updater.groups, head=LogProbHead(self.loss_settings.temperature), jit=cfg.parallel.jit,
+        self.ref_runner = None if ref_model is None else build_frozen_runner(
+            cfg, ref_model, self.updater.groups, LogProbHead(self.loss_settings.temperature),
             share_prompts=cfg.parallel.share_prompts)
         self.ref_synced = False
 
@@ -262,13 +261,4 @@ class GRPOTrainer(RolloutTrainer):
         metrics.pop("skipped", None)
         metrics.pop("overflow", None)
         metrics.update(self.update_metrics())
-        metrics["reward_fn_failures"] = float(sum(self.rewards.failures.values()))
-        if a.reward_errors == "skip":
-            metrics.update({f"rewards/{name}/failures": float(n) for name, n in self.rewards.failures.items()})
-        metrics.update(times)
-        metrics["step_time"] = time.perf_counter() - t0
-        tokens = float(self._sum_replicas(np.array([exp.extras["completion_present"].sum()]))[0])
-        metrics["tokens_per_second"] = tokens / max(metrics["step_time"], 1e-9)
-        if texts is not None and t.log_completions_steps and step % t.log_completions_steps == 0 and comm.is_main():
-            self._dump_completions(step, texts, info, exp)
-        return metrics
+        return self._finish_metrics(step, metrics, times, t0, exp, texts, info)

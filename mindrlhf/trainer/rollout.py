@@ -273,6 +273,24 @@ class RolloutTrainer(Trainer):
             m["entropy"] = float(sums[:, 0].sum() / max(sums[:, 1].sum(), 1.0))
         return m
 
+    def _finish_metrics(self, step: int, metrics: Dict[str, float], times: Dict[str, float], t0: float,
+                        exp: Experience, texts: Optional[List[str]], info) -> Dict[str, float]:
+        """What every rollout stage ends a step's metrics with: the reward functions' failure counts, the phase
+        times, ``step_time`` (since ``t0``), completion ``tokens_per_second``; and the step's completions
+        dump when ``log_completions_steps`` asks for it (generated steps only: ``texts`` is None on replay)."""
+        if self.rewards is not None:
+            metrics["reward_fn_failures"] = float(sum(self.rewards.failures.values()))
+            if self.cfg.algorithm.reward_errors == "skip":
+                metrics.update({f"rewards/{name}/failures": float(n) for name, n in self.rewards.failures.items()})
+        metrics.update(times)
+        metrics["step_time"] = time.perf_counter() - t0
+        tokens = float(self._sum_replicas(np.array([exp.extras["completion_present"].sum()]))[0])
+        metrics["tokens_per_second"] = tokens / max(metrics["step_time"], 1e-9)
+        every = self.cfg.train.log_completions_steps
+        if texts is not None and every and step % every == 0 and comm.is_main():
+            self._dump_completions(step, texts, info, exp)
+        return metrics
+
     def _dump_completions(self, step: int, texts: List[str], info, exp: Experience) -> None:
         path = self.output_dir / f"completions_step_{step}.jsonl"
         prompts = self.tokenizer.batch_decode(info["prompts"], skip_special_tokens=False)
