@@ -236,11 +236,12 @@ def test_reference_sync_reaches_the_compiled_reference_forward(grpo_assets, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["float32", "float16", "dynamic_sampling"])
+@pytest.mark.parametrize("variant", ["float16", "dynamic_sampling"])
 def test_resume_after_sigkill_reproduces_metrics(grpo_assets, tmp_path, variant):
     # float16 also restores the float32 master weights and the dynamic loss scale (a window of one
     # update makes the scale change every step, so a scale not restored would show in the metrics).
-    # Dynamic sampling reads a varying number of batches per step: the data position is restored.
+    # Dynamic sampling (float32) reads a varying number of batches per step: the data position is restored;
+    # it is the plain float32 case plus that (a separate plain case costs CI time and tests nothing more).
     dtype = "float16" if variant == "float16" else "float32"
     extra = {"dtype": dtype, **({"loss_scale_window": 1} if dtype == "float16" else {})}
     if variant == "dynamic_sampling":
@@ -457,22 +458,22 @@ def _logged_at(log: Path, pattern: str) -> float:
 @pytest.mark.slow
 @pytest.mark.msrun
 def test_a_dead_worker_stops_the_job_and_resume_continues_exactly(grpo_assets, tmp_path):
-    """Four workers on two nodes generate and train three steps (finite metrics; rank 0 alone writes the files).
+    """Four workers on two nodes generate and train two steps (finite metrics; rank 0 alone writes the files).
     A worker of a two-node job SIGKILLed during generation (rank 1, node 0) or at the gradient
     all-reduce (rank 2, node 1) of step 2: msrun kills the dead worker's node-mates, the other node's
     workers stop with the one-line error (exit code 3) within collective_timeout of the death, as their
     own logs show, both launches exit non-zero, and --resume reproduces the uninterrupted run."""
     timeout = 10
-    base = dict(max_steps=3, chunk_size=4, lr=1e-3, tensorboard="false", train_dp=4, infer_dp=4,
+    base = dict(max_steps=2, chunk_size=4, lr=1e-3, tensorboard="false", train_dp=4, infer_dp=4,
                 collective_timeout=timeout, reward_funcs=["e2e_rewards:length_reward"])
     full = tmp_path / "full"
     _two_nodes(_args(grpo_assets, full, **base), tmp_path / "log_full", 8151)
     reference = {r["step"]: r for r in _metrics(full)}
-    assert sorted(reference) == [1, 2, 3]
+    assert sorted(reference) == [1, 2]
     for r in reference.values():
         assert all(isinstance(v, float) and math.isfinite(v) for k, v in r.items() if k != "step"), r
     # rank 0 alone writes: one metrics row per step (above), one completions file per step
-    assert len(list(full.glob("completions_step_*.jsonl"))) == 3
+    assert len(list(full.glob("completions_step_*.jsonl"))) == 2
     port = 8153
     for victim, point in ((1, "generate"), (2, "grad_allreduce")):
         out, logs = tmp_path / point, tmp_path / f"log_{point}"
@@ -496,70 +497,11 @@ def test_a_dead_worker_stops_the_job_and_resume_continues_exactly(grpo_assets, t
         _two_nodes(argv + ["--resume"], tmp_path / f"log_{point}_resume", port)
         port += 2
         resumed = {r["step"]: r for r in _metrics(out)}
-        assert sorted(resumed) == [1, 2, 3]
-        for step in (2, 3):
+        assert sorted(resumed) == [1, 2]
+        for step in (2,):
             for key, value in reference[step].items():
                 if not _timing(key):
                     assert resumed[step][key] == value, (point, step, key, resumed[step][key], value)
-
-
-@pytest.mark.slow
-@pytest.mark.msrun
-def test_two_node_launch_equals_one_process(grpo_assets, tmp_path):
-    """The multi-node launch rehearsed on one machine: node 0 and node 1 (2 workers each; node 1 in its
-    own network namespace, so it is a second host to msrun) form one 4-worker job, dp4 and then train
-    tp2 x dp2, equal to one process on replayed rollouts."""
-    dump = tmp_path / "exp" / "rollouts.npz"
-    base = dict(max_steps=2, chunk_size=4, mini_batch_size=8, micro_batch_size=2, lr=1e-4, tensorboard="false",
-                reward_funcs=["e2e_rewards:length_reward"])
-    assert _run_inprocess(_args(grpo_assets, tmp_path / "record", save_data_file=dump, **base)) == 0
-    one = tmp_path / "one"
-    assert _run_inprocess(_args(grpo_assets, one, replay_data_file=dump, **base)) == 0
-    for name, layout, port in (("dp4", dict(train_dp=4, infer_dp=4), 8141),
-                               ("tp2dp2", dict(train_dp=2, train_tp=2, infer_dp=2, infer_tp=2), 8143)):
-        out = tmp_path / name
-        _two_nodes(_args(grpo_assets, out, replay_data_file=dump, **layout, **base), tmp_path / f"log_{name}", port)
-        rows = _metrics(out)
-        assert [r["step"] for r in rows] == [1, 2], name
-        for a, b in zip(_metrics(one), rows):
-            for key in ("loss", "grad_norm", "reward", "learning_rate"):
-                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (name, key)
-        assert all(r["grad_norm"] > 1e-3 for r in rows)  # not a vacuous comparison
-        import mindspore as ms
-
-        final = Path("checkpoints") / "step_00000002" / "policy.ckpt"
-        assert_same_updated_weights(ms.load_checkpoint(str(one / final)), ms.load_checkpoint(str(out / final)),
-                                    lr=1e-4)
-
-
-@pytest.mark.slow
-@pytest.mark.msrun
-def test_two_workers_match_one_on_replayed_rollouts(grpo_assets, tmp_path):
-    dump = tmp_path / "exp" / "rollouts.npz"
-    record = tmp_path / "record"
-    assert _run_inprocess(_args(grpo_assets, record, max_steps=3, save_data_file=dump, mini_batch_size=4,
-                                micro_batch_size=2)) == 0
-    common = dict(max_steps=3, replay_data_file=dump, mini_batch_size=4, micro_batch_size=2, tensorboard="false")
-    one = tmp_path / "one"
-    assert _run_inprocess(_args(grpo_assets, one, **common)) == 0
-    two = tmp_path / "two"
-    _msrun(2, _args(grpo_assets, two, use_parallel="true", train_dp=2, infer_dp=2, **common), tmp_path / "log", 8131)
-    m1, m2 = _metrics(one), _metrics(two)
-    assert [r["step"] for r in m2] == [1, 2, 3]
-    for a, b in zip(m1, m2):
-        assert all(isinstance(v, float) and math.isfinite(v) for k, v in b.items() if k != "step")
-        for key in ("loss", "grad_norm", "reward", "clip_ratio/region_mean", "learning_rate"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
-    # The recorded run generated the same rollouts: its losses match the replays too.
-    for a, b in zip(_metrics(record), m1):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
-    import mindspore as ms
-
-    w1 = ms.load_checkpoint(str(one / "checkpoints" / "step_00000003" / "policy.ckpt"))
-    w2 = ms.load_checkpoint(str(two / "checkpoints" / "step_00000003" / "policy.ckpt"))
-    assert set(w1) == set(w2)
-    for name in w1:
-        np.testing.assert_allclose(w2[name].asnumpy(), w1[name].asnumpy(), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 @pytest.mark.slow
@@ -569,8 +511,11 @@ def test_tp_pp_layout_matches_one_process(grpo_assets, tmp_path):
 
     On replayed rollouts the losses, grad norms and final weights (the checkpoint is assembled from
     the shards into full tensors) equal one process's, with the reference model (beta > 0) run
-    through the pipeline too. A generating run in the same layout (tp KV-cache sampling, in-memory
-    train → infer resharding every step) completes with finite metrics.
+    through the pipeline too. That run is the multi-node launch rehearsed on one machine: node 0 and
+    node 1 (2 workers each; node 1 in its own network namespace, so it is a second host to msrun) form
+    the one 4-worker job, tensor parallel within a node and the pipeline across the two. A generating
+    run in the same layout (tp KV-cache sampling, in-memory train → infer resharding every step)
+    completes with finite metrics. (Data parallel across two nodes: the dead-worker test's launches.)
     """
     dump = tmp_path / "exp" / "rollouts.npz"
     # A reward with a spread in every group: real gradients, not float noise that Adam would amplify.
@@ -583,7 +528,7 @@ def test_tp_pp_layout_matches_one_process(grpo_assets, tmp_path):
     layout = dict(use_parallel="true", train_dp=1, train_tp=2, train_pp=2, train_micro_batches=2, infer_dp=2,
                   infer_tp=2)
     four = tmp_path / "four"
-    _msrun(4, _args(grpo_assets, four, **layout, **common), tmp_path / "log", 8135)
+    _two_nodes(_args(grpo_assets, four, **layout, **common), tmp_path / "log", 8135)
     m1, m4 = _metrics(one), _metrics(four)
     assert [r["step"] for r in m4] == [1, 2]
     assert all(r["grad_norm"] > 1e-3 and r["reward_std"] > 0 for r in m1)  # not a vacuous comparison
