@@ -1,6 +1,7 @@
-"""The README's SFT → reward model → DPO walkthrough on the embedded SmolLM2 and real GSM8K data.
+"""The README's SFT → reward model → DPO → PPO / GRPO walkthrough on the embedded SmolLM2 and real GSM8K data.
 
-Real-model runs take about two hours on a 2-core CPU, so this module runs only when asked:
+Real-model runs take about two hours on a 2-core CPU for SFT → RM → DPO and about two more for PPO and
+GRPO from the SFT model, so this module runs only when asked:
 ``MINDRLHF_REALDATA=1 python -m pytest -q tests/test_walkthrough.py -s`` (it is the source of the README's
 figures). ``MINDRLHF_WALKTHROUGH_DIR`` keeps the outputs in a folder of your choice; every command is the
 README's, run as a user runs it, and ``walkthrough_summary.json`` there collects the numbers and wall times.
@@ -8,7 +9,11 @@ README's, run as a user runs it, and ``walkthrough_summary.json`` there collects
 What it shows: SFT on GSM8K train lowers ``eval/loss`` on GSM8K test; a reward model trained on pairs of
 (reference solution, the SFT model's own wrong answer) ranks held-out pairs (other questions, from the test
 split) above chance by more than 3 standard errors; DPO on the same pairs raises ``rewards/accuracies``;
-GSM8K accuracy and format rate (greedy, the first 64 test questions) before and after SFT and DPO.
+GSM8K accuracy and format rate (greedy, the first 64 test questions) before and after SFT and DPO. Then PPO
+from the SFT model with that reward model plus the ``gsm8k_format`` rule reward raises its mean score over 40
+steps by more than 3 standard errors (first 10 vs last 10 steps, ``mindrlhf-reward-trend``), and GRPO from the
+same start runs beside it, each with its GSM8K row (the two tests share the folder; the PPO test trains the
+SFT model and the reward model itself if the first test has not).
 """
 from __future__ import annotations
 
@@ -33,15 +38,19 @@ WORK: Path = Path(KEEP) if KEEP else Path()
 
 def _save(summary: dict) -> None:
     (WORK / "walkthrough_summary.json").write_text(json.dumps(summary, indent=1))
-SFT_STEPS, RM_STEPS, DPO_STEPS = 16, 12, 12
+
+
+SFT_STEPS, RM_STEPS, DPO_STEPS, RL_STEPS = 16, 12, 12, 40
+EVAL_ARGS = ("--limit", "64", "--batch_size", "8", "--overwrite", "--no_progress")
 
 
 def _run(summary: dict, name: str, done: Path, *cmd: str) -> None:
-    """One README command, timed; its output is shown (pytest -s) so a long run can be followed. In a kept
-    ``MINDRLHF_WALKTHROUGH_DIR`` a command whose output ``done`` exists from an earlier run is not repeated
-    (its wall time is the earlier run's): delete the folder to start over."""
+    """One README command, timed; its output is shown (pytest -s) so a long run can be followed. A command whose
+    output ``done`` exists from an earlier run (the other test, or an earlier session in a kept
+    ``MINDRLHF_WALKTHROUGH_DIR``) is not repeated (its wall time is the earlier run's): delete the folder to
+    start over."""
     wall = summary.setdefault("wall_s", {})
-    if KEEP and done.exists() and name in wall:
+    if done.exists() and name in wall:
         return
     t0 = time.perf_counter()
     subprocess.run([str(BIN / cmd[0]), *cmd[1:]], check=True)
@@ -82,24 +91,32 @@ def _base_eval_loss(valid: Path, work: Path) -> dict:
     return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("BASE_EVAL "))[10:])
 
 
-def test_sft_rm_dpo_walkthrough_on_smollm2(tmp_path):
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    """The walkthrough's folder: MINDRLHF_WALKTHROUGH_DIR if set, else one temporary folder for the module."""
+    global WORK
+    WORK = Path(KEEP) if KEEP else tmp_path_factory.mktemp("walkthrough")
+    WORK.mkdir(parents=True, exist_ok=True)
+    return WORK
+
+
+def _summary(w: Path) -> dict:
+    path = w / "walkthrough_summary.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _sft_and_rm(summary: dict, w: Path) -> tuple:
+    """Steps 0-3 of the README: base eval, SFT, its eval, the pairs and the reward model. Returns the SFT and
+    reward-model checkpoints (commands already done in a kept folder are not repeated)."""
     from mindrlhf.resources import GSM8K_TEST_SAMPLE
 
-    global WORK
-    w = WORK = Path(KEEP) if KEEP else tmp_path
-    w.mkdir(parents=True, exist_ok=True)
-    summary: dict = json.loads((w / "walkthrough_summary.json").read_text()) \
-        if KEEP and (w / "walkthrough_summary.json").exists() else {}
     sft_ckpt = w / "sft" / "checkpoints" / f"step_{SFT_STEPS:08d}"
-    dpo_ckpt = w / "dpo" / "checkpoints" / f"step_{DPO_STEPS:08d}"
-    eval_args = ["--limit", "64", "--batch_size", "8", "--overwrite", "--no_progress"]
-
     rm_ckpt = w / "rm" / "checkpoints" / f"step_{RM_STEPS:08d}"
-    evals = {k: w / f"eval_{k}.jsonl" for k in ("base", "sft", "dpo")}
     pairs, pairs_valid, sft_valid = w / "pairs.jsonl", w / "pairs_valid.jsonl", w / "sft_valid.jsonl"
+    base_eval, sft_eval = w / "eval_base.jsonl", w / "eval_sft.jsonl"
 
     # 0. the base model on the 64 test questions
-    _run(summary, "eval_base", evals["base"], "mindrlhf-eval", "--output", str(evals["base"]), *eval_args)
+    _run(summary, "eval_base", base_eval, "mindrlhf-eval", "--output", str(base_eval), *EVAL_ARGS)
     # 1. SFT on the packaged training sample (its default data), validated on 64 other test rows' solutions
     _run(summary, "sft_valid_rows", sft_valid, "mindrlhf-data", "--sft", "--data_path", str(GSM8K_TEST_SAMPLE),
          "--offset", "64", "--limit", "64", "--output", str(sft_valid), "--overwrite")
@@ -111,8 +128,8 @@ def test_sft_rm_dpo_walkthrough_on_smollm2(tmp_path):
          "--max_steps", str(SFT_STEPS), "--batch_size", "8", "--micro_batch_size", "4", "--lr", "5e-5",
          "--max_length", "512", "--eval_steps", "4", "--save_steps", str(SFT_STEPS), "--overwrite_output_dir",
          "--progress_bar", "false")
-    _run(summary, "eval_sft", evals["sft"], "mindrlhf-eval", "--model", str(sft_ckpt), "--output", str(evals["sft"]),
-         *eval_args)
+    _run(summary, "eval_sft", sft_eval, "mindrlhf-eval", "--model", str(sft_ckpt), "--output", str(sft_eval),
+         *EVAL_ARGS)
     # 2. pairs: the reference solution against the SFT model's own wrong answers (training questions it was not
     #    fine-tuned on); held-out pairs from test questions used nowhere else
     _run(summary, "pairs_train", pairs, "mindrlhf-data", "--pairs", "--model", str(sft_ckpt), "--output", str(pairs),
@@ -125,6 +142,17 @@ def test_sft_rm_dpo_walkthrough_on_smollm2(tmp_path):
          "--valid_file", str(pairs_valid), "--output_dir", str(w / "rm"), "--max_steps", str(RM_STEPS),
          "--batch_size", "8", "--micro_batch_size", "4", "--lr", "2e-5", "--max_length", "512", "--eval_steps", "4",
          "--save_steps", str(RM_STEPS), "--overwrite_output_dir", "--progress_bar", "false")
+    return sft_ckpt, rm_ckpt
+
+
+def test_sft_rm_dpo_walkthrough_on_smollm2(work):
+    w = work
+    summary = _summary(w)
+    sft_ckpt, rm_ckpt = _sft_and_rm(summary, w)
+    dpo_ckpt = w / "dpo" / "checkpoints" / f"step_{DPO_STEPS:08d}"
+    evals = {k: w / f"eval_{k}.jsonl" for k in ("base", "sft", "dpo")}
+    pairs, pairs_valid = w / "pairs.jsonl", w / "pairs_valid.jsonl"
+
     # 4. DPO from the SFT checkpoint (reference = the SFT model, its log-probs computed once)
     _run(summary, "dpo", dpo_ckpt, "mindrlhf-dpo", "--model", str(sft_ckpt), "--train_file", str(pairs),
          "--valid_file", str(pairs_valid), "--output_dir", str(w / "dpo"), "--max_steps", str(DPO_STEPS),
@@ -132,13 +160,13 @@ def test_sft_rm_dpo_walkthrough_on_smollm2(tmp_path):
          "--eval_steps", "4", "--save_steps", str(DPO_STEPS), "--precompute_ref_log_probs", "--overwrite_output_dir",
          "--progress_bar", "false")
     _run(summary, "eval_dpo", evals["dpo"], "mindrlhf-eval", "--model", str(dpo_ckpt), "--output", str(evals["dpo"]),
-         *eval_args)
+         *EVAL_ARGS)
 
     sft, rm, dpo = _metrics(w / "sft"), _metrics(w / "rm"), _metrics(w / "dpo")
     valid_pairs = _pairs(pairs_valid)
     rm_acc = rm[-1]["eval/accuracy"]
     summary.update({
-        "gsm8k": {k: _gsm8k(path) for k, path in evals.items()},
+        "gsm8k": {**summary.get("gsm8k", {}), **{k: _gsm8k(path) for k, path in evals.items()}},
         "sft_eval_loss": [(m["step"], m["eval/loss"]) for m in sft if "eval/loss" in m],
         "sft_loss": [m["loss"] for m in sft],
         "train_pairs": _pairs(pairs),
@@ -161,3 +189,43 @@ def test_sft_rm_dpo_walkthrough_on_smollm2(tmp_path):
     # DPO's rewards/accuracies rises (step 1 is exactly 0: the reference is the policy)
     q = max(1, DPO_STEPS // 4)
     assert sum(summary["dpo_rewards_accuracies"][-q:]) / q > sum(summary["dpo_rewards_accuracies"][:q]) / q
+
+
+def test_ppo_and_grpo_from_sft_on_smollm2(work):
+    """PPO (the walkthrough's reward model + gsm8k_format) and GRPO (its default rewards) from the SFT model,
+    40 steps of 8 completions each, then each one's GSM8K row."""
+    from mindrlhf.tools.reward_trend import read_metric, reward_trend
+
+    w = work
+    summary = _summary(w)
+    sft_ckpt, rm_ckpt = _sft_and_rm(summary, w)
+    ppo_ckpt = w / "ppo" / "checkpoints" / f"step_{RL_STEPS:08d}"
+    grpo_ckpt = w / "grpo" / "checkpoints" / f"step_{RL_STEPS:08d}"
+    evals = {k: w / f"eval_{k}.jsonl" for k in ("sft", "ppo", "grpo")}
+    # 5. PPO: 8 prompts x 1 completion per step, the critic starts as the reward model (its default)
+    _run(summary, "ppo", ppo_ckpt, "mindrlhf-ppo", "--model", str(sft_ckpt), "--reward_model", str(rm_ckpt),
+         "--reward_funcs", "gsm8k_format", "--output_dir", str(w / "ppo"), "--batch_size", "8", "--max_new_tokens",
+         "160", "--max_steps", str(RL_STEPS), "--lr", "1e-5", "--kl_coef", "0.05", "--ppo_epochs", "1",
+         "--micro_batch_size", "4", "--save_steps", str(RL_STEPS), "--overwrite_output_dir", "--progress_bar", "false")
+    _run(summary, "eval_ppo", evals["ppo"], "mindrlhf-eval", "--model", str(ppo_ckpt), "--output", str(evals["ppo"]),
+         *EVAL_ARGS)
+    # 6. GRPO from the same start: its defaults (2 prompts x 4 completions, accuracy + gsm8k_format)
+    _run(summary, "grpo", grpo_ckpt, "mindrlhf-grpo", "--sft_path_train", str(sft_ckpt), "--output_dir",
+         str(w / "grpo"), "--max_steps", str(RL_STEPS), "--save_steps", str(RL_STEPS), "--overwrite_output_dir",
+         "--progress_bar", "false")
+    _run(summary, "eval_grpo", evals["grpo"], "mindrlhf-eval", "--model", str(grpo_ckpt), "--output",
+         str(evals["grpo"]), *EVAL_ARGS)
+
+    ppo_trend = reward_trend(read_metric(w / "ppo" / "metrics.jsonl", "objective/scores"), 10)
+    summary.update({
+        "gsm8k": {**summary.get("gsm8k", {}), **{k: _gsm8k(path) for k, path in evals.items()}},
+        "ppo_score_trend": ppo_trend,
+        "ppo_format_trend": reward_trend(read_metric(w / "ppo" / "metrics.jsonl", "rewards/gsm8k_format/mean"), 10),
+        "ppo_kl": read_metric(w / "ppo" / "metrics.jsonl", "objective/kl"),
+        "grpo_reward_trend": reward_trend(read_metric(w / "grpo" / "metrics.jsonl", "reward"), 10),
+    })
+    _save(summary)
+    print(json.dumps({k: summary[k] for k in ("gsm8k", "ppo_score_trend", "grpo_reward_trend", "wall_s")}, indent=1))
+
+    # PPO raises its mean score (reward model + format) by more than 3 standard errors over its 40 steps
+    assert ppo_trend["diff"] > 3 * ppo_trend["diff_se"]
