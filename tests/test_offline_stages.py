@@ -253,7 +253,7 @@ def test_gsm8k_pairs_from_a_models_wrong_answers(stage_assets, tmp_path, qwen_to
 
 
 @pytest.mark.slow
-def test_rm_and_dpo_start_from_an_sft_checkpoint(stage_assets, tmp_path):
+def test_rm_dpo_and_grpo_start_from_an_sft_checkpoint(stage_assets, tmp_path):
     """The walkthrough's chain: an SFT checkpoint folder is the --model of the reward model (its lm_head replaced
     by a score head, the tokenizer read from the folder) and of DPO, whose reference is then that same model:
     DPO's first step has loss ln 2 and zero rewards, as TRL's. The SFT packs its 8 rows into 2 sequences of up to
@@ -278,6 +278,15 @@ def test_rm_and_dpo_start_from_an_sft_checkpoint(stage_assets, tmp_path):
     first = _metrics(tmp_path / "dpo")[0]
     assert first["loss"] == pytest.approx(np.log(2.0), rel=1e-6)
     assert first["rewards/margins"] == 0.0 and first["rewards/accuracies"] == 0.0
+    # ... and of GRPO (--sft_path_train), on its default data (the packaged GSM8K sample), as the walkthrough's
+    # "then GRPO from the SFT model"; its reference is that same folder's weights.
+    from mindrlhf import grpo
+
+    assert grpo.main(["--sft_path_train", str(ckpt), "--output_dir", str(tmp_path / "grpo"), "--max_steps", "1",
+                      "--num_generations", "2", "--max_completion_length", "8", "--beta", "0.04",
+                      "--progress_bar", "false"]) == 0
+    first = _metrics(tmp_path / "grpo")[0]
+    assert first["step"] == 1 and first["kl"] == pytest.approx(0.0, abs=1e-6)
 
 
 @pytest.mark.slow
