@@ -85,6 +85,23 @@ class CriticObjective:
         return {"val/clipfrac": reduced["clipped"] / max(reduced["tokens"], 1.0)}
 
 
+def reward_model_scores(runner, exp: Experience, micro_size: int) -> np.ndarray:
+    """A one-label reward model's score (B,) of each row ``[prompt | completion]``: its ``score`` head at the
+    row's last real token, as ``sequence_scores`` reads it on padded rows, but from ``runner``'s ``ValueHead``
+    so the rows that share a prompt are packed (the critic's pass; about a third of the padded rows' time on
+    SmolLM2 with 8 completions per prompt). The head's column j is the state before completion token j, so
+    one pad column is appended to the completions (it is never an input) and column L (the completion's
+    length) is the state at its last token — the last prompt token when the completion is empty."""
+    present = exp.completion_ids_mask()
+    wide = np.concatenate([exp.completion_ids, np.zeros((len(exp), 1), exp.completion_ids.dtype)], axis=1)
+    ids = np.concatenate([exp.prompt_ids, exp.completion_ids], axis=1).astype(np.int32)
+    mask = np.concatenate([exp.prompt_mask, present], axis=1).astype(np.int32)
+    micro = [{"input_ids": ids[s:s + micro_size], "attention_mask": mask[s:s + micro_size],
+              "completion_ids": wide[s:s + micro_size]} for s in range(0, len(exp), micro_size)]
+    values = np.concatenate(runner.forward(micro))
+    return values[np.arange(len(exp)), present.sum(1)].astype(np.float64)
+
+
 class PPOTrainer(RolloutTrainer):
     """PPO on the shared loop: the actor is the trained model of ``trainer.base`` (its masters and optimizer
     are the checkpoint's policy.ckpt / optimizer.ckpt); the critic is a second ``Updater`` saved beside it."""
@@ -96,7 +113,7 @@ class PPOTrainer(RolloutTrainer):
 
     def __init__(self, cfg: PPOConfig, *, actor, critic, tokenizer, dataset, sampler, layout, ref_model=None,
                  reward_model=None, actor_masters=None, critic_masters=None):
-        from mindrlhf.models.heads import LogProbHead, ScoreHead, ValueHead
+        from mindrlhf.models.heads import LogProbHead, ValueHead
         from mindrlhf.rewards import RewardManager
         from mindrlhf.trainer.update import build_frozen_runner, build_updater
 
@@ -117,17 +134,15 @@ class PPOTrainer(RolloutTrainer):
                                             share_prompts=p.share_prompts)
         self.ref_runner = None if ref_model is None else build_frozen_runner(
             cfg, ref_model, groups, LogProbHead(temperature), share_prompts=p.share_prompts)
-        self.rm_runner = None if reward_model is None else build_frozen_runner(cfg, reward_model, groups, ScoreHead(1))
+        # The reward model runs as the critic does (per-token values, shared-prompt packed): see reward_model_scores.
+        self.rm_runner = None if reward_model is None else build_frozen_runner(
+            cfg, reward_model, groups, ValueHead(), share_prompts=p.share_prompts)
         self.value_norm = ppo_math.RunningValueNorm(a.value_norm_beta) if a.value_norm else None
 
     # -- scoring ------------------------------------------------------------------------------------
     def model_scores(self, exp: Experience) -> np.ndarray:
         """The reward model's score of every row of ``exp`` (B,): its value at each completion's last token."""
-        ids = np.concatenate([exp.prompt_ids, exp.completion_ids], axis=1).astype(np.int32)
-        mask = np.concatenate([exp.prompt_mask, exp.completion_ids_mask()], axis=1).astype(np.int32)
-        size = self._micro_size()
-        micro = [{"input_ids": ids[s:s + size], "attention_mask": mask[s:s + size]} for s in range(0, len(exp), size)]
-        return np.concatenate(self.rm_runner.forward(micro))[:, 0].astype(np.float64)
+        return reward_model_scores(self.rm_runner, exp, self._micro_size())
 
     def scores(self, exp: Experience, rm_scores: Optional[np.ndarray]) -> np.ndarray:
         """Each completion's score (B,): the reward model's (scaled, biased) plus the rule rewards' weighted sum

@@ -220,3 +220,41 @@ def test_score_is_scaled_model_score_plus_rules_clipped_and_penalised():
     # 0.5·2−1+1 = 1; 1.5·2−1+0 = 2; 10·2−1+0.5 = 19.5 → clipped to 4; truncated → −3
     np.testing.assert_allclose(got, [1.0, 2.0, 4.0, -3.0])
     np.testing.assert_allclose(PPOTrainer.scores(host, exp, None), [1.0, 0.0, 0.5, -3.0])
+
+
+def test_reward_model_scores_from_packed_values_equal_the_padded_last_token_scores(tmp_path):
+    """The reward model's score read from its packed per-token values (reward_model_scores: one pad column
+    appended, column L = the completion's length) equals ``sequence_scores`` on each padded row
+    ``[prompt | completion]``: two groups of three rows sharing a (left-padded) prompt, completions of length 0,
+    partial and full, in micro-batches that split a group."""
+    from mindspore import Tensor
+
+    from mindrlhf.models import load_model
+    from mindrlhf.models.heads import ValueHead
+    from mindrlhf.models.packing import pack_shared_prompts
+    from mindrlhf.parallel.groups import data_parallel_groups
+    from mindrlhf.parallel.pipeline import PipelineRunner
+    from mindrlhf.ppo import reward_model_scores
+    from mindrlhf.testing import make_tiny_reward_model
+    from mindrlhf.trainer.experience import Experience
+
+    model = load_model(make_tiny_reward_model(tmp_path / "rm", seed=3))
+    rng = np.random.default_rng(0)
+    n, p, c = 6, 5, 4
+    prompt_ids = np.repeat(rng.integers(1, 500, (2, p)), 3, axis=0).astype(np.int32)
+    prompt_mask = np.ones((n, p), np.int32)
+    prompt_mask[3:, :2] = 0  # the second group's prompt is 3 tokens, left-padded
+    lengths = np.array([0, 2, 4, 4, 1, 3])
+    present = (np.arange(c)[None] < lengths[:, None]).astype(np.int32)
+    completion_ids = np.where(present > 0, rng.integers(1, 500, (n, c)), 0).astype(np.int32)
+    zeros = np.zeros(n, np.float32)
+    exp = Experience(prompt_ids, prompt_mask, completion_ids, present.astype(np.float32), present * 0.0,
+                     lengths == c, zeros, zeros[:, None], zeros, np.arange(n), extras={"completion_present": present})
+    ids = np.concatenate([prompt_ids, completion_ids], axis=1)
+    mask = np.concatenate([prompt_mask, present], axis=1)
+    assert pack_shared_prompts(ids[:4], mask[:4], c + 1) is not None  # the first micro-batch is packed
+    want = model.scores(Tensor(ids), Tensor(mask)).asnumpy()[:, 0]
+    assert np.ptp(want) > 1e-3  # different rows score differently: the comparison reads the right positions
+    runner = PipelineRunner(model, data_parallel_groups(0, 1), head=ValueHead(), share_prompts=True)
+    got = reward_model_scores(runner, exp, micro_size=4)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
