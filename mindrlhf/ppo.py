@@ -112,10 +112,10 @@ class PPOTrainer(RolloutTrainer):
     curves = PPO_CURVES
 
     def __init__(self, cfg: PPOConfig, *, actor, critic, tokenizer, dataset, sampler, layout, ref_model=None,
-                 reward_model=None, actor_masters=None, critic_masters=None):
+                 reward_model=None, actor_masters=None, critic_masters=None, reload=None):
         from mindrlhf.models.heads import LogProbHead, ValueHead
         from mindrlhf.rewards import RewardManager
-        from mindrlhf.trainer.update import build_frozen_runner, build_updater
+        from mindrlhf.trainer.update import build_frozen_model, build_updater
 
         a, g, p = cfg.algorithm, cfg.generation, cfg.parallel
         if cfg.uses_reference and ref_model is None:
@@ -132,11 +132,12 @@ class PPOTrainer(RolloutTrainer):
         self.critic_updater = build_updater(cfg, critic, CriticObjective(a.cliprange_value, a.vf_coef),
                                             head=ValueHead(), groups=groups, masters=critic_masters,
                                             share_prompts=p.share_prompts)
-        self.ref_runner = None if ref_model is None else build_frozen_runner(
-            cfg, ref_model, groups, LogProbHead(temperature), share_prompts=p.share_prompts)
+        reload = reload or {}
+        self.ref_runner = None if ref_model is None else build_frozen_model(
+            cfg, ref_model, groups, LogProbHead(temperature), share_prompts=p.share_prompts, reload=reload.get("ref"))
         # The reward model runs as the critic does (per-token values, shared-prompt packed): see reward_model_scores.
-        self.rm_runner = None if reward_model is None else build_frozen_runner(
-            cfg, reward_model, groups, ValueHead(), share_prompts=p.share_prompts)
+        self.rm_runner = None if reward_model is None else build_frozen_model(
+            cfg, reward_model, groups, ValueHead(), share_prompts=p.share_prompts, reload=reload.get("rm"))
         self.value_norm = ppo_math.RunningValueNorm(a.value_norm_beta) if a.value_norm else None
 
     # -- scoring ------------------------------------------------------------------------------------
@@ -172,13 +173,19 @@ class PPOTrainer(RolloutTrainer):
         self.record(step, exp)
 
         t1 = time.perf_counter()
-        rm_scores = self.model_scores(exp) if self.rm_runner is not None else None
+        rm_scores = None
+        if self.rm_runner is not None:
+            rm_scores = self.model_scores(exp)
+            self.rm_runner.release()
         times["time/reward_model"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         old_logp = self.completion_forward(self.updater.runner, exp)
         times["time/old_logp"] = time.perf_counter() - t1
         t1 = time.perf_counter()
-        ref_logp = self.completion_forward(self.ref_runner, exp) if self.ref_runner is not None else old_logp
+        ref_logp = old_logp
+        if self.ref_runner is not None:
+            ref_logp = self.completion_forward(self.ref_runner, exp)
+            self.ref_runner.release()
         times["time/ref"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         values = self.completion_forward(self.critic_updater.runner, exp)
@@ -340,9 +347,15 @@ def build_trainer(cfg: PPOConfig, layout) -> PPOTrainer:
                                          seed=cfg.train.seed)
     dataset = load_prompt_dataset(cfg, layout, tokenizer, config, a.batch_size)
     sampler = build_sampler(cfg, sampler_model if sampler_model is not None else actor)
+    reload = {}
+    if m.offload_models:  # how each frozen model is read again after a release (trainer.update.ReleasableModel)
+        reload["ref"] = partial(load_shard, m.ref_model_path or actor_path, layout.train, layout.rank, dtype=m.dtype,
+                                tp_group=shard.tp_group)
+        reload["rm"] = partial(load_shard, m.reward_model_path, layout.train, layout.rank, dtype=m.dtype,
+                               tp_group=shard.tp_group)
     trainer = PPOTrainer(cfg, actor=actor, critic=critic, tokenizer=tokenizer, dataset=dataset, sampler=sampler,
                          layout=layout, ref_model=ref_model, reward_model=reward_model, actor_masters=actor_masters,
-                         critic_masters=critic_masters)
+                         critic_masters=critic_masters, reload=reload)
     if sampler_model is not None:
         trainer.sync_generator()  # the generator starts from the actor's weights
     return trainer

@@ -84,3 +84,34 @@ def test_layer_graphs_follow_the_weights(tiny_qwen2_dir):
         after = model.sequence_logprobs(*args).asnumpy()
     np.testing.assert_allclose(after, model.sequence_logprobs(*args).asnumpy(), rtol=1e-5, atol=1e-6)
     assert np.abs(after - before).max() > 1e-3
+
+
+def test_a_released_frozen_model_frees_its_weights_and_reads_them_back(tiny_qwen2_dir, tmp_path):
+    """offload_models (trainer.update.ReleasableModel): release() leaves every parameter a one-element
+    placeholder; the next forward reads the weights back through reload and the layer graphs use them — the
+    same log-probs as before, or, reloaded from another model's files, that model's log-probs."""
+    from mindrlhf.models import load_model
+    from mindrlhf.models.heads import LogProbHead
+    from mindrlhf.parallel.groups import data_parallel_groups
+    from mindrlhf.parallel.pipeline import PipelineRunner
+    from mindrlhf.testing import make_tiny_qwen2
+    from mindrlhf.trainer.update import ReleasableModel
+
+    other = make_tiny_qwen2(tmp_path / "other", seed=11)
+    model = load_model(tiny_qwen2_dir)
+    ids, mask, comp, _ = _rows(model.config.vocab_size)
+    micro = [{"input_ids": ids, "attention_mask": mask, "completion_ids": comp}]
+    runner = PipelineRunner(model, data_parallel_groups(0, 1), head=LogProbHead(), layer_graphs=True)
+    source = [tiny_qwen2_dir]
+    frozen = ReleasableModel(runner, model, reload=lambda: load_model(source[0]))
+    before = frozen.forward(micro)[0]
+    frozen.release()
+    assert all(p.shape == (1,) for p in model.get_parameters())
+    np.testing.assert_array_equal(frozen.forward(micro)[0], before)
+    assert all(p.shape != (1,) for p in model.get_parameters())
+    source[0] = other
+    frozen.release()
+    want = PipelineRunner(load_model(other), data_parallel_groups(0, 1), head=LogProbHead(),
+                          layer_graphs=True).forward(micro)[0]
+    np.testing.assert_array_equal(frozen.forward(micro)[0], want)
+    assert np.abs(want - before).max() > 1e-3

@@ -185,6 +185,20 @@ def test_two_workers_match_one_on_replayed_rollouts(ppo_assets, recorded, tmp_pa
             assert_same_updated_weights(w1, w2, lr=1e-3)
 
 
+@pytest.mark.slow
+def test_offloaded_reward_model_and_reference_train_the_same(ppo_assets, recorded, tmp_path):
+    """--offload_models: the reward model and the reference released after their pass and read back from their
+    files each step (the reference from --model: the initial actor) — the recorded run's metrics exactly."""
+    out = tmp_path / "offload"
+    proc = _run(_argv(ppo_assets, out, max_steps=2, offload_models="true"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for want, got in zip(_rows(recorded / "run"), _rows(out)):
+        for k, v in want.items():
+            if not (k.startswith("time/") or k in ("step_time", "tokens_per_second")):
+                assert got[k] == pytest.approx(v, rel=1e-6, abs=1e-9), (want["step"], k)
+    assert len(_rows(out)) == 2
+
+
 def test_ppo_refuses_bad_configs_in_one_line(tmp_path, capsys):
     """No reward at all, a mini-batch split that does not divide: one line each, exit 2."""
     from mindrlhf.ppo import main
@@ -195,6 +209,8 @@ def test_ppo_refuses_bad_configs_in_one_line(tmp_path, capsys):
     assert "no reward" in err and "--reward_model" in err and len(err.strip().splitlines()) == 1
     assert main(["--batch_size", "3", "--num_mini_batches", "2", "--output_dir", out]) == 2
     assert "num_mini_batches = 2 does not divide the completions per step" in capsys.readouterr().err
+    assert main(["--offload_models", "true", "--train_jit", "true", "--output_dir", out]) == 2
+    assert "offload_models = true with train_jit = true" in capsys.readouterr().err
 
 
 def test_score_is_scaled_model_score_plus_rules_clipped_and_penalised():

@@ -47,6 +47,12 @@ class PPOModelConfig(ModelBaseConfig):
         "", "The reference model of the KL penalty (same forms as model_path), run without gradients. '' = a "
         "copy of the initial actor.",
         key_aliases=("ref_model",))
+    offload_models: bool = config_field(
+        False, "Release the reward model's and the reference's weights after their pass in each step and read "
+        "them again from their files before the next (the reference from ref_model_path, or from model_path: "
+        "the initial actor), so the actor's and critic's updates run without them in memory: about two models "
+        "of dtype less at the peak, for reading them once a step. The same numbers either way. Needs "
+        "train_jit false (a whole-model compiled graph keeps the old weights).")
 
 
 @dataclass
@@ -248,6 +254,9 @@ class PPOConfig(TrainingConfig):
             errors.append(f"min_new_tokens = {g.min_new_tokens} > max_completion_length = {g.max_completion_length}")
         if g.use_vllm:
             errors.append("use_vllm = true: the vLLM-MindSpore backend is not wired in; set use_vllm false")
+        if m.offload_models and p.train_jit:
+            errors.append("offload_models = true with train_jit = true: a compiled whole-model graph would keep "
+                          "the released weights; set train_jit false (the default) or offload_models false")
         if self.world_size != p.infer_dp * p.infer_tp:
             errors.append(f"train world size train_dp*train_tp*train_pp = {self.world_size} != infer world size "
                           f"infer_dp*infer_tp = {p.infer_dp * p.infer_tp}; the same processes train and generate")

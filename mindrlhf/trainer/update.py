@@ -223,6 +223,44 @@ def build_frozen_runner(cfg, model: nn.Cell, groups: ParallelGroups, head: Head,
                           layer_graphs=p.layer_graphs)
 
 
+class ReleasableModel:
+    """A model that runs without gradients (``build_frozen_runner``) whose weights can be released between
+    uses (``offload_models``): ``release()`` swaps every parameter's storage for a one-element placeholder,
+    and the next ``forward`` first reads the weights again through ``reload`` (a function that loads a fresh
+    copy of the model from its files). ``Parameter.set_data`` swaps storage, which a whole-model compiled
+    graph would not see, so this needs the pynative / layer-graph runner, whose layer graphs take each
+    layer's weights as inputs on every call."""
+
+    def __init__(self, runner: PipelineRunner, model: nn.Cell, reload=None):
+        self.runner, self.model, self.reload = runner, model, reload
+        self.released = False
+
+    def forward(self, micro_batches: Sequence[Dict[str, np.ndarray]]) -> List:
+        """``runner.forward``, the weights read back first if they were released."""
+        if self.released:
+            fresh = dict(self.reload().parameters_and_names())
+            for name, param in self.model.parameters_and_names():
+                param.set_data(fresh[name].value(), slice_shape=True)
+            self.released = False
+        return self.runner.forward(micro_batches)
+
+    def release(self) -> None:
+        """Free the weights until the next ``forward`` (nothing to do without ``reload``)."""
+        if self.reload is None or self.released:
+            return
+        for param in self.model.get_parameters():
+            param.set_data(Tensor(np.zeros(1, np.float32), param.dtype), slice_shape=True)
+        self.released = True
+
+
+def build_frozen_model(cfg, model: nn.Cell, groups: ParallelGroups, head: Head, *, share_prompts: bool = False,
+                       reload=None) -> ReleasableModel:
+    """``build_frozen_runner``'s runner for ``model``, releasable when ``reload`` is given (see
+    ``ReleasableModel``); the config's checks refuse ``offload_models`` with ``train_jit``."""
+    runner = build_frozen_runner(cfg, model, groups, head, share_prompts=share_prompts)
+    return ReleasableModel(runner, model, reload)
+
+
 def _norm_weights(names: Sequence[str], groups: ParallelGroups, tied: bool) -> np.ndarray:
     """Per-parameter weight of its squared gradient in the global norm (see ``global_grad_norm``)."""
     from mindrlhf.parallel.layout import EMBED
