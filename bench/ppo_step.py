@@ -3,6 +3,7 @@
     python bench/ppo_step.py                    # tiny random Qwen2 actor + tiny reward model, Qwen tokenizer
     python bench/ppo_step.py --model smollm2    # the embedded SmolLM2-135M-Instruct (+ a SmolLM2 reward model)
     python bench/ppo_step.py --ppo_epochs 4     # TRL's default number of PPO passes
+    python bench/ppo_step.py --offload_models   # PPO's reward model and reference released between phases
 
 Each stage runs in its own process (so each peak RSS is its own), for ``--steps`` steps; the first step
 compiles and is left out of the means. Both sample ``num_generations`` completions for each of ``prompts``
@@ -66,7 +67,8 @@ def _stage_argv(stage: str, args, actor: Path, rm: Path, out: Path) -> list:
         return ["--sft_path_train", str(actor), "--chunk_size", str(args.prompts), "--beta", "0.04",
                 "--num_iterations", str(args.ppo_epochs), *common]
     return ["--model", str(actor), "--reward_model", str(rm), "--batch_size", str(args.prompts), "--kl_coef", "0.05",
-            "--ppo_epochs", str(args.ppo_epochs), "--num_mini_batches", "1", *common]
+            "--ppo_epochs", str(args.ppo_epochs), "--num_mini_batches", "1",
+            "--offload_models", str(args.offload_models).lower(), *common]
 
 
 def run_stage(stage: str, argv: list, result: Path) -> None:
@@ -98,6 +100,8 @@ def main() -> None:
     ap.add_argument("--max_completion_length", type=int, default=64)
     ap.add_argument("--micro_batch_size", type=int, default=8)
     ap.add_argument("--ppo_epochs", type=int, default=1, help="passes per step (GRPO: num_iterations)")
+    ap.add_argument("--offload_models", action="store_true",
+                    help="PPO releases its reward model and reference between phases (--offload_models true)")
     ap.add_argument("--work_dir", default="", help="keep models and outputs here (default: a temporary folder)")
     if sys.argv[1:2] == ["--_child"]:  # a stage's process: the rest are that stage's own flags (--model ...)
         run_stage(sys.argv[2], sys.argv[4:], Path(sys.argv[3]))
