@@ -150,3 +150,18 @@ def test_an_infinite_reward_stops_the_run_or_is_skipped_and_a_step_with_no_signa
     said = [r.getMessage() for r in caplog.records if "trained nothing" in r.getMessage()]
     assert [m.split(":")[0] for m in said] == ["step 1", "step 2"]
     assert "no completion got a reward" in said[0]
+
+
+def test_a_checkpoint_refused_for_lack_of_free_memory_is_not_called_broken(tmp_path):
+    """MindSpore reads a .ckpt as one protobuf message and refuses it while less memory is free than its size (a
+    PPO walkthrough hit this beside a test run): the one-line error says the file is intact and to free memory,
+    not to re-convert it; a genuinely unreadable file keeps the re-convert advice."""
+    from mindrlhf.checkpoint.hf_io import load_error
+
+    path = tmp_path / "policy.ckpt"
+    refused = RuntimeError("For 'load_checkpoint', the checkpoint protobuf content size 538080531 bytes exceeds "
+                           "current available memory 244862976 bytes: policy.ckpt.\nThe ckpt format stores ...")
+    err = str(load_error(path, refused, "re-convert it"))
+    assert "free memory" in err and "re-convert" not in err and "538080531 bytes" in err and "\n" not in err
+    err = str(load_error(path, ValueError("Failed to read the checkpoint file"), "re-convert it"))
+    assert err.endswith("; re-convert it") and str(path) in err

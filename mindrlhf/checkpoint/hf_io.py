@@ -472,14 +472,23 @@ def _ms_dtype_code(param) -> str:
             mstype.float64: "F64"}.get(param.dtype, str(param.dtype))
 
 
+def load_error(path: Path, err: Exception, fix: str) -> MindRLHFError:
+    """One line for a checkpoint MindSpore failed to load: its first message line and what to do. A .ckpt is
+    one protobuf message read whole, and MindSpore refuses it when less memory is free than its size; the
+    file is fine then, so the fix is memory, not ``fix`` (re-converting)."""
+    msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if "available memory" in msg:
+        fix = "the file is intact: free memory (other processes hold it) and run again"
+    return MindRLHFError(f"{path}: MindSpore cannot load this checkpoint ({msg}); {fix}")
+
+
 def _load_ckpt_params(path: Path) -> Dict[str, Any]:
     import mindspore as ms
 
     try:
         return ms.load_checkpoint(str(path), format=_ms_format(path))
     except (ValueError, RuntimeError, TypeError) as err:
-        msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise MindRLHFError(f"{path}: MindSpore cannot load this checkpoint ({msg}); re-convert it") from None
+        raise load_error(path, err, "re-convert it") from None
 
 
 def iter_ms_checkpoint(path: PathLike) -> Iterator[Tuple[str, np.ndarray]]:

@@ -221,8 +221,7 @@ def _read_ckpt(path: Path, arrays: bool = True) -> Tuple[Dict[str, np.ndarray], 
     try:
         params = ms.load_checkpoint(str(path))
     except (ValueError, RuntimeError, TypeError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise MindRLHFError(f"{path}: MindSpore cannot load this checkpoint ({first}); re-create it") from None
+        raise hf_io.load_error(path, err, "re-create it") from None
     names = {mstype.float16: "float16", mstype.float32: "float32", mstype.bfloat16: "bfloat16"}
     out, dtypes, shapes = {}, {}, {}
     for name in list(params):
