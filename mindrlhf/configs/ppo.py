@@ -50,8 +50,9 @@ class PPOModelConfig(ModelBaseConfig):
     offload_models: bool = config_field(
         False, "Release the reward model's and the reference's weights after their pass in each step and read "
         "them again from their files before the next (the reference from ref_model_path, or from model_path: "
-        "the initial actor), so the actor's and critic's updates run without them in memory: about two models "
-        "of dtype less at the peak, for reading them once a step. The same numbers either way. Needs "
+        "the initial actor), so the actor's and critic's updates run without them in device memory. The same "
+        "numbers either way. On CPU it does not pay: SmolLM2's PPO step peaked at 11.28 GiB with it vs 9.75 "
+        "without (freed host memory is not returned before the reload) and took 8 s longer. Needs "
         "train_jit false (a whole-model compiled graph keeps the old weights).")
 
 
