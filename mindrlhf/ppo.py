@@ -88,7 +88,7 @@ class CriticObjective:
 def reward_model_scores(runner, exp: Experience, micro_size: int) -> np.ndarray:
     """A one-label reward model's score (B,) of each row ``[prompt | completion]``: its ``score`` head at the
     row's last real token, as ``sequence_scores`` reads it on padded rows, but from ``runner``'s ``ValueHead``
-    so the rows that share a prompt are packed (the critic's pass; about a third of the padded rows' time on
+    so the rows that share a prompt are packed (the critic's pass; 40% of the padded rows' time on
     SmolLM2 with 8 completions per prompt). The head's column j is the state before completion token j, so
     one pad column is appended to the completions (it is never an input) and column L (the completion's
     length) is the state at its last token — the last prompt token when the completion is empty."""
@@ -179,7 +179,9 @@ class PPOTrainer(RolloutTrainer):
             self.rm_runner.release()
         times["time/reward_model"] = time.perf_counter() - t1
         t1 = time.perf_counter()
-        old_logp = self.completion_forward(self.updater.runner, exp)
+        # The sampler's log-probs are log_softmax(logits / T) of the drawn tokens under the policy it was synced
+        # to after the last update (generation.params.Completion): the old policy, without another pass.
+        old_logp = self.completion_forward(self.updater.runner, exp) if a.recompute_old_logp else exp.sampler_logp
         times["time/old_logp"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         ref_logp = old_logp

@@ -90,6 +90,12 @@ class PPOAlgorithmConfig:
         0, "Completions per forward/backward on one train rank (gradient accumulation). 0 = the rank's whole "
         "share of a mini-batch. Must divide it. The update does not change with it.",
         ge=0)
+    recompute_old_logp: bool = config_field(
+        False, "Where the old policy's log-probs come from (the ratio's denominator, the actor term of the KL "
+        "penalty, objective/entropy). false: the sampler's own log-probs of the tokens it drew, as TRL's and "
+        "ReaL's PPO take them from generation (no extra pass: 10 of 135 s of the SmolLM2 benchmark step); true: "
+        "one more actor forward over the rollout (verl's choice), for a sampler that computes in another dtype "
+        "or layout than training, whose log-probs then differ from the trained model's.")
     kl_coef: float = config_field(
         0.05, "Weight of the per-token KL penalty in the reward: r_t = -kl_coef * KL_t, plus the score at the last "
         "completion token. Range >= 0; 0 skips the reference model.",
