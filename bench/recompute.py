@@ -1,0 +1,171 @@
+"""What recompute costs: one update's loss and gradients with and without recomputing the forward (#29).
+
+    python bench/recompute.py                          # the embedded SmolLM2-135M-Instruct
+    python bench/recompute.py --model tiny             # a small random Qwen2 (a quick check of the script)
+    python bench/recompute.py --modes graphs,jit       # some of the ways only
+
+The same update (GRPO's: completion log-probs of shared-prompt packed rows, a weighted sum) computed four
+ways, each in its own process so each peak RSS is its own:
+
+- ``graphs``: the default. The decoder layers run as the two shared compiled layer graphs; each layer's
+  forward is recomputed in its backward (only its input is kept).
+- ``eager``: pynative layers (``layer_graphs false``): autodiff keeps every activation, kernels run one
+  by one.
+- ``jit``: the whole forward + backward compiled (``train_jit true``): activations kept, one graph. Every
+  new sequence length compiles again; here every step has the same shapes, so only the first compiles.
+- ``layer_jit``: each layer compiled on its own and differentiated by pynative autodiff, which keeps the
+  graph's forward results for its backward (no recompute, each layer's own graph).
+
+Each mode runs ``--steps`` updates of ``--micro_batches`` micro-batches (``--prompts`` prompts x
+``--num_generations`` completions each); the first step compiles and is left out of the mean. The gradient
+norm of the first step is printed beside the times: the four ways compute the same gradients.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+MODES = ("graphs", "eager", "jit", "layer_jit")
+
+
+def _peak_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
+def _model_dir(name: str, root: Path) -> Path:
+    if name == "smollm2":
+        from mindrlhf.checkpoint.smollm2 import prepare_smollm2
+
+        return Path(prepare_smollm2())
+    if name == "tiny":
+        from mindrlhf.testing import make_tiny_qwen2
+
+        return make_tiny_qwen2(root / "tiny", hidden_size=64, intermediate_size=128, max_position_embeddings=1024)
+    return Path(name)
+
+
+def _micro_batches(args, vocab: int):
+    """``micro_batches`` micro-batches of ``prompts`` prompts x ``num_generations`` completions (seeded)."""
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(args.micro_batches):
+        prompts = np.repeat(rng.integers(1, vocab, (args.prompts, args.prompt_len)), args.num_generations, axis=0)
+        rows = args.prompts * args.num_generations
+        completions = rng.integers(1, vocab, (rows, args.completion_len)).astype(np.int32)
+        ids = np.concatenate([prompts, completions], axis=1)[:, :-1].astype(np.int32)
+        out.append({"input_ids": ids, "attention_mask": np.ones_like(ids), "completion_ids": completions,
+                    "weights": rng.normal(size=completions.shape).astype(np.float32)})
+    return out
+
+
+def _layer_jit(model) -> None:
+    """Run ``model``'s decoder layers as one compiled graph each under pynative autodiff (mode ``layer_jit``)."""
+    import mindspore as ms
+
+    def compile_layer(i: int, layer):
+        def run(x, rope, bias):
+            return layer(x, rope, bias)
+
+        run.__name__ = f"bench_layer_{i}"
+        return ms.jit(run)
+
+    compiled = {i: compile_layer(i, model.model.layers[i]) for i in model.layer_range}
+
+    def layers(x, position_ids, bias):
+        rope = model.rope_tables(position_ids)
+        for i in model.layer_range:
+            x = compiled[i](x, ms.mutable(tuple(rope)), ms.mutable(bias) if isinstance(bias, tuple) else bias)
+        return x
+
+    model._layers = layers
+
+
+def run_mode(args) -> dict:
+    """One mode in this process: the model loaded, ``steps`` updates timed, peak RSS."""
+    import mindspore as ms
+
+    ms.set_device("CPU")
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    from mindrlhf.models import load_model
+    from mindrlhf.parallel.groups import data_parallel_groups
+    from mindrlhf.parallel.pipeline import PipelineRunner
+
+    model = load_model(args.model_dir)
+    if args.mode == "layer_jit":
+        _layer_jit(model)
+
+    def loss(logp, weights):
+        return (logp * weights).sum() / weights.size, ()
+
+    runner = PipelineRunner(model, data_parallel_groups(0, 1), loss, jit=args.mode == "jit",
+                            layer_graphs=args.mode == "graphs", share_prompts=True)
+    micro = _micro_batches(args, model.config.vocab_size)
+    loaded = _peak_gib()
+    times, norm = [], None
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        grads, _, _ = runner.loss_and_grads(micro, ["weights"])
+        arrays = [g.asnumpy() for g in grads]
+        times.append(time.perf_counter() - t)
+        if norm is None:
+            norm = float(np.sqrt(sum(float((a.astype(np.float64) ** 2).sum()) for a in arrays)))
+    rest = times[1:] or times
+    return {"mode": args.mode, "step_s": float(np.mean(rest)), "first_s": times[0], "grad_norm": norm,
+            "loaded_gib": loaded, "peak_gib": _peak_gib(),
+            "positions": int(sum(mb["input_ids"].size for mb in micro))}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2", help="smollm2, tiny, or an HF model directory")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--micro_batches", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=1, help="prompts per micro-batch")
+    p.add_argument("--num_generations", type=int, default=8, help="completions per prompt")
+    p.add_argument("--prompt_len", type=int, default=96)
+    p.add_argument("--completion_len", type=int, default=64)
+    p.add_argument("--mode", help=argparse.SUPPRESS)
+    p.add_argument("--model_dir", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.mode:  # a child process: one mode, its result as the last line
+        print(json.dumps(run_mode(args)), flush=True)
+        return 0
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        p.error(f"--modes: {bad} not among {MODES}")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = _model_dir(args.model, Path(tmp))
+        child = [f"--{k}={getattr(args, k)}" for k in ("steps", "micro_batches", "prompts", "num_generations",
+                                                        "prompt_len", "completion_len")]
+        results = []
+        for mode in modes:
+            proc = subprocess.run([sys.executable, __file__, *child, "--mode", mode, "--model_dir", str(model_dir)],
+                                  cwd=REPO, capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(f"{mode}: failed (rc {proc.returncode})\n{proc.stderr[-2000:]}", file=sys.stderr)
+                continue
+            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    print(f"{args.model}: {args.micro_batches} micro-batches x {args.prompts} prompt(s) x {args.num_generations} "
+          f"completions, prompt {args.prompt_len} + completion {args.completion_len} tokens; "
+          f"means of steps 2..{args.steps}")
+    print("| mode | step s | first step s | peak RSS GiB | RSS after load GiB | grad norm |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        print(f"| {r['mode']} | {r['step_s']:.2f} | {r['first_s']:.2f} | {r['peak_gib']:.2f} | {r['loaded_gib']:.2f} "
+              f"| {r['grad_norm']:.6g} |")
+    return 0 if len(results) == len(modes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
