@@ -4,21 +4,24 @@
     python bench/recompute.py --model tiny             # a small random Qwen2 (a quick check of the script)
     python bench/recompute.py --modes graphs,jit       # some of the ways only
 
-The same update (GRPO's: completion log-probs of shared-prompt packed rows, a weighted sum) computed four
+The same update (GRPO's: completion log-probs of shared-prompt packed rows, a weighted sum) computed five
 ways, each in its own process so each peak RSS is its own:
 
 - ``graphs``: the default. The decoder layers run as the two shared compiled layer graphs; each layer's
   forward is recomputed in its backward (only its input is kept).
 - ``eager``: pynative layers (``layer_graphs false``): autodiff keeps every activation, kernels run one
   by one.
-- ``jit``: the whole forward + backward compiled (``train_jit true``): activations kept, one graph. Every
-  new sequence length compiles again; here every step has the same shapes, so only the first compiles.
+- ``jit``: the whole forward + backward compiled (``train_jit true``): activations kept, one graph, all
+  dimensions dynamic (``layer_graphs.jit_any_shape``: compiled once for every sequence length).
+- ``jit_static``: the same graph compiled for the exact input shapes (what ``train_jit`` did before: it
+  compiled again for every new sequence length; here every step has the same shapes, so only the first
+  compiles).
 - ``layer_jit``: each layer compiled on its own and differentiated by pynative autodiff, which keeps the
   graph's forward results for its backward (no recompute, each layer's own graph).
 
 Each mode runs ``--steps`` updates of ``--micro_batches`` micro-batches (``--prompts`` prompts x
 ``--num_generations`` completions each); the first step compiles and is left out of the mean. The gradient
-norm of the first step is printed beside the times: the four ways compute the same gradients.
+norm of the first step is printed beside the times: every way computes the same gradients.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("graphs", "eager", "jit", "layer_jit")
+MODES = ("graphs", "eager", "jit", "jit_static", "layer_jit")
 
 
 def _peak_gib() -> float:
@@ -99,6 +102,10 @@ def run_mode(args) -> dict:
     from mindrlhf.parallel.groups import data_parallel_groups
     from mindrlhf.parallel.pipeline import PipelineRunner
 
+    if args.mode == "jit_static":
+        import mindrlhf.parallel.pipeline as pipeline
+
+        pipeline.jit_any_shape = lambda fn, name: ms.jit(fn)
     model = load_model(args.model_dir)
     if args.mode == "layer_jit":
         _layer_jit(model)
@@ -106,7 +113,7 @@ def run_mode(args) -> dict:
     def loss(logp, weights):
         return (logp * weights).sum() / weights.size, ()
 
-    runner = PipelineRunner(model, data_parallel_groups(0, 1), loss, jit=args.mode == "jit",
+    runner = PipelineRunner(model, data_parallel_groups(0, 1), loss, jit=args.mode.startswith("jit"),
                             layer_graphs=args.mode == "graphs", share_prompts=True)
     micro = _micro_batches(args, model.config.vocab_size)
     loaded = _peak_gib()

@@ -115,3 +115,52 @@ def test_a_released_frozen_model_frees_its_weights_and_reads_them_back(tiny_qwen
                           layer_graphs=True).forward(micro)[0]
     np.testing.assert_array_equal(frozen.forward(micro)[0], want)
     assert np.abs(want - before).max() > 1e-3
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["packed", "padded"])
+def test_whole_model_jit_is_compiled_once_for_every_shape_and_equals_pynative(tiny_qwen2_dir, share):
+    """train_jit (``PipelineRunner(jit=True)``, ``layer_graphs.jit_any_shape``): each piece is one dynamic-shape
+    graph, so batches of other prompt and completion widths reuse it (the chunked log-prob head and the token
+    statistics then take all rows as one chunk); loss, every gradient and the head's statistics equal pynative's."""
+    import mindspore as ms
+
+    from mindrlhf.models import load_model
+    from mindrlhf.models.heads import LogProbHead
+    from mindrlhf.parallel.groups import data_parallel_groups
+    from mindrlhf.parallel.pipeline import PipelineRunner
+
+    model = load_model(tiny_qwen2_dir)
+    model.chunk_rows = 4  # several chunks in pynative, so the one-chunk graph is compared with a chunked loop
+    model.chunked_logprob.chunk = 4
+
+    def loss(logp, weights):
+        return (logp * weights).sum(), (weights.sum(),)
+
+    runners = {jit: PipelineRunner(model, data_parallel_groups(0, 1), loss, jit=jit, share_prompts=share)
+               for jit in (False, True)}
+    stats = {jit: PipelineRunner(model, data_parallel_groups(0, 1), head=LogProbHead(0.7, stats=True), jit=jit,
+                                 share_prompts=share) for jit in (False, True)}
+    for seed, rows in ((0, slice(None)), (1, slice(0, 4)), (2, slice(1, 6))):
+        ids, mask, comp, present = (a[rows] for a in _rows(model.config.vocab_size, seed))
+        if seed == 2:  # a wider prompt and completion than the first batch
+            ids, mask = np.pad(ids, ((0, 0), (5, 0))), np.pad(mask, ((0, 0), (5, 0)))
+            comp, present = np.pad(comp, ((0, 0), (0, 3))), np.pad(present, ((0, 0), (0, 3)))
+            ids, mask = np.concatenate([ids, comp[:, -4:-1]], 1), np.concatenate([mask, np.zeros_like(ids[:, :3])], 1)
+        weights = (np.random.default_rng(seed).normal(size=present.shape) * present).astype(np.float32)
+        mb = {"input_ids": ids.astype(np.int32), "attention_mask": mask.astype(np.int32),
+              "completion_ids": comp.astype(np.int32), "weights": weights}
+        (g0, l0, a0), (g1, l1, a1) = (runners[jit].loss_and_grads([mb], ["weights"]) for jit in (False, True))
+        assert l1 == pytest.approx(l0, rel=1e-5)
+        for p, a, b in zip(model.trainable_params(), g0, g1):
+            a, b = a.asnumpy(), b.asnumpy()
+            rtol = 1e-3 if p.name.endswith("k_proj.bias") else 1e-5  # see _assert_same
+            assert np.linalg.norm(a - b) <= rtol * np.linalg.norm(a), (seed, p.name)
+        for x, y in zip(stats[False].forward([mb])[0], stats[True].forward([mb])[0]):
+            np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6)
+    # One compiled graph per piece served every shape (MindSpore's set of compiled phases names the piece; a
+    # static-shape jit adds one phase per new shape).
+    from mindspore.graph.api import ms_compile_cache
+
+    for runner in (runners[True], stats[True]):
+        assert sum(f"_{id(runner):x}" in phase for phase in ms_compile_cache) == 1
+    assert ms.get_context("mode") == ms.PYNATIVE_MODE

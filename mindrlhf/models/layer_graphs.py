@@ -16,7 +16,7 @@ cell as inputs; they equal the pynative path's to float rounding (tests/test_lay
 """
 from __future__ import annotations
 
-from typing import Dict, Sequence, Tuple
+from typing import Callable, Dict, Sequence, Tuple
 
 import mindspore as ms
 from mindspore import Tensor, nn, ops
@@ -24,11 +24,30 @@ from mindspore import Tensor, nn, ops
 from mindrlhf.errors import MindRLHFError
 
 
-def _dynamic(arg):
+def dynamic_signature(arg):
     """The all-dynamic signature of a tensor (or a tuple of tensors) for ``mindspore.enable_dynamic``."""
     if isinstance(arg, (tuple, list)):
-        return tuple(_dynamic(a) for a in arg)
+        return tuple(dynamic_signature(a) for a in arg)
     return Tensor(shape=[None] * arg.ndim, dtype=arg.dtype)
+
+
+def jit_any_shape(fn: Callable, name: str) -> Callable:
+    """``fn(*tensors)`` compiled with ``mindspore.jit`` once for inputs of any shape: every dimension is
+    dynamic (the ranks and dtypes are the first call's). A static-shape graph compiles again for each new
+    sequence length and keeps each compiled graph's buffers allocated. ``name`` must be unique per ``fn``
+    (MindSpore keys compiled functions by name and source line)."""
+    def whole(args):
+        return fn(*args)
+
+    whole.__name__ = name
+    compiled = []
+
+    def call(*args):
+        if not compiled:
+            compiled.append(ms.enable_dynamic(args=dynamic_signature(args))(ms.jit(whole)))
+        return compiled[0](ms.mutable(tuple(args)))
+
+    return call
 
 
 def _inputs(rope, bias):
@@ -88,9 +107,9 @@ class LayerGraphs:
             # that one function "has been compiled again" (it keys functions by name and source line).
             for fn in (forward, backward):
                 fn.__name__ = f"{'packed' if packed else 'padded'}_layer_{fn.__name__}_{id(self):x}"
-            sig = dict(x=_dynamic(x), rope=_dynamic(rope), bias=_dynamic(bias))
+            sig = dict(x=dynamic_signature(x), rope=dynamic_signature(rope), bias=dynamic_signature(bias))
             self._graphs[packed] = (ms.enable_dynamic(**sig)(ms.jit(forward)),
-                                    ms.enable_dynamic(dout=_dynamic(x), **sig)(ms.jit(backward)))
+                                    ms.enable_dynamic(dout=dynamic_signature(x), **sig)(ms.jit(backward)))
         return self._graphs[packed]
 
     def forward(self, x: Tensor, rope, bias, weights) -> Tensor:

@@ -32,6 +32,7 @@ from mindspore import Tensor, ops
 
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.models.heads import Head, LogProbHead
+from mindrlhf.models.layer_graphs import jit_any_shape
 from mindrlhf.models.packing import PackedBatch, pack_shared_prompts
 from mindrlhf.parallel.groups import ParallelGroups
 
@@ -123,9 +124,10 @@ class PipelineRunner:
                  jit: bool = False, p2p_backend: str = "auto", share_prompts: bool = False,
                  layer_graphs: bool = False):
         """``head``: default ``LogProbHead()`` (completion log-probs at temperature 1). ``jit``: compile
-        each piece whole. ``share_prompts``: pack rows that share a prompt when the head has a packed
-        form. ``layer_graphs`` (pynative only): run the decoder layers as the model's shared compiled
-        layer graphs (``CausalLM.compiled_layers``)."""
+        each piece whole, once for every shape of its inputs (``models.layer_graphs.jit_any_shape``).
+        ``share_prompts``: pack rows that share a prompt when the head has a packed form. ``layer_graphs``
+        (pynative only): run the decoder layers as the model's shared compiled layer graphs
+        (``CausalLM.compiled_layers``)."""
         self.model, self.groups = model, groups
         self.head = head if head is not None else LogProbHead()
         self.loss_fn = loss_fn
@@ -192,10 +194,10 @@ class PipelineRunner:
         return self.model.compiled_layers() if self._layer_graphs else contextlib.nullcontext()
 
     def _get(self, name: str) -> Callable:
-        """The named piece, built (and compiled when jit) on first use."""
+        """The named piece, built (and, when jit, compiled once for all input shapes) on first use."""
         if name not in self._fns:
             fn = self._builders[name]()
-            self._fns[name] = ms.jit(fn) if self._jit else fn
+            self._fns[name] = jit_any_shape(fn, f"{name}_{id(self):x}") if self._jit else fn
         return self._fns[name]
 
     def _model_inputs(self, mb) -> Tuple[str, List[Tensor]]:
