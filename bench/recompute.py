@@ -136,11 +136,13 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2", help="smollm2, tiny, or an HF model directory")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--micro_batches", type=int, default=4)
+    # The defaults are the update of bench/peer_trl.py's smollm2 GRPO step: 2 prompts x 4 completions of 160 tokens
+    # behind a ~126-token prompt, one prompt per micro-batch.
+    p.add_argument("--micro_batches", type=int, default=2)
     p.add_argument("--prompts", type=int, default=1, help="prompts per micro-batch")
-    p.add_argument("--num_generations", type=int, default=8, help="completions per prompt")
-    p.add_argument("--prompt_len", type=int, default=96)
-    p.add_argument("--completion_len", type=int, default=64)
+    p.add_argument("--num_generations", type=int, default=4, help="completions per prompt")
+    p.add_argument("--prompt_len", type=int, default=126)
+    p.add_argument("--completion_len", type=int, default=160)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--model_dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
