@@ -297,6 +297,17 @@ class DecoderModel(nn.Cell):
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
+def row_chunks(rows, chunk: int) -> range:
+    """Start offsets of ``chunk``-row slices of ``rows`` rows. In a dynamic-shape graph the row count is not
+    known when it compiles (``ops.isconstant`` is false): then one chunk holds every row."""
+    return range(0, rows, chunk) if ops.isconstant(rows) else range(0, 1)
+
+
+def take_rows(x: Tensor, start: int, chunk: int) -> Tensor:
+    """Rows ``start:start + chunk`` of ``x`` (all of them when the row count is dynamic: see ``row_chunks``)."""
+    return x[start:start + chunk] if ops.isconstant(x.shape[0]) else x
+
+
 class ChunkedTokenLogProb(nn.Cell):
     """``log softmax(h·Wᵀ · inv_t)[token]`` for hidden rows h (N, H) and an output projection W (V, H),
     a chunk of rows at a time, with a hand-written backward that recomputes each chunk's logits.
@@ -325,27 +336,20 @@ class ChunkedTokenLogProb(nn.Cell):
             return self.matmul_bt(h * inv_t, weight)
         return self.matmul_bt(h, weight).astype(ms.float32) * inv_t
 
-    def _chunks(self, rows) -> range:
-        """Row offsets of the chunks. In a dynamic-shape graph the row count is not known when it compiles
-        (``ops.isconstant`` is false): then one chunk holds every row."""
-        return range(0, rows, self.chunk) if ops.isconstant(rows) else range(0, 1)
-
-    def _take(self, x: Tensor, s: int) -> Tensor:
-        return x[s:s + self.chunk] if ops.isconstant(x.shape[0]) else x
-
     def construct(self, hidden: Tensor, weight: Tensor, token_ids: Tensor, inv_t: Tensor) -> Tensor:
         """hidden (N, H), weight (V, H), token_ids (N,) int32, inv_t: 1/temperature (0-d float32) → (N,)."""
         out = []
-        for s in self._chunks(hidden.shape[0]):
-            logp = ops.log_softmax(self._logits(self._take(hidden, s), weight, inv_t), -1)
-            out.append(ops.gather_elements(logp, 1, self._take(token_ids, s).expand_dims(-1)).squeeze(-1))
+        for s in row_chunks(hidden.shape[0], self.chunk):
+            logp = ops.log_softmax(self._logits(take_rows(hidden, s, self.chunk), weight, inv_t), -1)
+            ids = take_rows(token_ids, s, self.chunk)
+            out.append(ops.gather_elements(logp, 1, ids.expand_dims(-1)).squeeze(-1))
         return out[0] if len(out) == 1 else ops.concat(out)
 
     def bprop(self, hidden, weight, token_ids, inv_t, out, dout):
         dh, scaled, dw = [], [], None
-        for s in self._chunks(hidden.shape[0]):
-            h, ids = self._take(hidden, s), self._take(token_ids, s)
-            g = (self._take(dout, s) * inv_t).expand_dims(-1).astype(h.dtype)  # (rows, 1)
+        for s in row_chunks(hidden.shape[0], self.chunk):
+            h, ids = take_rows(hidden, s, self.chunk), take_rows(token_ids, s, self.chunk)
+            g = (take_rows(dout, s, self.chunk) * inv_t).expand_dims(-1).astype(h.dtype)  # (rows, 1)
             p = ops.softmax(self._logits(h, weight, inv_t), -1).astype(h.dtype)
             dh.append(g * (ops.gather(weight, ids, 0) - self.matmul(p, weight)))
             gh = g * h
@@ -510,10 +514,8 @@ class CausalLM(nn.Cell):
         b, c, h = hidden.shape
         flat, ids = hidden.reshape(b * c, h), token_ids.astype(ms.int32).reshape(b * c)
         entropy, correct = [], []
-        # In a dynamic-shape graph the row count is unknown when it compiles: then one chunk of all rows.
-        whole = not ops.isconstant(b * c)
-        for s in range(0, 1) if whole else range(0, b * c, self.chunk_rows):
-            h, t = (flat, ids) if whole else (flat[s:s + self.chunk_rows], ids[s:s + self.chunk_rows])
+        for s in row_chunks(b * c, self.chunk_rows):
+            h, t = take_rows(flat, s, self.chunk_rows), take_rows(ids, s, self.chunk_rows)
             logits = self.logits(h.expand_dims(0))
             if temperature != 1.0:
                 logits = logits / temperature
