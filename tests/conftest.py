@@ -66,3 +66,47 @@ def grpo_assets(tmp_path_factory, qwen_tokenizer_dir, data_dir) -> dict:
     from grpo_runs import make_grpo_assets
 
     return make_grpo_assets(tmp_path_factory.mktemp("grpo"), qwen_tokenizer_dir, data_dir)
+
+
+# -- memory report ------------------------------------------------------------------------------------
+# The suite runs most tests in one process; MindSpore keeps compiled graphs and its memory pools for the
+# process's life, so an in-process test can leave gigabytes behind (a CI run once reached 12.7 GB beside
+# another job and was killed). Like --durations for time, the summary names the tests that raised the
+# process's peak RSS and those that left the most resident memory behind.
+_MEM_TOP = 10
+_mem: dict = {"peak": {}, "kept": {}}
+
+
+def _rss_gib() -> float:
+    """This process's resident set now (GiB), from /proc (Linux); 0 elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _peak_gib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    peak, rss = _peak_gib(), _rss_gib()
+    yield
+    _mem["peak"][item.nodeid] = _peak_gib() - peak
+    _mem["kept"][item.nodeid] = _rss_gib() - rss
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _mem["peak"]:
+        return
+    tr = terminalreporter
+    tr.write_sep("=", f"memory: pytest process peak RSS {_peak_gib():.2f} GiB, resident now {_rss_gib():.2f} GiB")
+    for key, what in (("peak", "raised the peak RSS by"), ("kept", "left resident")):
+        top = sorted(_mem[key].items(), key=lambda kv: -kv[1])[:_MEM_TOP]
+        for nodeid, gib in top:
+            if gib >= 0.05:
+                tr.write_line(f"{what} {gib:6.2f} GiB  {nodeid}")
