@@ -1,13 +1,15 @@
 """``mindrlhf-ppo`` / ``python -m mindrlhf.ppo``: PPO with a critic and a reward model (InstructGPT's RL stage).
 
-The recipe, top to bottom: prompts → the actor samples completions (``trainer.rollout``: the sampler and
-the train → infer weight sync GRPO uses) → each completion's score (the reward model's value at its last
-token, scaled and biased, plus the rule rewards) → the actor's, reference's and critic's passes over the
-rollout → per-token rewards ``−kl_coef·KL_t`` with the score at the last token, GAE, returns, whitened
-advantages (``algorithms.ppo``, on the global batch, so every layout computes the same numbers) →
-``ppo_epochs × num_mini_batches`` updates of the actor (the clipped surrogate, ``algorithms.policy_loss``)
-and of the critic (the clipped value loss, its own float32 masters and AdamW) → weight sync. Metrics carry
-the names of TRL's last ``PPOTrainer`` (``objective/*``, ``policy/*``, ``loss/*``, ``val/*``).
+The recipe, top to bottom: prompts → the actor samples completions (``trainer.rollout``: the sampler and the
+train → infer weight sync GRPO uses) → each completion's score (the reward model's value at its last token,
+scaled and biased, plus the rule rewards) → the reference's and critic's passes over the rollout (the actor's
+old log-probs are the sampler's; the critic's values come from its first update when a step has one
+mini-batch: ``CriticObjective``) → per-token rewards ``−kl_coef·KL_t`` with the score at the last token, GAE,
+returns, whitened advantages (``algorithms.ppo``, on the global batch, so every layout computes the same
+numbers) → ``ppo_epochs × num_mini_batches`` updates of the actor (the clipped surrogate,
+``algorithms.policy_loss``) and of the critic (the clipped value loss, its own float32 masters and AdamW) →
+weight sync. Metrics carry the names of TRL's last ``PPOTrainer`` (``objective/*``, ``policy/*``, ``loss/*``,
+``val/*``).
 
 Run on one process with ``python`` or on several with ``msrun … -m mindrlhf.ppo --use_parallel true``.
 """
@@ -67,19 +69,31 @@ class ActorObjective:
 
 class CriticObjective:
     """The critic's loss of one micro-batch: ``vf_coef`` × the clipped value loss averaged over the mini-batch's
-    completion tokens (``algorithms.ppo.clipped_value_loss``)."""
+    completion tokens (``algorithms.ppo.clipped_value_loss``).
 
-    inputs = ("completion_mask", "returns", "old_values")
+    The step's last scalar, ``own_targets``, is 1 for the critic's first update of a step when nothing else
+    needs the old values first (``PPOTrainer.values_in_update``): the critic's weights are still the old ones,
+    so the values this pass computes ARE the old values, and the returns are GAE's of them
+    (``algorithms.ppo.gae_returns`` over the micro-batch's ``rewards``), which spares a separate values pass over
+    the rollout. The values (without gradient) are the loss's per-row output either way."""
+
+    inputs = ("completion_mask", "returns", "old_values", "rewards")
     aux = (("tokens", "sum"), ("clipped", "sum"))
 
-    def __init__(self, cliprange_value: float, vf_coef: float):
+    def __init__(self, cliprange_value: float, vf_coef: float, gamma: float = 1.0, lam: float = 0.95):
         self.cliprange_value, self.vf_coef = float(cliprange_value), float(vf_coef)
+        self.gamma, self.lam = float(gamma), float(lam)
 
-    def loss(self, values: Tensor, completion_mask: Tensor, returns: Tensor, old_values: Tensor, num_tokens: Tensor):
+    def loss(self, values: Tensor, completion_mask: Tensor, returns: Tensor, old_values: Tensor, rewards: Tensor,
+             num_tokens: Tensor, own_targets: Tensor):
+        own = ops.stop_gradient(values)
+        fresh = own_targets > 0
+        old_values = ops.where(fresh, own, old_values)
+        returns = ops.where(fresh, ppo_math.gae_returns(own, rewards, completion_mask, self.gamma, self.lam), returns)
         per_token, clipped = ppo_math.clipped_value_loss(values, old_values, returns, self.cliprange_value)
         mask = (completion_mask > 0).astype(values.dtype)
         value_loss = aggregate_loss(per_token, mask, "token-mean", global_num_tokens=num_tokens)
-        return self.vf_coef * value_loss, (mask.sum(), (clipped * mask).sum())
+        return self.vf_coef * value_loss, (mask.sum(), (clipped * mask).sum(), own)
 
     def metrics(self, reduced: Dict[str, float]) -> Dict[str, float]:
         return {"val/clipfrac": reduced["clipped"] / max(reduced["tokens"], 1.0)}
@@ -129,7 +143,7 @@ class PPOTrainer(RolloutTrainer):
                          rewards=rewards, layout=layout, total_steps=cfg.train.max_steps,
                          num_generations=a.num_generations)
         self.critic = critic
-        self.critic_updater = build_updater(cfg, critic, CriticObjective(a.cliprange_value, a.vf_coef),
+        self.critic_updater = build_updater(cfg, critic, CriticObjective(a.cliprange_value, a.vf_coef, a.gamma, a.lam),
                                             head=ValueHead(), groups=groups, masters=critic_masters,
                                             share_prompts=p.share_prompts)
         reload = reload or {}
@@ -139,6 +153,10 @@ class PPOTrainer(RolloutTrainer):
         self.rm_runner = None if reward_model is None else build_frozen_model(
             cfg, reward_model, groups, ValueHead(), share_prompts=p.share_prompts, reload=reload.get("rm"))
         self.value_norm = ppo_math.RunningValueNorm(a.value_norm_beta) if a.value_norm else None
+        # One mini-batch: the critic's first update of a step runs at the old weights over the whole rollout, so
+        # it can compute the old values itself instead of a separate pass (CriticObjective). Not with value_norm
+        # (its targets need every return first) nor pipeline stages (the values live on the last one).
+        self.values_in_update = a.num_mini_batches == 1 and not a.value_norm and p.train_pp == 1
 
     # -- scoring ------------------------------------------------------------------------------------
     def model_scores(self, exp: Experience) -> np.ndarray:
@@ -189,17 +207,28 @@ class PPOTrainer(RolloutTrainer):
             ref_logp = self.completion_forward(self.ref_runner, exp)
             self.ref_runner.release()
         times["time/ref"] = time.perf_counter() - t1
+        gather = self._gather_rows
+        mask = gather(exp.completion_mask)
         t1 = time.perf_counter()
-        values = self.completion_forward(self.critic_updater.runner, exp)
+        # The in-loss targets read each completion's mask as a prefix (its tokens, then padding); anything else
+        # takes the separate pass (decided on the global batch: every rank the same way).
+        in_update = self.values_in_update and bool(np.all(np.diff(mask, axis=1) <= 0))
+        values = None if in_update else self.completion_forward(self.critic_updater.runner, exp)
         times["time/values"] = time.perf_counter() - t1
 
         # The reward, GAE and whitening on the global batch (every rank the same numbers), then this share.
-        gather = self._gather_rows
         score = self.scores(exp, rm_scores)
-        mask = gather(exp.completion_mask)
-        g_old, g_values = gather(old_logp).astype(np.float64), gather(values).astype(np.float64)
-        g_score = gather(score)
+        g_old, g_score = gather(old_logp).astype(np.float64), gather(score)
         rewards, kl = ppo_math.kl_shaped_rewards(g_old, gather(ref_logp), mask, g_score, a.kl_coef, a.kl_estimator)
+        share = self._share_rows(len(mask))
+        exp.extras["rewards"] = rewards[share].astype(np.float32)
+        self.set_learning_rates()
+        first_critic = None
+        if values is None:  # the critic's first update computes the old values on its way (CriticObjective)
+            t1 = time.perf_counter()
+            values, first_critic = self._critic_first_update(exp)
+            times["time/train"] = time.perf_counter() - t1
+        g_values = gather(values).astype(np.float64)
         gae_values = self.value_norm.denormalize(g_values) if self.value_norm is not None else g_values
         advantages, returns = ppo_math.gae(rewards, gae_values, mask, a.gamma, a.lam)
         if self.value_norm is not None:
@@ -207,15 +236,14 @@ class PPOTrainer(RolloutTrainer):
             returns = np.where(mask > 0, self.value_norm.normalize(returns), 0.0)
         if a.adv_norm:
             advantages = ppo_math.masked_whiten(advantages, mask)
-        share = self._share_rows(len(mask))
         exp.advantages = advantages[share].astype(np.float32)
         exp.old_logp = old_logp
         exp.extras["returns"] = returns[share].astype(np.float32)
         exp.extras["old_values"] = values.astype(np.float32)
 
         t1 = time.perf_counter()
-        train_metrics = self.train_on(exp)
-        times["time/train"] = time.perf_counter() - t1
+        train_metrics = self.train_on(exp, first_critic)
+        times["time/train"] = times.get("time/train", 0.0) + time.perf_counter() - t1
         t1 = time.perf_counter()
         self.sync_generator()
         times["time/sync"] = time.perf_counter() - t1
@@ -247,37 +275,62 @@ class PPOTrainer(RolloutTrainer):
         per = n // self.layout.train.dp
         return np.arange(self.layout.train_dp_rank * per, (self.layout.train_dp_rank + 1) * per)
 
-    def train_on(self, exp: Experience) -> Dict[str, float]:
-        """ppo_epochs × num_mini_batches updates of the actor, then the critic, on this step's rollout."""
-        a, o = self.cfg.algorithm, self.cfg.optimizer
+    def set_learning_rates(self) -> None:
+        """This step's learning rates of the actor and the critic (each on its own schedule's peak)."""
+        o = self.cfg.optimizer
+        self.updater.set_lr(self.learning_rate())
+        self.critic_updater.set_lr(lr_at(self.step, lr=self.cfg.critic_lr, min_lr=o.min_lr,
+                                         warmup_steps=o.warmup_steps, total_steps=self.total_steps,
+                                         schedule=o.lr_schedule))
+
+    def _mini_batch(self, exp: Experience, k: int) -> tuple:
+        """Mini-batch ``k``: its micro-batches' row indices, their model inputs, and its global completion tokens.
+        It holds local rows j ≡ k (mod num_mini_batches): the same global rows for any number of ranks."""
         inputs = exp.train_inputs()
-        n_mb = a.num_mini_batches
-        lr = self.learning_rate()
-        critic_lr = lr_at(self.step, lr=self.cfg.critic_lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
-                          total_steps=self.total_steps, schedule=o.lr_schedule)
-        self.updater.set_lr(lr)
-        self.critic_updater.set_lr(critic_lr)
-        actor_results, critic_results = [], []
+        rows = np.arange(k, len(exp), self.cfg.algorithm.num_mini_batches)
+        num_tokens = float(self._sum_replicas(np.array([exp.completion_mask[rows].sum()]))[0])
         size = self._micro_size()
-        for _ in range(a.ppo_epochs):
-            for k in range(n_mb):
-                # Mini-batch k holds local rows j ≡ k (mod n_mb): the same global rows for any number of ranks.
-                rows = np.arange(k, len(exp), n_mb)
-                num_tokens = float(self._sum_replicas(np.array([exp.completion_mask[rows].sum()]))[0])
-                pieces = [rows[s:s + size] for s in range(0, len(rows), size)]
-                base = [{"input_ids": inputs["input_ids"][r], "attention_mask": inputs["attention_mask"][r],
-                         "completion_ids": exp.completion_ids[r], "completion_mask": exp.completion_mask[r]}
-                        for r in pieces]
+        pieces = [rows[s:s + size] for s in range(0, len(rows), size)]
+        base = [{"input_ids": inputs["input_ids"][r], "attention_mask": inputs["attention_mask"][r],
+                 "completion_ids": exp.completion_ids[r], "completion_mask": exp.completion_mask[r]} for r in pieces]
+        return pieces, base, num_tokens
+
+    def _critic_update(self, exp: Experience, k: int, own_targets: bool = False,
+                       outputs: Optional[list] = None) -> Dict[str, float]:
+        pieces, base, num_tokens = self._mini_batch(exp, k)
+        if own_targets:  # returns and old values are computed in the loss (CriticObjective)
+            zeros = np.zeros_like(exp.extras["rewards"])
+            targets = {"returns": zeros, "old_values": zeros}
+        else:
+            targets = {"returns": exp.extras["returns"], "old_values": exp.extras["old_values"]}
+        micro = [dict(b, rewards=exp.extras["rewards"][r], **{n: t[r] for n, t in targets.items()})
+                 for b, r in zip(base, pieces)]
+        res = self.critic_updater.step(micro, (num_tokens, float(own_targets)), outputs=outputs)
+        self.count_nonfinite(res)
+        return res
+
+    def _critic_first_update(self, exp: Experience):
+        """The critic's first update of the step (one mini-batch: every row), which computes the old values of
+        this share's rows itself; returns them (B, C) and the update's result."""
+        values: list = []
+        res = self._critic_update(exp, 0, own_targets=True, outputs=values)
+        return np.concatenate(values).astype(np.float32), res
+
+    def train_on(self, exp: Experience, first_critic: Optional[Dict[str, float]] = None) -> Dict[str, float]:
+        """ppo_epochs × num_mini_batches updates of the actor, then the critic, on this step's rollout.
+        ``first_critic``: the result of the critic's first update when ``_critic_first_update`` already made it."""
+        a = self.cfg.algorithm
+        actor_results, critic_results = [], []
+        for epoch in range(a.ppo_epochs):
+            for k in range(a.num_mini_batches):
+                pieces, base, num_tokens = self._mini_batch(exp, k)
                 actor_micro = [dict(b, advantages=exp.advantages[r], old_logp=exp.old_logp[r])
                                for b, r in zip(base, pieces)]
                 res = self.updater.step(actor_micro, (num_tokens,))
                 self.count_nonfinite(res)
                 actor_results.append(res)
-                critic_micro = [dict(b, returns=exp.extras["returns"][r], old_values=exp.extras["old_values"][r])
-                                for b, r in zip(base, pieces)]
-                res = self.critic_updater.step(critic_micro, (num_tokens,))
-                self.count_nonfinite(res)
-                critic_results.append(res)
+                done = first_critic is not None and epoch == 0 and k == 0
+                critic_results.append(first_critic if done else self._critic_update(exp, k))
         mean = lambda rs, k: float(np.mean([r[k] for r in rs]))  # noqa: E731
         return {"loss/policy_avg": mean(actor_results, "loss"),
                 "policy/approxkl_avg": mean(actor_results, "policy/approxkl"),
@@ -285,7 +338,7 @@ class PPOTrainer(RolloutTrainer):
                 "loss/value_avg": mean(critic_results, "loss") / self.cfg.algorithm.vf_coef,
                 "val/clipfrac_avg": mean(critic_results, "val/clipfrac"),
                 "grad_norm": mean(actor_results, "grad_norm"), "val/grad_norm": mean(critic_results, "grad_norm"),
-                "learning_rate": lr, "critic_learning_rate": critic_lr}
+                "learning_rate": self.updater.lr, "critic_learning_rate": self.critic_updater.lr}
 
     def _dump_fields(self, exp: Experience, i: int) -> Dict[str, object]:
         return {"mean_advantage": float(exp.advantages[i][exp.completion_mask[i] > 0].mean())

@@ -217,6 +217,39 @@ def test_old_logps_from_the_sampler_train_as_a_recomputed_actor_pass(ppo_assets,
     assert all(r["time/old_logp"] < 0.01 for r in want)
 
 
+@pytest.mark.slow
+def test_the_critics_first_update_computes_the_old_values_it_replaces(ppo_assets, tmp_path):
+    """With one mini-batch (and no value normaliser) the critic's first update of a step computes the old values and
+    its GAE targets itself, so no separate values pass runs; a run that makes the separate pass trains the same:
+    every metric over two steps of two epochs, and the actor's and critic's weights."""
+    from mindrlhf.configs.ppo import parse_ppo_args
+    from mindrlhf.ppo import build_trainer
+    from mindrlhf.trainer.entry import setup_runtime
+
+    runs = {}
+    for in_update in (True, False):
+        cfg = parse_ppo_args(_argv(ppo_assets, tmp_path / f"in_update_{in_update}", max_steps=2, num_mini_batches=1,
+                                   value_norm="false", micro_batch_size=2))
+        trainer = build_trainer(cfg, setup_runtime(cfg))
+        assert trainer.values_in_update  # the default whenever it applies
+        trainer.values_in_update = in_update
+        rows = [trainer.train_one_step() for _ in range(2)]
+        weights = {**{f"actor/{k}": v.asnumpy().copy() for k, v in trainer.updater.master_weights().items()},
+                   **{f"critic/{k}": v.asnumpy().copy() for k, v in trainer.critic_updater.master_weights().items()}}
+        runs[in_update] = rows, weights
+    (fused, w_fused), (separate, w_separate) = runs[True], runs[False]
+    for step, (a, b) in enumerate(zip(separate, fused), 1):
+        for k, v in a.items():
+            if not (k.startswith("time/") or k in ("step_time", "tokens_per_second")):
+                assert b[k] == pytest.approx(v, rel=1e-4, abs=1e-6), (step, k)
+    assert all(r["time/values"] > 0 for r in separate) and all(r["time/values"] < 1e-3 for r in fused)
+    assert separate[0]["val/grad_norm"] > 0 and separate[0]["loss/value_avg"] > 0
+    assert w_fused.keys() == w_separate.keys()
+    for name, want in w_separate.items():
+        # Adam divides by sqrt(v): where a gradient is ~0, rounding moves a weight by up to ~1% of the lr (1e-3).
+        np.testing.assert_allclose(w_fused[name], want, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 def test_ppo_refuses_bad_configs_in_one_line(tmp_path, capsys):
     """No reward at all, a mini-batch split that does not divide: one line each, exit 2."""
     from mindrlhf.ppo import main

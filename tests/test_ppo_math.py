@@ -47,6 +47,25 @@ def test_gae_and_returns_by_hand_on_variable_length_rows():
     np.testing.assert_allclose(adv, [[0.81, 0.9, 1.0]])
 
 
+def test_in_graph_gae_returns_equal_the_host_gae_on_prefix_masks():
+    """The critic's in-loss targets (``gae_returns``, a (C, C) matmul) equal ``gae``'s returns: the hand case above
+    and random rows of every length from 0 to C (empty, partial, full), for several γ, λ (λ = 0: one-step TD)."""
+    import mindspore as ms
+
+    got = ppo.gae_returns(ms.Tensor(np.array([[0.5, 0.2, 0.4], [1.0, 1.0, 5.0]], np.float32)),
+                          ms.Tensor(np.array([[0.0, 0.0, 1.0], [0.0, 2.0, 7.0]], np.float32)),
+                          ms.Tensor(MASK.astype(np.float32)), 1.0, 0.5)
+    np.testing.assert_allclose(got.asnumpy(), [[0.45, 0.7, 1.0], [1.5, 2.0, 0.0]], atol=1e-6)
+    rng = np.random.default_rng(3)
+    c = 7
+    mask = (np.arange(c)[None, :] < np.arange(c + 1)[:, None]).astype(np.float32)  # rows of length 0..C
+    r, v = rng.normal(size=mask.shape).astype(np.float32), rng.normal(size=mask.shape).astype(np.float32)
+    for gamma, lam in ((1.0, 0.95), (0.9, 0.5), (1.0, 0.0), (0.99, 1.0)):
+        _, want = ppo.gae(r, v, mask, gamma, lam)
+        got = ppo.gae_returns(ms.Tensor(v), ms.Tensor(r), ms.Tensor(mask), gamma, lam).asnumpy()
+        np.testing.assert_allclose(got, want, atol=2e-6, err_msg=f"gamma {gamma}, lam {lam}")
+
+
 def test_masked_whiten_and_score_shaping():
     x = np.array([[1.0, 2.0, 3.0], [9.0, 9.0, 100.0]])
     mask = np.array([[1, 1, 1], [0, 0, 0]])

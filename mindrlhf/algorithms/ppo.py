@@ -152,6 +152,24 @@ class RunningValueNorm:
         self.mean, self.mean_sq, self.debias = (float(state[k]) for k in ("mean", "mean_sq", "debias"))
 
 
+def gae_returns(values: Tensor, rewards: Tensor, mask: Tensor, gamma: float, lam: float) -> Tensor:
+    """``gae``'s returns (advantages + values, 0 on padding) as a MindSpore function, for rows whose ``mask`` is a
+    prefix (a completion's tokens, then padding): the critic's first update of a step computes its own targets
+    from the values it has just produced (``PPOTrainer``). With δ_s = r_s + γ·V_{s+1} − V_s on the row's tokens
+    (V past the last token 0) and 0 beyond them, ``A_t = Σ_{s ≥ t} (γλ)^{s−t} δ_s``: one (C, C) matmul instead of
+    a loop over the columns."""
+    m = (mask > 0).astype(values.dtype)
+    v = values * m
+    next_v = ops.concat([v[:, 1:], ops.zeros_like(v[:, :1])], 1)
+    delta = (rewards + gamma * next_v - v) * m
+    c = values.shape[1]
+    col = ops.arange(c, dtype=values.dtype)
+    lag = col.expand_dims(0) - col.expand_dims(1)  # lag[t, s] = s − t
+    decay = ops.where(lag >= 0, ops.pow(ops.full((c, c), gamma * lam, dtype=values.dtype), ops.relu(lag)),
+                      ops.zeros_like(lag))
+    return (ops.matmul(delta, decay.transpose(1, 0)) + v) * m
+
+
 def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor,
                        cliprange_value: float) -> Tuple[Tensor, Tensor]:
     """Per-token ``0.5 · max((V − R)², (clip(V, V_old − ε, V_old + ε) − R)²)`` and where the clipped term is

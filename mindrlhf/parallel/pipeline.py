@@ -246,12 +246,14 @@ class PipelineRunner:
 
     # -- loss and gradients --------------------------------------------------------------------
     def loss_and_grads(self, micro_batches: Sequence[Dict[str, np.ndarray]], loss_keys: Sequence[str],
-                       extra: Sequence[Tensor] = ()):
+                       extra: Sequence[Tensor] = (), outputs: Optional[List[np.ndarray]] = None):
         """Sum over micro-batches of ``loss_fn(head output, *mb[loss_keys], *extra)`` and its parameter gradients.
 
         Returns ``(grads, loss_sum, aux_rows)``: float32 gradients of this shard's parameters (tied
         embedding copies already summed), and on the last stage the summed loss and each micro-batch's
-        aux values as rows (n_micro, n_aux), for the caller to reduce (0.0 and None on other stages).
+        scalar aux values as rows (n_micro, n_aux), for the caller to reduce (0.0 and None on other stages).
+        Aux values that are not scalars (per-row outputs of the loss) are appended to ``outputs``, one
+        array per micro-batch in order, when it is given (last stage only).
         """
         if self.loss_fn is None:
             raise MindRLHFError("PipelineRunner.loss_and_grads needs the runner to be built with a loss_fn")
@@ -261,14 +263,14 @@ class PipelineRunner:
 
         with self._execution():
             if not self.pipelined:
-                total = _GradientSum()
+                total = _GradientSum(outputs)
                 for mb in micro_batches:
                     kind, inputs = self._model_inputs(mb)
                     total.add(*self._get("grad" + kind)(*inputs, *loss_inputs(mb)))
                 return self._finish(total)
-            return self._pipelined_grads(micro_batches, loss_inputs)
+            return self._pipelined_grads(micro_batches, loss_inputs, outputs)
 
-    def _pipelined_grads(self, micro_batches, loss_inputs):
+    def _pipelined_grads(self, micro_batches, loss_inputs, outputs=None):
         stage = self._get("stage")
         # GPipe forward: stash each micro-batch's stage input.
         stash = []
@@ -279,7 +281,7 @@ class PipelineRunner:
             if not self.last:
                 self.link.send_next(stage(x, mask))
         # Backward, micro-batches in reverse order (the order the neighbours expect).
-        total = _GradientSum()
+        total = _GradientSum(outputs)
         for m in reversed(range(len(micro_batches))):
             mb, x = micro_batches[m], stash[m]
             mask = Tensor(mb["attention_mask"])
@@ -317,7 +319,8 @@ def _to_numpy(value):
 
 
 class _GradientSum:
-    """Running sum of micro-batch gradients and losses; the aux values kept per micro-batch.
+    """Running sum of micro-batch gradients and losses; the scalar aux values kept per micro-batch, and the
+    others (per-row outputs) appended to ``outputs`` when a list is given.
 
     Summed as each micro-batch finishes, so at most two gradient sets (the sum and the newest)
     exist at once rather than one per micro-batch. Gradients are summed (and later reduced,
@@ -325,10 +328,11 @@ class _GradientSum:
     micro-batch gradients would round every partial sum.
     """
 
-    def __init__(self):
+    def __init__(self, outputs: Optional[List[np.ndarray]] = None):
         self.grads: Optional[Tuple[Tensor, ...]] = None
         self.loss_sum = 0.0
         self._aux: List[np.ndarray] = []
+        self._outputs = outputs
 
     def add(self, loss_aux, grads) -> None:
         loss, aux = loss_aux
@@ -341,7 +345,9 @@ class _GradientSum:
             self.grads = tuple(total)
         if loss is not None:
             self.loss_sum += float(loss.asnumpy())
-            self._aux.append(np.array([float(v.asnumpy()) for v in aux], np.float64))
+            self._aux.append(np.array([float(v.asnumpy()) for v in aux if v.ndim == 0], np.float64))
+            if self._outputs is not None:
+                self._outputs.extend(v.asnumpy() for v in aux if v.ndim > 0)
 
     @property
     def aux_rows(self) -> Optional[np.ndarray]:

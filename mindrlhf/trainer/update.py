@@ -5,7 +5,9 @@ clipped policy loss, a DPO or reward-model loss, ...) says which micro-batch arr
 (``inputs``), is differentiated on the output of the model's head (``models.heads``: completion
 log-probs or per-sequence scores), and returns its loss and a tuple of auxiliary values, each
 reduced by name over micro-batches and ranks as ``aux`` declares (``sum``, ``max`` or ``min``);
-``objective.metrics(reduced)`` turns those into the step's metrics.
+``objective.metrics(reduced)`` turns those into the step's metrics. Aux values after the declared
+scalars that are tensors with rows (a per-row output of the loss, e.g. the values PPO's critic computes
+on its way) are not reduced: ``step(..., outputs=[])`` hands them back, one array per micro-batch.
 
 Mixed precision: the forward and backward run in the model's dtype; gradients are accumulated,
 reduced and clipped in float32 and applied to float32 master weights (``AdamW``). Under float16
@@ -139,17 +141,20 @@ class Updater:
         """The head's output of each micro-batch without gradients (the same on every rank of a replica)."""
         return self.runner.forward(micro_batches)
 
-    def step(self, micro_batches: Sequence[Dict[str, np.ndarray]], scalars: Sequence[float] = ()) -> Dict[str, float]:
+    def step(self, micro_batches: Sequence[Dict[str, np.ndarray]], scalars: Sequence[float] = (),
+             outputs: Optional[List[np.ndarray]] = None) -> Dict[str, float]:
         """One optimizer step over this rank's micro-batches.
 
         ``scalars``: numbers every micro-batch's loss gets after its arrays (e.g. the global token and
-        sequence counts of the mini-batch). Returns the global loss, grad_norm, whether the update was
+        sequence counts of the mini-batch). ``outputs``: a list the loss's per-row aux outputs are appended
+        to (computed before this step's update). Returns the global loss, grad_norm, whether the update was
         skipped because the loss or gradients were not finite, whether that was a float16 overflow
         above the loss scale's floor (the scale then halves; ``overflow``), and the objective's metrics.
         """
         scale = self.loss_scale
         extra = tuple(Tensor(np.float32(s)) for s in scalars) + (Tensor(np.float32(scale)),)
-        grads, loss_sum, aux = self.runner.loss_and_grads(micro_batches, self.objective.inputs, extra=extra)
+        grads, loss_sum, aux = self.runner.loss_and_grads(micro_batches, self.objective.inputs, extra=extra,
+                                                          outputs=outputs)
         faults.point("grad_allreduce", comm.rank())
         if self.reducer is not None:
             grads = self.reducer(grads)
