@@ -295,9 +295,10 @@ class PPOTrainer(RolloutTrainer):
                  "completion_ids": exp.completion_ids[r], "completion_mask": exp.completion_mask[r]} for r in pieces]
         return pieces, base, num_tokens
 
-    def _critic_update(self, exp: Experience, k: int, own_targets: bool = False,
+    def _critic_update(self, exp: Experience, batch: tuple, own_targets: bool = False,
                        outputs: Optional[list] = None) -> Dict[str, float]:
-        pieces, base, num_tokens = self._mini_batch(exp, k)
+        """One critic update on ``batch`` (``_mini_batch``'s pieces, inputs and token count)."""
+        pieces, base, num_tokens = batch
         if own_targets:  # returns and old values are computed in the loss (CriticObjective)
             zeros = np.zeros_like(exp.extras["rewards"])
             targets = {"returns": zeros, "old_values": zeros}
@@ -313,7 +314,7 @@ class PPOTrainer(RolloutTrainer):
         """The critic's first update of the step (one mini-batch: every row), which computes the old values of
         this share's rows itself; returns them (B, C) and the update's result."""
         values: list = []
-        res = self._critic_update(exp, 0, own_targets=True, outputs=values)
+        res = self._critic_update(exp, self._mini_batch(exp, 0), own_targets=True, outputs=values)
         return np.concatenate(values).astype(np.float32), res
 
     def train_on(self, exp: Experience, first_critic: Optional[Dict[str, float]] = None) -> Dict[str, float]:
@@ -323,14 +324,15 @@ class PPOTrainer(RolloutTrainer):
         actor_results, critic_results = [], []
         for epoch in range(a.ppo_epochs):
             for k in range(a.num_mini_batches):
-                pieces, base, num_tokens = self._mini_batch(exp, k)
+                batch = self._mini_batch(exp, k)
+                pieces, base, num_tokens = batch
                 actor_micro = [dict(b, advantages=exp.advantages[r], old_logp=exp.old_logp[r])
                                for b, r in zip(base, pieces)]
                 res = self.updater.step(actor_micro, (num_tokens,))
                 self.count_nonfinite(res)
                 actor_results.append(res)
                 done = first_critic is not None and epoch == 0 and k == 0
-                critic_results.append(first_critic if done else self._critic_update(exp, k))
+                critic_results.append(first_critic if done else self._critic_update(exp, batch))
         mean = lambda rs, k: float(np.mean([r[k] for r in rs]))  # noqa: E731
         return {"loss/policy_avg": mean(actor_results, "loss"),
                 "policy/approxkl_avg": mean(actor_results, "policy/approxkl"),
