@@ -24,8 +24,9 @@ completion has exactly ``max_completion_length`` tokens (stop tokens are suppres
 completions, as micro-batches of G completions (ours ``micro_batch_size = G``; TRL
 ``per_device_train_batch_size = G``, ``gradient_accumulation_steps = P``, one generation per step).
 TRL runs with ``torch.set_num_threads(2)``, no vLLM, no gradient checkpointing, no bf16 (our training
-computes in float32 and, with its default ``layer_graphs``, recomputes each layer's forward in the
-backward: more work than TRL does, for less memory).
+computes in float32 with its default ``recompute auto``: the whole-model graph keeping every activation when
+the estimate fits the machine's memory, else the layer graphs recomputing each layer's forward in the
+backward; the summary says which ran).
 
 Timing. Per-step figures are medians over steps 2..N (step 1 compiles on our side and warms up on
 TRL's). Ours: the trainer's own phase timers. TRL: a ``TrainerCallback`` times on_step_begin ..
@@ -51,7 +52,7 @@ Ours is built as ``mindrlhf-<stage>`` builds it (``parse_*_args``, ``setup_runti
 Both sides' per-step losses are printed (they agree to ~1e-4 when the job is the same). tokens/s counts the
 loss-bearing tokens of a step (SFT: completion tokens; DPO: the chosen and rejected completions' tokens;
 RM: every real token) per second; "real tok/s" every non-pad token of the rows (TRL's ``num_tokens``).
-``--ours_flags`` passes extra config flags to our side (e.g. ``--train_jit true``).
+``--ours_flags`` passes extra config flags to our side (e.g. ``--recompute full``).
 
 Caveats. The machine has 2 cores and may be shared: a busy machine slows both sides, unevenly.
 Peak RSS is the whole child process (framework, both models, optimizer state, generation caches).
@@ -195,6 +196,7 @@ def run_ours(spec: Dict[str, Any]) -> Dict[str, Any]:
         "trainable_params": params, "trained_positions": positions,
         "update_gflops": 6 * params * positions / med["time/train"] / 1e9,
         "matmul_peak_gflops": _matmul_gflops(), "peak_rss_gib": _peak_rss_gib(),
+        "recompute": trainer.updater.recompute,
     }
 
 
@@ -272,7 +274,7 @@ def run_ours_stage(spec: Dict[str, Any]) -> Dict[str, Any]:
         _progress("ours", f"step {step}/{spec['steps']}: {steps[-1]['step']:.1f} s (loss {metrics['loss']:.4f})")
     return _step_summary("ours", spec, steps, trained, {"rows": rows, "weight_sums": sums,
                                                         "layer_graphs": bool(cfg.parallel.layer_graphs),
-                                                        "train_jit": bool(cfg.parallel.train_jit),
+                                                        "recompute": trainer.updater.recompute,
                                                         "flags": list(spec.get("ours_flags", []))})
 
 
@@ -509,7 +511,7 @@ def _reward_model_dir(policy_dir: Path, out: Path) -> Path:
 
 def make_stage_spec(name: str, steps: int, work: Path, ours_flags: Sequence[str] = ()) -> Dict[str, Any]:
     """Model directory, training rows (a jsonl both sides read) and settings of an offline stage's config;
-    ``ours_flags``: extra config flags for our side (e.g. ``--train_jit true``)."""
+    ``ours_flags``: extra config flags for our side (e.g. ``--recompute full``)."""
     import mindrlhf.resources
     from mindrlhf.checkpoint.smollm2 import prepare_smollm2
     from mindrlhf.data.gsm8k import sft_row
@@ -588,7 +590,7 @@ def print_stage_report(results: List[Any]) -> None:
                 if res["side"] == "trl":
                     extra = f"; gradient checkpointing {res['gradient_checkpointing']}; versions {res['versions']}"
                 else:
-                    extra = (f"; layer_graphs {res['layer_graphs']}, train_jit {res['train_jit']}, "
+                    extra = (f"; layer_graphs {res['layer_graphs']}, recompute {res['recompute']}, "
                              f"extra flags {res['flags']}")
                 print(f"  {res['side']}: steps (s) {', '.join(f'{t:.1f}' for t in res['step_times'])}; "
                       f"loss {', '.join(f'{v:.4f}' for v in res['losses'])}; real tokens/step "
@@ -631,7 +633,7 @@ def print_report(results: List[Dict[str, Any]]) -> None:
         if ours["ok"]:
             phases = ", ".join(f"{k} {v:.2f}" for k, v in ours["phases_s"].items())
             print(f"  ours phases (s): {phases}; first step {ours['first_step_s']:.1f} s (compiles); "
-                  f"mean completion length {ours['mean_completion_length']:.1f}")
+                  f"mean completion length {ours['mean_completion_length']:.1f}; recompute {ours['recompute']}")
             print(f"  ours update: {ours['update_gflops']:.2f} GFLOP/s = 6 x {ours['trainable_params'] / 1e6:.1f}M "
                   f"trainable params x {ours['trained_positions']:.0f} trained token positions / train s "
                   f"(approximate); MindSpore float32 1024^3 matmul in the same process: "
@@ -675,7 +677,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "e.g. to re-measure ours after a change")
     ap.add_argument("--ours_flags", default="",
                     help="offline stages only: extra config flags for our side, one string, e.g. "
-                         "--ours_flags='--train_jit true' (default none)")
+                         "--ours_flags='--recompute full' (default none)")
     ap.add_argument("--side", choices=("ours", "trl"), default=None, help=argparse.SUPPRESS)  # internal: child
     ap.add_argument("--spec", default="", help=argparse.SUPPRESS)  # internal: the child's job file
     return ap

@@ -11,10 +11,10 @@ ways, each in its own process so each peak RSS is its own:
   forward is recomputed in its backward (only its input is kept).
 - ``eager``: pynative layers (``layer_graphs false``): autodiff keeps every activation, kernels run one
   by one.
-- ``jit``: the whole forward + backward compiled (``train_jit true``): activations kept, one graph, all
+- ``jit``: the whole forward + backward compiled (``recompute none``): activations kept, one graph, all
   dimensions dynamic (``layer_graphs.jit_any_shape``: compiled once for every sequence length).
-- ``jit_static``: the same graph compiled for the exact input shapes (what ``train_jit`` did before: it
-  compiled again for every new sequence length; here every step has the same shapes, so only the first
+- ``jit_static``: the same graph compiled for the exact input shapes (what ``train_jit`` did before 0b835aa:
+  it compiled again for every new sequence length; here every step has the same shapes, so only the first
   compiles).
 - ``layer_jit``: each layer compiled on its own and differentiated by pynative autodiff, which keeps the
   graph's forward results for its backward (no recompute, each layer's own graph).
@@ -126,9 +126,14 @@ def run_mode(args) -> dict:
         if norm is None:
             norm = float(np.sqrt(sum(float((a.astype(np.float64) ** 2).sum()) for a in arrays)))
     rest = times[1:] or times
+    from mindrlhf.trainer.memory import MicroBatchExtent, activation_bytes
+
+    extent = MicroBatchExtent.shared_prompts(args.prompts * args.num_generations, args.num_generations,
+                                             args.prompt_len, args.completion_len, packed=True)
     return {"mode": args.mode, "step_s": float(np.mean(rest)), "first_s": times[0], "grad_norm": norm,
             "loaded_gib": loaded, "peak_gib": _peak_gib(),
-            "positions": int(sum(mb["input_ids"].size for mb in micro))}
+            "positions": int(sum(mb["input_ids"].size for mb in micro)),
+            "estimate_gib": activation_bytes(model.config, extent, layers=len(model.layer_range)) / 2 ** 30}
 
 
 def main(argv=None) -> int:
@@ -173,6 +178,10 @@ def main(argv=None) -> int:
     for r in results:
         print(f"| {r['mode']} | {r['step_s']:.2f} | {r['first_s']:.2f} | {r['peak_gib']:.2f} | {r['loaded_gib']:.2f} "
               f"| {r['grad_norm']:.6g} |")
+    by_mode = {r["mode"]: r for r in results}
+    if "graphs" in by_mode and "jit" in by_mode:  # what recompute auto's estimate says of the same micro-batch
+        print(f"no recompute kept {by_mode['jit']['peak_gib'] - by_mode['graphs']['peak_gib']:.2f} GiB more peak "
+              f"RSS than the layer graphs; trainer.memory estimates {by_mode['jit']['estimate_gib']:.2f} GiB")
     return 0 if len(results) == len(modes) else 1
 
 

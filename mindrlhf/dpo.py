@@ -213,6 +213,7 @@ def build_trainer(cfg: DPOConfig, layout=None):
     from mindrlhf.models.heads import LogProbHead
     from mindrlhf.parallel.resharding import checkpoint_config, load_shard
     from mindrlhf.trainer.entry import load_policy
+    from mindrlhf.trainer.memory import MicroBatchExtent
     from mindrlhf.trainer.update import build_frozen_runner, build_updater
 
     if not cfg.data.train_file:
@@ -236,8 +237,9 @@ def build_trainer(cfg: DPOConfig, layout=None):
     share = layout.train.pp == 1  # the pair's two rows share their prompt: encode it once
     ref_runner = build_frozen_runner(cfg, ref, layout.groups, LogProbHead(), share_prompts=share)
     objective = DPOObjective(cfg.loss.loss_type, cfg.loss.beta, cfg.loss.label_smoothing)
+    extent = MicroBatchExtent.padded(2 * cfg.micro_rows, cfg.data.max_length)  # two rows a pair
     updater = build_updater(cfg, policy, objective, head=LogProbHead(), groups=layout.groups, masters=masters,
-                            share_prompts=share)
+                            share_prompts=share, extent=extent)
     return DPOTrainer(cfg, model=policy, updater=updater, tokenizer=tokenizer, layout=layout, train_pairs=train,
                       ref_runner=ref_runner, valid_pairs=valid)
 

@@ -129,6 +129,7 @@ class PPOTrainer(RolloutTrainer):
                  reward_model=None, actor_masters=None, critic_masters=None, reload=None):
         from mindrlhf.models.heads import LogProbHead, ValueHead
         from mindrlhf.rewards import RewardManager
+        from mindrlhf.trainer.memory import rollout_extent
         from mindrlhf.trainer.update import build_frozen_model, build_updater
 
         a, g, p = cfg.algorithm, cfg.generation, cfg.parallel
@@ -137,7 +138,8 @@ class PPOTrainer(RolloutTrainer):
         groups = layout.groups
         temperature = g.temperature
         updater = build_updater(cfg, actor, ActorObjective(a.cliprange), head=LogProbHead(temperature), groups=groups,
-                                masters=actor_masters, share_prompts=p.share_prompts)
+                                masters=actor_masters, share_prompts=p.share_prompts, extent=rollout_extent(cfg),
+                                what="actor")
         rewards = RewardManager(list(a.reward_funcs), a.reward_weights, a.reward_errors) if a.reward_funcs else None
         super().__init__(cfg, policy=actor, updater=updater, tokenizer=tokenizer, dataset=dataset, sampler=sampler,
                          rewards=rewards, layout=layout, total_steps=cfg.train.max_steps,
@@ -145,7 +147,8 @@ class PPOTrainer(RolloutTrainer):
         self.critic = critic
         self.critic_updater = build_updater(cfg, critic, CriticObjective(a.cliprange_value, a.vf_coef, a.gamma, a.lam),
                                             head=ValueHead(), groups=groups, masters=critic_masters,
-                                            share_prompts=p.share_prompts)
+                                            share_prompts=p.share_prompts, extent=rollout_extent(cfg),
+                                            what="critic", reserved=updater.activation_bytes)
         reload = reload or {}
         self.ref_runner = None if ref_model is None else build_frozen_model(
             cfg, ref_model, groups, LogProbHead(temperature), share_prompts=p.share_prompts, reload=reload.get("ref"))

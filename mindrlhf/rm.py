@@ -138,6 +138,7 @@ def build_trainer(cfg: RMConfig, layout=None):
     from mindrlhf.models.heads import ScoreHead
     from mindrlhf.parallel.resharding import checkpoint_config
     from mindrlhf.trainer.entry import load_policy
+    from mindrlhf.trainer.memory import MicroBatchExtent
     from mindrlhf.trainer.update import build_updater
 
     if not cfg.data.train_file:
@@ -153,8 +154,10 @@ def build_trainer(cfg: RMConfig, layout=None):
     train = read_pairs(cfg, cfg.data.train_file, tokenizer, "train_file", "drop")
     valid = read_pairs(cfg, cfg.data.valid_file, tokenizer, "valid_file", "drop") if cfg.data.valid_file else None
     model, masters = load_policy(path, config, layout, cfg.model.dtype, num_labels=1, seed=cfg.train.seed)
+    # Each pair is two rows (chosen, rejected); a score head forms no vocabulary logits.
+    extent = MicroBatchExtent.padded(2 * cfg.micro_rows, cfg.data.max_length, logit_rows=0)
     updater = build_updater(cfg, model, RMObjective(cfg.loss.center_rewards_coefficient), head=ScoreHead(1),
-                            groups=layout.groups, masters=masters)
+                            groups=layout.groups, masters=masters, extent=extent, what="reward model")
     return RMTrainer(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout, train_pairs=train,
                      valid_pairs=valid)
 

@@ -151,6 +151,7 @@ def build_trainer(cfg: SFTConfig, layout=None):
     from mindrlhf.models.heads import LogProbHead
     from mindrlhf.parallel.resharding import checkpoint_config
     from mindrlhf.trainer.entry import load_policy
+    from mindrlhf.trainer.memory import MicroBatchExtent
     from mindrlhf.trainer.update import build_updater
 
     path = resolve_weights(cfg.model.model_path)
@@ -168,7 +169,7 @@ def build_trainer(cfg: SFTConfig, layout=None):
                             f"has max_position_embeddings={config.max_position_embeddings}; lower max_length")
     model, masters = load_policy(path, config, layout, cfg.model.dtype)
     updater = build_updater(cfg, model, SFTObjective(), head=LogProbHead(stats=True), groups=layout.groups,
-                            masters=masters)
+                            masters=masters, extent=MicroBatchExtent.padded(cfg.micro_rows, cfg.data.max_length))
     return SFTTrainer(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout,
                             train_rows=train, valid_rows=valid)
 

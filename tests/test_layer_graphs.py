@@ -118,11 +118,14 @@ def test_a_released_frozen_model_frees_its_weights_and_reads_them_back(tiny_qwen
 
 
 @pytest.mark.parametrize("share", [True, False], ids=["packed", "padded"])
-def test_whole_model_jit_is_compiled_once_for_every_shape_and_equals_pynative(tiny_qwen2_dir, share):
-    """train_jit (``PipelineRunner(jit=True)``, ``layer_graphs.jit_any_shape``): each piece is one dynamic-shape
-    graph, so batches of other prompt and completion widths reuse it (the chunked log-prob head and the token
-    statistics then take all rows as one chunk); loss, every gradient and the head's statistics equal pynative's."""
+def test_recompute_none_and_full_give_the_same_losses_and_gradients(tiny_qwen2_dir, share):
+    """``recompute none`` (``PipelineRunner(jit=True)``: the gradient pass one whole-model graph, compiled once
+    for every shape by ``layer_graphs.jit_any_shape``) and ``recompute full`` (the layer graphs, each layer's
+    forward recomputed) give pynative's loss, aux values and every gradient, for the log-prob head and the
+    statistics head (whose chunked pieces the whole graph takes as one chunk), on batches of three widths;
+    the whole graph is compiled once for all of them, and forward passes never use it."""
     import mindspore as ms
+    from mindspore.graph.api import ms_compile_cache
 
     from mindrlhf.models import load_model
     from mindrlhf.models.heads import LogProbHead
@@ -130,16 +133,22 @@ def test_whole_model_jit_is_compiled_once_for_every_shape_and_equals_pynative(ti
     from mindrlhf.parallel.pipeline import PipelineRunner
 
     model = load_model(tiny_qwen2_dir)
-    model.chunk_rows = 4  # several chunks in pynative, so the one-chunk graph is compared with a chunked loop
+    model.chunk_rows = 4  # several chunks outside the whole graph, so its one chunk is compared with a loop
     model.chunked_logprob.chunk = 4
 
     def loss(logp, weights):
         return (logp * weights).sum(), (weights.sum(),)
 
-    runners = {jit: PipelineRunner(model, data_parallel_groups(0, 1), loss, jit=jit, share_prompts=share)
-               for jit in (False, True)}
-    stats = {jit: PipelineRunner(model, data_parallel_groups(0, 1), head=LogProbHead(0.7, stats=True), jit=jit,
-                                 share_prompts=share) for jit in (False, True)}
+    def stats_loss(out, weights):
+        logp, entropy, correct = out
+        return (logp * weights).sum() + 0.1 * (entropy * weights).sum(), ((correct * weights).sum(),)
+
+    ways = {"pynative": dict(jit=False), "full": dict(jit=False, layer_graphs=True), "none": dict(jit=True,
+                                                                                                  layer_graphs=True)}
+    groups = data_parallel_groups(0, 1)
+    runners = {w: (PipelineRunner(model, groups, loss, share_prompts=share, **kw),
+                   PipelineRunner(model, groups, stats_loss, head=LogProbHead(0.7, stats=True), share_prompts=share,
+                                  **kw)) for w, kw in ways.items()}
     for seed, rows in ((0, slice(None)), (1, slice(0, 4)), (2, slice(1, 6))):
         ids, mask, comp, present = (a[rows] for a in _rows(model.config.vocab_size, seed))
         if seed == 2:  # a wider prompt and completion than the first batch
@@ -149,18 +158,21 @@ def test_whole_model_jit_is_compiled_once_for_every_shape_and_equals_pynative(ti
         weights = (np.random.default_rng(seed).normal(size=present.shape) * present).astype(np.float32)
         mb = {"input_ids": ids.astype(np.int32), "attention_mask": mask.astype(np.int32),
               "completion_ids": comp.astype(np.int32), "weights": weights}
-        (g0, l0, a0), (g1, l1, a1) = (runners[jit].loss_and_grads([mb], ["weights"]) for jit in (False, True))
-        assert l1 == pytest.approx(l0, rel=1e-5)
-        for p, a, b in zip(model.trainable_params(), g0, g1):
-            a, b = a.asnumpy(), b.asnumpy()
-            rtol = 1e-3 if p.name.endswith("k_proj.bias") else 1e-5  # see _assert_same
-            assert np.linalg.norm(a - b) <= rtol * np.linalg.norm(a), (seed, p.name)
-        for x, y in zip(stats[False].forward([mb])[0], stats[True].forward([mb])[0]):
-            np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6)
-    # One compiled graph per piece served every shape (MindSpore's set of compiled phases names the piece; a
-    # static-shape jit adds one phase per new shape).
-    from mindspore.graph.api import ms_compile_cache
-
-    for runner in (runners[True], stats[True]):
-        assert sum(f"_{id(runner):x}" in phase for phase in ms_compile_cache) == 1
+        for head in (0, 1):
+            (g0, l0, a0), *others = (runners[w][head].loss_and_grads([mb], ["weights"]) for w in ways)
+            for g1, l1, a1 in others:
+                assert l1 == pytest.approx(l0, rel=1e-5)
+                np.testing.assert_allclose(a1, a0, rtol=1e-5)
+                for p, a, b in zip(model.trainable_params(), g0, g1):
+                    a, b = a.asnumpy(), b.asnumpy()
+                    rtol = 1e-3 if p.name.endswith("k_proj.bias") else 1e-5  # see _assert_same
+                    assert np.linalg.norm(a - b) <= rtol * np.linalg.norm(a), (seed, head, p.name)
+            # Forward passes run the layer graphs either way: the same arrays.
+            for x, y in zip(*(np.atleast_1d(runners[w][head].forward([mb])[0]) for w in ("none", "full"))):
+                np.testing.assert_array_equal(x, y)
+    # One compiled whole-model graph per runner served every shape (MindSpore's set of compiled phases names
+    # the piece; a static-shape jit adds one phase per new shape), and only for the gradient pass.
+    for runner in runners["none"]:
+        phases = [phase for phase in ms_compile_cache if f"_{id(runner):x}" in phase]
+        assert len(phases) == 1 and "grad" in phases[0], phases
     assert ms.get_context("mode") == ms.PYNATIVE_MODE

@@ -260,8 +260,8 @@ def test_ppo_refuses_bad_configs_in_one_line(tmp_path, capsys):
     assert "no reward" in err and "--reward_model" in err and len(err.strip().splitlines()) == 1
     assert main(["--batch_size", "3", "--num_mini_batches", "2", "--output_dir", out]) == 2
     assert "num_mini_batches = 2 does not divide the completions per step" in capsys.readouterr().err
-    assert main(["--offload_models", "true", "--train_jit", "true", "--output_dir", out]) == 2
-    assert "offload_models = true with train_jit = true" in capsys.readouterr().err
+    assert main(["--train_jit", "true", "--output_dir", out]) == 2  # the replaced setting says what replaced it
+    assert "--train_jit (it was replaced by recompute (train_jit true is recompute none" in capsys.readouterr().err
 
 
 def test_score_is_scaled_model_score_plus_rules_clipped_and_penalised():

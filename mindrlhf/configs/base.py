@@ -194,7 +194,13 @@ def coerce_value(value: Any, tp: Any, *, name: str, source: str, aliases: Option
     raise TypeError(f"config field {name}: unsupported type {tp!r}")  # programming error, not user error
 
 
+#: Settings that were replaced: their old name → how to write them now (the unknown-key errors say so).
+RENAMED_KEYS = {"train_jit": "recompute (train_jit true is recompute none, false is recompute full)"}
+
+
 def _suggest(word: str, candidates: Sequence[str]) -> str:
+    if word in RENAMED_KEYS:
+        return f" (it was replaced by {RENAMED_KEYS[word]})"
     close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
@@ -483,7 +489,7 @@ class GroupedConfig:
             if flags:
                 bad = flags[0].split("=", 1)[0]
                 hint = _suggest(bad.lstrip("-"), list(cls.field_index()) + ["config"])
-                hint = hint.replace("'", "'--", 1) if hint else ""
+                hint = hint.replace("'", "'--", 1) if "did you mean" in hint else hint
                 raise MindRLHFError(f"command line: unknown option {bad}{hint}; run with --help for the list")
             raise MindRLHFError(f"command line: unexpected argument {extras[0]!r} (options are written --name value)")
         values = vars(namespace)

@@ -296,8 +296,8 @@ class ParallelConfig(TrainLayoutConfig):
         ge=1)
     jit: bool = config_field(
         True, "Compile the decode step with mindspore.jit (decoding is dominated by per-kernel overhead, which "
-        "jit removes); false = pynative, for debugging. The reference's and reward model's forward passes are "
-        "compiled like the trained model's (layer_graphs, or whole with train_jit).")
+        "jit removes); false = pynative, for debugging. The reference's and reward model's forward passes run "
+        "the layer graphs (layer_graphs).")
     share_prompts: bool = config_field(
         True, "Encode each prompt once for all completions that share it: the sampler prefills each distinct "
         "prompt once and copies its KV cache to its num_generations rows, and the policy / reference / "

@@ -52,8 +52,7 @@ class PPOModelConfig(ModelBaseConfig):
         "them again from their files before the next (the reference from ref_model_path, or from model_path: "
         "the initial actor), so the actor's and critic's updates run without them in device memory. The same "
         "numbers either way. On CPU it does not pay: SmolLM2's PPO step peaked at 11.28 GiB with it vs 9.75 "
-        "without (freed host memory is not returned before the reload) and took 8 s longer. Needs "
-        "train_jit false (a whole-model compiled graph keeps the old weights).")
+        "without (freed host memory is not returned before the reload) and took 8 s longer.")
 
 
 @dataclass
@@ -261,9 +260,6 @@ class PPOConfig(TrainingConfig):
             errors.append(f"min_new_tokens = {g.min_new_tokens} > max_completion_length = {g.max_completion_length}")
         if g.use_vllm:
             errors.append("use_vllm = true: the vLLM-MindSpore backend is not wired in; set use_vllm false")
-        if m.offload_models and p.train_jit:
-            errors.append("offload_models = true with train_jit = true: a compiled whole-model graph would keep "
-                          "the released weights; set train_jit false (the default) or offload_models false")
         if self.world_size != p.infer_dp * p.infer_tp:
             errors.append(f"train world size train_dp*train_tp*train_pp = {self.world_size} != infer world size "
                           f"infer_dp*infer_tp = {p.infer_dp * p.infer_tp}; the same processes train and generate")

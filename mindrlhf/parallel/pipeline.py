@@ -124,10 +124,11 @@ class PipelineRunner:
                  jit: bool = False, p2p_backend: str = "auto", share_prompts: bool = False,
                  layer_graphs: bool = False):
         """``head``: default ``LogProbHead()`` (completion log-probs at temperature 1). ``jit``: compile
-        each piece whole, once for every shape of its inputs (``models.layer_graphs.jit_any_shape``).
-        ``share_prompts``: pack rows that share a prompt when the head has a packed form. ``layer_graphs``
-        (pynative only): run the decoder layers as the model's shared compiled layer graphs
-        (``CausalLM.compiled_layers``)."""
+        each gradient piece whole, once for every shape of its inputs (``models.layer_graphs.jit_any_shape``):
+        nothing recomputed, every activation kept (``recompute none``). ``share_prompts``: pack rows that
+        share a prompt when the head has a packed form. ``layer_graphs``: run the decoder layers as the
+        model's shared compiled layer graphs (``CausalLM.compiled_layers``) in forward passes, and in
+        gradient passes unless ``jit``."""
         self.model, self.groups = model, groups
         self.head = head if head is not None else LogProbHead()
         self.loss_fn = loss_fn
@@ -144,7 +145,7 @@ class PipelineRunner:
         self.hidden = model.config.hidden_size
         self.dtype = model.compute_dtype
         self._jit = jit
-        self._layer_graphs = layer_graphs and not jit
+        self._layer_graphs = layer_graphs
         self._fns: Dict[str, Callable] = {}
         self._builders = self._pieces()
         # Only a tied causal LM keeps an embedding copy on the last stage (layout.param_stages).
@@ -190,14 +191,20 @@ class PipelineRunner:
             "grad_middle": lambda: ms.value_and_grad(vjp, 0, params),
         }
 
-    def _execution(self):
-        return self.model.compiled_layers() if self._layer_graphs else contextlib.nullcontext()
+    def _execution(self, grads: bool = False):
+        """The layer graphs for a forward pass, and for a gradient pass unless it is one compiled graph (a
+        whole-model graph traces the plain layers)."""
+        if self._layer_graphs and not (grads and self._jit):
+            return self.model.compiled_layers()
+        return contextlib.nullcontext()
 
     def _get(self, name: str) -> Callable:
-        """The named piece, built (and, when jit, compiled once for all input shapes) on first use."""
+        """The named piece, built (and, when jit, a gradient piece compiled once for all input shapes) on first
+        use."""
         if name not in self._fns:
             fn = self._builders[name]()
-            self._fns[name] = jit_any_shape(fn, f"{name}_{id(self):x}") if self._jit else fn
+            whole = self._jit and name.startswith("grad")
+            self._fns[name] = jit_any_shape(fn, f"{name}_{id(self):x}") if whole else fn
         return self._fns[name]
 
     def _model_inputs(self, mb) -> Tuple[str, List[Tensor]]:
@@ -261,26 +268,31 @@ class PipelineRunner:
         def loss_inputs(mb):
             return [Tensor(mb[k]) for k in loss_keys] + list(extra)
 
-        with self._execution():
-            if not self.pipelined:
+        if not self.pipelined:
+            with self._execution(grads=True):
                 total = _GradientSum(outputs)
                 for mb in micro_batches:
                     kind, inputs = self._model_inputs(mb)
                     total.add(*self._get("grad" + kind)(*inputs, *loss_inputs(mb)))
                 return self._finish(total)
-            return self._pipelined_grads(micro_batches, loss_inputs, outputs)
+        return self._pipelined_grads(micro_batches, loss_inputs, outputs)
 
     def _pipelined_grads(self, micro_batches, loss_inputs, outputs=None):
         stage = self._get("stage")
         # GPipe forward: stash each micro-batch's stage input.
         stash = []
-        for mb in micro_batches:
-            mask = Tensor(mb["attention_mask"])
-            x = Tensor(mb["input_ids"]) if self.first else self.link.recv_prev(self._hidden_shape(mb), self.dtype)
-            stash.append(x)
-            if not self.last:
-                self.link.send_next(stage(x, mask))
-        # Backward, micro-batches in reverse order (the order the neighbours expect).
+        with self._execution():
+            for mb in micro_batches:
+                mask = Tensor(mb["attention_mask"])
+                x = Tensor(mb["input_ids"]) if self.first else self.link.recv_prev(self._hidden_shape(mb), self.dtype)
+                stash.append(x)
+                if not self.last:
+                    self.link.send_next(stage(x, mask))
+        with self._execution(grads=True):
+            return self._pipelined_backward(micro_batches, stash, loss_inputs, outputs)
+
+    def _pipelined_backward(self, micro_batches, stash, loss_inputs, outputs):
+        """Backward, micro-batches in reverse order (the order the neighbours expect)."""
         total = _GradientSum(outputs)
         for m in reversed(range(len(micro_batches))):
             mb, x = micro_batches[m], stash[m]

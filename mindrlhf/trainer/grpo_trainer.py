@@ -25,6 +25,7 @@ from mindrlhf.parallel.groups import RunLayout
 from mindrlhf.rewards import RewardManager, overlong_reward
 from mindrlhf.trainer.experience import Experience, concat_experiences
 from mindrlhf.trainer.grpo_loss import GRPOObjective, LossSettings
+from mindrlhf.trainer.memory import rollout_extent
 from mindrlhf.trainer.metrics import GRPO_CURVES
 from mindrlhf.trainer.rollout import RolloutTrainer
 from mindrlhf.trainer.schedule import run_steps
@@ -56,7 +57,8 @@ class GRPOTrainer(RolloutTrainer):
         groups = layout.groups if layout is not None else None
         updater = build_updater(cfg, policy, GRPOObjective(self.loss_settings),
                                 head=LogProbHead(self.loss_settings.temperature), groups=groups,
-                                masters=policy_masters, share_prompts=cfg.parallel.share_prompts)
+                                masters=policy_masters, share_prompts=cfg.parallel.share_prompts,
+                                extent=rollout_extent(cfg))
         # max_steps / grpo_epochs: the run and the LR decay. Recorded as max_steps, so the saved
         # config.yaml reruns (and a resume compares) the same length.
         total = run_steps(cfg, len(dataset))

@@ -28,6 +28,7 @@ from mindrlhf.models.heads import Head
 from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import ParallelGroups, data_parallel_groups
 from mindrlhf.parallel.pipeline import PipelineRunner
+from mindrlhf.trainer.memory import MicroBatchExtent, resolve_recompute
 from mindrlhf.trainer.optimizer import AdamW
 from mindrlhf.utils import faults
 
@@ -66,8 +67,10 @@ class Updater:
                  layer_graphs: bool = False, head: Optional[Head] = None):
         """``masters``: float32 master weights in the order of the model's trainable parameters (see
         ``AdamW``). ``loss_scale_init`` / ``loss_scale_window``: dynamic loss scaling, float16 only.
-        ``share_prompts``: pack completions that share a prompt (``models.packing``). ``layer_graphs``:
-        without ``jit``, run the decoder layers as shared compiled graphs (``models.layer_graphs``).
+        ``share_prompts``: pack completions that share a prompt (``models.packing``). ``jit``: the gradient
+        pass as one compiled whole-model graph (``recompute none``). ``layer_graphs``: run the decoder layers
+        as shared compiled graphs (``models.layer_graphs``) in forward passes, and in the gradient pass
+        without ``jit``.
         ``head``: what the objective is differentiated on (``models.heads``; default: completion
         log-probs at temperature 1)."""
         for name, how in objective.aux:
@@ -75,6 +78,11 @@ class Updater:
                 raise ValueError(f"objective aux {name!r}: reduction {how!r} is not one of {REDUCTIONS}")
         self.model = model
         self.objective = objective
+        #: ``none``: the gradient pass is one compiled whole-model graph keeping every activation (``jit``);
+        #: ``full``: layers recomputed in the backward (layer graphs) or pynative layers.
+        self.recompute = "none" if jit else "full"
+        #: Estimated activation bytes the whole-model graph keeps (set by ``build_updater``; 0 with ``full``).
+        self.activation_bytes = 0
         self.max_grad_norm = max_grad_norm
         self.groups = groups or data_parallel_groups(comm.rank(), comm.world_size())
         loss_fn = objective.loss
@@ -204,28 +212,36 @@ class Updater:
         self.optimizer.refresh()
 
 
-def build_updater(cfg, model: nn.Cell, objective: Objective, *, head: Optional[Head] = None,
-                  groups: Optional[ParallelGroups] = None, masters: Optional[Sequence[Parameter]] = None,
-                  share_prompts: bool = False) -> Updater:
-    """The ``Updater`` a stage's config describes: AdamW and loss scaling from ``cfg.optimizer``, compilation
-    (``train_jit``, ``layer_graphs``) from ``cfg.parallel``."""
+def build_updater(cfg, model: nn.Cell, objective: Objective, *, extent: MicroBatchExtent,
+                  head: Optional[Head] = None, groups: Optional[ParallelGroups] = None,
+                  masters: Optional[Sequence[Parameter]] = None, share_prompts: bool = False,
+                  what: str = "policy", reserved: int = 0) -> Updater:
+    """The ``Updater`` a stage's config describes: AdamW and loss scaling from ``cfg.optimizer``; recompute
+    (``trainer.memory``: ``auto`` decides from ``extent``, the largest micro-batch a rank trains on, less
+    ``reserved``: another updater's ``activation_bytes`` in the same process) and layer graphs from
+    ``cfg.parallel``. ``what`` names the model in the log."""
     o, p = cfg.optimizer, cfg.parallel
-    return Updater(model, objective, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
-                   eps=o.adam_eps, max_grad_norm=o.max_grad_norm, jit=p.train_jit, groups=groups, masters=masters,
-                   loss_scale_init=o.loss_scale_init, loss_scale_window=o.loss_scale_window,
-                   share_prompts=share_prompts, layer_graphs=p.layer_graphs, head=head)
+    groups = groups or data_parallel_groups(comm.rank(), comm.world_size())
+    mode, kept = resolve_recompute(p.recompute, model.config, extent, layers=len(model.layer_range), tp=groups.tp,
+                                   dtype_bytes=4 if model.compute_dtype == ms.float32 else 2,
+                                   device_target=p.device_target, workers=comm.world_size(),
+                                   budget_gb=p.memory_budget_gb, reserved=reserved, what=what)
+    updater = Updater(model, objective, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
+                      eps=o.adam_eps, max_grad_norm=o.max_grad_norm, jit=mode == "none", groups=groups,
+                      masters=masters, loss_scale_init=o.loss_scale_init, loss_scale_window=o.loss_scale_window,
+                      share_prompts=share_prompts, layer_graphs=p.layer_graphs, head=head)
+    updater.activation_bytes = kept
+    return updater
 
 
 def build_frozen_runner(cfg, model: nn.Cell, groups: ParallelGroups, head: Head, *,
                         share_prompts: bool = False) -> PipelineRunner:
-    """A ``PipelineRunner`` for a model that runs without gradients (a reference, a reward model), compiled as
-    the trained model is (``cfg.parallel``): its layers as the shared layer graphs by default, whole with
-    ``train_jit``. Why not a whole-model ``mindspore.jit`` forward: a compiled CPU graph keeps all of its
-    intermediates allocated and compiles again for every new sequence length, so each completion-length bucket
-    kept another ~3.5 GB of SmolLM2 activations alive (a PPO step with 32 completions ran out of 24 GB)."""
-    p = cfg.parallel
-    return PipelineRunner(model, groups, head=head, jit=p.train_jit, share_prompts=share_prompts,
-                          layer_graphs=p.layer_graphs)
+    """A ``PipelineRunner`` for a model that runs without gradients (a reference, a reward model): its layers
+    as the shared layer graphs (``cfg.parallel.layer_graphs``), whatever ``recompute`` says. Why not a
+    whole-model ``mindspore.jit`` forward: a compiled CPU graph keeps all of its intermediates allocated, so
+    a forward pass would hold a whole model's activations where the layer graphs hold one layer's."""
+    return PipelineRunner(model, groups, head=head, share_prompts=share_prompts,
+                          layer_graphs=cfg.parallel.layer_graphs)
 
 
 class ReleasableModel:
@@ -261,7 +277,7 @@ class ReleasableModel:
 def build_frozen_model(cfg, model: nn.Cell, groups: ParallelGroups, head: Head, *, share_prompts: bool = False,
                        reload=None) -> ReleasableModel:
     """``build_frozen_runner``'s runner for ``model``, releasable when ``reload`` is given (see
-    ``ReleasableModel``); the config's checks refuse ``offload_models`` with ``train_jit``."""
+    ``ReleasableModel``)."""
     runner = build_frozen_runner(cfg, model, groups, head, share_prompts=share_prompts)
     return ReleasableModel(runner, model, reload)
 

@@ -1,0 +1,161 @@
+"""Recompute or keep activations: the ``recompute`` setting every stage's update shares.
+
+Two ways to run the training backward (``parallel.PipelineRunner``):
+
+- ``full``: the decoder layers run as the two shared layer graphs (``models.layer_graphs``); each layer's
+  forward is recomputed in its backward, so only each layer's input is kept. Least memory.
+- ``none``: the whole forward + backward is one compiled graph (``layer_graphs.jit_any_shape``) that keeps
+  every intermediate tensor: nothing is recomputed, at several times the memory (a compiled CPU graph holds
+  all of its intermediates at once, not only those the backward needs).
+
+``auto`` picks ``none`` when the largest micro-batch's estimated activations (``activation_bytes``) fit the
+worker's memory budget (``memory_budget``) and ``full`` otherwise, and says so once in the log.
+
+The estimate counts the tensors a compiled decoder layer forms per token and per attention score, forward
+and backward (see ``activation_bytes``); the head's share and one overall factor are fitted to two measured
+points (``bench/recompute.py``: SmolLM2-135M, and a 2-layer model whose activations are mostly logits).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from mindrlhf.configs.common import RECOMPUTE_MODES
+from mindrlhf.errors import MindRLHFError
+
+log = logging.getLogger(__name__)
+
+#: Measured / counted, with ``HEAD_BYTES``, on two micro-batches of a 126-token prompt and 4 packed completions
+#: (bench/README.md, recompute.py): SmolLM2-135M (completions of 160, 766 positions) kept 6.4 GiB more peak RSS
+#: without recompute than with it, where the count gives 5.07; a random 2-layer Qwen2 of width 64 with Qwen's
+#: 151,936-token vocabulary (completions of 128) kept 0.94, estimated 0.98. The rest is what the count leaves
+#: out (allocator slack, the graph's own gradient buffers).
+CALIBRATION = 1.26
+#: Bytes per logit row and vocabulary entry: 2.5 float32 tensors (logits and their gradient, and part of the
+#: log-softmax's; fitted, see ``CALIBRATION``).
+HEAD_BYTES = 10
+#: Of the budget, what a decision may plan to use: the rest is slack for everything the estimate ignores.
+BUDGET_FRACTION = 0.8
+
+
+@dataclass(frozen=True)
+class MicroBatchExtent:
+    """The largest micro-batch one rank trains on, as the estimate needs it.
+
+    ``tokens``: positions the decoder runs over; ``score_pairs``: (query, key) pairs whose attention scores
+    are formed, per head; ``logit_rows``: positions whose full-vocabulary logits the head forms (0 for a
+    score or value head)."""
+
+    tokens: int
+    score_pairs: int
+    logit_rows: int
+
+    @classmethod
+    def padded(cls, rows: int, length: int, logit_rows: Optional[int] = None) -> "MicroBatchExtent":
+        """``rows`` sequences of ``length`` tokens (every score of a row formed); logits at every position
+        unless ``logit_rows`` says otherwise."""
+        tokens = rows * length
+        return cls(tokens, rows * length * length, tokens if logit_rows is None else logit_rows)
+
+    @classmethod
+    def shared_prompts(cls, completions: int, group: int, prompt: int, completion: int,
+                       packed: bool) -> "MicroBatchExtent":
+        """``completions`` rows of a ``prompt``-token prompt and ``completion`` tokens, ``group`` of them per
+        prompt; with ``packed`` (``models.packing``) each prompt's completions form one row in which a
+        completion attends to its prompt and itself only."""
+        if not packed:
+            return cls.padded(completions, prompt + completion, completions * completion)
+        slots = max(1, min(completions, group))
+        rows = math.ceil(completions / slots)
+        return cls(rows * (prompt + slots * completion),
+                   rows * (prompt * prompt + slots * completion * (prompt + completion)),
+                   completions * completion)
+
+
+def rollout_extent(cfg) -> MicroBatchExtent:
+    """The largest training micro-batch of a GRPO or PPO config: ``micro_batch_size`` completions of the
+    longest prompt and completion, packed per prompt with ``share_prompts``."""
+    g = cfg.generation
+    return MicroBatchExtent.shared_prompts(cfg.micro_batch_completions, cfg.algorithm.num_generations,
+                                           g.max_prompt_length, g.max_completion_length,
+                                           packed=cfg.parallel.share_prompts)
+
+
+def activation_bytes(config, extent: MicroBatchExtent, *, layers: int, tp: int = 1, dtype_bytes: int = 4) -> int:
+    """Estimated bytes a whole-model compiled training graph holds beyond the layer graphs for one
+    micro-batch of ``extent`` on a rank owning ``layers`` decoder layers of a ``tp``-way shard.
+
+    Per layer and token, forward then backward (twice the forward's count): the two RMSNorms (float32,
+    5 tensors of H each), q (projection, RoPE's 4, 2 layout copies), k and v (8 of KV·d together), the
+    attention output (2 of q), o_proj and the residual (2 of H), the MLP (4 of I) and its residual (2 of H).
+    Per head and score pair: scores, masked scores and softmax, and their 3 gradients, in float32. Per
+    logit row: ``HEAD_BYTES`` per vocabulary entry (the compiled graph forms every row's logits at once
+    where the chunked head never holds more than one chunk)."""
+    h, d = config.hidden_size, config.head_dim
+    q = config.num_attention_heads * d // tp
+    kv = config.num_key_value_heads * d // tp
+    inter = config.intermediate_size // tp
+    per_token = 2 * (10 * h * 4 // dtype_bytes + 9 * q + 8 * kv + 4 * inter + 4 * h) * dtype_bytes
+    per_pair = 6 * 4 * (config.num_attention_heads // tp)
+    per_layer = extent.tokens * per_token + extent.score_pairs * per_pair
+    head = extent.logit_rows * HEAD_BYTES * (config.vocab_size // tp)
+    return int(CALIBRATION * (layers * per_layer + head))
+
+
+def _mem_available() -> Optional[int]:
+    """MemAvailable of /proc/meminfo in bytes (Linux), else None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def memory_budget(device_target: str, workers: int, budget_gb: float = 0.0) -> Tuple[int, str]:
+    """Bytes this worker's training may add for activations, and where the figure came from.
+
+    ``budget_gb`` > 0 is taken as given. Otherwise on Ascend / GPU the device's free memory now; on CPU
+    the host's available memory now shared by ``workers`` processes (all workers assumed on one host,
+    the cautious case); either times ``BUDGET_FRACTION``."""
+    if budget_gb > 0:
+        return int(budget_gb * 2 ** 30), "memory_budget_gb"
+    if device_target in ("Ascend", "GPU"):
+        import mindspore as ms
+
+        props = ms.hal.get_device_properties(int(os.environ.get("DEVICE_ID", "0")), device_target)
+        free = getattr(props, "free_memory", None) or getattr(props, "total_memory", 0)
+        return int(BUDGET_FRACTION * free), f"{BUDGET_FRACTION:.0%} of the {device_target} device's free memory"
+    available = _mem_available()
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    share = f" / {workers} workers" if workers > 1 else ""
+    return int(BUDGET_FRACTION * available / max(1, workers)), f"{BUDGET_FRACTION:.0%} of available host memory{share}"
+
+
+def resolve_recompute(setting: str, config, extent: MicroBatchExtent, *, layers: int, tp: int, dtype_bytes: int,
+                      device_target: str, workers: int, budget_gb: float = 0.0, reserved: int = 0,
+                      what: str = "policy") -> Tuple[str, int]:
+    """``(mode, bytes)``: ``full`` or ``none`` for ``setting`` and the activation bytes that plans to keep (0 with
+    ``full``). ``auto`` decides by the estimate against the budget less ``reserved`` (what models trained
+    earlier in this process plan to keep: a compiled graph holds its buffers for the process's life), and logs
+    the decision once with its figures."""
+    if setting not in RECOMPUTE_MODES:
+        raise MindRLHFError(f"recompute = {setting!r}; use one of {', '.join(RECOMPUTE_MODES)}")
+    need = activation_bytes(config, extent, layers=layers, tp=tp, dtype_bytes=dtype_bytes)
+    if setting != "auto":
+        return setting, need if setting == "none" else 0
+    budget, source = memory_budget(device_target, workers, budget_gb)
+    if reserved:
+        source += f", less {reserved / 2 ** 30:.2f} GiB planned for another model"
+    mode = "none" if need <= budget - reserved else "full"
+    log.info("recompute auto -> %s for the %s: a micro-batch of %d positions keeps ~%.2f GiB of activations "
+             "without recompute; budget %.2f GiB (%s)%s", mode, what, extent.tokens, need / 2 ** 30,
+             (budget - reserved) / 2 ** 30, source,
+             "" if mode == "none" else "; set memory_budget_gb or recompute none to keep them anyway")
+    return mode, need if mode == "none" else 0

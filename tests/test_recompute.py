@@ -1,0 +1,146 @@
+"""recompute auto | full | none (trainer.memory): the estimate by hand, the decision, the settings.
+
+That ``none`` and ``full`` give the same losses and gradients is tested on the runner in
+test_layer_graphs.py (log-prob and statistics heads) and on a reward model's training in
+test_offline_stages.py."""
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from mindrlhf.trainer.memory import (
+    CALIBRATION,
+    HEAD_BYTES,
+    MicroBatchExtent,
+    activation_bytes,
+    memory_budget,
+    rollout_extent,
+)
+
+# A small decoder config, numbers chosen so every term is visible.
+SMALL = SimpleNamespace(hidden_size=8, head_dim=4, num_attention_heads=2, num_key_value_heads=1,
+                        intermediate_size=16, vocab_size=32)
+TINY = SimpleNamespace(hidden_size=64, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=128, vocab_size=151936)
+SMOLLM2 = SimpleNamespace(hidden_size=576, head_dim=64, num_attention_heads=9, num_key_value_heads=3,
+                          intermediate_size=1536, vocab_size=49152)
+
+
+def test_extents_by_hand():
+    padded = MicroBatchExtent.padded(2, 3)
+    assert (padded.tokens, padded.score_pairs, padded.logit_rows) == (6, 18, 6)
+    assert MicroBatchExtent.padded(2, 3, logit_rows=0).logit_rows == 0
+    # 8 completions of 2 tokens, 4 per 3-token prompt, packed: 2 rows of 3 + 4 * 2 positions; each row's prompt
+    # sees itself (3 * 3 pairs), each completion its prompt and itself (2 * (3 + 2)).
+    packed = MicroBatchExtent.shared_prompts(8, 4, 3, 2, packed=True)
+    assert (packed.tokens, packed.score_pairs, packed.logit_rows) == (22, 2 * (9 + 4 * 2 * 5), 16)
+    assert MicroBatchExtent.shared_prompts(8, 4, 3, 2, packed=False) == MicroBatchExtent(40, 200, 16)
+    # A micro-batch smaller than a group: one packed row of its completions.
+    assert MicroBatchExtent.shared_prompts(2, 4, 3, 2, packed=True) == MicroBatchExtent(7, 9 + 2 * 2 * 5, 4)
+
+
+def test_activation_estimate_by_hand():
+    extent = MicroBatchExtent.padded(2, 3)  # 6 tokens, 18 score pairs, 6 logit rows
+    # per token: 2 x (norms 10 x 8 in float32 + q 9 x 8 + k, v 8 x 4 + MLP 4 x 16 + residuals 4 x 8) elements
+    per_token = 2 * (80 + 72 + 32 + 64 + 32) * 4
+    per_pair = 6 * 4 * 2  # 6 float32 score tensors per head, 2 heads
+    head = 6 * HEAD_BYTES * 32  # per logit row and vocabulary entry
+    want = CALIBRATION * (2 * (6 * per_token + 18 * per_pair) + head)
+    assert activation_bytes(SMALL, extent, layers=2) == int(want)
+    # float16: the norms stay float32 (half as many 2-byte elements would hold them), the rest halves.
+    per_token16 = 2 * (80 * 2 + 72 + 32 + 64 + 32) * 2
+    assert activation_bytes(SMALL, extent, layers=2, dtype_bytes=2) == int(CALIBRATION * (
+        2 * (6 * per_token16 + 18 * per_pair) + head))
+    # tp = 2: this rank's heads, KV width, MLP columns and vocabulary halve; the hidden width does not.
+    per_token_tp = 2 * (80 + 36 + 16 + 32 + 32) * 4
+    assert activation_bytes(SMALL, extent, layers=2, tp=2) == int(CALIBRATION * (
+        2 * (6 * per_token_tp + 18 * 6 * 4 * 1) + 6 * HEAD_BYTES * 16))
+
+
+def test_the_estimate_reproduces_the_two_measurements():
+    """The calibration points (bench/README.md, recompute.py), micro-batches of a 126-token prompt and 4 packed
+    completions: SmolLM2 (completions of 160) kept 6.4 GiB more peak RSS without recompute than with it, the
+    2-layer tiny Qwen2 (completions of 128) 0.94 GiB."""
+    extent = MicroBatchExtent.shared_prompts(4, 4, 126, 160, packed=True)
+    assert extent.tokens == 766
+    assert activation_bytes(SMOLLM2, extent, layers=30) / 2 ** 30 == pytest.approx(6.4, rel=0.02)
+    tiny = MicroBatchExtent.shared_prompts(4, 4, 126, 128, packed=True)
+    assert activation_bytes(TINY, tiny, layers=2) / 2 ** 30 == pytest.approx(0.94, rel=0.06)
+
+
+def test_default_budget_is_a_share_of_available_memory():
+    def available():
+        with open("/proc/meminfo", encoding="ascii") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+    one, source = memory_budget("CPU", 1)
+    assert one == pytest.approx(0.8 * available(), rel=0.05) and "available host memory" in source
+    two, source = memory_budget("CPU", 2)
+    assert two == pytest.approx(one / 2, rel=0.05) and "/ 2 workers" in source
+    assert memory_budget("CPU", 2, budget_gb=1.5) == (int(1.5 * 2 ** 30), "memory_budget_gb")
+
+
+def _updater(model, cfg, reserved=0):
+    from mindrlhf.models.heads import LogProbHead
+    from mindrlhf.sft import SFTObjective
+    from mindrlhf.trainer.update import build_updater
+
+    return build_updater(cfg, model, SFTObjective(), head=LogProbHead(stats=True), extent=rollout_extent(cfg),
+                         reserved=reserved)
+
+
+def test_auto_keeps_activations_on_the_tiny_job_and_recomputes_under_a_small_budget(tiny_qwen2_dir, caplog,
+                                                                                     monkeypatch):
+    """``auto`` on bench/peer_trl.py's tiny job (4 completions of 128 tokens per micro-batch, Qwen's vocabulary)
+    picks ``none`` on a machine with 20 GiB available, ``full`` under a memory_budget_gb below the estimate, and
+    ``full`` for a second model when the first's planned activations leave too little; it logs each decision
+    once with its figures. ``full`` and ``none`` are taken as given."""
+    from mindrlhf.configs.grpo_configs import parse_args as parse_grpo_args
+    from mindrlhf.models import load_model
+    from mindrlhf.trainer import memory
+
+    monkeypatch.setattr(memory, "_mem_available", lambda: 20 * 2 ** 30)  # the host, not MindSpore
+    model = load_model(tiny_qwen2_dir)
+    caplog.set_level(logging.INFO, logger="mindrlhf.trainer.memory")
+    job = ["--micro_batch_size", "4", "--max_completion_length", "128"]
+    cfg = parse_grpo_args(job)
+    need = activation_bytes(model.config, rollout_extent(cfg), layers=model.config.num_hidden_layers)
+    assert 0.5 * 2 ** 30 < need < 2 * 2 ** 30  # mostly the 512 rows of float32 logits over 151,936 tokens
+    first = _updater(model, cfg)
+    assert (first.recompute, first.activation_bytes) == ("none", need)
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line == (f"recompute auto -> none for the policy: a micro-batch of {320 + 4 * 128} positions keeps "
+                    f"~{need / 2 ** 30:.2f} GiB of activations without recompute; budget 16.00 GiB (80% of "
+                    "available host memory)")
+    caplog.clear()
+    small = parse_grpo_args(job + ["--memory_budget_gb", str(need / 2 / 2 ** 30)])
+    assert _updater(model, small).recompute == "full"
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "-> full" in line and "(memory_budget_gb); set memory_budget_gb or recompute none" in line
+    caplog.clear()
+    just = parse_grpo_args(job + ["--memory_budget_gb", str(1.5 * need / 2 ** 30)])
+    assert _updater(model, just).recompute == "none"
+    assert _updater(model, just, reserved=need).recompute == "full"  # a second model, the first's planned kept
+    caplog.clear()
+    for mode in ("full", "none"):
+        assert _updater(model, parse_grpo_args(job + ["--recompute", mode, "--memory_budget_gb", "0.000001"])
+                        ).recompute == mode
+    assert not caplog.records
+
+
+def test_recompute_settings_are_checked_and_train_jit_says_what_replaced_it(tmp_path):
+    from mindrlhf.configs.grpo_configs import parse_args as parse_grpo_args
+    from mindrlhf.errors import MindRLHFError
+
+    assert parse_grpo_args([]).parallel.recompute == "auto"
+    with pytest.raises(MindRLHFError, match=r"recompute = 'some' is not one of auto\|full\|none"):
+        parse_grpo_args(["--recompute", "some"])
+    with pytest.raises(MindRLHFError, match="memory_budget_gb"):
+        parse_grpo_args(["--memory_budget_gb", "-1"])
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("parallel:\n  train_jit: true\n")
+    with pytest.raises(MindRLHFError, match=r"unknown config key 'parallel.train_jit' \(it was replaced by recompute "
+                                            r"\(train_jit true is recompute none, false is recompute full\)\)"):
+        parse_grpo_args(["--config", str(yaml_file)])
