@@ -168,7 +168,7 @@ def run_ours(spec: Dict[str, Any]) -> Dict[str, Any]:
             "--temperature", str(spec["temperature"]), "--beta", str(spec["beta"]), "--lr", str(spec["lr"]),
             "--reward_funcs", "peer_trl:length_reward", "--seed", str(spec["seed"]),
             "--save_steps", str(10 ** 6), "--progress_bar", "false", "--tensorboard", "false",
-            "--log_completions_steps", "0"]
+            "--log_completions_steps", "0"] + list(spec.get("ours_flags", []))
     cfg = parse_args(argv)
     setup_runtime(cfg)
     trainer = build_trainer(cfg)
@@ -458,8 +458,9 @@ def _tiny_model(root: Path) -> Path:
     return add_tokenizer(model, REPO / "tests" / "data" / "qwen2.5-tokenizer")
 
 
-def make_spec(name: str, steps: int, work: Path) -> Dict[str, Any]:
-    """Model directory, prompt texts and settings of config ``name``, shared by both sides."""
+def make_spec(name: str, steps: int, work: Path, ours_flags: Sequence[str] = ()) -> Dict[str, Any]:
+    """Model directory, prompt texts and settings of config ``name``, shared by both sides; ``ours_flags``: extra
+    config flags for our side."""
     import mindrlhf.resources
     from mindrlhf.data.gsm8k import DEFAULT_SYSTEM_PROMPT, build_prompt
     from mindrlhf.tokenizer import Tokenizer
@@ -479,7 +480,8 @@ def make_spec(name: str, steps: int, work: Path) -> Dict[str, Any]:
     texts = [build_prompt(json.loads(line)["question"], tokenizer, DEFAULT_SYSTEM_PROMPT) for line in lines]
     return {**{k: v for k, v in conf.items() if k != "model"}, "config": name, "steps": steps, "seed": 42,
             "model_dir": str(model_dir), "work_dir": str(work), "questions_file": str(questions_file),
-            "prompt_texts": texts, "prompt_lengths": [len(tokenizer.encode(t)) for t in texts]}
+            "prompt_texts": texts, "prompt_lengths": [len(tokenizer.encode(t)) for t in texts],
+            "ours_flags": list(ours_flags)}
 
 
 def _reward_model_dir(policy_dir: Path, out: Path) -> Path:
@@ -676,7 +678,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="which sides to run (default both); one side alone prints its figures without ratios, "
                          "e.g. to re-measure ours after a change")
     ap.add_argument("--ours_flags", default="",
-                    help="offline stages only: extra config flags for our side, one string, e.g. "
+                    help="extra config flags for our side (every config), one string, e.g. "
                          "--ours_flags='--recompute full' (default none)")
     ap.add_argument("--side", choices=("ours", "trl"), default=None, help=argparse.SUPPRESS)  # internal: child
     ap.add_argument("--spec", default="", help=argparse.SUPPRESS)  # internal: the child's job file
@@ -710,7 +712,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             cwork = work / name
             cwork.mkdir(exist_ok=True)
             spec = (make_stage_spec(name, args.steps, cwork, args.ours_flags.split()) if name in STAGES
-                    else make_spec(name, args.steps, cwork))
+                    else make_spec(name, args.steps, cwork, args.ours_flags.split()))
             spec_file = cwork / "spec.json"
             spec_file.write_text(json.dumps(spec, indent=1), encoding="utf-8")
             skipped = {"ok": False, "skipped": True, "error": "not run (--sides)"}
