@@ -17,6 +17,7 @@ bfloat16 has float32's range and needs no scaling: the two paths differ only in 
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
@@ -31,6 +32,8 @@ from mindrlhf.parallel.pipeline import PipelineRunner
 from mindrlhf.trainer.memory import MicroBatchExtent, resolve_recompute
 from mindrlhf.trainer.optimizer import AdamW
 from mindrlhf.utils import faults
+
+log = logging.getLogger(__name__)
 
 #: How an auxiliary value of the loss is reduced over micro-batches and data-parallel ranks.
 REDUCTIONS = ("sum", "max", "min")
@@ -226,6 +229,12 @@ def build_updater(cfg, model: nn.Cell, objective: Objective, *, extent: MicroBat
                                    dtype_bytes=4 if model.compute_dtype == ms.float32 else 2,
                                    device_target=p.device_target, workers=comm.world_size(),
                                    budget_gb=p.memory_budget_gb, reserved=reserved, what=what)
+    # Every worker must run the same graphs (the same collectives in the same order): if any worker's budget
+    # is too small, all recompute.
+    if p.recompute == "auto" and comm.world_size() > 1 and comm.all_sum(np.array([mode == "full"], np.float32))[0]:
+        if mode == "none":
+            log.info("recompute auto -> full for the %s: another worker's budget is too small", what)
+        mode, kept = "full", 0
     updater = Updater(model, objective, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
                       eps=o.adam_eps, max_grad_norm=o.max_grad_norm, jit=mode == "none", groups=groups,
                       masters=masters, loss_scale_init=o.loss_scale_init, loss_scale_window=o.loss_scale_window,
