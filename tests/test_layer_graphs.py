@@ -1,6 +1,8 @@
 """Decoder layers run as shared compiled graphs (models.layer_graphs) equal pynative layers."""
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -123,7 +125,8 @@ def test_recompute_none_and_full_give_the_same_losses_and_gradients(tiny_qwen2_d
     for every shape by ``layer_graphs.jit_any_shape``) and ``recompute full`` (the layer graphs, each layer's
     forward recomputed) give pynative's loss, aux values and every gradient, for the log-prob head and the
     statistics head (whose chunked pieces the whole graph takes as one chunk), on batches of three widths;
-    the whole graph is compiled once for all of them, and forward passes never use it."""
+    the whole graph is compiled once for all of them, forward passes never use it, and it is freed with the
+    runner."""
     import mindspore as ms
     from mindspore.graph.api import ms_compile_cache
 
@@ -176,3 +179,11 @@ def test_recompute_none_and_full_give_the_same_losses_and_gradients(tiny_qwen2_d
         phases = [phase for phase in ms_compile_cache if f"_{id(runner):x}" in phase]
         assert len(phases) == 1 and "grad" in phases[0], phases
     assert ms.get_context("mode") == ms.PYNATIVE_MODE
+    # The graphs are freed by release_graphs (the end of training) or with the runner (a process building several
+    # trainers, like this test session, would otherwise keep every one's graph and buffers).
+    released, dropped = (f"_{id(r):x}." for r in runners["none"])
+    runners["none"][0].release_graphs()
+    assert not [p for p in ms_compile_cache if released in p]
+    del runners, runner
+    gc.collect()
+    assert not [p for p in ms_compile_cache if dropped in p]

@@ -16,6 +16,7 @@ cell as inputs; they equal the pynative path's to float rounding (tests/test_lay
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Dict, Sequence, Tuple
 
 import mindspore as ms
@@ -47,7 +48,30 @@ def jit_any_shape(fn: Callable, name: str) -> Callable:
             compiled.append(ms.enable_dynamic(args=dynamic_signature(args))(ms.jit(whole)))
         return compiled[0](ms.mutable(tuple(args)))
 
+    def release():
+        compiled.clear()
+        release_compiled(name)
+
+    call.release = release
     return call
+
+
+def release_compiled(name: str) -> None:
+    """Free the graphs ``jit_any_shape(fn, name)`` compiled: MindSpore otherwise keeps a compiled graph, and the
+    buffers it holds, for the life of the process (a process that builds several trainers, such as a test
+    session, would keep every one's). Uses MindSpore 2.10's executor, as ``mindspore.ms_memory_recycle`` does
+    for all graphs at once."""
+    from mindspore.graph.api import _cell_graph_executor, ms_compile_cache
+
+    phases = {p for p in ms_compile_cache if f"{name}." in p}  # a phase is ``...<function name>.<arguments key>``
+    if not phases:
+        return
+    _cell_graph_executor.del_net_res(None, phases)
+    if os.getenv("MS_DEV_JIT_PIPELINE") != "0":
+        from mindspore._c_expression import JitExecutor_
+
+        JitExecutor_.get_instance().del_net_res(None, phases)
+    ms_compile_cache.difference_update(phases)
 
 
 def _inputs(rope, bias):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mindspore as ms
@@ -32,7 +33,7 @@ from mindspore import Tensor, ops
 
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.models.heads import Head, LogProbHead
-from mindrlhf.models.layer_graphs import jit_any_shape
+from mindrlhf.models.layer_graphs import jit_any_shape, release_compiled
 from mindrlhf.models.packing import PackedBatch, pack_shared_prompts
 from mindrlhf.parallel.groups import ParallelGroups
 
@@ -148,6 +149,10 @@ class PipelineRunner:
         self._layer_graphs = layer_graphs
         self._fns: Dict[str, Callable] = {}
         self._builders = self._pieces()
+        # Names of the whole-model graphs compiled for this runner: freed by ``release_graphs`` or when the runner
+        # is garbage-collected (MindSpore would keep them, and their buffers, for the process's life).
+        self._compiled: List[str] = []
+        weakref.finalize(self, _release_all, self._compiled)
         # Only a tied causal LM keeps an embedding copy on the last stage (layout.param_stages).
         tied = groups.embed_group is not None and model.config.tied_output
         self._tied_reduce = ops.AllReduce(group=groups.embed_group) if tied else None
@@ -204,8 +209,15 @@ class PipelineRunner:
         if name not in self._fns:
             fn = self._builders[name]()
             whole = self._jit and name.startswith("grad")
+            if whole:
+                self._compiled.append(f"{name}_{id(self):x}")
             self._fns[name] = jit_any_shape(fn, f"{name}_{id(self):x}") if whole else fn
         return self._fns[name]
+
+    def release_graphs(self) -> None:
+        """Free this runner's compiled whole-model graphs (``recompute none``); a later call compiles again."""
+        _release_all(self._compiled)
+        self._fns = {k: v for k, v in self._fns.items() if not hasattr(v, "release")}
 
     def _model_inputs(self, mb) -> Tuple[str, List[Tensor]]:
         """Which whole-model pieces to run (``""`` padded rows, ``"_packed"``) and their inputs before the loss's."""
@@ -323,6 +335,12 @@ class PipelineRunner:
             return grads
         names = [p.name for p in self.params]
         return tuple(self._tied_reduce(g) if n == "model.embed_tokens.weight" else g for n, g in zip(names, grads))
+
+
+def _release_all(names: List[str]) -> None:
+    for name in names:
+        release_compiled(name)
+    names.clear()
 
 
 def _to_numpy(value):

@@ -269,5 +269,7 @@ class Trainer:
         finally:
             bar.close()
             logger.close()
+            for _, _, updater in self.trained():
+                updater.release_graphs()
         return history
 

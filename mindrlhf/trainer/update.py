@@ -214,6 +214,10 @@ class Updater:
         """Recast the model's compute copy from the master weights (after they were loaded)."""
         self.optimizer.refresh()
 
+    def release_graphs(self) -> None:
+        """Free the compiled whole-model gradient graph (``recompute none``) once training is over."""
+        self.runner.release_graphs()
+
 
 def build_updater(cfg, model: nn.Cell, objective: Objective, *, extent: MicroBatchExtent,
                   head: Optional[Head] = None, groups: Optional[ParallelGroups] = None,
