@@ -518,9 +518,10 @@ def test_tp_pp_layout_matches_one_process(grpo_assets, tmp_path):
     completes with finite metrics. (Data parallel across two nodes: the dead-worker test's launches.)
     """
     dump = tmp_path / "exp" / "rollouts.npz"
-    # A reward with a spread in every group: real gradients, not float noise that Adam would amplify.
+    # A reward with a spread in every group: real gradients, not float noise that Adam would amplify. Both runs
+    # on the layer graphs (recompute auto could choose differently for one process and for four).
     base = dict(mini_batch_size=4, micro_batch_size=2, beta=0.04, max_steps=2, lr=1e-4,
-                reward_funcs=["accuracy", "e2e_rewards:length_reward"])
+                reward_funcs=["accuracy", "e2e_rewards:length_reward"], recompute="full")
     assert _run_inprocess(_args(grpo_assets, tmp_path / "record", save_data_file=dump, **base)) == 0
     common = dict(base, replay_data_file=dump, tensorboard="false")
     one = tmp_path / "one"
@@ -559,7 +560,8 @@ def test_tp_pp_layout_matches_one_process(grpo_assets, tmp_path):
 def test_replay_matches_the_recorded_reference(grpo_assets, tmp_path):
     """The rollouts recorded by tests/make_replay_reference.py (before the training core was factored
     out of GRPO), replayed off-policy with the KL term and two mini-batches: every metric equals the
-    recorded run's to 1e-6 (timings aside)."""
+    recorded run's to 1e-6 (timings aside). Recorded on the layer graphs (``recompute full``), so replayed on them:
+    the whole-model graph of ``recompute none`` rounds differently."""
     from make_replay_reference import COMMON, REPLAY
 
     recorded = REPO / "tests" / "data" / "replay_reference"
@@ -567,7 +569,8 @@ def test_replay_matches_the_recorded_reference(grpo_assets, tmp_path):
     dump.parent.mkdir()
     for f in recorded.glob("*.npz"):
         (dump.parent / f.name).write_bytes(f.read_bytes())
-    assert _run_inprocess(_args(grpo_assets, tmp_path / "run", replay_data_file=dump, **REPLAY, **COMMON)) == 0
+    assert _run_inprocess(_args(grpo_assets, tmp_path / "run", replay_data_file=dump, recompute="full", **REPLAY,
+                                **COMMON)) == 0
     want = [json.loads(line) for line in (recorded / "metrics.jsonl").read_text().splitlines()]
     # Recorded before reward metrics took TRL's names (a function's __name__): rewards/<module>:<fn>/ is rewards/<fn>/.
     want = [{re.sub(r"^rewards/[\w.]+:(\w+)/", r"rewards/\1/", key): v for key, v in row.items()} for row in want]
