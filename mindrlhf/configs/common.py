@@ -149,12 +149,14 @@ class TrainLayoutConfig:
         False, "Cache compiled graphs on disk (MindSpore compile cache, under output_dir) so a restart "
         "skips compilation.")
     recompute: str = config_field(
-        "auto", "How the training backward gets each layer's activations. full: the decoder layers run as "
+        "full", "How the training backward gets each layer's activations. full: the decoder layers run as "
         "two shared compiled graphs and each layer's forward is recomputed in its backward (only layer inputs "
         "are kept; least memory). none: the whole forward + backward is one compiled graph, compiled once for "
         "all input shapes, that keeps every activation (SmolLM2-135M, a micro-batch of 766 positions: update "
         "8% faster, 6.4 GiB more peak memory on CPU). auto: none when the largest micro-batch's estimated "
-        "activations fit memory_budget_gb, else full; the decision and both figures are logged once. The "
+        "activations fit memory_budget_gb, else full; the decision and both figures are logged once (each "
+        "trainer's whole-model graph takes 5-30 s to compile, which is why full is the default: the test "
+        "suite, hundreds of short trainings, ran 25% longer with auto). The "
         "same numbers either way (gradients equal to float rounding). Log-prob passes and frozen models "
         "(reference, reward model) always run the layer graphs. Replaces train_jit (true = none, false = "
         "full).",
