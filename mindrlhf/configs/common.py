@@ -156,7 +156,7 @@ class TrainLayoutConfig:
         "8% faster, 6.4 GiB more peak memory on CPU). auto: none when the largest micro-batch's estimated "
         "activations fit memory_budget_gb, else full; the decision and both figures are logged once (each "
         "trainer's whole-model graph takes 5-30 s to compile, which is why full is the default: the test "
-        "suite, hundreds of short trainings, ran 25% longer with auto). The "
+        "suite, hundreds of short trainings, ran 17% longer with auto). The "
         "same numbers either way (gradients equal to float rounding). Log-prob passes and frozen models "
         "(reference, reward model) always run the layer graphs. Replaces train_jit (true = none, false = "
         "full).",
