@@ -48,11 +48,6 @@ def jit_any_shape(fn: Callable, name: str) -> Callable:
             compiled.append(ms.enable_dynamic(args=dynamic_signature(args))(ms.jit(whole)))
         return compiled[0](ms.mutable(tuple(args)))
 
-    def release():
-        compiled.clear()
-        release_compiled(name)
-
-    call.release = release
     return call
 
 

@@ -208,16 +208,21 @@ class PipelineRunner:
         use."""
         if name not in self._fns:
             fn = self._builders[name]()
-            whole = self._jit and name.startswith("grad")
-            if whole:
-                self._compiled.append(f"{name}_{id(self):x}")
-            self._fns[name] = jit_any_shape(fn, f"{name}_{id(self):x}") if whole else fn
+            if self._whole(name):
+                graph = f"{name}_{id(self):x}"
+                self._compiled.append(graph)
+                fn = jit_any_shape(fn, graph)
+            self._fns[name] = fn
         return self._fns[name]
+
+    def _whole(self, name: str) -> bool:
+        """Whether the named piece is compiled whole (the gradient pieces, with ``jit``)."""
+        return self._jit and name.startswith("grad")
 
     def release_graphs(self) -> None:
         """Free this runner's compiled whole-model graphs (``recompute none``); a later call compiles again."""
         _release_all(self._compiled)
-        self._fns = {k: v for k, v in self._fns.items() if not hasattr(v, "release")}
+        self._fns = {k: v for k, v in self._fns.items() if not self._whole(k)}
 
     def _model_inputs(self, mb) -> Tuple[str, List[Tensor]]:
         """Which whole-model pieces to run (``""`` padded rows, ``"_packed"``) and their inputs before the loss's."""

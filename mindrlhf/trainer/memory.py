@@ -23,9 +23,6 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from mindrlhf.configs.common import RECOMPUTE_MODES
-from mindrlhf.errors import MindRLHFError
-
 log = logging.getLogger(__name__)
 
 #: Measured / counted, with ``HEAD_BYTES``, on two micro-batches of a 126-token prompt and 4 packed completions
@@ -144,12 +141,13 @@ def resolve_recompute(setting: str, config, extent: MicroBatchExtent, *, layers:
     """``(mode, bytes)``: ``full`` or ``none`` for ``setting`` and the activation bytes that plans to keep (0 with
     ``full``). ``auto`` decides by the estimate against the budget less ``reserved`` (what models trained
     earlier in this process plan to keep: a compiled graph holds its buffers for the process's life), and logs
-    the decision once with its figures."""
-    if setting not in RECOMPUTE_MODES:
-        raise MindRLHFError(f"recompute = {setting!r}; use one of {', '.join(RECOMPUTE_MODES)}")
+    the decision once with its figures. ``setting`` is one of ``configs.common.RECOMPUTE_MODES`` (the config
+    checks it)."""
+    if setting == "full":
+        return "full", 0
     need = activation_bytes(config, extent, layers=layers, tp=tp, dtype_bytes=dtype_bytes)
-    if setting != "auto":
-        return setting, need if setting == "none" else 0
+    if setting == "none":
+        return "none", need
     budget, source = memory_budget(device_target, workers, budget_gb)
     if reserved:
         source += f", less {reserved / 2 ** 30:.2f} GiB planned for another model"
