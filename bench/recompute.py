@@ -18,6 +18,8 @@ ways, each in its own process so each peak RSS is its own:
   compiles).
 - ``layer_jit``: each layer compiled on its own and differentiated by pynative autodiff, which keeps the
   graph's forward results for its backward (no recompute, each layer's own graph).
+- ``jit_recompute`` / ``jit_half``: the whole-model graph of ``jit`` with every decoder layer (or the first
+  half of them) marked ``Cell.recompute()``: MindSpore's own selective recompute inside one compiled graph.
 
 Each mode runs ``--steps`` updates of ``--micro_batches`` micro-batches (``--prompts`` prompts x
 ``--num_generations`` completions each); the first step compiles and is left out of the mean. The gradient
@@ -37,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("graphs", "eager", "jit", "jit_static", "layer_jit")
+MODES = ("graphs", "eager", "jit", "jit_static", "layer_jit", "jit_recompute", "jit_half")
 
 
 def _peak_gib() -> float:
@@ -109,6 +111,10 @@ def run_mode(args) -> dict:
     model = load_model(args.model_dir)
     if args.mode == "layer_jit":
         _layer_jit(model)
+    if args.mode in ("jit_recompute", "jit_half"):
+        marked = list(model.layer_range)
+        for i in marked[: len(marked) // 2] if args.mode == "jit_half" else marked:
+            model.model.layers[i].recompute()
 
     def loss(logp, weights):
         return (logp * weights).sum() / weights.size, ()

@@ -36,12 +36,18 @@ def make_grpo_assets(root: Path, tokenizer_dir: Path, data_dir: Path) -> dict:
     return {"model": model_dir, "data": data}
 
 
+#: The suite's short trainings run the layer graphs: under the default (``recompute auto``) each of its hundreds of
+#: tiny trainers would compile its own whole-model graph (5-30 s, CI ~17% longer). test_recompute covers auto and
+#: test_layer_graphs / test_offline_stages show none and full equal; a test that needs another mode passes it.
+SUITE_RECOMPUTE = {"recompute": "full"}
+
+
 def grpo_args(assets, out: Path, **overrides) -> list:
     """Command-line flags of a small GRPO run on ``assets``; keyword arguments override fields."""
     cfg = {"sft_path_train": assets["model"], "mind_dataset_dir": assets["data"], "output_dir": out,
            "num_generations": 4, "chunk_size": 2, "max_completion_length": 12, "max_prompt_length": 256,
            "max_steps": 3, "save_steps": 1, "lr": 1e-3, "temperature": 1.0, "tensorboard": "true",
-           "progress_bar": "false", "log_completions_steps": 1}
+           "progress_bar": "false", "log_completions_steps": 1, **SUITE_RECOMPUTE}
     cfg.update(overrides)
     args = []
     for k, v in cfg.items():

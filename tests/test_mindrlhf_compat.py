@@ -310,6 +310,7 @@ max_completion_length: 12
 temperature: 1.0
 tensorboard: False
 progress_bar: False
+recompute: full  # as every run of the suite (grpo_runs.SUITE_RECOMPUTE), so the two runs compute alike
 """
 
 

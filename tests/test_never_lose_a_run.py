@@ -5,6 +5,7 @@ test_checkpoint_manager.py; here the whole command is run."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -64,9 +65,14 @@ def test_overwrite_typo_torn_metrics_redone_steps_and_a_resume_without_checkpoin
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "reward": 0.1')
     step1 = out / "checkpoints" / "step_00000001"
+    assert json.loads((step1 / "state.json").read_text())["recompute"] == {"policy": "full"}
     caplog.clear()
-    assert _run(_args(grpo_assets, out, max_steps=2, seed=7, log_completions_steps=2, resume=step1, **SHORT)) == 0
+    # ... resumed with another recompute mode (what auto may decide on a machine with more memory): said once.
+    assert _run(_args(grpo_assets, out, max_steps=2, seed=7, log_completions_steps=2, resume=step1,
+                      recompute="none", **SHORT)) == 0
     assert any("dropping a torn last line" in r.getMessage() for r in caplog.records)
+    said = [r.getMessage() for r in caplog.records if "recompute differs" in r.getMessage()]
+    assert len(said) == 1 and "(policy full -> none)" in said[0]
     assert [r["step"] for r in _metrics(out)] == [1, 2]
     assert _tb_rewards(out) == _metric_rewards(out) and [s for s, _ in _tb_rewards(out)] == [1, 2]
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from grpo_runs import SUITE_RECOMPUTE
+
 REPO = Path(__file__).resolve().parents[1]
 GSM8K = REPO / "mindrlhf" / "resources" / "gsm8k_train_sample.jsonl"
 
@@ -68,7 +70,7 @@ def _argv(stage, assets, out, **extra):
             # room for every row: the GSM8K system prompt alone is ~90 tokens, and the RM drops long pairs
             "max_length": 256,
             "save_steps": 1, "eval_steps": 2, "seed": 3, "progress_bar": "false", "lr": 1e-3,
-            "warmup_steps": 2}
+            "warmup_steps": 2, **SUITE_RECOMPUTE}
     args.update(extra)
     return [x for k, v in args.items() for x in (f"--{k}", str(v))]
 

@@ -14,6 +14,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from grpo_runs import SUITE_RECOMPUTE
+
 REPO = Path(__file__).resolve().parents[1]
 
 #: What every PPO step logs, under TRL's last PPOTrainer's names (plus GRPO's rollout metrics).
@@ -51,7 +53,7 @@ def _argv(assets, out, **extra):
             "batch_size": 4, "max_new_tokens": 12, "max_prompt_length": 256, "max_steps": 3, "save_steps": 1,
             "lr": 1e-3, "temperature": 1.0, "ppo_epochs": 2, "num_mini_batches": 2, "micro_batch_size": 1,
             "reward_funcs": "accuracy", "value_norm": "true", "kl_estimator": "k3", "progress_bar": "false",
-            "log_completions_steps": 1, "lr_schedule": "constant"}
+            "log_completions_steps": 1, "lr_schedule": "constant", **SUITE_RECOMPUTE}
     args.update(extra)
     return [x for k, v in args.items() for x in (f"--{k}", str(v))]
 

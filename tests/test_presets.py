@@ -91,13 +91,17 @@ def tiny_model_with_tokenizer(grpo_assets) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("path", CPU_PRESETS, ids=[p.name for p in CPU_PRESETS])
 def test_cpu_preset_trains_one_step(path, tiny_model_with_tokenizer, tmp_path):
-    from mindrlhf.grpo import main
+    """Each preset as shipped, recompute auto included (the tiny model's activations fit: the whole-model
+    graph); in a child process, which takes that graph's memory with it."""
+    from grpo_runs import run_cli
     from mindrlhf.trainer.metrics import read_metrics
 
     out = tmp_path / "run"
     # One step: warmup (a validated bound on max_steps) is the only other field that must change.
-    assert main(["--config", str(path), "--sft_path_train", str(tiny_model_with_tokenizer), "--max_steps", "1",
-                 "--warmup_steps", "0", "--output_dir", str(out), "--progress_bar", "false"]) == 0
+    proc = run_cli(["--config", str(path), "--sft_path_train", str(tiny_model_with_tokenizer), "--max_steps", "1",
+                    "--warmup_steps", "0", "--output_dir", str(out), "--progress_bar", "false"], timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "recompute auto -> none for the policy" in proc.stderr
     (row,) = read_metrics(out / "metrics.jsonl")
     cfg = GRPOConfig.from_yaml(path)
     assert row["step"] == 1 and all(math.isfinite(v) for v in row.values() if isinstance(v, float))

@@ -104,7 +104,7 @@ def test_auto_keeps_activations_on_the_tiny_job_and_recomputes_under_a_small_bud
     monkeypatch.setattr(memory, "_mem_available", lambda: 20 * 2 ** 30)  # the host, not MindSpore
     model = load_model(tiny_qwen2_dir)
     caplog.set_level(logging.INFO, logger="mindrlhf.trainer.memory")
-    job = ["--micro_batch_size", "4", "--max_completion_length", "128", "--recompute", "auto"]
+    job = ["--micro_batch_size", "4", "--max_completion_length", "128"]  # recompute auto, the default
     cfg = parse_grpo_args(job)
     need = activation_bytes(model.config, rollout_extent(cfg), layers=model.config.num_hidden_layers)
     assert 0.5 * 2 ** 30 < need < 2 * 2 ** 30  # mostly the 512 rows of float32 logits over 151,936 tokens
@@ -134,7 +134,7 @@ def test_recompute_settings_are_checked_and_train_jit_says_what_replaced_it(tmp_
     from mindrlhf.configs.grpo_configs import parse_args as parse_grpo_args
     from mindrlhf.errors import MindRLHFError
 
-    assert parse_grpo_args([]).parallel.recompute == "full"
+    assert parse_grpo_args([]).parallel.recompute == "auto"
     with pytest.raises(MindRLHFError, match=r"recompute = 'some' is not one of auto\|full\|none"):
         parse_grpo_args(["--recompute", "some"])
     with pytest.raises(MindRLHFError, match="memory_budget_gb"):

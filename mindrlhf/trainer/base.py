@@ -172,6 +172,7 @@ class Trainer:
             tensors.update(extra)
             state = {"step": self.step, "run_id": self.run_id, "consecutive_nonfinite": self.consecutive_nonfinite,
                      "skipped_updates": self.skipped_updates, "world_size": self.world,
+                     "recompute": {stem: updater.recompute for stem, _, updater in self.trained()},
                      **self.stage_state(), **self.updater.loss_scale_state()}
             self.ckpt.save(self.step, tensors, state, yaml.safe_dump(self.cfg.to_dict(), sort_keys=False),
                            files=self._model_files())
@@ -208,6 +209,7 @@ class Trainer:
             raise MindRLHFError(f"--resume {path}: the checkpoint is at step {done}, past --max_steps {limit}; "
                                 f"raise --max_steps to train on, or resume an earlier checkpoint")
         self.warn_config_changes(path)
+        self.warn_recompute_change(path, state.get("recompute") or {})
         self.run_id = self.ckpt.run_id = str(state.get("run_id") or self.run_id)
         for stem, optimizer_stem, updater in self.trained():
             config = updater.model.config
@@ -238,6 +240,17 @@ class Trainer:
         if changed:
             log.warning("--resume: %s was trained with a different config: %s; the resumed steps will not be "
                         "what the original run would have computed", path, "; ".join(changed))
+
+    def warn_recompute_change(self, path: Path, saved: Dict[str, str]) -> None:
+        """``recompute auto`` decides again on resume, from this machine's memory: say so when it now decides
+        otherwise than the checkpointed run did (the same math, summed in another order: equal to float
+        rounding, not bit for bit)."""
+        changed = [f"{stem} {saved[stem]} -> {updater.recompute}" for stem, _, updater in self.trained()
+                   if saved.get(stem, updater.recompute) != updater.recompute]
+        if changed:
+            log.warning("--resume %s: recompute differs from the checkpointed run's (%s); the resumed steps equal "
+                        "the original's to float rounding, not bit for bit (set recompute to the checkpoint's mode "
+                        "to resume exactly)", path, "; ".join(changed))
 
     # -- the loop ---------------------------------------------------------------------------------
     def train(self) -> List[Dict[str, float]]:
