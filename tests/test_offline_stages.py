@@ -75,6 +75,10 @@ def _argv(stage, assets, out, **extra):
     return [x for k, v in args.items() for x in (f"--{k}", str(v))]
 
 
+#: SUITE_RECOMPUTE as flags, for the tests that call a stage's main in this process.
+_PIN = [x for k, v in SUITE_RECOMPUTE.items() for x in (f"--{k}", v)]
+
+
 def _run(stage, argv, env_extra=None, **kw):
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
     return subprocess.run([sys.executable, "-m", f"mindrlhf.{stage}", *argv], cwd=REPO, env=env,
@@ -283,34 +287,35 @@ def test_rm_dpo_and_grpo_start_from_an_sft_checkpoint(stage_assets, tmp_path):
     """The walkthrough's chain: an SFT checkpoint folder is the --model of the reward model (its lm_head replaced
     by a score head, the tokenizer read from the folder) and of DPO, whose reference is then that same model:
     DPO's first step has loss ln 2 and zero rewards, as TRL's. The SFT packs its 8 rows into 2 sequences of up to
-    1024 tokens, so its one step of batch_size 2 trains on every row."""
-    from mindrlhf import dpo, rm, sft
+    1024 tokens, so its one step of batch_size 2 trains on every row. Each stage in a child process, as a user
+    runs them (and so that their graphs do not stay in the test process)."""
     from mindrlhf.data.text_rows import read_sft_rows
     from mindrlhf.tokenizer import Tokenizer
 
-    common = ["--max_steps", "1", "--batch_size", "4", "--max_length", "256", "--progress_bar", "false"]
-    assert sft.main(["--model", str(stage_assets["model"]), "--train_file", str(stage_assets["sft_train.jsonl"]),
-                     "--output_dir", str(tmp_path / "sft"), *common, "--packing", "true", "--max_length", "1024",
-                     "--batch_size", "2"]) == 0
+    common = ["--max_steps", "1", "--batch_size", "4", "--max_length", "256", "--progress_bar", "false", *_PIN]
+
+    def run(stage, *argv):  # the stage's own flags last: they override common's
+        proc = _run(stage, [*common, *map(str, argv)])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    run("sft", "--model", stage_assets["model"], "--train_file", stage_assets["sft_train.jsonl"],
+        "--output_dir", tmp_path / "sft", "--packing", "true", "--max_length", "1024", "--batch_size", "2")
     rows, _ = read_sft_rows(stage_assets["sft_train.jsonl"], Tokenizer.from_dir(stage_assets["model"]),
                             max_length=1024)
     assert len(rows) == 8 and _metrics(tmp_path / "sft")[0]["num_tokens"] == sum(len(r) for r in rows.input_ids)
     ckpt = _last_checkpoint(tmp_path / "sft", step=1)
-    assert rm.main(["--model", str(ckpt), "--train_file", str(stage_assets["pairs_train.jsonl"]),
-                    "--output_dir", str(tmp_path / "rm"), *common]) == 0
+    run("rm", "--model", ckpt, "--train_file", stage_assets["pairs_train.jsonl"], "--output_dir", tmp_path / "rm")
     assert {"accuracy", "margin", "mean_reward"} <= set(_metrics(tmp_path / "rm")[0])
-    assert dpo.main(["--model", str(ckpt), "--train_file", str(stage_assets["pairs_train.jsonl"]),
-                     "--output_dir", str(tmp_path / "dpo"), *common]) == 0
+    run("dpo", "--model", ckpt, "--train_file", stage_assets["pairs_train.jsonl"], "--output_dir", tmp_path / "dpo")
     first = _metrics(tmp_path / "dpo")[0]
     assert first["loss"] == pytest.approx(np.log(2.0), rel=1e-6)
     assert first["rewards/margins"] == 0.0 and first["rewards/accuracies"] == 0.0
     # ... and of GRPO (--sft_path_train), on its default data (the packaged GSM8K sample), as the walkthrough's
     # "then GRPO from the SFT model"; its reference is that same folder's weights.
-    from mindrlhf import grpo
-
-    assert grpo.main(["--sft_path_train", str(ckpt), "--output_dir", str(tmp_path / "grpo"), "--max_steps", "1",
-                      "--num_generations", "2", "--max_completion_length", "8", "--beta", "0.04",
-                      "--progress_bar", "false"]) == 0
+    proc = _run("grpo", ["--sft_path_train", str(ckpt), "--output_dir", str(tmp_path / "grpo"), "--max_steps", "1",
+                         "--num_generations", "2", "--max_completion_length", "8", "--beta", "0.04",
+                         "--progress_bar", "false", *_PIN])
+    assert proc.returncode == 0, proc.stderr[-3000:]
     first = _metrics(tmp_path / "grpo")[0]
     assert first["step"] == 1 and first["kl"] == pytest.approx(0.0, abs=1e-6)
 
@@ -356,7 +361,7 @@ def test_sft_default_data_is_the_packaged_gsm8k_sample(stage_assets, tmp_path):
 
     out = tmp_path / "sft"
     assert sft.main(["--model", str(stage_assets["model"]), "--output_dir", str(out), "--max_steps", "1",
-                     "--batch_size", "2", "--max_length", "320", "--progress_bar", "false"]) == 0
+                     "--batch_size", "2", "--max_length", "320", "--progress_bar", "false", *_PIN]) == 0
     rows = [json.loads(line) for line in (out / "data" / "gsm8k_sft_sample.jsonl").read_text().splitlines()]
     first = json.loads(GSM8K.read_text().splitlines()[0])
     assert len(rows) == len(GSM8K.read_text().splitlines())
