@@ -4,10 +4,10 @@
     python bench/recompute.py --model tiny             # a small random Qwen2 (a quick check of the script)
     python bench/recompute.py --modes graphs,jit       # some of the ways only
 
-The same update (GRPO's: completion log-probs of shared-prompt packed rows, a weighted sum) computed five
+The same update (GRPO's: completion log-probs of shared-prompt packed rows, a weighted sum) computed seven
 ways, each in its own process so each peak RSS is its own:
 
-- ``graphs``: the default. The decoder layers run as the two shared compiled layer graphs; each layer's
+- ``graphs``: ``recompute full``. The decoder layers run as the two shared compiled layer graphs; each layer's
   forward is recomputed in its backward (only its input is kept).
 - ``eager``: pynative layers (``layer_graphs false``): autodiff keeps every activation, kernels run one
   by one.
