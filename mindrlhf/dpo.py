@@ -244,7 +244,8 @@ def build_trainer(cfg: DPOConfig, layout=None):
                       ref_runner=ref_runner, valid_pairs=valid)
 
 
-DPO = StageSpec(parse=parse_dpo_args, build=build_trainer)
+DPO = StageSpec("dpo", parse=parse_dpo_args, build=build_trainer,
+                models=lambda cfg: {"--model": cfg.model.model_path, "--ref_model": cfg.model.ref_model_path})
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -101,7 +101,9 @@ def precheck(cfg: GRPOConfig) -> None:
     check_sampler_config(cfg)
 
 
-GRPO = StageSpec(parse=parse_args, build=build_trainer, precheck=precheck)
+GRPO = StageSpec("grpo", parse=parse_args, build=build_trainer, precheck=precheck, models=lambda cfg: {
+    "--sft_path_train": cfg.model_weights("train"), "--sft_path_infer": cfg.model_weights("infer"),
+    "--ref_path": cfg.model_weights("ref")})
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

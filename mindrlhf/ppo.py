@@ -440,7 +440,9 @@ def precheck(cfg: PPOConfig) -> None:
     check_sampler_config(cfg)
 
 
-PPO = StageSpec(parse=parse_ppo_args, build=build_trainer, precheck=precheck)
+PPO = StageSpec("ppo", parse=parse_ppo_args, build=build_trainer, precheck=precheck, models=lambda cfg: {
+    "--model": cfg.model.model_path, "--ref_model": cfg.model.ref_model_path,
+    "--reward_model": cfg.model.reward_model_path, "--critic_model": cfg.model.critic_model_path})
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

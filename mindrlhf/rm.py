@@ -162,7 +162,7 @@ def build_trainer(cfg: RMConfig, layout=None):
                      valid_pairs=valid)
 
 
-RM = StageSpec(parse=parse_rm_args, build=build_trainer)
+RM = StageSpec("rm", parse=parse_rm_args, build=build_trainer, models=lambda cfg: {"--model": cfg.model.model_path})
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -174,7 +174,7 @@ def build_trainer(cfg: SFTConfig, layout=None):
                             train_rows=train, valid_rows=valid)
 
 
-SFT = StageSpec(parse=parse_sft_args, build=build_trainer)
+SFT = StageSpec("sft", parse=parse_sft_args, build=build_trainer, models=lambda cfg: {"--model": cfg.model.model_path})
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -117,9 +117,26 @@ def test_a_full_disk_during_a_save_is_one_error_and_leaves_the_previous_checkpoi
         assert "\n" not in message
         assert message.startswith(f"writing checkpoint step 2 to {manager.step_dir(2)} failed: No space left on "
                                   f"device (") and " MB free there)" in message
-        assert message.endswith("step 1's checkpoint is intact")
+        assert message.endswith("step 1's checkpoint is intact: free space or choose another --save_ckpt_dir, then "
+                                "rerun with --resume to continue from it")
         assert os.listdir(tmp_path / "disk" / "ck") == ["step_00000001"]  # the temp folder is gone
         assert manager.verify(manager.step_dir(1)) is None
         resize(4 * 2 ** 20)  # space freed: the same save goes through
         manager.save(2, big, {"step": 2}, "a: 1\n")
         assert manager.latest_complete("r")[0] == 2
+
+
+def test_a_full_disk_on_the_first_save_advises_what_works(tmp_path):
+    """Issue 39.9: with no checkpoint of the run saved yet, the advice used to be --resume, which then fails
+    (no checkpoint, but metrics): it now says to rerun, replacing the steps logged so far."""
+    from grpo_runs import small_filesystem
+
+    big = {"policy": {"w": ms.Parameter(ms.Tensor(np.ones((512, 1024), np.float32)), name="w")}}  # 2 MiB
+    with small_filesystem(tmp_path / "disk", 1.5 * 2 ** 20):
+        manager = CheckpointManager(str(tmp_path / "disk" / "ck"), keep_last=3, run_id="r")
+        with pytest.raises(MindRLHFError) as err:
+            manager.save(1, big, {"step": 1}, "a: 1\n")
+    message = str(err.value)
+    assert "--resume" not in message and message.endswith(
+        "no checkpoint of this run was saved yet: free space or choose another --output_dir, then rerun (with "
+        "--overwrite_output_dir true to replace the steps logged so far)")

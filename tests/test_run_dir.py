@@ -105,3 +105,59 @@ def test_overwrite_removes_the_whole_previous_run_and_says_so(tmp_path, caplog):
     assert said.startswith(f"--overwrite_output_dir: removed the previous run from {out}: ")
     for name in ("checkpoints/step_00000001", "metrics.jsonl", "tensorboard", "completions_step_1.jsonl"):
         assert name in said
+
+
+def test_a_checkpoint_folder_without_a_manifest_is_unusable_not_another_run(tmp_path, caplog):
+    """Issue 39.7: a step folder without manifest.json (a copy or write that did not finish) was counted as a
+    second run, and the suggested `--resume <that folder>` was then refused. It is skipped with a warning and
+    --resume latest takes the newest intact checkpoint; a fresh start still sees it and is refused."""
+    ck = tmp_path / "out" / "checkpoints"
+    _, step2 = _save(ck, "A", 1, 2)
+    (step2 / "manifest.json").unlink()
+    with caplog.at_level(logging.WARNING):
+        start = check_run_dirs(tmp_path / "out", ck, resume="latest", overwrite=False)
+    assert (start.checkpoint.name, start.run_id) == ("step_00000001", "A")
+    assert any(f"checkpoint {step2} is unusable (no manifest.json" in r.getMessage() for r in caplog.records)
+    # With two real runs beside it, the suggestion names an intact checkpoint, never the unusable folder.
+    _save(ck, "B", 3)
+    (ck / "step_00000004").mkdir()
+    with pytest.raises(MindRLHFError, match=rf"holds checkpoints of 2 runs \(run A: steps 1; run B: steps 3\); pass "
+                                            rf"the step folder to resume, e.g. --resume {ck / 'step_00000003'}$"):
+        check_run_dirs(tmp_path / "out", ck, resume="latest", overwrite=False)
+
+
+def test_resume_of_a_missing_step_names_one_that_exists(tmp_path):
+    """Issue 39.10: `--resume <missing step>` suggested step_00000010, a folder that does not exist."""
+    ck = tmp_path / "out" / "checkpoints"
+    _save(ck, "A", 1, 2)
+    with pytest.raises(MindRLHFError, match=rf"^--resume {ck / 'step_00000009'}: no such checkpoint folder \(the "
+                                            rf"newest intact checkpoint in {ck} is {ck / 'step_00000002'}\); pass "
+                                            rf"--resume latest or an existing step folder$"):
+        check_run_dirs(tmp_path / "out", ck, resume=str(ck / "step_00000009"), overwrite=False)
+    with pytest.raises(MindRLHFError, match=rf"no such checkpoint folder \({tmp_path / 'o2' / 'ck'} holds no intact "
+                                            rf"checkpoint\)"):
+        check_run_dirs(tmp_path / "o2", tmp_path / "o2" / "ck", resume=str(tmp_path / "nope"), overwrite=False)
+
+
+def test_a_model_is_the_same_by_content_wherever_it_is(tmp_path):
+    """The identity a checkpoint records of an input model: unchanged files are not hashed again; a moved copy is
+    the same model; one changed byte is another."""
+    import shutil
+
+    from mindrlhf.checkpoint.manifest import model_identity, same_model
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"0123456789")
+    files = lambda d: [d / "config.json", d / "model.safetensors"]  # noqa: E731
+    recorded = model_identity(str(model), files(model))
+    assert same_model(recorded, str(model), files(model)) == (True, recorded)
+    shutil.copytree(model, tmp_path / "moved")
+    same, found = same_model(recorded, str(tmp_path / "moved"), files(tmp_path / "moved"))
+    assert same and found["sha256"] == recorded["sha256"] and found["path"] == str(tmp_path / "moved")
+    (model / "model.safetensors").write_bytes(b"0123456780")
+    same, found = same_model(recorded, str(model), files(model))
+    assert not same and found["sha256"] != recorded["sha256"]
+    assert same_model({"path": ""}, "", []) == (True, {"path": ""})
+    assert not same_model({"path": ""}, str(model), files(model))[0]

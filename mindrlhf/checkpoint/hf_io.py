@@ -545,21 +545,49 @@ class WeightSource:
         return self._iter()
 
 
-def open_weights(path: PathLike) -> WeightSource:
-    """Open an HF model directory, a MindSpore checkpoint file (with its config next to it) or a
-    training checkpoint folder (``step_N/``: its ``policy.ckpt``)."""
+def _weights_path(path: PathLike) -> Path:
+    """The file or HF directory a model path loads from: a training checkpoint folder (``step_N/``) loads
+    its ``policy.ckpt``."""
     path = Path(path)
     if path.is_dir() and (path / "policy.ckpt").is_file() and not any(
             (path / name).is_file() for name in (SINGLE_SAFETENSORS, SAFETENSORS_INDEX)):
-        path = path / "policy.ckpt"
+        return path / "policy.ckpt"
+    return path
+
+
+def model_files(path: PathLike) -> List[Path]:
+    """The files ``open_weights(path)`` reads: an HF directory's config.json and weight files, or a
+    checkpoint file and its config; for a directory of ``rank_{r}/`` shards (``transform_checkpoint``),
+    every file in those folders."""
+    path = Path(path)
+    ranks = sorted(d for d in path.glob("rank_*") if d.is_dir()) if path.is_dir() else []
+    if ranks:
+        return sorted(f for d in ranks for f in d.iterdir() if f.is_file())
+    path = _weights_path(path)
+    if path.is_dir():
+        return [path / "config.json", *hf_safetensors_files(path)]
+    if not path.is_file():
+        raise MindRLHFError(f"{path}: not found; pass an HF model directory or a .ckpt/.safetensors file")
+    return [ms_config_path(path), path]
+
+
+def open_weights(path: PathLike) -> WeightSource:
+    """Open an HF model directory, a MindSpore checkpoint file (with its config next to it) or a
+    training checkpoint folder (``step_N/``: its ``policy.ckpt``). Files of a training checkpoint are
+    checked against its manifest first (``checkpoint.manifest.verify_files``)."""
+    from mindrlhf.checkpoint.manifest import verify_files
+
+    path = _weights_path(path)
     if path.is_dir():
         config = read_hf_config(path)
+        verify_files(model_files(path))
         return WeightSource(path, "hf", config, path / "config.json", hf_tensor_specs(path),
                             lambda: iter_hf_tensors(path))
     if not path.is_file():
         raise MindRLHFError(f"{path}: not found; pass an HF model directory or a .ckpt/.safetensors file")
     fmt = _ms_format(path)
     config_path = ms_config_path(path)
+    verify_files([config_path, path])
     config = read_json(config_path)
     if fmt == "safetensors":
         return WeightSource(path, fmt, config, config_path, _file_specs(path), lambda: iter_safetensors(path))

@@ -10,7 +10,6 @@ folder whose manifest is missing or whose checksums differ is reported and skipp
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -20,20 +19,12 @@ from typing import Dict, List, Mapping, Optional, Tuple, Union
 
 import mindspore as ms
 
+from mindrlhf.checkpoint.manifest import MANIFEST, read_manifest, sha256_file, verify_folder
 from mindrlhf.errors import MindRLHFError
-from mindrlhf.utils.fs import write_failed
+from mindrlhf.utils.fs import free_space
 
 log = logging.getLogger(__name__)
-MANIFEST = "manifest.json"
 PREFIX = "step_"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _running(pid: int) -> bool:
@@ -81,12 +72,13 @@ def load_parameters_into(params: Mapping[str, ms.Parameter], path: Path) -> None
 class CheckpointManager:
     """Saves and finds training checkpoints under one directory."""
 
-    def __init__(self, directory: str, keep_last: int = 3, run_id: str = ""):
-        """``run_id``: written into every manifest; retention deletes only this run's folders (and
-        folders without one, from before run ids), never another run's sharing the directory."""
+    def __init__(self, directory: str, keep_last: int = 3, run_id: str = "", stage: str = ""):
+        """``run_id`` and ``stage`` (the command that trains: sft, rm, dpo, ppo, grpo): written into every
+        manifest; retention deletes only this run's folders, never another run's sharing the directory."""
         self.dir = Path(directory)
         self.keep_last = keep_last
         self.run_id = run_id
+        self.stage = stage
 
     def step_dir(self, step: int) -> Path:
         return self.dir / f"{PREFIX}{step:08d}"
@@ -114,9 +106,15 @@ class CheckpointManager:
             self._write(tmp, step, tensors, state, config_yaml, files or {})
         except OSError as err:  # MindSpore's save_checkpoint too raises the filesystem's OSError
             shutil.rmtree(tmp, ignore_errors=True)
-            previous = [s for s in self.list_steps() if s != step]
-            kept = f"; step {previous[-1]}'s checkpoint is intact" if previous else ""
-            raise MindRLHFError(str(write_failed(f"checkpoint step {step} to", final, err)) + kept) from None
+            previous = [s for s in self.list_steps() if s != step and self.run_of(self.step_dir(s)) == self.run_id]
+            # The advice must work: --resume needs a checkpoint of this run, and with none a rerun must replace
+            # the metrics this run wrote so far.
+            advice = (f"step {previous[-1]}'s checkpoint is intact: free space or choose another --save_ckpt_dir, "
+                      f"then rerun with --resume to continue from it" if previous else
+                      "no checkpoint of this run was saved yet: free space or choose another --output_dir, then "
+                      "rerun (with --overwrite_output_dir true to replace the steps logged so far)")
+            raise MindRLHFError(f"writing checkpoint step {step} to {final} failed: {err.strerror or err} "
+                                f"({free_space(final)} there); {advice}") from None
         if final.exists():  # a re-run of the same step (after a resume) replaces this run's old copy
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -135,8 +133,8 @@ class CheckpointManager:
             else:
                 shutil.copyfile(content, tmp / name)
         written = sorted(p.name for p in tmp.iterdir())
-        listed = {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in written}
-        manifest = {"step": step, "run_id": self.run_id, "files": listed}
+        listed = {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)} for n in written}
+        manifest = {"step": step, "run_id": self.run_id, "stage": self.stage, "files": listed}
         with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
             f.write(json.dumps(manifest, indent=2))
             f.flush()
@@ -172,10 +170,19 @@ class CheckpointManager:
     @staticmethod
     def run_of(path: Path) -> str:
         """The run id in a checkpoint's manifest ('' when it has none or no readable manifest)."""
-        try:
-            return str(json.loads((path / MANIFEST).read_text(encoding="utf-8")).get("run_id", ""))
-        except (OSError, json.JSONDecodeError):
-            return ""
+        return str((read_manifest(path) or {}).get("run_id", ""))
+
+    @staticmethod
+    def stage_of(path: Path) -> str:
+        """The stage that wrote a checkpoint (its manifest's, else its state.json's; '' when neither says:
+        checkpoints from before stages were recorded)."""
+        stage = (read_manifest(path) or {}).get("stage")
+        if not stage:
+            try:
+                stage = json.loads((Path(path) / "state.json").read_text(encoding="utf-8")).get("stage")
+            except (OSError, ValueError, AttributeError):
+                stage = ""
+        return str(stage or "")
 
     def list_steps(self) -> List[int]:
         """Steps that have a checkpoint folder (complete or not), ascending."""
@@ -190,22 +197,7 @@ class CheckpointManager:
     @staticmethod
     def verify(path: Path) -> Optional[str]:
         """None if the checkpoint at ``path`` is complete and intact, else the reason it is not."""
-        manifest_path = path / MANIFEST
-        if not manifest_path.is_file():
-            return "no manifest.json (partial write)"
-        try:
-            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError:
-            return "manifest.json is not valid JSON"
-        for name, meta in manifest.get("files", {}).items():
-            f = path / name
-            if not f.is_file():
-                return f"{name} is missing"
-            if f.stat().st_size != meta["bytes"]:
-                return f"{name} has {f.stat().st_size} bytes, manifest says {meta['bytes']}"
-            if _sha256(f) != meta["sha256"]:
-                return f"{name} checksum mismatch"
-        return None
+        return verify_folder(path)
 
     def latest_complete(self, run_id: Optional[str] = None) -> Optional[Tuple[int, Path]]:
         """The newest intact checkpoint (of run ``run_id`` when given); corrupt or partial newer ones are

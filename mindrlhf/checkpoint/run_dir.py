@@ -4,10 +4,12 @@ A training run writes into its ``output_dir`` (``metrics.jsonl``, ``run.json``, 
 TensorBoard events, completion dumps, plots) and its checkpoint directory (``step_N/`` folders,
 each naming its run id in its manifest). The rules every stage follows:
 
-- ``check_run_dirs`` runs first, on every worker, and writes nothing but the (empty) directories:
-  a fresh start where another run's history is is refused (unless ``overwrite``), a ``--resume``
-  is resolved to one checkpoint of one run (refused when that would mix two runs, or when it
-  finds no checkpoint but the output directory has a history).
+- ``check_run_dirs`` runs first, on every worker, and writes nothing but the (empty) directories,
+  which ``RunStart.undo`` removes again when the start fails: output and checkpoint directories inside
+  an input model are refused; a fresh start where another run's history is is refused (unless
+  ``overwrite``); a ``--resume`` is resolved to one checkpoint of one run of this stage, read with the
+  same models (refused when it would mix two runs or two stages, when a model changed, or when it finds
+  no checkpoint but the output directory has a history).
 - ``clear_previous_run`` (``--overwrite_output_dir``) runs only after everything else was
   validated and the models loaded, and says what it removed.
 - Writes that fail (a full disk) raise one ``MindRLHFError`` line naming the path and the free space.
@@ -19,34 +21,42 @@ import logging
 import shutil
 import tempfile
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Mapping, Optional, Union
 
 from mindrlhf.checkpoint.manager import CheckpointManager
+from mindrlhf.checkpoint.manifest import DEFAULT_MODEL, describe, read_manifest, same_model
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.utils.fs import write_text_atomic
 
 log = logging.getLogger(__name__)
 PathLike = Union[str, Path]
-RUN_FILE = "run.json"  # {"run_id": ...}: which run the output directory's history belongs to
+RUN_FILE = "run.json"  # {"run_id": ..., "stage": ...}: which run the output directory's history belongs to
 METRICS_FILE = "metrics.jsonl"
 # What a run writes into its output_dir (besides the checkpoints); --overwrite_output_dir removes these.
 # The default data's mindrecord (data/) and the compile cache are caches of inputs, not history: kept.
 RUN_OUTPUTS = (METRICS_FILE, RUN_FILE, "config.yaml", "tensorboard", "completions_step_*.jsonl", "*.png")
 
 
+def read_run(output_dir: PathLike) -> Dict[str, str]:
+    """``output_dir/run.json``: the run id and stage its history belongs to ({} when there is none)."""
+    try:
+        found = json.loads((Path(output_dir) / RUN_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {k: str(v) for k, v in found.items()} if isinstance(found, dict) else {}
+
+
 def read_run_id(output_dir: PathLike) -> str:
     """The run id recorded in ``output_dir/run.json`` ('' when there is none)."""
-    try:
-        return str(json.loads((Path(output_dir) / RUN_FILE).read_text(encoding="utf-8")).get("run_id", ""))
-    except (OSError, ValueError, AttributeError):
-        return ""
+    return read_run(output_dir).get("run_id", "")
 
 
-def write_run_id(output_dir: PathLike, run_id: str) -> None:
-    """Record that ``output_dir``'s history belongs to run ``run_id``."""
-    write_text_atomic(Path(output_dir) / RUN_FILE, json.dumps({"run_id": run_id}) + "\n", "the run file")
+def write_run_id(output_dir: PathLike, run_id: str, stage: str = "") -> None:
+    """Record that ``output_dir``'s history belongs to run ``run_id`` of ``stage``."""
+    write_text_atomic(Path(output_dir) / RUN_FILE, json.dumps({"run_id": run_id, "stage": stage}) + "\n",
+                      "the run file")
 
 
 def _history(output_dir: Path) -> int:
@@ -65,8 +75,10 @@ def _runs_text(runs: Dict[str, List[int]]) -> str:
     return "; ".join(f"run {rid or '(no run id)'}: steps {_steps_text(steps)}" for rid, steps in sorted(runs.items()))
 
 
-def _ensure_writable(name: str, path: Path) -> None:
-    """Create ``path`` (an empty directory is harmless) and prove a file can be written in it."""
+def _ensure_writable(name: str, path: Path) -> List[Path]:
+    """Create ``path`` and prove a file can be written in it; returns the directories it created (outermost
+    first), for ``RunStart.undo``."""
+    created = [d for d in (path, *path.parents) if not d.exists()][::-1]
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
@@ -74,19 +86,59 @@ def _ensure_writable(name: str, path: Path) -> None:
     except OSError as err:
         raise MindRLHFError(f"{name} {path} cannot be written ({err.strerror or err}); choose a directory you "
                             f"can write to") from None
+    return created
 
 
 @dataclass
 class RunStart:
-    """What ``check_run_dirs`` decided: a fresh start, or a resume from ``checkpoint`` (of ``run_id``)."""
+    """What ``check_run_dirs`` decided: a fresh start, or a resume from ``checkpoint`` (of ``run_id``).
+    ``models``: on a resume, the identity of each input model (``checkpoint.manifest.model_identity``), found
+    equal to the checkpoint's; ``created``: the directories the check created."""
 
     checkpoint: Optional[Path] = None
     run_id: str = ""
+    models: Optional[Dict[str, Dict[str, object]]] = None
+    created: List[Path] = field(default_factory=list)
+
+    def undo(self) -> None:
+        """A start that failed (a bad data file, a missing model) leaves no empty directory behind: remove the
+        directories the check created, innermost first, where they are still empty."""
+        for path in reversed(self.created):
+            try:
+                path.rmdir()
+            except OSError:
+                pass  # not empty (or gone): something else put files there
 
 
-def check_run_dirs(output_dir: PathLike, ckpt_dir: PathLike, *, resume: str, overwrite: bool) -> RunStart:
+def _inside(path: Path, directory: Path) -> bool:
+    path, directory = path.resolve(), directory.resolve()
+    return path == directory or directory in path.parents
+
+
+def _check_not_inside_inputs(dirs: Mapping[str, Path], models: Mapping[str, str]) -> None:
+    """A run never writes into an input model's folder (its output could replace or mix with the model's files)."""
+    for flag, model in models.items():
+        if not model:
+            continue
+        folder = Path(model) if Path(model).is_dir() else Path(model).parent
+        for name, path in dirs.items():
+            if _inside(path, folder):
+                raise MindRLHFError(f"{name} {path} is inside the input model folder {folder} ({flag} {model}); a "
+                                    f"run never writes into its inputs: choose a {name} outside it")
+
+
+def check_run_dirs(output_dir: PathLike, ckpt_dir: PathLike, *, resume: str, overwrite: bool, stage: str = "",
+                   models: Optional[Mapping[str, str]] = None) -> RunStart:
     """Before anything of a run is written, on every worker: refuse what could lose or mix a run's
     history, and resolve ``resume`` ('' fresh, 'latest', or a step folder) to one checkpoint.
+
+    ``stage`` names the command (sft, rm, dpo, ppo, grpo); ``models`` maps each input model's flag to the
+    path it was given ('' = that role's default).
+
+    - Output and checkpoint directories inside an input model's folder are refused.
+    - A resume of another stage's checkpoint, or into an output_dir holding another stage's history, is
+      refused; so is a resume whose models differ from the checkpoint's (by content: a model that was only
+      moved is the same).
 
     - A fresh start where checkpoints or metrics already are is refused unless ``overwrite``.
     - ``resume`` 'latest' takes the newest intact checkpoint in ``ckpt_dir``; it is refused when
@@ -98,16 +150,44 @@ def check_run_dirs(output_dir: PathLike, ckpt_dir: PathLike, *, resume: str, ove
       belongs to another run.
     """
     output_dir, ckpt_dir = Path(output_dir), Path(ckpt_dir)
-    for name, path in (("--output_dir", output_dir), ("--save_ckpt_dir", ckpt_dir)):
+    dirs = {"--output_dir": output_dir, "--save_ckpt_dir": ckpt_dir}
+    for name, path in dirs.items():
         if path.exists() and not path.is_dir():
             raise MindRLHFError(f"{name} {path} is a file, not a directory; choose a directory path")
-    start = _resolve_start(output_dir, ckpt_dir, resume, overwrite)
-    _ensure_writable("--output_dir", output_dir)
-    _ensure_writable("--save_ckpt_dir", ckpt_dir)
+    models = dict(models or {})
+    _check_not_inside_inputs(dirs, models)
+    start = _resolve_start(output_dir, ckpt_dir, resume, overwrite, stage, next(iter(models), "--model"))
+    if start.checkpoint is not None:
+        start.models = _same_models(start.checkpoint, models)
+    for name, path in dirs.items():
+        start.created += _ensure_writable(name, path)
     return start
 
 
-def _resolve_start(output_dir: Path, ckpt_dir: Path, resume: str, overwrite: bool) -> RunStart:
+def _same_models(checkpoint: Path, models: Mapping[str, str]) -> Optional[Dict[str, Dict[str, object]]]:
+    """Each input model's identity, refusing a resume whose models differ from those ``checkpoint`` recorded
+    (None for a checkpoint from before models were recorded)."""
+    from mindrlhf.checkpoint.hf_io import model_files
+
+    recorded = CheckpointManager.read_state(checkpoint).get("models")
+    if not isinstance(recorded, dict):
+        return None
+    found: Dict[str, Dict[str, object]] = {}
+    for flag, path in models.items():
+        old = recorded.get(flag)
+        if old is None:  # a role this stage did not record then
+            continue
+        same, found[flag] = same_model(old, path, model_files(path) if path != DEFAULT_MODEL else [])
+        if not same:
+            was = f"pass {flag} {old['path']}" if old.get("path") else f"leave {flag} out"
+            raise MindRLHFError(f"--resume {checkpoint}: {flag} differs from the run's: it trained with "
+                                f"{describe(old)}, now {describe(found[flag])}; a resumed run reads the same "
+                                f"models: {was}, or start a new run in another --output_dir")
+    return found
+
+
+def _resolve_start(output_dir: Path, ckpt_dir: Path, resume: str, overwrite: bool, stage: str,
+                   model_flag: str) -> RunStart:
     """``check_run_dirs``' decision (read-only): a fresh start, or the one checkpoint to resume."""
     manager = CheckpointManager(str(ckpt_dir))
     steps = manager.list_steps()
@@ -123,15 +203,22 @@ def _resolve_start(output_dir: Path, ckpt_dir: Path, resume: str, overwrite: boo
                                 f"--output_dir")
         return RunStart()
 
+    owner = read_run(output_dir)
+    other = owner.get("stage", "")
+    if stage and other and other != stage and _history(output_dir):
+        raise MindRLHFError(f"--resume: --output_dir {output_dir} holds a {other} run (mindrlhf-{other}); "
+                            f"mindrlhf-{stage} cannot continue it: choose another --output_dir")
+    # Folders without a manifest are unusable (a copy or write that did not finish), not runs of their own.
     runs: Dict[str, List[int]] = defaultdict(list)
     for step in steps:
-        runs[manager.run_of(manager.step_dir(step))].append(step)
+        if read_manifest(manager.step_dir(step)) is not None:
+            runs[manager.run_of(manager.step_dir(step))].append(step)
     if resume in ("latest", "auto"):
-        if len(runs) > 1:
-            raise MindRLHFError(f"--resume latest: {ckpt_dir} holds checkpoints of {len(runs)} runs "
-                                f"({_runs_text(runs)}); pass the step folder to resume, e.g. "
-                                f"--resume {manager.step_dir(steps[-1])}")
         found = manager.latest_complete()
+        if len(runs) > 1:
+            example = found[1] if found else manager.step_dir(max(s for r in runs.values() for s in r))
+            raise MindRLHFError(f"--resume latest: {ckpt_dir} holds checkpoints of {len(runs)} runs "
+                                f"({_runs_text(runs)}); pass the step folder to resume, e.g. --resume {example}")
         if found is None:
             if steps:
                 raise MindRLHFError(f"--resume: no intact checkpoint in {ckpt_dir} (steps {_steps_text(steps)} are all "
@@ -148,12 +235,20 @@ def _resolve_start(output_dir: Path, ckpt_dir: Path, resume: str, overwrite: boo
     else:
         checkpoint = Path(resume)
         if not checkpoint.is_dir():
-            raise MindRLHFError(f"--resume {resume}: no such checkpoint folder; pass --resume latest, or a step folder "
-                                f"such as {ckpt_dir / 'step_00000010'}")
+            found = manager.latest_complete()
+            hint = (f"the newest intact checkpoint in {ckpt_dir} is {found[1]}" if found else
+                    f"{ckpt_dir} holds no intact checkpoint")
+            raise MindRLHFError(f"--resume {resume}: no such checkpoint folder ({hint}); pass --resume latest or an "
+                                f"existing step folder")
         problem = CheckpointManager.verify(checkpoint)
         if problem:
             raise MindRLHFError(f"--resume {checkpoint}: the checkpoint is unusable ({problem}); pass another one or "
                                 f"--resume latest")
+    written_by = CheckpointManager.stage_of(checkpoint)
+    if stage and written_by and written_by != stage:
+        raise MindRLHFError(f"--resume {checkpoint}: a checkpoint of a {written_by} run (mindrlhf-{written_by}); "
+                            f"mindrlhf-{stage} cannot continue it: to start {stage} from its weights pass "
+                            f"{model_flag} {checkpoint} without --resume, with another --output_dir")
     run_id = CheckpointManager.run_of(checkpoint)
     named_here = checkpoint.resolve().parent == ckpt_dir.resolve()
     others = {rid: s for rid, s in runs.items() if rid != run_id}
@@ -161,9 +256,9 @@ def _resolve_start(output_dir: Path, ckpt_dir: Path, resume: str, overwrite: boo
         raise MindRLHFError(f"--save_ckpt_dir {ckpt_dir} holds another run's checkpoints ({_runs_text(others)}); "
                             f"resuming {checkpoint} (run {run_id or '(no run id)'}) there would mix the two runs; "
                             f"choose another --save_ckpt_dir")
-    owner = read_run_id(output_dir)
-    if owner and run_id and owner != run_id and _history(output_dir):
-        raise MindRLHFError(f"--output_dir {output_dir} holds the metrics of run {owner}, not of run {run_id} that "
+    owner_id = owner.get("run_id", "")
+    if owner_id and run_id and owner_id != run_id and _history(output_dir):
+        raise MindRLHFError(f"--output_dir {output_dir} holds the metrics of run {owner_id}, not of run {run_id} that "
                             f"{checkpoint} belongs to; choose another --output_dir for the resumed run")
     return RunStart(checkpoint, run_id)
 

@@ -11,7 +11,6 @@ minutes and is not needed here)::
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -20,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from mindrlhf.checkpoint.manifest import sha256_file
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.models.dtypes import normalize_dtype
 
@@ -78,16 +78,8 @@ def _site_dirs() -> list:
     return [Path(d).resolve() for d in dirs if d]
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(8 * 1024 * 1024), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _expected_marker(source: Path, dtype: str) -> dict:
-    return {"source_name": source.name, "source_size": source.stat().st_size, "source_sha256": _sha256(source),
+    return {"source_name": source.name, "source_size": source.stat().st_size, "source_sha256": sha256_file(source),
             "dtype": dtype, "converter_version": _CONVERTER_VERSION}
 
 

@@ -52,6 +52,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from mindrlhf.checkpoint import hf_io
+from mindrlhf.checkpoint.manifest import verify_files
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.models.config import DecoderConfig
 from mindrlhf.parallel import sharding
@@ -138,10 +139,12 @@ def _open_source(path: Path) -> Source:
     if path.is_file():
         if path.suffix.lower() not in (".ckpt", ".safetensors"):
             raise MindRLHFError(f"--src_checkpoint {path}: must end in .ckpt or .safetensors")
+        verify_files([path])  # a training checkpoint's policy.ckpt: checked against its manifest
         return Source(path, "full", path.parent, {})
     ranks = _rank_dirs(path)
     if not ranks:
         if (path / "config.json").is_file() and hf_io.hf_safetensors_files(path):
+            verify_files(hf_io.model_files(path))
             return Source(path, "full", path, {})
         raise MindRLHFError(f"--src_checkpoint {path}: a directory without rank_*/ subdirectories or HF "
                             "safetensors; pass a checkpoint file, an HF directory or a sharded directory")
@@ -152,6 +155,7 @@ def _open_source(path: Path) -> Source:
             raise MindRLHFError(f"--src_checkpoint {path}: {d} holds no .ckpt/.safetensors file; every rank "
                                 "directory needs its shard")
         files[r] = ckpts[-1]  # MindSpore's rule: the last file in name order
+    verify_files(files.values())
     return Source(path, "sharded", path, files)
 
 

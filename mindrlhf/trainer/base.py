@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 class Trainer:
     """Owns the trained model's updater, the run's id, step counters and checkpoints."""
 
-    #: The progress bar's label.
+    #: The stage's name (``trainer.entry.StageSpec.name``: recorded in checkpoints) and the progress bar's label.
     stage = "train"
     #: Config groups whose fields change what resumed steps compute (compared on resume).
     math_groups: Tuple[str, ...] = ("optimizer", "data")
@@ -65,7 +65,9 @@ class Trainer:
         if comm.is_main():
             self.output_dir.mkdir(parents=True, exist_ok=True)
         self.run_id = uuid.uuid4().hex[:12]  # a resumed run takes its checkpoint's
-        self.ckpt = CheckpointManager(cfg.checkpoint_dir, t.keep_last, self.run_id)
+        self.ckpt = CheckpointManager(cfg.checkpoint_dir, t.keep_last, self.run_id, self.stage)
+        #: Each input model's identity (``trainer.entry.identify_models``), recorded in every checkpoint.
+        self.input_models: Dict[str, Dict[str, object]] = {}
         self.total_steps = int(total_steps if total_steps is not None else t.max_steps)
         self.step = 0
         self.consecutive_nonfinite = 0
@@ -170,7 +172,8 @@ class Trainer:
             extra = {stem: self._full_state(params, names) for stem, params in extra.items()}
         if comm.is_main():
             tensors.update(extra)
-            state = {"step": self.step, "run_id": self.run_id, "consecutive_nonfinite": self.consecutive_nonfinite,
+            state = {"step": self.step, "run_id": self.run_id, "stage": self.stage, "models": self.input_models,
+                     "consecutive_nonfinite": self.consecutive_nonfinite,
                      "skipped_updates": self.skipped_updates, "world_size": self.world,
                      "recompute": {stem: updater.recompute for stem, _, updater in self.trained()},
                      **self.stage_state(), **self.updater.loss_scale_state()}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import mindspore as ms
 
@@ -24,12 +24,16 @@ log = logging.getLogger("mindrlhf")
 
 @dataclass
 class StageSpec:
-    """A training command: how to read its config, what to check before the runtime starts (cheap
-    checks that must fail before a model loads, e.g. importing reward functions), and how to build its
-    ``trainer.base.Trainer`` on this rank's layout."""
+    """A training command: its name (``mindrlhf-<name>``, recorded in its runs and checkpoints so no other
+    stage continues them; equal to its trainer's ``stage``), how to read its config, which input models it
+    reads (``models``: each model's flag -> the path given, '' = that role's default, the trained model
+    first), what to check before the runtime starts (cheap checks that must fail before a model loads,
+    e.g. importing reward functions), and how to build its ``trainer.base.Trainer`` on this rank's layout."""
 
+    name: str
     parse: Callable[[Optional[Sequence[str]]], object]
     build: Callable[[object, RunLayout], object]
+    models: Callable[[object], Dict[str, str]]
     precheck: Callable[[object], None] = lambda cfg: None
 
 
@@ -115,6 +119,15 @@ def load_policy(path: str, config, layout: RunLayout, dtype: str, *, load: bool 
     return model, masters.trainable_params()
 
 
+def identify_models(models: Dict[str, str]) -> Dict[str, Dict[str, object]]:
+    """Each input model's identity (path, and size and SHA-256 of the files its loader reads)."""
+    from mindrlhf.checkpoint.hf_io import model_files
+    from mindrlhf.checkpoint.manifest import DEFAULT_MODEL, model_identity
+
+    return {flag: model_identity(path, model_files(path) if path != DEFAULT_MODEL else [])
+            for flag, path in models.items()}
+
+
 def worker_lost(cfg, op: str, err: RuntimeError) -> WorkerLostError:
     """The one-line report of a collective that got no answer: another worker died or hangs."""
     # MindSpore's message may open with ruler and heading lines; log its first line with words in it.
@@ -136,18 +149,24 @@ def run_stage(spec: StageSpec, argv: Optional[Sequence[str]] = None) -> int:
     t = cfg.train
     # Before anything is written, on every worker (msrun's rendezvous in setup_runtime comes after):
     # what this start may do in the output and checkpoint directories, and which checkpoint it resumes.
-    start = check_run_dirs(t.output_dir, cfg.checkpoint_dir, resume=t.resume, overwrite=t.overwrite_output_dir)
-    spec.precheck(cfg)
-    layout = setup_runtime(cfg)
+    models = spec.models(cfg)
+    start = check_run_dirs(t.output_dir, cfg.checkpoint_dir, resume=t.resume, overwrite=t.overwrite_output_dir,
+                           stage=spec.name, models=models)
+    started = False
     try:
+        spec.precheck(cfg)
+        layout = setup_runtime(cfg)
         trainer = spec.build(cfg, layout)
         if start.checkpoint is not None:
             trainer.resume(start.checkpoint)
+        started = True
         # Everything is validated and loaded: only now may the previous run go and this one's files begin.
         if comm.is_main():
+            # What each input model was, for the checkpoints (a resume with another model is refused).
+            trainer.input_models = start.models or identify_models(models)
             if t.overwrite_output_dir and start.checkpoint is None:
                 clear_previous_run(t.output_dir, cfg.checkpoint_dir)
-            write_run_id(t.output_dir, trainer.run_id)
+            write_run_id(t.output_dir, trainer.run_id, spec.name)
             cfg.save_yaml(Path(t.output_dir) / "config.yaml")
         history = trainer.train()
     except RuntimeError as err:
@@ -155,6 +174,9 @@ def run_stage(spec: StageSpec, argv: Optional[Sequence[str]] = None) -> int:
         if op is None:
             raise
         raise worker_lost(cfg, op, err) from None
+    finally:
+        if not started:
+            start.undo()  # a failed start leaves no empty output or checkpoint directory behind
     if comm.is_main() and history:
         log.info("done: %d steps, last %s %.4f, metrics in %s", trainer.step, trainer.headline,
                  history[-1].get(trainer.headline, float("nan")), Path(t.output_dir) / "metrics.jsonl")

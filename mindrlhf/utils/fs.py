@@ -26,7 +26,8 @@ def free_space(path: PathLike) -> str:
 def write_failed(what: str, path: PathLike, err: OSError) -> MindRLHFError:
     """The one-line error of a write that the filesystem refused (disk full, read-only, ...)."""
     return MindRLHFError(f"writing {what} {path} failed: {err.strerror or err} ({free_space(path)} there); "
-                         f"free space or choose another directory, then rerun (with --resume to continue)")
+                         f"free space or choose another directory, then rerun (with --resume if a checkpoint was "
+                         f"saved, else with --overwrite_output_dir true)")
 
 
 def write_text_atomic(path: PathLike, text: str, what: str = "file") -> None:

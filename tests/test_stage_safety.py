@@ -1,0 +1,273 @@
+"""Issue 39: every stage (sft, rm, dpo, ppo, grpo) as safe as GRPO, probed the way users misuse them.
+
+One short run of each stage (a checkpoint at step 1) is shared by the module; every probe below runs each
+stage's command in this process against those runs and checks the one-line refusal and that nothing of the
+existing run changed (every file's checksum, so metrics.jsonl, config.yaml, run.json and the checkpoints):
+- a resume of another stage's run (its output_dir, or its checkpoint folder) is refused;
+- a resume with another model than the run's (another path and content) is refused; a moved copy is the same;
+- an output or checkpoint directory inside an input model's folder is refused;
+- a damaged checkpoint (one flipped bit in policy.ckpt) is never read: training from it, evaluating it,
+  converting or resharding it is one line;
+- a start that fails (a missing data file or model) leaves no empty output or checkpoint folder.
+Exact resume after kill -9 is tested per stage where each stage is: test_offline_stages (sft, rm, dpo),
+test_ppo (ppo) and test_never_lose_a_run / test_grpo_e2e (grpo). Bad rows named: test_skipped_rows.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+from grpo_runs import SUITE_RECOMPUTE, grpo_args
+
+REPO = Path(__file__).resolve().parents[1]
+STAGES = ("sft", "rm", "dpo", "ppo", "grpo")
+#: The flag of the trained model in each stage's command.
+MODEL_FLAG = {"sft": "--model", "rm": "--model", "dpo": "--model", "ppo": "--model", "grpo": "--sft_path_train"}
+
+
+def _flags(args: Dict[str, object]) -> List[str]:
+    return [x for k, v in args.items() for x in (f"--{k}", str(v))]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory, qwen_tokenizer_dir, data_dir) -> dict:
+    """One tiny Qwen2 (with the real tokenizer) every stage reads, a tiny one-label reward model for PPO, SFT rows,
+    preference pairs and the 16-prompt GSM8K mindrecord of the GRPO tests."""
+    from grpo_runs import make_grpo_assets
+    from mindrlhf.data.gsm8k import sft_row, strip_calculator_notes
+    from mindrlhf.testing import add_tokenizer, make_tiny_reward_model
+
+    root = tmp_path_factory.mktemp("safety")
+    found = make_grpo_assets(root, qwen_tokenizer_dir, data_dir)
+    rm = make_tiny_reward_model(root / "rm", hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                num_key_value_heads=2, max_position_embeddings=1024, seed=7)
+    rows = [json.loads(line) for line in (data_dir / "gsm8k" / "train.jsonl").read_text().splitlines()[:4]]
+    sft = root / "sft.jsonl"
+    sft.write_text("".join(json.dumps(sft_row(r["question"], r["answer"])) + "\n" for r in rows))
+    pairs = root / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"Q: {r['question']}\nA:",
+                                         "chosen": " " + strip_calculator_notes(r["answer"]),
+                                         "rejected": " I do not know."}) + "\n" for r in rows))
+    return {**found, "rm": add_tokenizer(rm, qwen_tokenizer_dir), "sft": sft, "pairs": pairs}
+
+
+def stage_argv(stage: str, assets: dict, out: Path, **extra) -> List[str]:
+    """A one-step run of ``stage`` on the tiny models, saving its checkpoint; keywords override flags."""
+    if stage == "grpo":
+        args = dict(max_steps=1, num_generations=2, chunk_size=2, max_completion_length=4,
+                    reward_funcs=["e2e_rewards:length_reward"], tensorboard="false", log_completions_steps=0)
+        args.update(extra)
+        return grpo_args(assets, out, **args)
+    common = {"model": assets["model"], "output_dir": out, "max_steps": 1, "save_steps": 1, "lr": 1e-3,
+              "progress_bar": "false", **SUITE_RECOMPUTE}
+    if stage == "ppo":
+        args = {**common, "reward_model": assets["rm"], "train_file": assets["data"], "batch_size": 2,
+                "max_new_tokens": 4, "max_prompt_length": 256, "micro_batch_size": 1, "reward_funcs": "accuracy"}
+    else:
+        args = {**common, "train_file": assets["sft" if stage == "sft" else "pairs"], "batch_size": 2,
+                "micro_batch_size": 2, "max_length": 256}
+    args.update(extra)
+    return _flags(args)
+
+
+def run_stage(stage: str, argv: List[str]) -> int:
+    """``mindrlhf-<stage>`` in this process; returns its exit code."""
+    import importlib
+
+    return importlib.import_module(f"mindrlhf.{stage}").main(argv)
+
+
+def snapshot(folder: Path) -> Dict[str, str]:
+    """relative path -> md5 of every file under ``folder``."""
+    return {str(p.relative_to(folder)): hashlib.md5(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def refused(capsys) -> str:
+    """The one error line a refused command printed."""
+    err = capsys.readouterr().err.strip().splitlines()
+    lines = [line for line in err if line.startswith("error: ")]
+    assert len(lines) == 1, err[-5:]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def runs(assets, tmp_path_factory) -> Dict[str, Path]:
+    """Each stage's one-step run (output_dir), with its checkpoint at step 1."""
+    from grpo_runs import launch_env
+
+    root = tmp_path_factory.mktemp("stage_runs")
+    out = {}
+    for stage in STAGES:  # in child processes: their compiled graphs would stay in this one (~2.3 GiB)
+        out[stage] = root / stage
+        proc = subprocess.run([sys.executable, "-m", f"mindrlhf.{stage}", *stage_argv(stage, assets, out[stage])],
+                              cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert (out[stage] / "checkpoints" / "step_00000001" / "manifest.json").is_file()
+    return out
+
+
+@pytest.mark.slow
+def test_each_run_knows_its_stage_and_models(runs, assets):
+    """run.json, every checkpoint's manifest and state.json name the stage; state.json records each input model
+    by path and checksum (the default as '')."""
+    from mindrlhf.checkpoint.manifest import sha256_file
+
+    for stage, out in runs.items():
+        step = out / "checkpoints" / "step_00000001"
+        assert json.loads((out / "run.json").read_text())["stage"] == stage
+        assert json.loads((step / "manifest.json").read_text())["stage"] == stage
+        state = json.loads((step / "state.json").read_text())
+        assert state["stage"] == stage
+        trained = state["models"][MODEL_FLAG[stage]]
+        assert trained["path"] == str(Path(assets["model"]).resolve())
+        assert trained["files"]["model.safetensors"]["sha256"] == sha256_file(Path(assets["model"]) /
+                                                                               "model.safetensors")
+    assert json.loads((runs["dpo"] / "checkpoints" / "step_00000001" / "state.json").read_text())["models"][
+        "--ref_model"] == {"path": ""}
+    assert set(json.loads((runs["ppo"] / "checkpoints" / "step_00000001" / "state.json").read_text())["models"]) == {
+        "--model", "--ref_model", "--reward_model", "--critic_model"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_resume_of_another_stages_run_is_refused(runs, assets, tmp_path, capsys, stage):
+    """Issue 39.1: `mindrlhf-dpo --output_dir <an SFT run> --resume` loaded the SFT checkpoint as its policy,
+    appended to its metrics, overwrote its config.yaml and exited 0 (PPO in a DPO run died with a raw ValueError).
+    Now, for every other stage's run: --resume latest into its output_dir, and --resume of its checkpoint folder
+    into a new output_dir, are one line each, and the other run is unchanged."""
+    for other in STAGES:
+        if other == stage:
+            continue
+        before = snapshot(runs[other])
+        capsys.readouterr()
+        assert run_stage(stage, stage_argv(stage, assets, runs[other], resume="latest")) == 2
+        assert refused(capsys) == (f"error: --resume: --output_dir {runs[other]} holds a {other} run (mindrlhf-"
+                                   f"{other}); mindrlhf-{stage} cannot continue it: choose another --output_dir")
+        step = runs[other] / "checkpoints" / "step_00000001"
+        fresh = tmp_path / f"from_{other}"
+        assert run_stage(stage, stage_argv(stage, assets, fresh, resume=step)) == 2
+        assert refused(capsys) == (f"error: --resume {step}: a checkpoint of a {other} run (mindrlhf-{other}); "
+                                   f"mindrlhf-{stage} cannot continue it: to start {stage} from its weights pass "
+                                   f"{MODEL_FLAG[stage]} {step} without --resume, with another --output_dir")
+        assert snapshot(runs[other]) == before
+        assert not fresh.exists()  # the refused start left no folder behind
+
+
+def _changed_copy(model: Path, dest: Path, change: bool) -> Path:
+    """A copy of an HF model folder; with ``change``, one weight byte differs (same size)."""
+    shutil.copytree(model, dest)
+    if change:
+        weights = dest / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-3] ^= 0x01
+        weights.write_bytes(bytes(data))
+    return dest
+
+
+#: The model each stage's probe changes on resume: DPO's reference (the issue's silent 0.6394 vs 0.6586 loss), PPO's
+#: reward model, the trained model's start for the others.
+CHANGED = {"sft": "--model", "rm": "--model", "dpo": "--ref_model", "ppo": "--reward_model",
+           "grpo": "--sft_path_train"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_resume_with_another_model_is_refused(runs, assets, tmp_path, capsys, stage):
+    """Issue 39.2: a resume with another --model / --ref_model / --reward_model changed the run silently. Each
+    stage now refuses it in one line naming the flag, the run's model and the new one, and the run is unchanged."""
+    flag = CHANGED[stage]
+    source = assets["rm"] if flag == "--reward_model" else assets["model"]
+    other = _changed_copy(source, tmp_path / "other", change=True)
+    before = snapshot(runs[stage])
+    step = runs[stage] / "checkpoints" / "step_00000001"
+    capsys.readouterr()
+    assert run_stage(stage, stage_argv(stage, assets, runs[stage], resume="latest", **{flag[2:]: other})) == 2
+    line = refused(capsys)
+    assert line.startswith(f"error: --resume {step}: {flag} differs from the run's: it trained with ")
+    assert f"now {other.resolve()} (sha256 " in line and "a resumed run reads the same models" in line
+    assert snapshot(runs[stage]) == before
+
+
+@pytest.mark.slow
+def test_a_resume_with_a_moved_copy_of_the_model_continues(runs, assets, tmp_path, caplog):
+    """The same weights at another path are the same model: the resume goes on (to max_steps 1: nothing left to
+    train) and the checkpoint's record is checked by content, not by path."""
+    import logging
+
+    out = tmp_path / "sft"
+    shutil.copytree(runs["sft"], out)
+    moved = _changed_copy(assets["model"], tmp_path / "moved", change=False)
+    with caplog.at_level(logging.WARNING):
+        assert run_stage("sft", stage_argv("sft", assets, out, resume="latest", model=moved)) == 0
+    assert any("already reached --max_steps 1" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", STAGES)
+def test_output_inside_an_input_model_is_refused(assets, tmp_path, capsys, stage):
+    """Issue 39.3: SFT and GRPO wrote their run into the input model's folder when --output_dir was (inside) it.
+    Every stage now refuses it, before anything is written there."""
+    model = _changed_copy(assets["model"], tmp_path / "model", change=False)
+    before = snapshot(model)
+    capsys.readouterr()
+    argv = stage_argv(stage, assets, model / "run", **{MODEL_FLAG[stage][2:]: model})
+    assert run_stage(stage, argv) == 2
+    assert refused(capsys) == (f"error: --output_dir {model / 'run'} is inside the input model folder {model} "
+                               f"({MODEL_FLAG[stage]} {model}); a run never writes into its inputs: choose a "
+                               f"--output_dir outside it")
+    assert snapshot(model) == before and not (model / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_is_never_read(runs, assets, tmp_path, capsys):
+    """Issue 39.6: checksums were checked only by --resume: a policy.ckpt with one flipped bit was trained from
+    (--model), evaluated, converted and resharded without a word. Each is now one line naming the damage."""
+    from mindrlhf.evaluation.gsm8k_eval import main as evaluate
+    from mindrlhf.tools.convert_weight import main as convert
+    from mindrlhf.tools.transform_checkpoint import main as transform
+
+    step = tmp_path / "step_00000001"
+    shutil.copytree(runs["sft"] / "checkpoints" / "step_00000001", step)
+    policy = step / "policy.ckpt"
+    data = bytearray(policy.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    policy.write_bytes(bytes(data))
+    damaged = f"{policy}: the checkpoint is damaged (policy.ckpt checksum mismatch against {step / 'manifest.json'})"
+    capsys.readouterr()
+    for stage in ("dpo", "rm"):
+        assert run_stage(stage, stage_argv(stage, assets, tmp_path / stage, model=step)) == 2
+        assert refused(capsys).startswith(f"error: {damaged}")
+    assert evaluate(["--model", str(step), "--limit", "1", "--output", str(tmp_path / "eval.jsonl")]) == 2
+    assert refused(capsys).startswith(f"error: {damaged}")
+    assert convert(["--reverse", "--input_path", str(policy), "--output_path", str(tmp_path / "hf"),
+                    "--no_progress"]) == 2
+    assert refused(capsys).startswith(f"error: {damaged}")
+    assert transform(["--src_checkpoint", str(policy), "--dst_checkpoint", str(tmp_path / "tp2"), "--layout",
+                      "1,2,1"]) == 2
+    assert refused(capsys).startswith(f"error: {damaged}")
+    assert not any((tmp_path / name).exists() for name in ("dpo", "rm", "eval.jsonl", "hf", "tp2"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,bad", [("sft", {"train_file": "missing.jsonl"}),
+                                       ("dpo", {"valid_file": "missing.jsonl"}), ("rm", {"model": "no_such_model"}),
+                                       ("ppo", {"reward_model": "no_such_model"}),
+                                       ("rm", {"train_file": "bad.jsonl", "strict": "true"})])
+def test_a_failed_start_leaves_no_empty_folders(assets, tmp_path, capsys, stage, bad):
+    """Issue 39.9: a start that failed on a missing data file or model, or a bad row under --strict, left an empty
+    checkpoints/ folder."""
+    bad = {k: tmp_path / v if k != "strict" else v for k, v in bad.items()}
+    (tmp_path / "bad.jsonl").write_text(Path(assets["pairs"]).read_text() + "{not json\n")
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert run_stage(stage, stage_argv(stage, assets, out, **bad)) == 2
+    assert str(next(iter(bad.values()))) in refused(capsys)
+    assert not out.exists()
