@@ -28,7 +28,7 @@ from typing import Dict, List, Mapping, Optional, Union
 from mindrlhf.checkpoint.manager import CheckpointManager
 from mindrlhf.checkpoint.manifest import DEFAULT_MODEL, describe, read_manifest, same_model
 from mindrlhf.errors import MindRLHFError
-from mindrlhf.utils.fs import write_text_atomic
+from mindrlhf.utils.fs import is_inside, write_text_atomic
 
 log = logging.getLogger(__name__)
 PathLike = Union[str, Path]
@@ -110,11 +110,6 @@ class RunStart:
                 pass  # not empty (or gone): something else put files there
 
 
-def _inside(path: Path, directory: Path) -> bool:
-    path, directory = path.resolve(), directory.resolve()
-    return path == directory or directory in path.parents
-
-
 def _check_not_inside_inputs(dirs: Mapping[str, Path], models: Mapping[str, str]) -> None:
     """A run never writes into an input model's folder (its output could replace or mix with the model's files)."""
     for flag, model in models.items():
@@ -122,7 +117,7 @@ def _check_not_inside_inputs(dirs: Mapping[str, Path], models: Mapping[str, str]
             continue
         folder = Path(model) if Path(model).is_dir() else Path(model).parent
         for name, path in dirs.items():
-            if _inside(path, folder):
+            if is_inside(path, folder):
                 raise MindRLHFError(f"{name} {path} is inside the input model folder {folder} ({flag} {model}); a "
                                     f"run never writes into its inputs: choose a {name} outside it")
 

@@ -35,6 +35,7 @@ from mindrlhf.errors import MindRLHFError
 from mindrlhf.models.family import cli_names, family_of_cli_name, get_family
 from mindrlhf.tokenizer import TOKENIZER_FILES
 from mindrlhf.utils.cli import run_cli
+from mindrlhf.utils.fs import is_inside
 
 # keys a --config_path file may set even when config.json lacks them (HF defaults otherwise)
 OVERRIDABLE_EXTRA_KEYS = frozenset({
@@ -136,11 +137,6 @@ def _check_model(model: Optional[str], config: Dict[str, Any], config_label: str
     return model_type
 
 
-def _inside(path: Path, directory: Path) -> bool:
-    path, directory = path.resolve(), directory.resolve()
-    return path == directory or directory in path.parents
-
-
 def _tensor_progress(items, total: int, desc: str, disable: bool):
     from tqdm import tqdm
 
@@ -163,7 +159,7 @@ def hf_to_ms(args: argparse.Namespace) -> int:
                             "(or add --reverse to export a MindSpore checkpoint)")
     if out.suffix.lower() not in (".ckpt", ".safetensors"):
         raise MindRLHFError(f"--output_path {out}: must end in .ckpt or .safetensors")
-    if _inside(out.parent, in_dir):
+    if is_inside(out.parent, in_dir):
         raise MindRLHFError(f"--output_path {out} is inside the input directory {in_dir.resolve()}; "
                             "write the checkpoint somewhere else (inputs are never modified)")
     config_file = in_dir / "config.json"
@@ -207,7 +203,7 @@ def ms_to_hf(args: argparse.Namespace) -> int:
         raise MindRLHFError(f"--input_path {ckpt}: file not found; pass the MindSpore checkpoint to export")
     if ckpt.suffix.lower() not in (".ckpt", ".safetensors"):
         raise MindRLHFError(f"--input_path {ckpt}: must end in .ckpt or .safetensors")
-    if _inside(out_dir, ckpt.parent):
+    if is_inside(out_dir, ckpt.parent):
         raise MindRLHFError(f"--output_path {out_dir} is inside the input directory {ckpt.resolve().parent}; "
                             "export to a directory outside it (inputs are never modified)")
     if out_dir.exists() and not out_dir.is_dir():

@@ -59,6 +59,7 @@ from mindrlhf.parallel import sharding
 from mindrlhf.parallel.layout import ParallelLayout
 from mindrlhf.parallel.strategy import Strategy, check_strategy, layout_of, local_shape, read_strategy, write_strategy
 from mindrlhf.utils.cli import run_cli
+from mindrlhf.utils.fs import is_inside
 
 STRATEGY_NAMES = ("strategy.json", "strategy.ckpt")
 _DTYPE_OF_CODE = hf_io.DTYPE_OF_SAFETENSORS_CODE
@@ -116,11 +117,6 @@ class Source:
     kind: str
     input_dir: Path  # never written into
     rank_files: Dict[int, Path]  # sharded: rank -> chosen file
-
-
-def _inside(path: Path, directory: Path) -> bool:
-    path, directory = path.resolve(), directory.resolve()
-    return path == directory or directory in path.parents
 
 
 def _rank_dirs(path: Path) -> Dict[int, Path]:
@@ -351,7 +347,7 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
     dst = Path(args.dst_checkpoint)
     if dst.exists() and not dst.is_dir():
         raise MindRLHFError(f"--dst_checkpoint {dst} is a file; pass a directory")
-    if _inside(dst, src.input_dir) or _inside(src.input_dir, dst):
+    if is_inside(dst, src.input_dir) or is_inside(src.input_dir, dst):
         raise MindRLHFError(f"--dst_checkpoint {dst} overlaps the source directory {src.input_dir.resolve()}; "
                             "write the result somewhere else (inputs are never modified)")
     if args.src_strategy and src.kind == "full":

@@ -11,6 +11,12 @@ from mindrlhf.errors import MindRLHFError
 PathLike = Union[str, Path]
 
 
+def is_inside(path: PathLike, directory: PathLike) -> bool:
+    """Whether ``path`` is ``directory`` or below it (symbolic links resolved): a write there is a write into it."""
+    path, directory = Path(path).resolve(), Path(directory).resolve()
+    return path == directory or directory in path.parents
+
+
 def free_space(path: PathLike) -> str:
     """``'1.2 GB free'`` on the filesystem of ``path`` (or of its nearest existing parent)."""
     p = Path(path).absolute()
