@@ -209,7 +209,7 @@ class DPOTrainer(OfflineTrainer):
 
 def build_trainer(cfg: DPOConfig, layout=None):
     """Load the policy, the reference, the tokenizer and the pairs as the config says; return a ready trainer."""
-    from mindrlhf.models import CausalLM, get_weights, set_weights
+    from mindrlhf.models import CausalLM, get_weights, require_causal_lm, set_weights
     from mindrlhf.models.heads import LogProbHead
     from mindrlhf.parallel.resharding import checkpoint_config, load_shard
     from mindrlhf.trainer.entry import load_policy
@@ -223,8 +223,11 @@ def build_trainer(cfg: DPOConfig, layout=None):
     path = resolve_weights(m.model_path)
     tokenizer = load_tokenizer(m, path)
     config = checkpoint_config(path)
-    if config.num_labels:
-        raise MindRLHFError(f"--model {path} is a sequence-classification model; DPO trains a causal LM")
+    require_causal_lm(config, path, "--model", "the policy DPO trains")
+    if m.ref_model_path:  # checked before any weights or rows are read
+        require_causal_lm(checkpoint_config(m.ref_model_path), m.ref_model_path, "--ref_model", "DPO's reference",
+                          "pass the policy's causal LM (e.g. the SFT checkpoint), or omit --ref_model to use the "
+                          "initial policy")
     train = read_pairs(cfg, cfg.data.train_file, tokenizer, "train_file", "truncate")
     valid = read_pairs(cfg, cfg.data.valid_file, tokenizer, "valid_file", "truncate") if cfg.data.valid_file else None
     policy, masters = load_policy(path, config, layout, m.dtype)

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 from mindrlhf.configs import GRPOConfig, parse_args
 from mindrlhf.generation.factory import build_sampler, check_sampler_config
+from mindrlhf.models.config import require_causal_lm
 from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import RunLayout, init_run_layout
 from mindrlhf.parallel.layout import ParallelLayout
@@ -49,6 +50,7 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
     tokenizer = load_tokenizer(cfg.model, train_path)
     config = checkpoint_config(train_path)
     check_model_yamls(cfg, config, train_path)
+    check_causal_lms(cfg, config, train_path)
     train_shard = layout.groups.shard()
     policy, masters = load_policy(train_path, config, layout, m.dtype, load=m.load_sft_checkpoint_train)
     infer_path = cfg.model_weights("infer")  # '' = the generator starts from the policy
@@ -74,6 +76,25 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
     if sampler_model is not None and not (infer_path and infer_path != train_path):
         trainer.sync_generator()  # the generator starts from the policy's weights
     return trainer
+
+
+def check_causal_lms(cfg: GRPOConfig, config, train_path: str) -> None:
+    """The policy, the generator and the reference generate or give token log-probs: each checkpoint they load
+    must be a causal LM, not a reward model (checked before any weights are read)."""
+    m = cfg.model
+    flags = {"train": ("--load_sft_checkpoint_train" if isinstance(m.load_sft_checkpoint_train, str)
+                       else "--sft_path_train", "the policy"),
+             "infer": ("--load_sft_checkpoint_infer" if isinstance(m.load_sft_checkpoint_infer, str)
+                       else "--sft_path_infer", "the generator"),
+             "ref": ("--load_ref_checkpoint" if isinstance(m.load_ref_checkpoint, str) else "--ref_path",
+                     "the reference")}
+    paths = {"train": train_path, "infer": cfg.model_weights("infer"),
+             "ref": cfg.model_weights("ref") if cfg.uses_reference and m.load_ref_checkpoint else ""}
+    for role, path in paths.items():
+        if path:
+            flag, what = flags[role]
+            require_causal_lm(config if role == "train" else checkpoint_config(path), path, flag, what,
+                              "pass a *ForCausalLM checkpoint (e.g. the SFT policy)")
 
 
 def check_model_yamls(cfg: GRPOConfig, config, weights: str) -> None:

@@ -373,16 +373,19 @@ def build_trainer(cfg: PPOConfig, layout) -> PPOTrainer:
     """Load the actor (and its generator), the critic, the reference, the reward model, the tokenizer and the
     prompts as the config says; return a ready ``PPOTrainer``."""
     from mindrlhf.generation.factory import build_sampler
-    from mindrlhf.models import CausalLM, get_weights, set_weights
+    from mindrlhf.models import CausalLM, get_weights, require_causal_lm, set_weights
     from mindrlhf.parallel.resharding import checkpoint_config, load_shard
 
     m, a = cfg.model, cfg.algorithm
     actor_path = resolve_weights(m.model_path)
     tokenizer = load_tokenizer(m, actor_path)
     config = checkpoint_config(actor_path)
-    if config.num_labels:
-        raise MindRLHFError(f"--model {actor_path} is a sequence-classification model; the actor must be a causal "
-                            "LM (give the reward model as --reward_model)")
+    require_causal_lm(config, actor_path, "--model", "the actor", "pass the SFT policy as --model and the "
+                      "reward model as --reward_model")
+    if cfg.uses_reference and m.ref_model_path:  # checked before any weights are read
+        require_causal_lm(checkpoint_config(m.ref_model_path), m.ref_model_path, "--ref_model", "PPO's reference",
+                          "pass the actor's causal LM (e.g. the SFT checkpoint; the reward model goes to "
+                          "--reward_model), or omit --ref_model to use the initial actor")
     shard = layout.groups.shard()
     actor, actor_masters = load_policy(actor_path, config, layout, m.dtype)
     sampler_model = None if layout.shared_generator else CausalLM(config, m.dtype, layout.infer_shard())

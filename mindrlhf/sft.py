@@ -148,6 +148,7 @@ def read_rows(cfg: SFTConfig, path: str, tokenizer, what: str):
 
 def build_trainer(cfg: SFTConfig, layout=None):
     """Load the model, tokenizer and rows as the config says; return a ready SFT trainer."""
+    from mindrlhf.models.config import require_causal_lm
     from mindrlhf.models.heads import LogProbHead
     from mindrlhf.parallel.resharding import checkpoint_config
     from mindrlhf.trainer.entry import load_policy
@@ -157,10 +158,7 @@ def build_trainer(cfg: SFTConfig, layout=None):
     path = resolve_weights(cfg.model.model_path)
     tokenizer = load_tokenizer(cfg.model, path)
     config = checkpoint_config(path)
-    if config.num_labels:
-        raise MindRLHFError(f"--model {path} is a sequence-classification model "
-                            f"({config.family.score_architecture}); SFT trains a causal LM: pass a *ForCausalLM "
-                            "checkpoint")
+    require_causal_lm(config, path, "--model", "the model SFT trains")
     train = read_rows(cfg, cfg.data.train_file or default_train_file(cfg), tokenizer, "train_file")
     valid = read_rows(cfg, cfg.data.valid_file, tokenizer, "valid_file") if cfg.data.valid_file else None
     longest = max(len(r) for r in train.input_ids)

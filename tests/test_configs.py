@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from mindrlhf.configs import REFERENCES, GRPOConfig, config_reference_markdown, grpo_configs, parse_args
+from mindrlhf.configs.base import coerce_value
 from mindrlhf.errors import MindRLHFError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -450,6 +451,53 @@ def test_docs_reference_is_up_to_date(stage):
         "write_config_references()\"")
     for name in cls.field_index():
         assert f"| `{name}` |" in committed
+
+
+@pytest.mark.parametrize("stage", list(REFERENCES))
+def test_help_and_reference_show_the_stages_own_defaults(stage):
+    """A stage may give a shared group another default (RM's and DPO's output_dir): help and the reference
+    show the value the stage starts with, not the shared field's (both said output/sft for rm and dpo)."""
+    import re
+
+    import yaml
+
+    cls, _, _ = REFERENCES[stage]
+    start = cls()
+    reference = config_reference_markdown(stage)
+    flags = " ".join(cls.build_parser().format_help().split())  # argparse wraps lines
+    for name, info in cls.field_index().items():
+        shown = re.search(rf"^\| `{name}` \| `[^`]*` \| `(.*?)` \|", reference, re.M).group(1)
+        value = coerce_value(yaml.safe_load(shown), info.type, name=name, source="reference")
+        assert value == start.get(name), (name, shown)
+        assert f"default: {shown}]" in flags, name
+    if stage in ("rm", "dpo"):
+        assert start.train.output_dir == f"output/{stage}" and f"default: 'output/{stage}'" in flags
+
+
+@pytest.mark.parametrize("stage", ["rm", "dpo"])
+def test_pair_stages_do_not_promise_a_default_train_file(stage, tmp_path, capsys):
+    """RM's and DPO's train_file help said '' meant the packaged GSM8K sample; both require the file."""
+    import mindrlhf.dpo
+    import mindrlhf.rm
+
+    cls, _, _ = REFERENCES[stage]
+    text = cls.field_index()["train_file"].help
+    assert "packaged GSM8K sample" not in text and "Required" in text
+    main = {"rm": mindrlhf.rm.main, "dpo": mindrlhf.dpo.main}[stage]
+    assert main(["--output_dir", str(tmp_path / "o")]) == 2
+    assert "--train_file is required" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stage", list(REFERENCES))
+def test_unknown_key_names_the_stages_own_reference(stage, tmp_path):
+    """An unknown key in an SFT (RM, DPO, PPO) YAML pointed to the GRPO reference, docs/config_reference.md."""
+    cls, path, _ = REFERENCES[stage]
+    assert (REPO / path).is_file()
+    for text, key in (("max_stepz: 3\n", "'max_stepz'"), ("train:\n  max_stepz: 3\n", "'train.max_stepz'")):
+        config = write(tmp_path, text)
+        with pytest.raises(MindRLHFError) as err:
+            cls.from_yaml(config)
+        assert str(err.value).endswith(f"unknown config key {key} (did you mean 'max_steps'?); see {path}")
 
 
 # ---------------------------------------------------------------------------------------------- presets

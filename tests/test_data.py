@@ -425,3 +425,69 @@ def test_data_sft_mode_writes_conversational_gsm8k_rows(tmp_path, capsys):
     assert main(argv) == 2 and "exists; pass --overwrite" in capsys.readouterr().err
     assert main(["--sft", "--output", str(tmp_path / "none.jsonl"), "--offset", "100000"]) == 2
     assert "no rows after offset 100000" in capsys.readouterr().err and not (tmp_path / "none.jsonl").exists()
+
+
+def test_data_sft_mode_skips_and_names_bad_rows(tmp_path, capsys):
+    """``mindrlhf-data --sft`` on a file with a malformed row, non-UTF-8 bytes or a row without ``answer`` used to
+    end in a traceback (JSONDecodeError, UnicodeDecodeError, KeyError). Now it follows the converter's bad-row
+    rules: each bad row skipped and named with its line and reason, a summary, ``--strict`` writes nothing
+    (exit 1), and a file with no usable row is one error line (exit 2)."""
+    from mindrlhf.data.gsm8k import sft_row
+    from mindrlhf.tools.data_cli import main as data_main
+
+    good = [json.dumps({"question": "Tom has 3 apples and buys 2. How many?", "answer": "3+<<3+2=5>>2=5\n#### 5"}),
+            json.dumps({"question": "Sam has 1,000 coins.", "answer": "#### 1,000"})]
+    lines = [good[0].encode(),
+             b'{"question": "broken", "answer": ',                                   # 2 malformed JSON
+             b"",                                                                     # 3 blank: ignored
+             json.dumps({"question": "Where is the answer?"}).encode(),               # 4 no answer
+             b'{"question": "caf\xe9?", "answer": "#### 1"}',                          # 5 not UTF-8 (latin-1)
+             good[1].encode(),
+             json.dumps({"question": "No marker?", "answer": "it is 7"}).encode()]    # 7 no final answer
+    source = tmp_path / "gsm8k_bad.jsonl"
+    source.write_bytes(b"\n".join(lines) + b"\n")
+    out = tmp_path / "sft.jsonl"
+    argv = ["--sft", "--data_path", str(source), "--output", str(out)]
+
+    assert data_main(argv) == 0
+    captured = capsys.readouterr()
+    assert [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()] == \
+        [sft_row(json.loads(g)["question"], json.loads(g)["answer"]) for g in good]
+    err = captured.err.splitlines()
+    assert err[0].startswith("line 2: skipped (malformed JSON): ")
+    assert err[1] == "line 4: skipped (missing field): no field 'answer'"
+    assert err[2].startswith("line 5: skipped (malformed JSON): 'utf-8' codec can't decode byte 0xe9")
+    assert err[3] == "line 7: skipped (no final answer): answer has no '####' marker"
+    assert err[4] == (f"{source}: 6 rows read, 2 written, 4 skipped (malformed JSON: 2, missing field: 1, "
+                      f"no final answer: 1) -> {out}")
+    assert json.loads(captured.out) == {"output": str(out), "rows": 2, "skipped": 4, "source": str(source)}
+
+    strict_out = tmp_path / "strict.jsonl"
+    assert data_main(["--sft", "--data_path", str(source), "--output", str(strict_out), "--strict"]) == 1
+    captured = capsys.readouterr()
+    assert "error: --strict: 4 rows skipped; nothing written" in captured.err and not strict_out.exists()
+
+    bad_only = tmp_path / "bad_only.jsonl"
+    bad_only.write_bytes(b"\n".join(lines[1:5]) + b"\n")
+    assert data_main(["--sft", "--data_path", str(bad_only), "--output", str(tmp_path / "none.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: no usable rows in {bad_only} ({bad_only}: 3 rows read, 0 "
+                                               "written, 3 skipped (malformed JSON: 2, missing field: 1)"), err
+    assert not (tmp_path / "none.jsonl").exists()
+
+
+def test_data_help_lists_every_command(capsys):
+    """``mindrlhf-data --help`` showed only the mindrecord conversion's options, not ``--pairs`` / ``--sft``."""
+    from mindrlhf.tools.data_cli import main as data_main
+
+    assert data_main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.startswith("usage: mindrlhf-data")
+    assert "--pairs build GSM8K preference pairs" in text and "mindrlhf-data --pairs --help" in text
+    assert "--sft write GSM8K as conversational SFT rows" in text and "mindrlhf-data --sft --help" in text
+    assert "--file_path" in text and "--strict" in text  # the conversion's own options are still listed
+    for flag in ("--pairs", "--sft"):  # and each command's own help is its own
+        with pytest.raises(SystemExit) as done:
+            data_main([flag, "--help"])
+        assert done.value.code == 0
+        assert f"usage: mindrlhf-data {flag}" in capsys.readouterr().out

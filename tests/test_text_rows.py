@@ -212,7 +212,8 @@ def test_strict_raises_at_the_first_bad_row_naming_file_and_line(tmp_path, tok):
     with pytest.raises(MindRLHFError) as err:
         _sft(path, tok, strict=True)
     message = str(err.value)
-    assert message.startswith(f"{path}:3: malformed JSON: ") and "\n" not in message and "strict=False" in message
+    assert message.startswith(f"{path}:3: malformed JSON: ") and "\n" not in message
+    assert message.endswith("fix the row, or run without --strict (or with --strict false) to skip bad rows")
     # a row failing only at tokenisation (line 2) is still the first reported, before line 3's JSON error
     path = _jsonl(tmp_path / "s2.jsonl", [good, {"prompt": "word " * 80, "completion": " y"}, "{oops"])
     with pytest.raises(MindRLHFError, match=rf"^{path}:2: nothing trainable within max_length: "):

@@ -20,14 +20,14 @@ from mindrlhf.configs.grpo_configs import (
 from mindrlhf.configs.offline import DPOConfig, RMConfig, SFTConfig
 from mindrlhf.configs.ppo import PPOConfig
 
-#: stage -> (config class, reference file under the repository, title)
+#: stage -> (config class, reference file under the repository (the class's REFERENCE_FILE), title)
 REFERENCES: Dict[str, Tuple[type, str, str]] = {
-    "grpo": (GRPOConfig, "docs/config_reference.md", "GRPO configuration reference"),
-    "sft": (SFTConfig, "docs/config_reference_sft.md", "SFT configuration reference (mindrlhf-sft)"),
-    "rm": (RMConfig, "docs/config_reference_rm.md", "Reward-model configuration reference (mindrlhf-rm)"),
-    "dpo": (DPOConfig, "docs/config_reference_dpo.md", "DPO configuration reference (mindrlhf-dpo)"),
-    "ppo": (PPOConfig, "docs/config_reference_ppo.md", "PPO configuration reference (mindrlhf-ppo)"),
-}
+    stage: (cls, cls.REFERENCE_FILE, title) for stage, cls, title in (
+        ("grpo", GRPOConfig, "GRPO configuration reference"),
+        ("sft", SFTConfig, "SFT configuration reference (mindrlhf-sft)"),
+        ("rm", RMConfig, "Reward-model configuration reference (mindrlhf-rm)"),
+        ("dpo", DPOConfig, "DPO configuration reference (mindrlhf-dpo)"),
+        ("ppo", PPOConfig, "PPO configuration reference (mindrlhf-ppo)"))}
 
 
 def config_reference_markdown(stage: str = "grpo") -> str:

@@ -86,6 +86,11 @@ class SFTDataConfig(OfflineDataConfig):
 class PairDataConfig(OfflineDataConfig):
     """Preference pairs (jsonl), batch geometry (in pairs) and the length limit."""
 
+    train_file: str = config_field(
+        "", "Training pairs, one JSON object per line: ReaL's prompt/pos_answers/neg_answers or TRL's "
+        "prompt/chosen/rejected (see the README's data formats). Required: there is no packaged default "
+        "(mindrlhf-data --pairs builds GSM8K pairs from a model's wrong answers).")
+
     max_pairs_per_prompt: int = config_field(
         0, "ReaL's pair rows (pos_answers / neg_answers lists): keep the first N pairs of each prompt. 0 = all. "
         "Range >= 0.",
@@ -211,6 +216,7 @@ class SFTConfig(OfflineConfig):
     """All SFT settings, one attribute per group: ``cfg.data.max_length``, ``cfg.optimizer.lr``."""
 
     REFERENCE_PREAMBLE = _PREAMBLE
+    REFERENCE_FILE = "docs/config_reference_sft.md"
 
     data: SFTDataConfig = dataclasses.field(default_factory=SFTDataConfig)
 
@@ -220,6 +226,7 @@ class RMConfig(OfflineConfig):
     """All reward-model settings; ``batch_size`` and ``micro_batch_size`` count pairs."""
 
     REFERENCE_PREAMBLE = _PAIR_PREAMBLE
+    REFERENCE_FILE = "docs/config_reference_rm.md"
 
     data: PairDataConfig = dataclasses.field(default_factory=PairDataConfig)
     loss: RewardLossConfig = dataclasses.field(default_factory=RewardLossConfig)
@@ -231,6 +238,7 @@ class DPOConfig(OfflineConfig):
     """All DPO settings; ``batch_size`` and ``micro_batch_size`` count pairs."""
 
     REFERENCE_PREAMBLE = RMConfig.REFERENCE_PREAMBLE
+    REFERENCE_FILE = "docs/config_reference_dpo.md"
 
     model: DPOModelConfig = dataclasses.field(default_factory=DPOModelConfig)
     data: PairDataConfig = dataclasses.field(default_factory=PairDataConfig)
@@ -240,17 +248,17 @@ class DPOConfig(OfflineConfig):
 
 def parse_sft_args(argv: Optional[Sequence[str]] = None) -> SFTConfig:
     """Build an ``SFTConfig`` from ``--config PATH`` and ``--<field>`` flags, validated."""
-    return SFTConfig.parse_args(argv, description="Supervised fine-tuning for MindSpore (see "
-                                "docs/config_reference_sft.md)")
+    return SFTConfig.parse_args(argv, description=f"Supervised fine-tuning for MindSpore (see "
+                                f"{SFTConfig.REFERENCE_FILE})")
 
 
 def parse_rm_args(argv: Optional[Sequence[str]] = None) -> RMConfig:
     """Build an ``RMConfig`` from ``--config PATH`` and ``--<field>`` flags, validated."""
-    return RMConfig.parse_args(argv, description="Reward-model training for MindSpore (see "
-                               "docs/config_reference_rm.md)")
+    return RMConfig.parse_args(argv, description=f"Reward-model training for MindSpore (see "
+                               f"{RMConfig.REFERENCE_FILE})")
 
 
 def parse_dpo_args(argv: Optional[Sequence[str]] = None) -> DPOConfig:
     """Build a ``DPOConfig`` from ``--config PATH`` and ``--<field>`` flags, validated."""
-    return DPOConfig.parse_args(argv, description="Direct preference optimisation for MindSpore (see "
-                                "docs/config_reference_dpo.md)")
+    return DPOConfig.parse_args(argv, description=f"Direct preference optimisation for MindSpore (see "
+                                f"{DPOConfig.REFERENCE_FILE})")

@@ -203,6 +203,7 @@ class PPOConfig(TrainingConfig):
     """All PPO settings, one attribute per group: ``cfg.algorithm.kl_coef``, ``cfg.model.critic_model_path``."""
 
     REFERENCE_PREAMBLE = _PREAMBLE
+    REFERENCE_FILE = "docs/config_reference_ppo.md"
 
     algorithm: PPOAlgorithmConfig = dataclasses.field(default_factory=PPOAlgorithmConfig)
     generation: PPOGenerationConfig = dataclasses.field(default_factory=PPOGenerationConfig)

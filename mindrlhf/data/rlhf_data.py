@@ -70,7 +70,17 @@ def read_rows(
     path: Path, dataset_type: str, question_field: str, answer_field: str
 ) -> Tuple[List[Tuple[int, str, str]], List[SkippedRow], int]:
     """Parse a JSONL file into ``(line, question, solution)`` rows, skipped rows and the count of rows read."""
-    rows: List[Tuple[int, str, str]] = []
+    records, skipped, read = read_records(path, dataset_type, question_field, answer_field)
+    return [(line, record[question_field], solution) for line, record, solution in records], skipped, read
+
+
+def read_records(
+    path: Path, dataset_type: str, question_field: str, answer_field: str
+) -> Tuple[List[Tuple[int, dict, str]], List[SkippedRow], int]:
+    """Parse a JSONL file into ``(line, record, solution)`` rows (``record`` the row's JSON object), skipped rows
+    (line and reason: malformed JSON or not UTF-8, a missing question or answer, no final answer) and the count
+    of rows read. Blank lines are ignored."""
+    rows: List[Tuple[int, dict, str]] = []
     skipped: List[SkippedRow] = []
     read = 0
     with open(path, "rb") as handle:
@@ -97,7 +107,7 @@ def read_rows(
             if solution is None:
                 skipped.append(SkippedRow(line_no, "no_final_answer", why))
                 continue
-            rows.append((line_no, question, solution))
+            rows.append((line_no, record, solution))
     return rows, skipped, read
 
 

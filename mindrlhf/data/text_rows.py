@@ -224,8 +224,8 @@ class _Reader:
         """Record a bad row (a one-line error under strict)."""
         detail = detail.replace("\n", "\\n")
         if self.strict:
-            raise MindRLHFError(f"{self.path}:{line}: {REASONS[reason]}: {detail}; fix the row, "
-                                "or read with strict=False to skip bad rows")
+            raise MindRLHFError(f"{self.path}:{line}: {REASONS[reason]}: {detail}; fix the row, or run without "
+                                "--strict (or with --strict false) to skip bad rows")
         self.report.skipped.append(SkippedRow(line, reason, detail, str(self.path)))
 
     # ------------------------------------------------------------------ rows

@@ -200,18 +200,23 @@ def _load(model, tokenizer, batch_rows: int, progress: bool, dtype: str, jit: bo
     """``(sampler, tokenizer, model_path)`` from a Sampler, a CausalLM, a path or None (SmolLM2);
     the tokenizer is resolved before any weights are read, so a missing one fails fast."""
     from mindrlhf.generation import NativeSampler, Sampler
-    from mindrlhf.models import CausalLM, load_model
+    from mindrlhf.models import CausalLM, load_model, require_causal_lm
+    from mindrlhf.parallel.resharding import checkpoint_config
 
+    answers = "the model that answers the questions"
+    fix = "pass the policy (a *ForCausalLM checkpoint); a reward model scores answers, it does not write them"
     if isinstance(model, (Sampler, CausalLM)):
         if tokenizer is None:
             tokenizer = resolve_tokenizer(None, *tokenizer_args)
         _check_template(tokenizer, use_chat_template)
         if isinstance(model, Sampler):
             return model, tokenizer, None
+        require_causal_lm(model.config, "(a CausalLM)", "evaluate: model", answers, fix)
         return NativeSampler(model, max_batch_size=batch_rows, jit=jit), tokenizer, None
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise MindRLHFError(f"evaluate: model must be a path, a CausalLM or a Sampler, got {type(model).__name__}")
     path = resolve_model_path(model, progress=progress)
+    require_causal_lm(checkpoint_config(path), path, "--model", answers, fix)  # before any weights are read
     if tokenizer is None:
         tokenizer = resolve_tokenizer(path, *tokenizer_args)
     _check_template(tokenizer, use_chat_template)

@@ -35,6 +35,9 @@ def make_pairs(output: os.PathLike, *, model: Any = None, data_path: Optional[os
     ``model_args``: ``evaluate``'s model and tokenizer options (``tokenizer_dir``, ``dtype``, ...)."""
     if k < 1:
         raise MindRLHFError(f"--k {k}: sample at least one completion per question")
+    if not (isinstance(temperature, (int, float)) and temperature > 0):  # evaluate's maj mode would name --mode
+        raise MindRLHFError(f"--temperature {temperature!r}: pairs come from sampled completions; use a "
+                            f"temperature > 0 (default 1.0)")
     output = Path(output)
     if output.exists() and not overwrite:
         raise MindRLHFError(f"{output} exists; pass --overwrite to replace it, or choose another --output")
@@ -43,9 +46,11 @@ def make_pairs(output: os.PathLike, *, model: Any = None, data_path: Optional[os
     summary = evaluate(model, data_path=data, limit=limit, offset=offset, mode="maj", k=k, temperature=temperature,
                        max_new_tokens=max_new_tokens, seed=seed, prompt_style=prompt_style, output=samples,
                        overwrite=True, progress=progress, **model_args)
-    # The reference solutions, by line number (evaluate keeps only their final numbers).
-    answers = {i: json.loads(line)["answer"] for i, line in
-               enumerate(data.read_text(encoding="utf-8").splitlines(), 1) if line.strip()}
+    # The reference solutions of the questions used, by line number (evaluate keeps only their final numbers).
+    # Only those lines: evaluate checked them, and rows past --limit may be anything (malformed, not UTF-8).
+    lines = data.read_bytes().split(b"\n")
+    answers = {n: json.loads(lines[n - 1].decode("utf-8-sig"))["answer"] for n in
+               {json.loads(line)["line"] for line in samples.read_text(encoding="utf-8").splitlines()}}
     from mindrlhf.tokenizer import resolve_tokenizer
 
     tokenizer = resolve_tokenizer(summary["model"], model_args.get("tokenizer_dir"), model_args.get("vocab_path"),

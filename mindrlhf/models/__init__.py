@@ -9,13 +9,13 @@ import importlib
 import os
 from typing import TYPE_CHECKING, Any, Union
 
-from mindrlhf.models.config import DecoderConfig
+from mindrlhf.models.config import DecoderConfig, require_causal_lm
 
 if TYPE_CHECKING:  # pragma: no cover
     from mindrlhf.models.decoder import CausalLM
 
 __all__ = ["CausalLM", "DecoderConfig", "load_model", "build_model", "cast_weights_into", "get_weights", "set_weights",
-           "resolve_dtype"]
+           "resolve_dtype", "require_causal_lm"]
 
 _LAZY = {"CausalLM": "mindrlhf.models.decoder", "resolve_dtype": "mindrlhf.models.decoder",
          "cast_weights_into": "mindrlhf.models.weights", "get_weights": "mindrlhf.models.weights",

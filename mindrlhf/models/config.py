@@ -173,6 +173,17 @@ class DecoderConfig:
         return dict(_SHAPE_CACHE[key])
 
 
+def require_causal_lm(config: DecoderConfig, path: Union[str, os.PathLike], flag: str, role: str,
+                      fix: str = "pass a *ForCausalLM checkpoint") -> None:
+    """Refuse a sequence-classification checkpoint (a reward model or critic: a ``score`` head, no ``lm_head``)
+    where a causal LM is needed: it can neither generate nor give token log-probs. ``flag`` names the input as
+    the user gave it (``--ref_model``), ``role`` what it is for (``the DPO reference``), ``fix`` the remedy."""
+    if config.num_labels:
+        raise MindRLHFError(f"{flag} {path} is a sequence-classification model ({config.family.score_architecture}, "
+                            f"a reward model or critic: a score head, no lm_head); {role} must be a causal LM: "
+                            f"{fix}")
+
+
 # expected_shapes is asked for per parameter by the sharding helpers: memoise on what decides it.
 _SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias",
