@@ -111,6 +111,14 @@ def test_every_skipped_row_is_named_in_the_log_and_listed_in_output_dir(stage, m
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1] and any(k.startswith("eval/") for k in metrics[-1])
 
+    if stage == "sft":  # (once: the rule is OfflineTrainer's) a replacing run removes the listing, then writes its own
+        train.write_text("\n".join(line for n, line in enumerate(train_lines, 1) if n not in bad_lines) + "\n",
+                         encoding="utf-8")
+        proc = _run(stage, [x for k, v in dict(args, overwrite_output_dir="true").items() for x in (f"--{k}", str(v))])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert SKIPPED_ROWS_FILE in proc.stderr.split("removed the previous run from")[1].splitlines()[0]
+        assert [json.loads(line)["path"] for line in listing.read_text().splitlines()] == [str(valid)]
+
 
 def test_the_listing_is_a_run_output_that_overwrite_removes(tmp_path):
     """skipped_rows.jsonl belongs to the run: --overwrite_output_dir removes it with the run's other outputs
