@@ -106,11 +106,11 @@ class DPOTrainer(OfflineTrainer):
     headline = "rewards/accuracies"
 
     def __init__(self, cfg: DPOConfig, *, model, updater, tokenizer, layout, train_pairs, ref_runner,
-                 valid_pairs=None):
+                 valid_pairs=None, reports=()):
         columns = {"prompt": train_pairs.prompt_ids, "chosen": train_pairs.chosen_ids,
                    "rejected": train_pairs.rejected_ids}
         super().__init__(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout, columns=columns,
-                         source=train_pairs.source)
+                         source=train_pairs.source, reports=reports)
         self.valid = valid_pairs
         self.ref_runner = ref_runner
         self.token_mean = cfg.loss.loss_type == "ipo"
@@ -228,8 +228,9 @@ def build_trainer(cfg: DPOConfig, layout=None):
         require_causal_lm(checkpoint_config(m.ref_model_path), m.ref_model_path, "--ref_model", "DPO's reference",
                           "pass the policy's causal LM (e.g. the SFT checkpoint), or omit --ref_model to use the "
                           "initial policy")
-    train = read_pairs(cfg, cfg.data.train_file, tokenizer, "train_file", "truncate")
-    valid = read_pairs(cfg, cfg.data.valid_file, tokenizer, "valid_file", "truncate") if cfg.data.valid_file else None
+    train, train_report = read_pairs(cfg, cfg.data.train_file, tokenizer, "train_file", "truncate")
+    valid, valid_report = read_pairs(cfg, cfg.data.valid_file, tokenizer, "valid_file", "truncate") \
+        if cfg.data.valid_file else (None, None)
     policy, masters = load_policy(path, config, layout, m.dtype)
     shard = layout.groups.shard()
     if m.ref_model_path:
@@ -244,7 +245,7 @@ def build_trainer(cfg: DPOConfig, layout=None):
     updater = build_updater(cfg, policy, objective, head=LogProbHead(), groups=layout.groups, masters=masters,
                             share_prompts=share, extent=extent)
     return DPOTrainer(cfg, model=policy, updater=updater, tokenizer=tokenizer, layout=layout, train_pairs=train,
-                      ref_runner=ref_runner, valid_pairs=valid)
+                      ref_runner=ref_runner, valid_pairs=valid, reports=[r for r in (train_report, valid_report) if r])
 
 
 DPO = StageSpec("dpo", parse=parse_dpo_args, build=build_trainer,

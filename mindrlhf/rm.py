@@ -11,7 +11,6 @@ carry TRL's ``RewardTrainer`` names. A checkpoint's model folder exports to an H
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import replace
 from functools import partial
 from typing import Dict, List, Optional, Sequence
@@ -24,10 +23,8 @@ from mindrlhf.configs.offline import RMConfig, parse_rm_args
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.parallel import comm
 from mindrlhf.trainer.entry import StageSpec, load_tokenizer, resolve_weights, run_stage
-from mindrlhf.trainer.offline import OfflineTrainer, pad_rows
+from mindrlhf.trainer.offline import OfflineTrainer, log_data_report, pad_rows
 from mindrlhf.utils.cli import run_cli
-
-log = logging.getLogger("mindrlhf")
 
 
 class RMObjective:
@@ -78,9 +75,10 @@ class RMTrainer(OfflineTrainer):
     math_groups = ("optimizer", "data", "loss")
     headline = "accuracy"
 
-    def __init__(self, cfg: RMConfig, *, model, updater, tokenizer, layout, train_pairs, valid_pairs=None):
+    def __init__(self, cfg: RMConfig, *, model, updater, tokenizer, layout, train_pairs, valid_pairs=None,
+                 reports=()):
         super().__init__(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout,
-                         columns=_pair_columns(train_pairs), source=train_pairs.source)
+                         columns=_pair_columns(train_pairs), source=train_pairs.source, reports=reports)
         self.valid = _pair_columns(valid_pairs) if valid_pairs is not None else None
         self.center = cfg.loss.center_rewards_coefficient
 
@@ -120,17 +118,16 @@ def _pair_columns(pairs) -> Dict[str, list]:
 
 
 def read_pairs(cfg, path: str, tokenizer, what: str, overlong: str):
-    """Tokenised pairs of ``path`` (a file with no usable pair is an error); skipped rows are reported once.
-    ``overlong``: a pair longer than max_length is ``drop``ped (TRL's RewardTrainer) or each sequence is cut
-    at its end (``truncate``, TRL's DPOTrainer)."""
+    """``(pairs, report)``: the tokenised pairs of ``path`` (a file with no usable pair is an error) and the reader's
+    report, logged once with its skipped rows named (``trainer.offline.log_data_report``). ``overlong``: a pair
+    longer than max_length is ``drop``ped (TRL's RewardTrainer) or each sequence is cut at its end (``truncate``,
+    TRL's DPOTrainer)."""
     from mindrlhf.data.text_rows import read_pair_rows
 
     pairs, report = read_pair_rows(path, tokenizer, max_length=cfg.data.max_length,
                                    max_pairs_per_prompt=cfg.data.max_pairs_per_prompt, overlong=overlong,
                                    strict=cfg.data.strict, show_progress=comm.is_main())
-    if comm.is_main():
-        log.info("%s: %s", what, report.summary())
-    return pairs
+    return pairs, log_data_report(cfg, report, what)
 
 
 def build_trainer(cfg: RMConfig, layout=None):
@@ -151,15 +148,16 @@ def build_trainer(cfg: RMConfig, layout=None):
         # transformers' *ForSequenceClassification finds each row's last token through pad_token_id: an exported
         # reward model needs it (TRL sets it from the tokenizer too).
         config = replace(config, pad_token_id=tokenizer.pad_token_id)
-    train = read_pairs(cfg, cfg.data.train_file, tokenizer, "train_file", "drop")
-    valid = read_pairs(cfg, cfg.data.valid_file, tokenizer, "valid_file", "drop") if cfg.data.valid_file else None
+    train, train_report = read_pairs(cfg, cfg.data.train_file, tokenizer, "train_file", "drop")
+    valid, valid_report = read_pairs(cfg, cfg.data.valid_file, tokenizer, "valid_file", "drop") \
+        if cfg.data.valid_file else (None, None)
     model, masters = load_policy(path, config, layout, cfg.model.dtype, num_labels=1, seed=cfg.train.seed)
     # Each pair is two rows (chosen, rejected); a score head forms no vocabulary logits.
     extent = MicroBatchExtent.padded(2 * cfg.micro_rows, cfg.data.max_length, logit_rows=0)
     updater = build_updater(cfg, model, RMObjective(cfg.loss.center_rewards_coefficient), head=ScoreHead(1),
                             groups=layout.groups, masters=masters, extent=extent, what="reward model")
     return RMTrainer(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout, train_pairs=train,
-                     valid_pairs=valid)
+                     valid_pairs=valid, reports=[r for r in (train_report, valid_report) if r])
 
 
 RM = StageSpec("rm", parse=parse_rm_args, build=build_trainer, models=lambda cfg: {"--model": cfg.model.model_path})

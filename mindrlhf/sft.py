@@ -23,7 +23,7 @@ from mindrlhf.configs.offline import SFTConfig, parse_sft_args
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.parallel import comm
 from mindrlhf.trainer.entry import StageSpec, load_tokenizer, resolve_weights, run_stage
-from mindrlhf.trainer.offline import OfflineTrainer, pack_rows, prompt_completion_micro_batches
+from mindrlhf.trainer.offline import OfflineTrainer, log_data_report, pack_rows, prompt_completion_micro_batches
 from mindrlhf.utils.cli import run_cli
 
 log = logging.getLogger("mindrlhf")
@@ -51,11 +51,12 @@ class SFTTrainer(OfflineTrainer):
     stage = "sft"
     curves = (("loss", "loss.png", "SFT: training loss", "loss"),)
 
-    def __init__(self, cfg: SFTConfig, *, model, updater, tokenizer, layout, train_rows, valid_rows=None):
+    def __init__(self, cfg: SFTConfig, *, model, updater, tokenizer, layout, train_rows, valid_rows=None,
+                 reports=()):
         capacity = cfg.data.max_length if cfg.data.packing else 0  # 0: one row per sequence
         train = sequences(train_rows, capacity)
         super().__init__(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout, columns=train,
-                         source=train_rows.source)
+                         source=train_rows.source, reports=reports)
         if capacity and comm.is_main():
             log.info("packing: %d rows in %d sequences of up to %d tokens", len(train_rows),
                      len(train["input_ids"]), capacity)
@@ -135,15 +136,14 @@ def default_train_file(cfg: SFTConfig) -> str:
 
 
 def read_rows(cfg: SFTConfig, path: str, tokenizer, what: str):
-    """Tokenised rows of ``path`` (a file with no usable row is an error); skipped rows are reported once."""
+    """``(rows, report)``: the tokenised rows of ``path`` (a file with no usable row is an error) and the reader's
+    report, logged once with its skipped rows named (``trainer.offline.log_data_report``)."""
     from mindrlhf.data.text_rows import read_sft_rows
 
     rows, report = read_sft_rows(path, tokenizer, max_length=cfg.data.max_length,
                                  completion_only_loss=cfg.data.completion_only_loss, strict=cfg.data.strict,
                                  show_progress=comm.is_main())
-    if comm.is_main():
-        log.info("%s: %s", what, report.summary())
-    return rows
+    return rows, log_data_report(cfg, report, what)
 
 
 def build_trainer(cfg: SFTConfig, layout=None):
@@ -159,8 +159,9 @@ def build_trainer(cfg: SFTConfig, layout=None):
     tokenizer = load_tokenizer(cfg.model, path)
     config = checkpoint_config(path)
     require_causal_lm(config, path, "--model", "the model SFT trains")
-    train = read_rows(cfg, cfg.data.train_file or default_train_file(cfg), tokenizer, "train_file")
-    valid = read_rows(cfg, cfg.data.valid_file, tokenizer, "valid_file") if cfg.data.valid_file else None
+    train, train_report = read_rows(cfg, cfg.data.train_file or default_train_file(cfg), tokenizer, "train_file")
+    valid, valid_report = read_rows(cfg, cfg.data.valid_file, tokenizer, "valid_file") if cfg.data.valid_file \
+        else (None, None)
     longest = max(len(r) for r in train.input_ids)
     if longest > config.max_position_embeddings:
         raise MindRLHFError(f"max_length {cfg.data.max_length} lets rows of {longest} tokens through but the model "
@@ -169,7 +170,7 @@ def build_trainer(cfg: SFTConfig, layout=None):
     updater = build_updater(cfg, model, SFTObjective(), head=LogProbHead(stats=True), groups=layout.groups,
                             masters=masters, extent=MicroBatchExtent.padded(cfg.micro_rows, cfg.data.max_length))
     return SFTTrainer(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout,
-                            train_rows=train, valid_rows=valid)
+                      train_rows=train, valid_rows=valid, reports=[r for r in (train_report, valid_report) if r])
 
 
 SFT = StageSpec("sft", parse=parse_sft_args, build=build_trainer, models=lambda cfg: {"--model": cfg.model.model_path})

@@ -44,3 +44,18 @@ def one_infinite_reward(completions, **kwargs):
 def no_score(completions, **kwargs):
     """None for everything: a function that never applies."""
     return [None] * len(completions)
+
+
+def unit_reward(completions, **kwargs):
+    """0 or 1, alternating: every group has the same spread."""
+    return [float(i % 2) for i in range(len(completions))]
+
+
+def huge_reward(completions, **kwargs):
+    """``unit_reward`` times 1e30: finite in float32, but its square is not (a reward on an unscaled count)."""
+    return [1e30 * r for r in unit_reward(completions)]
+
+
+def string_reward(completions, **kwargs):
+    """Numbers as strings ("0.5"): TRL refuses them; float() would have accepted them."""
+    return [str(len(c) / 40.0) for c in completions]

@@ -343,7 +343,7 @@ def test_manager_wrong_length_and_bad_values_are_errors():
 
     with pytest.raises(MindRLHFError, match="reward function 'too_short' returned 1 values for 2 completions"):
         RewardManager([too_short])(["a", "b"], ["1", "2"])
-    with pytest.raises(MindRLHFError, match="reward function 'not_a_number' returned 'high'"):
+    with pytest.raises(MindRLHFError, match=r"'not_a_number' returned a str \('high'\) for completion 0"):
         RewardManager([not_a_number])(["a", "b"], ["1", "2"])
 
 

@@ -36,7 +36,8 @@ RUN_FILE = "run.json"  # {"run_id": ..., "stage": ...}: which run the output dir
 METRICS_FILE = "metrics.jsonl"
 # What a run writes into its output_dir (besides the checkpoints); --overwrite_output_dir removes these.
 # The default data's mindrecord (data/) and the compile cache are caches of inputs, not history: kept.
-RUN_OUTPUTS = (METRICS_FILE, RUN_FILE, "config.yaml", "tensorboard", "completions_step_*.jsonl", "*.png")
+RUN_OUTPUTS = (METRICS_FILE, RUN_FILE, "config.yaml", "tensorboard", "completions_step_*.jsonl", "*.png",
+               "skipped_rows.jsonl")
 
 
 def read_run(output_dir: PathLike) -> Dict[str, str]:

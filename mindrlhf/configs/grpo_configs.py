@@ -178,10 +178,12 @@ class AlgorithmConfig:
         None, "Weight of each reward function, in reward_funcs order; null = 1.0 for all. Length must equal "
         "len(reward_funcs). Negative weights turn a reward into a penalty.")
     reward_errors: str = config_field(
-        "raise", "What a reward function that raises does: raise = stop the run with one error naming the function "
-        "and its exception; skip = score that call's completions None (they get no advantage) and train on, counting "
-        "failed calls per function (metric rewards/<name>/failures). Reward functions are called as TRL calls them: "
-        "fn(prompts=, completions=, completion_ids=, solution=, question=), all by keyword.",
+        "raise", "What a reward function that raises, or returns a value that is not a number (a string; numbers are "
+        "float, int, bool, as in TRL), not finite (inf, NaN) or beyond float32's range, does: raise = stop the run "
+        "with one error naming the function and its exception or value; skip = score those completions None (they get "
+        "no advantage) and train on, counting failed calls per function (metric rewards/<name>/failures). Reward "
+        "functions are called as TRL calls them: fn(prompts=, completions=, completion_ids=, solution=, question=), "
+        "all by keyword, and return one number or None per completion.",
         choices=REWARD_ERRORS)
 
 

@@ -154,8 +154,9 @@ class PPOAlgorithmConfig:
     reward_weights: Optional[List[float]] = config_field(
         None, "Weight of each reward function, in reward_funcs order; null = 1.0 for all.")
     reward_errors: str = config_field(
-        "raise", "A reward function that raises: raise = stop the run; skip = score that call None (the "
-        "completion then gets the reward model's score alone, or 0 without one) and count it.",
+        "raise", "A reward function that raises, or returns a value that is not a finite number (a string, inf, NaN; "
+        "as GRPO's reward_errors): raise = stop the run; skip = score those completions None (a completion then gets "
+        "the reward model's score alone, or 0 without one) and count it.",
         choices=REWARD_ERRORS)
 
 

@@ -1,13 +1,23 @@
 """What a data reader or converter read, kept and skipped: one report type for every data path.
 
 ``rlhf_data`` (prompt mindrecords) and ``text_rows`` (SFT / pair rows) skip a bad input line with
-its line number and a reason key of ``REASONS``, and sum up in one line. No MindSpore here.
+its line number and a reason key of ``REASONS``, and sum up in one line. A training run names the
+first skipped rows in its log (``ConversionReport.named``) and lists all of them in its output_dir
+(``write_skipped_rows``, ``SKIPPED_ROWS_FILE``). No MindSpore here.
 """
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Union
+
+from mindrlhf.utils.fs import write_text_atomic
+
+#: A training run's list of every row its data readers skipped, in its output_dir: one JSON object a line,
+#: ``{"path", "line", "reason", "detail"}`` (``reason`` a key of ``REASONS``), in the order the files were read.
+SKIPPED_ROWS_FILE = "skipped_rows.jsonl"
 
 # Reason key -> the words a report prints. One table, so a summary lists reasons in one fixed order.
 REASONS: Dict[str, str] = {
@@ -15,12 +25,14 @@ REASONS: Dict[str, str] = {
     "not_an_object": "not a JSON object",
     "missing_field": "missing field",
     "wrong_type": "wrongly typed field",
+    "unknown_role": "unknown message role",
     "mixed_format": "another format than the file's",
     "no_chat_template": "conversational row, tokenizer has no chat template",
     "chat_template_error": "chat template failed",
     "unpaired_answers": "pos_answers and neg_answers differ in length",
     "no_pairs": "no answer pairs",
     "no_shared_prompt": "chosen and rejected share no prompt",
+    "identical_pair": "chosen equals rejected",
     "empty_completion": "empty completion",
     "no_final_answer": "no final answer",
     "prompt_too_long": "prompt too long",
@@ -41,6 +53,11 @@ class SkippedRow:
     def __str__(self) -> str:
         where = f"{self.path}:{self.line}" if self.path else f"line {self.line}"
         return f"{where}: skipped ({REASONS[self.reason]}): {self.detail}"
+
+    def to_json(self) -> str:
+        """The row as one line of ``SKIPPED_ROWS_FILE``."""
+        return json.dumps({"path": self.path, "line": self.line, "reason": self.reason, "detail": self.detail},
+                          ensure_ascii=False)
 
 
 @dataclass
@@ -65,6 +82,14 @@ class ConversionReport:
         """Number of skipped rows per reason key."""
         return dict(Counter(row.reason for row in self.skipped))
 
+    def named(self, limit: int, where: str = "") -> List[str]:
+        """The first ``limit`` skipped rows as ``path:line: skipped (reason): detail``, then
+        ``... and K more`` (with ``where``, e.g. `` (all in out/skipped_rows.jsonl)``) when there are more."""
+        lines = [str(row) for row in self.skipped[:limit]]
+        if len(self.skipped) > limit:
+            lines.append(f"... and {len(self.skipped) - limit} more{where}")
+        return lines
+
     def summary(self) -> str:
         """One line: rows read, written (kept) and skipped by reason, and the counted warnings."""
         counts = self.skipped_by_reason()
@@ -77,3 +102,11 @@ class ConversionReport:
         for warning, rows in self.warnings.items():
             line += f"; {rows} rows: {warning}"
         return line
+
+
+def write_skipped_rows(path: Union[str, Path], reports: Iterable[ConversionReport]) -> int:
+    """Write every skipped row of ``reports`` to ``path`` (``SKIPPED_ROWS_FILE``'s format; an empty file when none
+    was skipped, so a resumed run's file never lists rows of an older read). Returns the number of rows."""
+    rows = [row for report in reports for row in report.skipped]
+    write_text_atomic(path, "".join(row.to_json() + "\n" for row in rows), "skipped rows")
+    return len(rows)

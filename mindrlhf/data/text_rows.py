@@ -166,13 +166,24 @@ def _split_implicit_prompt(chosen: Sequence, rejected: Sequence) -> Tuple[Sequen
     return chosen[:idx], chosen[idx:], rejected[idx:]
 
 
+# The roles of the Hugging Face chat-message format (transformers' chat templating: system, user, assistant, and
+# tool for a tool's result). TRL hands messages to the chat template unchecked, and templates treat another role
+# in ways a user would not guess: Qwen2.5's drops the message without a word, SmolLM2's (ChatML) renders the
+# role's name as given. So a misspelt or invented role ("wizard") would train on another text than the file's:
+# such a row is a bad row (unknown_role), in every reader of conversations.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
 def _check_messages(value: Any, key: str) -> List[Dict[str, Any]]:
-    """A non-empty list of messages, each an object with a string ``role`` and a content."""
+    """A non-empty list of messages, each an object with a ``role`` of ``CHAT_ROLES`` and a content."""
     if not isinstance(value, list) or not value:
         raise _Bad("wrong_type", f"'{key}' must be a non-empty list of messages, not {_short(value)}")
     for i, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise _Bad("wrong_type", f"'{key}'[{i}] is not a message with a string 'role': {_short(message)}")
+        if message["role"] not in CHAT_ROLES:
+            raise _Bad("unknown_role", f"'{key}'[{i}] has role {_short(message['role'])}; a chat template knows "
+                                       f"{', '.join(CHAT_ROLES)}")
         content = message.get("content")
         if not isinstance(content, (str, list)) and not message.get("tool_calls"):
             raise _Bad("wrong_type", f"'{key}'[{i}] has no string 'content' (nor 'tool_calls')")
@@ -503,6 +514,14 @@ def read_pair_rows(path: PathLike, tokenizer: "Tokenizer", *, max_length: int, m
             longest = max(len(ids) for ids in wholes)
             if longest > max_length:
                 raise _Bad("too_long", f"{longest} tokens > max_length {max_length}")
+        # A pair whose two sides are the same tokens states no preference: its preference loss has no gradient
+        # in exact arithmetic (DPO's ln 2, the RM's margin 0), yet float noise (~1e-8), which Adam normalises,
+        # still moves the weights. TRL keeps such pairs; we skip and count them. Compared as tokens after the cut,
+        # which is what the loss sees: equal texts give equal tokens, and two answers that differ only past
+        # max_length train as one.
+        if completions[0] == completions[1]:
+            cut = " after the cut to max_length" if max(len(ids) for ids in wholes) > max_length else ""
+            raise _Bad("identical_pair", f"chosen and rejected are the same {len(completions[0])} tokens{cut}")
         if start == 0 and min(len(ids) for ids in completions) < 2:  # with no prompt the first token is untrained
             raise _Bad("nothing_trainable", "no prompt token and a one-token completion: nothing is trained")
         prompts.append(np.asarray(prompt_ids[:start], dtype=np.int32))

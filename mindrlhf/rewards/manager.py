@@ -14,6 +14,8 @@ logger = logging.getLogger(__name__)
 
 #: What a reward function that raises does to the run: stop it, or score that call None and go on.
 REWARD_ERRORS = ("raise", "skip")
+#: The largest reward kept: rewards are float32 (as in TRL); a larger one would be stored as inf.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def reward_name(spec: Union[str, RewardFn], fn: RewardFn) -> str:
@@ -30,6 +32,12 @@ def reward_spec_name(spec: str) -> str:
     if spec in REWARD_FUNCS or not isinstance(spec, str):
         return spec
     return spec.rpartition(":")[2] if ":" in spec else spec.rpartition(".")[2]
+
+
+def _short(value, limit: int = 40) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a one-line error must stay one short line)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _shown(spec: Union[str, RewardFn], fn: RewardFn) -> str:
@@ -49,8 +57,10 @@ class RewardManager:
     ``question``), all by keyword. ``errors``: a function that raises stops the run with one error
     naming it (``"raise"``), or (``"skip"``) every sample of that call scores None,
     ``failures[name]`` counts the failed calls and the first failure of each function is logged
-    (warning, with traceback). A non-finite value (inf, NaN) is a failure too, under the same policy
-    (with skip, those samples score None); None itself is a function's way to give no score.
+    (warning, with traceback). A value that is not a number (a string, as TRL refuses it; numbers are float,
+    int, bool and numpy scalars), not finite (inf, NaN) or beyond float32's range, and a weighted sum beyond it,
+    are failures too, under the same policy (with skip, those samples score None); None itself is a function's
+    way to give no score.
     """
 
     def __init__(self, funcs: Sequence[Union[str, RewardFn]], weights: Optional[Sequence[float]] = None,
@@ -97,7 +107,8 @@ class RewardManager:
 
         ``prompts`` (text) and ``completion_ids`` (token ids) are passed on with ``columns`` (lists of
         B values each). ``total`` is the weighted sum over the functions that scored a sample (NaN
-        terms are skipped); it is NaN only when no function scored it, which the advantage code excludes.
+        terms are skipped); it is NaN when no function scored it (or, under skip, the sum overflowed float32),
+        which the advantage code excludes.
         """
         n = len(completions)
         kwargs = dict(columns, prompts=prompts, completions=completions, completion_ids=completion_ids,
@@ -109,7 +120,25 @@ class RewardManager:
         scores = np.stack([per_fn[name] for name in self.names]).astype(np.float64)  # (F, B)
         weighted = np.where(np.isnan(scores), 0.0, scores * self.weights[:, None])
         total = np.where(np.isnan(scores).all(axis=0), np.nan, weighted.sum(axis=0))
+        over = np.abs(total) > FLOAT32_MAX  # finite terms whose weighted sum float32 would store as inf
+        if over.any():
+            self._overflowed(np.where(np.isnan(scores), np.nan, weighted), total, over)
+            total[over] = np.nan
         return total.astype(np.float32), per_fn
+
+    def _overflowed(self, weighted: np.ndarray, total: np.ndarray, over: np.ndarray) -> None:
+        """The weighted sum of finite rewards is beyond float32's range: a reward failure under ``errors``,
+        counted against the function with the largest weighted term (under skip those samples score None).
+        ``weighted``: (functions, samples), NaN where a function gave no score."""
+        i = int(np.flatnonzero(over)[0])
+        name = self.names[int(np.nanargmax(np.abs(weighted[:, i])))]
+        terms = ", ".join(f"{n!r} {w:.4g}" for n, w in zip(self.names, weighted[:, i]) if not np.isnan(w))
+        what = (f"made the weighted reward {total[i]:.4g} for completion {i} ({int(over.sum())} of {len(total)} beyond "
+                f"float32's range; weighted terms: {terms})")
+        if self.errors == "raise":
+            raise MindRLHFError(f"reward function {self.specs[name]!r} {what}; scale the rewards or reward_weights "
+                                "down, or set reward_errors: skip to score such completions None and train on")
+        self._failed(name, what)
 
     def _score(self, name: str, fn: Callable, kwargs: Dict[str, Sequence]) -> np.ndarray:
         n = len(kwargs["completions"])
@@ -134,32 +163,42 @@ class RewardManager:
                 f"reward function {self.specs[name]!r} returned {length if length is not None else type(out).__name__} "
                 f"values for {n} completions; it must return one float or None per completion"
             )
-        values = np.empty(n, dtype=np.float32)
+        # What TRL's GRPOTrainer accepts (torch.tensor(values, dtype=float32)): numbers (float, int, bool, numpy
+        # scalars) and None. Python's float() would also turn a string "0.5" into a number, which TRL refuses;
+        # here a string, like any value that is not a number, is a failure of the function.
+        values = np.full(n, np.nan, dtype=np.float64)
+        problem: List[Optional[str]] = [None] * n
         for i, v in enumerate(out):
             if v is None:
-                values[i] = np.nan
                 continue
             try:
+                if isinstance(v, (str, bytes, bytearray)):
+                    raise TypeError
                 values[i] = float(v)
             except (TypeError, ValueError):
-                raise MindRLHFError(
-                    f"reward function {self.specs[name]!r} returned {v!r} for completion {i}; expected a float or None"
-                ) from None
-        # inf, NaN, or a float64 beyond float32's range: one such value would make its whole group's std
-        # NaN and every advantage of the group 0, training nothing without a word. A failure of the
-        # function, like an exception (None is how a function says "no score for this one").
-        bad = ~np.isfinite(values)
-        bad &= np.array([v is not None for v in out])
+                problem[i] = "not numbers"
+                continue
+            # inf, NaN, or a value beyond float32's range (rewards are kept as float32, as in TRL): one such value
+            # would make its whole group's std NaN and every advantage of the group 0, training nothing without a
+            # word. A failure of the function, like an exception (None is how a function says "no score").
+            if not math.isfinite(values[i]):
+                problem[i] = "non-finite"
+            elif abs(values[i]) > FLOAT32_MAX:
+                problem[i] = "beyond float32's range"
+        bad = np.array([p is not None for p in problem])
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
+            kind = problem[i]
+            shown = repr(out[i]) if kind != "not numbers" else f"a {type(out[i]).__name__} ({_short(out[i])})"
+            what = f"returned {shown} for completion {i} ({problem.count(kind)} of {n} {kind})"
             if self.errors == "raise":
-                raise MindRLHFError(
-                    f"reward function {self.specs[name]!r} returned {out[i]!r} for completion {i} ({int(bad.sum())} "
-                    f"of {n} non-finite); return a finite float, or None for no score, or set reward_errors: skip to "
-                    f"score such values None and train on")
-            self._failed(name, f"returned {out[i]!r} for completion {i} ({int(bad.sum())} of {n} non-finite)")
+                fix = {"non-finite": "return a finite float", "not numbers": "return a float, int or bool (as TRL)",
+                       "beyond float32's range": "scale the reward down (rewards are float32, |r| <= 3.4e38)"}[kind]
+                raise MindRLHFError(f"reward function {self.specs[name]!r} {what}; {fix}, or None for no score, or set "
+                                    "reward_errors: skip to score such values None and train on")
+            self._failed(name, what)
             values[bad] = np.nan
-        return values
+        return values.astype(np.float32)
 
     def _failed(self, name: str, what: str, exc_info: bool = False) -> None:
         """reward_errors skip: count the failed call; log the first failure of each function."""

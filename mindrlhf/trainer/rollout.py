@@ -252,8 +252,10 @@ class RolloutTrainer(Trainer):
     # -- metrics and dumps ----------------------------------------------------------------------
     def _reward_metrics(self, exp: Experience) -> Dict[str, float]:
         G = self.num_generations
-        rewards = self._gather_rows(exp.rewards)
-        per_fn = self._gather_rows(exp.reward_per_fn)
+        # Statistics in float64 on the host, as the advantages: float32 rewards of 1e30 are valid, but their
+        # squares overflow float32 (reward_std was logged inf while the advantages were fine).
+        rewards = self._gather_rows(exp.rewards).astype(np.float64)
+        per_fn = self._gather_rows(exp.reward_per_fn).astype(np.float64)
         groups = rewards.reshape(-1, G)
         with warnings.catch_warnings():  # groups without a score give NaN, logged as "nan": no console noise
             warnings.simplefilter("ignore", RuntimeWarning)
