@@ -15,6 +15,7 @@ Run on one process with ``python`` or on several with ``msrun … -m mindrlhf.pp
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from functools import partial
@@ -352,6 +353,21 @@ class PPOTrainer(RolloutTrainer):
     # -- checkpoint hooks (trainer.base) ------------------------------------------------------------
     def trained(self):
         return [*super().trained(), ("critic", "critic_optimizer", self.critic_updater)]
+
+    def _model_files(self) -> Dict[str, object]:
+        """The actor's config.json and tokenizer files, and ``critic.config.json``: the critic's own config (a
+        one-label sequence classifier holding float32 masters), which ``convert_weight --reverse`` reads for
+        critic.ckpt (``<stem>.config.json`` first), so the critic exports to an HF *ForSequenceClassification
+        directory as a reward model does. A critic made from a causal LM may have no ``pad_token_id``; it gets the
+        tokenizer's (the run's padding), without which transformers' classifier cannot score a padded batch."""
+        from mindrlhf.checkpoint.hf_io import config_with_dtype
+
+        files = super()._model_files()
+        config = config_with_dtype(self.critic.config.to_hf_dict(), "float32")
+        if config.get("pad_token_id") is None and self.tokenizer.pad_token_id is not None:
+            config["pad_token_id"] = int(self.tokenizer.pad_token_id)
+        files["critic.config.json"] = json.dumps(config, indent=2).encode("utf-8")
+        return files
 
     def load_stage_state(self, state) -> None:
         super().load_stage_state(state)

@@ -59,3 +59,15 @@ def huge_reward(completions, **kwargs):
 def string_reward(completions, **kwargs):
     """Numbers as strings ("0.5"): TRL refuses them; float() would have accepted them."""
     return [str(len(c) / 40.0) for c in completions]
+
+
+def record_columns_reward(completions, solution, **columns):
+    """The length reward; appends the dataset columns it got (names, and every solution and answer) as one JSON
+    line to the file $MINDRLHF_TEST_COLUMNS, so a test sees what reached the reward functions."""
+    import json
+    import os
+
+    with open(os.environ["MINDRLHF_TEST_COLUMNS"], "a", encoding="utf-8") as f:
+        f.write(json.dumps({"names": sorted(columns), "solution": list(solution),
+                            "answer": list(columns.get("answer") or [])}) + "\n")
+    return [len(c) / 40.0 for c in completions]

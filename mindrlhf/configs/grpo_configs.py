@@ -280,8 +280,14 @@ class DataConfig:
     """Training prompts."""
 
     mind_dataset_dir: str = config_field(
-        "", "The tokenised prompt dataset: the .mindrecord file written by rlhf_data.py (the seed's flag name). "
-        "'' = the packaged GSM8K sample.")
+        "", "The training prompts (the seed's flag name; alias train_file): a .mindrecord written by rlhf_data.py, "
+        "or a JSONL file (named .jsonl/.json or starting with '{') of ReaL's {\"prompt\": text} rows or TRL's "
+        "prompt-only rows (prompt: a text, used as is, or a list of role/content messages, rendered with the chat "
+        "template and its generation prompt). A JSONL row's other keys are passed to the reward functions as "
+        "dataset columns (as TRL does); the accuracy reward reads 'solution', else the final answer of 'answer' "
+        "(the number after GSM8K's '####'). Prompts longer than max_prompt_length and bad rows are skipped and "
+        "named in the log. '' = the packaged GSM8K sample.",
+        key_aliases=("train_file",))
 
 
 @dataclass
@@ -355,8 +361,9 @@ Every field can be set in a YAML file passed with `--config`, grouped (`algorith
 or flat (`beta: 0.04`), and on the command line as `--<field> VALUE` (command-line flags override
 the YAML). Lists are space-separated on the command line (`--reward_funcs accuracy format`); bools
 take `true`/`false`, `True`/`False`, `1`/`0` or a bare flag (`--use_parallel`). Unknown keys are errors.
-A field's **Alias** (MindRLHF's `grpo_configs.py` names: `start_lr`, `end_lr`, `batch_size`) is
-another key for it, in YAML and as a flag; a name and its alias with different values are an error.
+A field's **Alias** (MindRLHF's `grpo_configs.py` names: `start_lr`, `end_lr`, `batch_size`; and
+`train_file`, the other stages' name of the training data) is another key for it, in YAML and as a
+flag; a name and its alias with different values are an error.
 The `bool | str` fields (`load_sft_checkpoint_train`, ...) take true/false or a checkpoint path.
 
 **Batch geometry.** One training step reads `chunk_size * num_rollouts` prompts and samples

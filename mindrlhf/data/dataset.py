@@ -1,5 +1,6 @@
 """Deterministic, resumable, shardable datasets: ``ShardedDataset`` (any named columns, held in memory)
-and ``PromptDataset`` (the prompt mindrecord of ``rlhf_data.py``). Every stage's data reads through them.
+and ``PromptDataset`` (the prompt mindrecord of ``rlhf_data.py``, or the prompt rows of a JSONL file). Every
+stage's data reads through them.
 
 Batch order is a pure function of ``(seed, epoch, step)``: each epoch shuffles all rows with a
 numpy Generator seeded by ``(seed, epoch)``; global batch ``k`` is ``perm[k*B:(k+1)*B]`` and data
@@ -10,11 +11,14 @@ instead of replaying the stream.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Iterator, List, Mapping, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Sequence, Tuple, Union
 
 import numpy as np
 
 from mindrlhf.errors import MindRLHFError
+
+if TYPE_CHECKING:  # annotations only
+    from mindrlhf.data.text_rows import PromptRows
 
 
 class ShardedDataset:
@@ -102,20 +106,41 @@ class ShardedDataset:
 
 
 class PromptDataset(ShardedDataset):
-    """Prompts of a mindrecord written by ``mindrlhf.data.rlhf_data``, held in memory. A batch's keys:
-    ``prompt_ids`` (b, L) int32, ``prompt_length`` (b,) int32, ``solution`` / ``question`` (lists of
-    str) and ``index`` (b,) int64 row ids in the file."""
+    """Prompts held in memory: a mindrecord written by ``mindrlhf.data.rlhf_data`` (``PromptDataset(path, ...)``)
+    or the rows of a prompt JSONL file (``from_rows``). A batch's keys: ``prompt_ids`` (b, L) int32,
+    ``prompt_length`` (b,) int32, ``solution`` (the reference answers, a list), ``index`` (b,) int64 row ids,
+    and the reward functions' dataset columns under the keys ``reward_columns`` names (a mindrecord's:
+    ``question``)."""
 
     def __init__(self, path: Union[str, os.PathLike], batch_size: int, seed: int = 0, shard_id: int = 0,
                  num_shards: int = 1, drop_last: bool = True) -> None:
         prompt_ids, prompt_length, solution, question = self._load(str(path))
+        #: reward-function argument name -> the batch key holding it
+        self.reward_columns: Dict[str, str] = {"question": "question"}
         super().__init__({"prompt_ids": prompt_ids, "prompt_length": prompt_length, "solution": solution,
                           "question": question}, batch_size, seed, shard_id, num_shards, drop_last, source=str(path))
+
+    @classmethod
+    def from_rows(cls, rows: "PromptRows", *, max_prompt_length: int, pad_id: int, batch_size: int, seed: int = 0,
+                  shard_id: int = 0, num_shards: int = 1, drop_last: bool = True) -> "PromptDataset":
+        """The prompts of ``text_rows.read_prompt_rows``, padded with ``pad_id`` to ``max_prompt_length`` as the
+        mindrecord converter pads them (so the same rows give the same batches either way)."""
+        ids = np.full((len(rows), max_prompt_length), pad_id, dtype=np.int32)
+        for i, row in enumerate(rows.prompt_ids):
+            ids[i, :len(row)] = row
+        lengths = np.array([len(row) for row in rows.prompt_ids], dtype=np.int32)
+        dataset = cls.__new__(cls)
+        # The columns live under "column/<name>": a row's key may be any name (index, prompt_ids, ...).
+        dataset.reward_columns = {name: f"column/{name}" for name in rows.columns}
+        ShardedDataset.__init__(dataset, {"prompt_ids": ids, "prompt_length": lengths, "solution": list(rows.solutions),
+                                          **{key: rows.columns[name] for name, key in dataset.reward_columns.items()}},
+                                batch_size, seed, shard_id, num_shards, drop_last, source=rows.source)
+        return dataset
 
     prompt_ids = property(lambda self: self.columns["prompt_ids"])
     prompt_length = property(lambda self: self.columns["prompt_length"])
     solution = property(lambda self: self.columns["solution"])
-    question = property(lambda self: self.columns["question"])
+    question = property(lambda self: self.columns[self.reward_columns["question"]])
 
     @property
     def max_prompt_length(self) -> int:

@@ -5,7 +5,7 @@ A GSM8K ``answer`` is worked reasoning with ``<<a*b=c>>`` calculator notes, endi
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Tuple
 
 if TYPE_CHECKING:  # only for the annotation; keeps this module import-light for the reward code
     from mindrlhf.data.report import ConversionReport
@@ -198,3 +198,29 @@ def sft_rows_main(argv=None) -> int:
         return 0
 
     return run_cli(run, argv)
+
+
+def final_answer(value: object, dataset_type: str = "gsm8k") -> Tuple[Optional[str], str]:
+    """``(solution, why-not)`` of an answer value: the reference the accuracy reward compares with.
+
+    ``gsm8k``: the number after the last ``####`` (a row without one, with nothing after it or with no
+    number there has no solution: no completion could match it); other types: the answer itself, stripped.
+    A number is read as its text. Shared by the prompt mindrecord converter and the prompt JSONL reader, so
+    both hold the same solutions for the same rows.
+    """
+    from mindrlhf.rewards.answers import parse_number  # lazy: the reward package is not needed to build prompts
+
+    text = str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+    if not isinstance(text, str):
+        return None, f"answer is a {type(value).__name__}, not a string"
+    if dataset_type == "gsm8k":
+        solution = extract_gsm8k_solution(text)
+        if solution is None:
+            return None, "answer has no '####' marker"
+        if not solution:
+            return None, "nothing after '####'"
+        if parse_number(solution) is None:  # the accuracy reward compares numbers: no completion could match
+            return None, f"final answer {solution!r} after '####' is not a number"
+        return solution, ""
+    solution = text.strip()  # openr1math / generic: the field already holds the final answer
+    return (solution, "") if solution else (None, "answer is empty")

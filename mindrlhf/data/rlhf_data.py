@@ -26,12 +26,11 @@ from mindrlhf.data.gsm8k import (
     DEFAULT_SYSTEM_PROMPT,
     PROMPT_STYLES,
     build_prompt,
-    extract_gsm8k_solution,
+    final_answer,
     style_system_prompt,
 )
 from mindrlhf.data.report import ConversionReport, SkippedRow
 from mindrlhf.errors import MindRLHFError
-from mindrlhf.rewards.answers import parse_number
 from mindrlhf.tokenizer import Tokenizer, resolve_tokenizer
 from mindrlhf.utils.cli import run_cli
 
@@ -45,25 +44,6 @@ DATASET_FIELDS: Dict[str, Tuple[str, str]] = {
 _HEADER_SIZE = 1 << 18
 _PAGE_SIZE = 1 << 20
 _CHUNK = 256  # rows per tokenizer batch (and per progress-bar update)
-
-
-def _final_answer(value: object, dataset_type: str) -> Tuple[Optional[str], str]:
-    """(solution, why-not) for an answer value."""
-    text = str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
-    if not isinstance(text, str):
-        return None, f"answer is a {type(value).__name__}, not a string"
-    if dataset_type == "gsm8k":
-        solution = extract_gsm8k_solution(text)
-        if solution is None:
-            return None, "answer has no '####' marker"
-        if not solution:
-            return None, "nothing after '####'"
-        if parse_number(solution) is None:  # the accuracy reward compares numbers: no completion could match
-            return None, f"final answer {solution!r} after '####' is not a number"
-        return solution, ""
-    # openr1math / generic: the field already holds the final answer.
-    solution = text.strip()
-    return (solution, "") if solution else (None, "answer is empty")
 
 
 def read_rows(
@@ -103,7 +83,7 @@ def read_records(
             if record.get(answer_field) is None:
                 skipped.append(SkippedRow(line_no, "missing_field", f"no field '{answer_field}'"))
                 continue
-            solution, why = _final_answer(record[answer_field], dataset_type)
+            solution, why = final_answer(record[answer_field], dataset_type)
             if solution is None:
                 skipped.append(SkippedRow(line_no, "no_final_answer", why))
                 continue

@@ -1,4 +1,4 @@
-"""Training rows for the SFT, reward-model and DPO stages: JSONL files tokenised exactly as TRL 1.16 does.
+"""Training rows for the SFT, reward-model, DPO and RL stages: JSONL files tokenised exactly as TRL 1.16 does.
 
 The same file trains the same tokens here and under TRL (``tests/test_text_rows.py`` compares the
 ids with TRL's own, recorded by ``tests/make_trl_token_reference.py``). Formats, detected per file
@@ -12,6 +12,8 @@ from its first valid row (a row of another format is a bad row):
   TRL's implicit prompt ``{"chosen", "rejected"}`` (whole texts or conversations sharing a prefix,
   split as ``trl.data_utils.extract_prompt`` splits them), ReaL ``{"prompt", "pos_answers",
   "neg_answers"}`` (one pair per index).
+* Prompts (``read_prompt_rows``, GRPO and PPO): ReaL's ``{"prompt": str}`` and TRL's prompt-only rows
+  (``prompt`` a string or a list of messages); the rows' other keys are the reward functions' columns.
 
 Tokenisation, as TRL 1.16's ``SFTTrainer._prepare_dataset`` / ``DPOTrainer._prepare_dataset`` /
 ``RewardTrainer._prepare_dataset``:
@@ -535,3 +537,131 @@ def read_pair_rows(path: PathLike, tokenizer: "Tokenizer", *, max_length: int, m
         raise reader.no_rows()
     report.examples = f"{len(prompts)} pairs"
     return PairRows(prompts, chosen, rejected, str(reader.path), lines), report
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+#: Keys of a prompt row that reward functions do not get as dataset columns, as in TRL's GRPOTrainer (the
+#: prompt reaches them as ``prompts``; a completion's text and ids are the sampled ones).
+PROMPT_ROW_NOT_COLUMNS = ("prompt", "completion", "completion_ids")
+#: Arguments every reward function already gets: a column of one of these names cannot be passed too.
+_REWARD_ARGUMENTS = ("prompts", "completions")
+_PROMPT_FORMATS: Dict[str, Tuple[str, ...]] = {"TRL/ReaL prompt": ("prompt",)}
+#: The report's warning for rows without a reference answer (the built-in accuracy reward scores them None).
+NO_SOLUTION_WARNING = "no 'solution' or 'answer' column: the accuracy reward gives them no score"
+
+
+@dataclass
+class PromptRows:
+    """One entry per kept prompt row: ``prompt_ids`` (int32, the prompt as the policy sees it), ``solutions``
+    (the reference answer the built-in ``accuracy`` reward reads: the row's ``solution``, else the final answer of
+    its ``answer``, else None), ``columns`` (the reward functions' other dataset columns: every key of the file's
+    rows but the prompt, one value per kept row, None where a row lacks the key; ``question`` is always one) and
+    ``lines`` (1-based, in ``source``)."""
+
+    prompt_ids: List[np.ndarray]
+    solutions: List[Any]
+    columns: Dict[str, List[Any]]
+    source: str
+    lines: List[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+
+class _PromptReader(_Reader):
+    """A ``_Reader`` for prompt rows: nothing is appended to a prompt, so no EOS is needed."""
+
+    def settle(self, name: str, conversational: bool, line: int) -> None:
+        if self.format is None and not conversational:
+            self.format, self.format_line = (name, False), line
+            return
+        super().settle(name, conversational, line)
+
+
+def _row_solution(row: Dict[str, Any]) -> Any:
+    """The reference answer of a prompt row: its ``solution`` as given (TRL passes columns unchanged), else the
+    final answer of its ``answer`` as the prompt mindrecord holds it (``rlhf_data``: the number after GSM8K's
+    ``####``, or the answer itself when it has no marker), else None."""
+    from mindrlhf.data.gsm8k import final_answer
+
+    if "solution" in row:
+        return row["solution"]
+    answer = row.get("answer")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        return None  # no answer, or a structured one: only the user's own rewards can read it
+    solution, why = final_answer(answer, "gsm8k" if isinstance(answer, str) and "####" in answer else "generic")
+    if solution is None:
+        raise _Bad("no_final_answer", f"'answer': {why}")
+    return solution
+
+
+def _parse_prompt(reader: _Reader, row: Dict[str, Any], line: int) -> Tuple[List[_Example], Dict[str, Any]]:
+    """The example of one prompt row (its prompt text, tokenised as it is) and its reward columns."""
+    name = reader.detect(row)
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise _Bad("missing_field", "'prompt' is empty")
+        conversational = False
+    elif isinstance(prompt, list):
+        _check_messages(prompt, "prompt")  # the message rules of every conversational row
+        conversational = True
+    else:
+        raise _Bad("wrong_type", f"'prompt' must be a string or a list of messages, not {_type_name(prompt)}")
+    clash = [key for key in _REWARD_ARGUMENTS if key in row]
+    if clash:
+        raise _Bad("wrong_type", f"column '{clash[0]}' is an argument every reward function already gets; rename it")
+    solution = _row_solution(row)
+    reader.settle(name, conversational, line)
+    columns = {key: value for key, value in row.items() if key not in PROMPT_ROW_NOT_COLUMNS and key != "solution"}
+    if "question" not in columns:  # the mindrecord's column: the question the prompt asks
+        users = [m.get("content") for m in prompt if m.get("role") == "user"] if conversational else [prompt]
+        columns["question"] = users[-1] if users else None
+    # TRL 1.x GRPOTrainer._tokenize_prompts: a text prompt is tokenised as it is (tokenizer(text), so a BOS only
+    # when the tokenizer adds one); a conversational one goes through the chat template with
+    # add_generation_prompt=True (tokenised without special tokens: the template writes them).
+    text = reader.render(row, prompt, generation_prompt=True) if conversational else prompt
+    return [_Example(line, None, [text])], {"solution": solution, "columns": columns}
+
+
+def read_prompt_rows(path: PathLike, tokenizer: "Tokenizer", *, max_prompt_length: int, strict: bool = False,
+                     show_progress: bool = True) -> Tuple[PromptRows, ConversionReport]:
+    """The prompts of a JSONL file for the RL stages (GRPO, PPO): ReaL's ``{"prompt": text}`` rows and TRL's
+    prompt-only rows (``prompt`` a text or a list of ``{"role", "content"}`` messages), tokenised as TRL's
+    ``GRPOTrainer`` does. A prompt longer than ``max_prompt_length`` tokens is skipped, never truncated (as the
+    prompt mindrecord converter does). The rows' other keys are the reward functions' dataset columns
+    (``PromptRows``). Raises ``MindRLHFError`` when no row is usable, or, with ``strict``, at the first bad row.
+    """
+    if max_prompt_length < 1:
+        raise MindRLHFError(f"max_prompt_length {max_prompt_length} must be >= 1")
+    pending: Dict[int, Dict[str, Any]] = {}  # line -> its solution and columns, until the row is tokenised
+    prompt_ids: List[np.ndarray] = []
+    kept: List[Dict[str, Any]] = []
+    lines: List[int] = []
+
+    def parse(reader: _Reader, row: Dict[str, Any], line: int) -> List[_Example]:
+        examples, pending[line] = _parse_prompt(reader, row, line)
+        return examples
+
+    def build(reader: _Reader, ex: _Example, wholes: List[List[int]], prompt: Optional[List[int]]) -> None:
+        ids, extra = wholes[0], pending.pop(ex.line)
+        if len(ids) > max_prompt_length:
+            raise _Bad("prompt_too_long", f"{len(ids)} tokens > max_prompt_length {max_prompt_length}")
+        prompt_ids.append(np.asarray(ids, dtype=np.int32))
+        kept.append(extra)
+        lines.append(ex.line)
+
+    reader = _PromptReader(path, tokenizer, _PROMPT_FORMATS, "prompt", strict, show_progress, build)
+    report = reader.read(parse)
+    if not prompt_ids:
+        raise MindRLHFError(f"no usable rows in {reader.path} ({report.summary()}); each row needs a 'prompt' (a text "
+                            "or a list of messages) of at most max_prompt_length tokens")
+    names: List[str] = []
+    for extra in kept:  # every key of any row, in the order they first appear
+        names += [key for key in extra["columns"] if key not in names]
+    columns = {name: [extra["columns"].get(name) for extra in kept] for name in names}
+    solutions = [extra["solution"] for extra in kept]
+    missing = sum(solution is None for solution in solutions)
+    if missing:
+        report.warnings[NO_SOLUTION_WARNING] = missing
+    return PromptRows(prompt_ids, solutions, columns, str(reader.path), lines), report

@@ -53,11 +53,11 @@ COMPLETION_BUCKET = 32
 @dataclass
 class Rollout:
     """What one generation round sampled on this generator replica: its prompts (token ids, in dataset
-    order) with their columns, and G completions per prompt (prompt-major)."""
+    order) with their reference answers and dataset columns, and G completions per prompt (prompt-major)."""
 
     prompts: List[List[int]] = field(default_factory=list)
-    solutions: List[str] = field(default_factory=list)
-    questions: List[str] = field(default_factory=list)
+    solutions: List[object] = field(default_factory=list)
+    columns: Dict[str, list] = field(default_factory=dict)  # the reward functions' dataset columns, by name
     index: List[int] = field(default_factory=list)
     completions: List[Completion] = field(default_factory=list)
 
@@ -111,7 +111,8 @@ class RolloutTrainer(Trainer):
             out.completions += self.sampler.generate(local, params)
             out.prompts += local
             out.solutions += list(batch["solution"])
-            out.questions += list(batch["question"])
+            for name, key in self.dataset.reward_columns.items():
+                out.columns.setdefault(name, []).extend(batch[key])
             out.index += [int(i) for i in batch["index"]]
         return out
 
@@ -139,7 +140,7 @@ class RolloutTrainer(Trainer):
         if self.rewards is not None:
             total, per_fn = self.rewards(texts, solution_rep, prompts=prompt_texts,
                                          completion_ids=[list(c.token_ids) for c in completions],
-                                         question=rep(rollout.questions))
+                                         **{name: rep(values) for name, values in rollout.columns.items()})
         else:  # a stage scored by a model alone (PPO with a reward model and no reward_funcs)
             total, per_fn = np.full(len(completions), np.nan, np.float32), {}
         reward_time = time.perf_counter() - t0
@@ -309,9 +310,22 @@ class RolloutTrainer(Trainer):
 
 
 # -- the prompts ------------------------------------------------------------------------------------
+def is_prompt_jsonl(path: str) -> bool:
+    """Whether a prompt file is JSON lines (ReaL's / TRL's prompt rows) rather than a mindrecord: named
+    ``.jsonl`` / ``.json``, or starting with ``{`` (a mindrecord starts with its binary header size)."""
+    if Path(path).suffix.lower() in (".jsonl", ".json"):
+        return True
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64).lstrip(b"\xef\xbb\xbf \t\r\n")
+    except OSError:  # missing or unreadable: the mindrecord reader names the problem
+        return False
+    return head.startswith(b"{")
+
+
 def resolve_dataset(cfg, tokenizer) -> str:
-    """The prompt mindrecord (``data.mind_dataset_dir``); the packaged GSM8K sample, tokenised once into
-    output_dir, by default."""
+    """The prompt file (``data.mind_dataset_dir``, alias ``train_file``): a mindrecord or a prompt JSONL file;
+    the packaged GSM8K sample, tokenised once into output_dir as a mindrecord, by default."""
     if cfg.data.mind_dataset_dir:
         return cfg.data.mind_dataset_dir
     from mindrlhf.data.rlhf_data import convert_to_mindrecord
@@ -327,14 +341,43 @@ def resolve_dataset(cfg, tokenizer) -> str:
     return str(out)
 
 
+#: Skipped rows of a prompt JSONL file named one by one in the log (the rest are counted).
+SHOWN_SKIPPED_ROWS = 10
+
+
+def read_prompt_jsonl(path: str, cfg, tokenizer, layout, batch_size: int) -> PromptDataset:
+    """A prompt JSONL file (``text_rows.read_prompt_rows``) as a ``PromptDataset`` padded to the config's
+    max_prompt_length, like the mindrecord the converter would write. Every rank reads it (the same rows);
+    rank 0 names the skipped rows and logs the summary."""
+    from mindrlhf.data.text_rows import read_prompt_rows
+
+    max_len = cfg.generation.max_prompt_length
+    rows, report = read_prompt_rows(path, tokenizer, max_prompt_length=max_len, show_progress=False)
+    if comm.is_main():
+        for row in report.skipped[:SHOWN_SKIPPED_ROWS]:
+            log.warning("%s", row)
+        if len(report.skipped) > SHOWN_SKIPPED_ROWS:
+            log.warning("... and %d more skipped rows", len(report.skipped) - SHOWN_SKIPPED_ROWS)
+        log.info("prompts: %s", report.summary())
+    if tokenizer.pad_token_id is None:
+        raise MindRLHFError(f"the tokenizer from {tokenizer.source} has neither pad_token nor eos_token; "
+                            "fix tokenizer_config.json")
+    return PromptDataset.from_rows(rows, max_prompt_length=max_len, pad_id=tokenizer.pad_token_id,
+                                   batch_size=batch_size, seed=cfg.train.seed, shard_id=layout.infer_dp_rank,
+                                   num_shards=layout.infer.dp)
+
+
 def load_prompt_dataset(cfg, layout, tokenizer, model_config, batch_size: int) -> PromptDataset:
     """This generator replica's share of the prompts (``batch_size`` per global batch), checked against the
     config and the model: prompt length limits, the vocabulary, the context length and the format reward's
     prompt style."""
     data_path = resolve_dataset(cfg, tokenizer)
-    # Generator replica j samples its share of every global batch (its tp ranks: the same prompts).
-    dataset = PromptDataset(data_path, batch_size=batch_size, seed=cfg.train.seed,
-                            shard_id=layout.infer_dp_rank, num_shards=layout.infer.dp)
+    if is_prompt_jsonl(data_path):
+        dataset = read_prompt_jsonl(data_path, cfg, tokenizer, layout, batch_size)
+    else:
+        # Generator replica j samples its share of every global batch (its tp ranks: the same prompts).
+        dataset = PromptDataset(data_path, batch_size=batch_size, seed=cfg.train.seed,
+                                shard_id=layout.infer_dp_rank, num_shards=layout.infer.dp)
     if dataset.max_prompt_length > cfg.generation.max_prompt_length:
         raise MindRLHFError(f"{data_path} was built with max_prompt_length={dataset.max_prompt_length} but the config "
                             f"has max_prompt_length={cfg.generation.max_prompt_length}; rebuild the data or raise it")
