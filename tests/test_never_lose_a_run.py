@@ -122,7 +122,9 @@ def test_a_full_disk_is_one_error_and_resume_works_once_space_is_freed(grpo_asse
         assert "Traceback" not in err
         last = err.strip().splitlines()[-1]
         assert last.startswith(f"error: writing checkpoint step 2 to {out / 'checkpoints' / 'step_00000002'} failed: "
-                               f"No space left on device (") and last.endswith("step 1's checkpoint is intact"), last
+                               f"No space left on device (") and last.endswith(
+            "step 1's checkpoint is intact: free space or choose another --save_ckpt_dir, then rerun with --resume to "
+            "continue from it"), last
         leftovers = [p.name for p in (tmp_path / "disk").rglob(".*")]
         assert leftovers == [], leftovers
         ckpts = CheckpointManager(str(out / "checkpoints"))
@@ -134,6 +136,18 @@ def test_a_full_disk_is_one_error_and_resume_works_once_space_is_freed(grpo_asse
         assert _run(argv + ["--resume"]) == 0
         assert [r["step"] for r in _metrics(out)] == [1, 2]
         assert ckpts.list_steps() == [1, 2] and ckpts.verify(ckpts.step_dir(2)) is None
+    # Issue 39.9: full on the run's first checkpoint, the advice was --resume, which then fails (no checkpoint, but
+    # metrics). It now says what works, and that works once space is freed.
+    first = tmp_path / "disk1" / "run"
+    argv = _args(grpo_assets, first, max_steps=1, tensorboard="false", **SHORT)
+    with small_filesystem(tmp_path / "disk1", 0.5 * one_step) as resize:
+        assert _run(argv) == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.endswith("no checkpoint of this run was saved yet: free space or choose another --output_dir, "
+                             "then rerun (with --overwrite_output_dir true to replace the steps logged so far)"), last
+        resize(4 * one_step)
+        assert _run(argv + ["--overwrite_output_dir", "true"]) == 0
+        assert [r["step"] for r in _metrics(first)] == [1]
 
 
 @pytest.mark.slow

@@ -114,8 +114,9 @@ class RunStart:
 def _check_not_inside_inputs(dirs: Mapping[str, Path], models: Mapping[str, str]) -> None:
     """A run never writes into an input model's folder (its output could replace or mix with the model's files)."""
     for flag, model in models.items():
-        if not model:
-            continue
+        if not model or not Path(model).exists():
+            continue  # the default, or a path the loader reports as missing
+        # A checkpoint file's folder holds its config.json too: the model is that folder.
         folder = Path(model) if Path(model).is_dir() else Path(model).parent
         for name, path in dirs.items():
             if is_inside(path, folder):
