@@ -22,8 +22,9 @@ from mindrlhf.algorithms.supervised import reward_model_loss
 from mindrlhf.configs.offline import RMConfig, parse_rm_args
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.parallel import comm
+from mindrlhf.trainer.base import log_data_report
 from mindrlhf.trainer.entry import StageSpec, load_tokenizer, resolve_weights, run_stage
-from mindrlhf.trainer.offline import OfflineTrainer, log_data_report, pad_rows
+from mindrlhf.trainer.offline import OfflineTrainer, pad_rows
 from mindrlhf.utils.cli import run_cli
 
 
@@ -119,7 +120,7 @@ def _pair_columns(pairs) -> Dict[str, list]:
 
 def read_pairs(cfg, path: str, tokenizer, what: str, overlong: str):
     """``(pairs, report)``: the tokenised pairs of ``path`` (a file with no usable pair is an error) and the reader's
-    report, logged once with its skipped rows named (``trainer.offline.log_data_report``). ``overlong``: a pair
+    report, logged once with its skipped rows named (``trainer.base.log_data_report``). ``overlong``: a pair
     longer than max_length is ``drop``ped (TRL's RewardTrainer) or each sequence is cut at its end (``truncate``,
     TRL's DPOTrainer)."""
     from mindrlhf.data.text_rows import read_pair_rows

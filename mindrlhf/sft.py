@@ -22,8 +22,9 @@ from mindrlhf.algorithms.supervised import sft_loss
 from mindrlhf.configs.offline import SFTConfig, parse_sft_args
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.parallel import comm
+from mindrlhf.trainer.base import log_data_report
 from mindrlhf.trainer.entry import StageSpec, load_tokenizer, resolve_weights, run_stage
-from mindrlhf.trainer.offline import OfflineTrainer, log_data_report, pack_rows, prompt_completion_micro_batches
+from mindrlhf.trainer.offline import OfflineTrainer, pack_rows, prompt_completion_micro_batches
 from mindrlhf.utils.cli import run_cli
 
 log = logging.getLogger("mindrlhf")
@@ -137,7 +138,7 @@ def default_train_file(cfg: SFTConfig) -> str:
 
 def read_rows(cfg: SFTConfig, path: str, tokenizer, what: str):
     """``(rows, report)``: the tokenised rows of ``path`` (a file with no usable row is an error) and the reader's
-    report, logged once with its skipped rows named (``trainer.offline.log_data_report``)."""
+    report, logged once with its skipped rows named (``trainer.base.log_data_report``)."""
     from mindrlhf.data.text_rows import read_sft_rows
 
     rows, report = read_sft_rows(path, tokenizer, max_length=cfg.data.max_length,

@@ -148,12 +148,13 @@ def test_the_stages_name_the_skipped_rows(tmp_path, grpo_assets, prompt_files, c
         dataset = load_prompt_dataset(cfg, layout, tok, config, batch_size=2)
     assert dataset.num_rows == 4 and dataset.solution == [extract_gsm8k_solution(r["answer"])
                                                           for r in prompt_files["rows"][:4]]
+    assert dataset.report.rows_written == 4 and [row.line for row in dataset.report.skipped] == [2, 4]
     logged = [r.getMessage() for r in caplog.records]
     assert f"{path}:2: skipped (malformed JSON): Expecting property name enclosed in double quotes: line 1 column 2 " \
            "(char 1)" in logged
     assert (f"{path}:4: skipped (wrongly typed field): 'prompt' must be a string or a list of messages, "
             "not int") in logged
-    assert f"prompts: {path}: 6 rows read, 4 kept, 2 skipped (malformed JSON: 1, wrongly typed field: 1)" in logged
+    assert f"train_file: {path}: 6 rows read, 4 kept, 2 skipped (malformed JSON: 1, wrongly typed field: 1)" in logged
 
 
 def test_a_prompt_file_is_jsonl_by_its_name_or_first_byte(tmp_path, grpo_assets):
@@ -216,7 +217,7 @@ def test_grpo_trains_from_both_jsonl_forms_as_from_the_mindrecord(grpo_assets, p
         runs[form] = _first_rows(out)
         if form != "mindrecord":
             _columns_seen(seen, answers)
-            assert "prompts: " in proc.stderr and "16 rows read, 16 kept, 0 skipped" in proc.stderr
+            assert "train_file: " in proc.stderr and "16 rows read, 16 kept, 0 skipped" in proc.stderr
     assert "rewards/accuracy/mean" in runs["mindrecord"]
     assert runs["real"] == runs["mindrecord"]
     assert runs["trl"] == runs["mindrecord"]

@@ -10,7 +10,9 @@ existing run changed (every file's checksum, so metrics.jsonl, config.yaml, run.
   converting or resharding it is one line;
 - a start that fails (a missing data file or model) leaves no empty output or checkpoint folder.
 Exact resume after kill -9 is tested per stage where each stage is: test_offline_stages (sft, rm, dpo),
-test_ppo (ppo) and test_never_lose_a_run / test_grpo_e2e (grpo). Bad rows named: test_skipped_rows.
+test_ppo (ppo) and test_never_lose_a_run / test_grpo_e2e (grpo).
+- every skipped data row is named: the first ones in the log, all in output_dir/skipped_rows.jsonl (the training
+  and validation rows of sft, rm and dpo; the prompt JSONL rows of ppo and grpo).
 """
 from __future__ import annotations
 
@@ -25,8 +27,13 @@ from typing import Dict, List
 import pytest
 
 from grpo_runs import SUITE_RECOMPUTE, grpo_args
+from mindrlhf.checkpoint.run_dir import RUN_OUTPUTS, clear_previous_run
+from mindrlhf.data.report import REASONS, SKIPPED_ROWS_FILE
+from mindrlhf.trainer.base import SKIPPED_ROWS_LOGGED
 
 REPO = Path(__file__).resolve().parents[1]
+GSM8K = REPO / "mindrlhf" / "resources" / "gsm8k_train_sample.jsonl"
+FILLER = 9  # bad rows after the named ones: more than SKIPPED_ROWS_LOGGED in all, so the log counts the rest
 STAGES = ("sft", "rm", "dpo", "ppo", "grpo")
 #: The flag of the trained model in each stage's command.
 MODEL_FLAG = {"sft": "--model", "rm": "--model", "dpo": "--model", "ppo": "--model", "grpo": "--sft_path_train"}
@@ -84,6 +91,14 @@ def run_stage(stage: str, argv: List[str]) -> int:
     return importlib.import_module(f"mindrlhf.{stage}").main(argv)
 
 
+def child_run(stage: str, argv: List[str]) -> subprocess.CompletedProcess:
+    """``mindrlhf-<stage>`` in a child process (its compiled graphs are not kept in this one)."""
+    from grpo_runs import launch_env
+
+    return subprocess.run([sys.executable, "-m", f"mindrlhf.{stage}", *map(str, argv)], cwd=REPO, env=launch_env(),
+                          capture_output=True, text=True, timeout=900)
+
+
 def snapshot(folder: Path) -> Dict[str, str]:
     """relative path -> md5 of every file under ``folder``."""
     return {str(p.relative_to(folder)): hashlib.md5(p.read_bytes()).hexdigest()
@@ -101,14 +116,11 @@ def refused(capsys) -> str:
 @pytest.fixture(scope="module")
 def runs(assets, tmp_path_factory) -> Dict[str, Path]:
     """Each stage's one-step run (output_dir), with its checkpoint at step 1."""
-    from grpo_runs import launch_env
-
     root = tmp_path_factory.mktemp("stage_runs")
     out = {}
     for stage in STAGES:  # in child processes: their compiled graphs would stay in this one (~2.3 GiB)
         out[stage] = root / stage
-        proc = subprocess.run([sys.executable, "-m", f"mindrlhf.{stage}", *stage_argv(stage, assets, out[stage])],
-                              cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=900)
+        proc = child_run(stage, stage_argv(stage, assets, out[stage]))
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert (out[stage] / "checkpoints" / "step_00000001" / "manifest.json").is_file()
     return out
@@ -271,3 +283,128 @@ def test_a_failed_start_leaves_no_empty_folders(assets, tmp_path, capsys, stage,
     assert run_stage(stage, stage_argv(stage, assets, out, **bad)) == 2
     assert str(next(iter(bad.values()))) in refused(capsys)
     assert not out.exists()
+
+
+# -- bad rows named ------------------------------------------------------------------------------------------
+def _message(role: str, content: str) -> list:
+    return [{"role": role, "content": content}]
+
+
+def _data(stage: str, rows: list) -> tuple:
+    """(train lines, valid lines, {train line: reason} of the named bad rows, {valid line: reason}) of ``stage``:
+    conversational rows from the packaged GSM8K sample, 8 good train rows and 2 good valid rows, with bad ones
+    between them."""
+    if stage == "sft":
+        good = [{"messages": _message("user", r["question"]) + _message("assistant", r["answer"])} for r in rows]
+        bad = {"malformed_json": '{"messages": [{"role": "user", "content": "unterminated"',
+               "missing_field": json.dumps({"prompt": "a prompt, and no messages"}),
+               "unknown_role": json.dumps({"messages": _message("wizard", "abracadabra")
+                                           + _message("assistant", "poof")})}
+    else:
+        good = [{"prompt": _message("user", r["question"]), "chosen": _message("assistant", r["answer"]),
+                 "rejected": _message("assistant", r["answer"].replace("####", "#### 1"))} for r in rows]
+        same = _message("assistant", rows[0]["answer"])
+        bad = {"malformed_json": '{"prompt": [{"role": "user", "content": "unterminated"',
+               "missing_field": json.dumps({"prompt": _message("user", "q"), "chosen": _message("assistant", "a")}),
+               "unknown_role": json.dumps({"prompt": _message("wizard", "q"), "chosen": _message("assistant", "a"),
+                                           "rejected": _message("assistant", "b")}),
+               "identical_pair": json.dumps({"prompt": _message("user", "q"), "chosen": same, "rejected": same})}
+    lines, named = [json.dumps(good[0]), json.dumps(good[1])], {}
+    for reason, line in bad.items():
+        lines.append(line)
+        named[len(lines)] = reason
+    lines += ["not json at all"] * FILLER + [json.dumps(g) for g in good[2:8]]
+    valid = [json.dumps(good[8]), bad["unknown_role"], json.dumps(good[9])]
+    return lines, valid, named, {2: "unknown_role"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo"])
+def test_every_skipped_row_is_named_in_the_log_and_listed_in_output_dir(stage, assets, tmp_path):
+    """Issue 39.5: mindrlhf-sft/-rm/-dpo counted skipped rows but never named them (the readers kept each one's
+    file, line and reason). The log names the first SKIPPED_ROWS_LOGGED of each file and counts the rest,
+    output_dir/skipped_rows.jsonl lists all of them, and training goes on with the good rows."""
+    model_dir = assets["model"]
+    rows = [json.loads(line) for line in GSM8K.read_text().splitlines()[:10]]
+    train_lines, valid_lines, named, valid_named = _data(stage, rows)
+    train, valid = tmp_path / "train.jsonl", tmp_path / "valid.jsonl"
+    train.write_text("\n".join(train_lines) + "\n", encoding="utf-8")
+    valid.write_text("\n".join(valid_lines) + "\n", encoding="utf-8")
+    out = tmp_path / "out"
+    args = {"model": model_dir, "train_file": train, "valid_file": valid, "output_dir": out, "max_steps": 1,
+            "batch_size": 4, "micro_batch_size": 2, "max_length": 512, "save_steps": 1, "seed": 3,
+            "progress_bar": "false", **SUITE_RECOMPUTE}
+    proc = child_run(stage, _flags(args))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stderr
+
+    # The log: each named bad row by file:line and reason, in file order, then a count of the rest.
+    bad_lines = sorted(named) + list(range(len(named) + 3, len(named) + 3 + FILLER))
+    for line, reason in named.items():
+        assert f"{train}:{line}: skipped ({REASONS[reason]}): " in log, (line, reason, log[-3000:])
+    shown = [n for n in bad_lines if f"{train}:{n}: skipped (" in log]
+    assert shown == bad_lines[:SKIPPED_ROWS_LOGGED]
+    listing = out / SKIPPED_ROWS_FILE
+    more = len(bad_lines) - SKIPPED_ROWS_LOGGED
+    assert f"... and {more} more (all in {listing})" in log
+    key = "messages" if stage == "sft" else "prompt"
+    assert f"{valid}:2: skipped ({REASONS['unknown_role']}): '{key}'[0] has role 'wizard'" in log
+    if stage != "sft":
+        assert "chosen and rejected are the same" in log
+    kept = "8 kept (8 pairs)" if stage != "sft" else "8 kept"
+    assert f"train_file: {train}: {len(train_lines)} rows read, {kept}, {len(bad_lines)} skipped" in log
+
+    # The file: every skipped row of both files, as JSON objects, in the order they were read.
+    listed = [json.loads(line) for line in listing.read_text(encoding="utf-8").splitlines()]
+    assert [(r["path"], r["line"]) for r in listed] == [(str(train), n) for n in bad_lines] + [(str(valid), 2)]
+    assert {r["line"]: r["reason"] for r in listed if r["path"] == str(train) and r["line"] in named} == named
+    assert all(r["reason"] == "malformed_json" for r in listed[len(named):-1])
+    assert listed[-1]["reason"] == valid_named[2] and "'wizard'" in listed[-1]["detail"]
+    assert all(set(r) == {"path", "line", "reason", "detail"} and r["detail"] for r in listed)
+
+    # Training went on with the good rows (and evaluated on the valid file's two good rows).
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1] and any(k.startswith("eval/") for k in metrics[-1])
+
+    if stage == "sft":  # (once: the rule is OfflineTrainer's) a replacing run removes the listing, then writes its own
+        train.write_text("\n".join(line for n, line in enumerate(train_lines, 1) if n not in bad_lines) + "\n",
+                         encoding="utf-8")
+        proc = child_run(stage, _flags(dict(args, overwrite_output_dir="true")))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert SKIPPED_ROWS_FILE in proc.stderr.split("removed the previous run from")[1].splitlines()[0]
+        assert [json.loads(line)["path"] for line in listing.read_text().splitlines()] == [str(valid)]
+
+
+def test_the_listing_is_a_run_output_that_overwrite_removes(tmp_path):
+    """skipped_rows.jsonl belongs to the run: --overwrite_output_dir removes it with the run's other outputs
+    (the new run then writes its own when training starts)."""
+    assert SKIPPED_ROWS_FILE in RUN_OUTPUTS
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / SKIPPED_ROWS_FILE).write_text('{"path": "old.jsonl", "line": 3}\n')
+    removed = clear_previous_run(out, out / "checkpoints")
+    assert out / SKIPPED_ROWS_FILE in removed and not (out / SKIPPED_ROWS_FILE).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["grpo", "ppo"])
+def test_every_skipped_prompt_row_is_named_too(stage, assets, tmp_path):
+    """The prompt JSONL files of the RL stages follow the same rules: bad rows named in the log and listed in
+    output_dir/skipped_rows.jsonl, training on the good ones."""
+    rows = [json.loads(line) for line in GSM8K.read_text().splitlines()[:4]]
+    good = [json.dumps({"prompt": _message("user", r["question"]), "answer": r["answer"]}) for r in rows]
+    bad = {"malformed_json": '{"prompt": [{"role": "user"', "missing_field": json.dumps({"answer": "#### 1"}),
+           "unknown_role": json.dumps({"prompt": _message("wizard", "q"), "answer": "#### 1"})}
+    lines = good[:2] + list(bad.values()) + good[2:]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "out"
+    key = "mind_dataset_dir" if stage == "grpo" else "train_file"
+    proc = child_run(stage, stage_argv(stage, assets, out, **{key: data}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for line, reason in zip((3, 4, 5), bad):
+        assert f"{data}:{line}: skipped ({REASONS[reason]}): " in proc.stderr, (reason, proc.stderr[-3000:])
+    listed = [json.loads(line) for line in (out / SKIPPED_ROWS_FILE).read_text().splitlines()]
+    assert [(r["path"], r["line"], r["reason"]) for r in listed] == [(str(data), n, r) for n, r in zip((3, 4, 5), bad)]
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]

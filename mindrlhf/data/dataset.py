@@ -11,13 +11,14 @@ instead of replaying the stream.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from mindrlhf.errors import MindRLHFError
 
 if TYPE_CHECKING:  # annotations only
+    from mindrlhf.data.report import ConversionReport
     from mindrlhf.data.text_rows import PromptRows
 
 
@@ -117,19 +118,24 @@ class PromptDataset(ShardedDataset):
         prompt_ids, prompt_length, solution, question = self._load(str(path))
         #: reward-function argument name -> the batch key holding it
         self.reward_columns: Dict[str, str] = {"question": "question"}
+        #: what the reader of a prompt JSONL file read and skipped (None for a mindrecord: its converter reported)
+        self.report: Optional["ConversionReport"] = None
         super().__init__({"prompt_ids": prompt_ids, "prompt_length": prompt_length, "solution": solution,
                           "question": question}, batch_size, seed, shard_id, num_shards, drop_last, source=str(path))
 
     @classmethod
     def from_rows(cls, rows: "PromptRows", *, max_prompt_length: int, pad_id: int, batch_size: int, seed: int = 0,
-                  shard_id: int = 0, num_shards: int = 1, drop_last: bool = True) -> "PromptDataset":
+                  shard_id: int = 0, num_shards: int = 1, drop_last: bool = True,
+                  report: Optional["ConversionReport"] = None) -> "PromptDataset":
         """The prompts of ``text_rows.read_prompt_rows``, padded with ``pad_id`` to ``max_prompt_length`` as the
-        mindrecord converter pads them (so the same rows give the same batches either way)."""
+        mindrecord converter pads them (so the same rows give the same batches either way); ``report``: the
+        reader's (kept as ``self.report``, naming the rows it skipped)."""
         ids = np.full((len(rows), max_prompt_length), pad_id, dtype=np.int32)
         for i, row in enumerate(rows.prompt_ids):
             ids[i, :len(row)] = row
         lengths = np.array([len(row) for row in rows.prompt_ids], dtype=np.int32)
         dataset = cls.__new__(cls)
+        dataset.report = report
         # The columns live under "column/<name>": a row's key may be any name (index, prompt_ids, ...).
         dataset.reward_columns = {name: f"column/{name}" for name in rows.columns}
         ShardedDataset.__init__(dataset, {"prompt_ids": ids, "prompt_length": lengths, "solution": list(rows.solutions),

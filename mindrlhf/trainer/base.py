@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from mindrlhf.checkpoint.hf_io import config_with_dtype
 from mindrlhf.checkpoint.manager import CheckpointManager, load_parameters_into
+from mindrlhf.data.report import SKIPPED_ROWS_FILE, ConversionReport, write_skipped_rows
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import RunLayout, data_parallel_groups
@@ -34,6 +35,21 @@ from mindrlhf.trainer.update import Updater
 from mindrlhf.utils import faults
 
 log = logging.getLogger(__name__)
+#: Skipped rows named in the log per data file; the rest are counted there, and all are in SKIPPED_ROWS_FILE.
+SKIPPED_ROWS_LOGGED = 10
+
+
+def log_data_report(cfg, report: ConversionReport, what: str) -> ConversionReport:
+    """On the main rank, log a data reader's ``report`` of the file given as ``what`` (``train_file``): its summary
+    line, then its first skipped rows by name (``path:line: skipped (reason): detail``), then how many more
+    there are and that ``output_dir/skipped_rows.jsonl`` lists them all. Returns ``report``, for the trainer's
+    ``data_reports``."""
+    if comm.is_main():
+        log.info("%s: %s", what, report.summary())
+        where = f" (all in {Path(cfg.train.output_dir) / SKIPPED_ROWS_FILE})"
+        for line in report.named(SKIPPED_ROWS_LOGGED, where):
+            log.warning("%s", line)
+    return report
 
 
 class Trainer:
@@ -68,6 +84,9 @@ class Trainer:
         self.ckpt = CheckpointManager(cfg.checkpoint_dir, t.keep_last, self.run_id, self.stage)
         #: Each input model's identity (``trainer.entry.identify_models``), recorded in every checkpoint.
         self.input_models: Dict[str, Dict[str, object]] = {}
+        #: The reports of the data files the stage read as text rows (``log_data_report``): ``train`` lists every
+        #: row they skipped in ``output_dir/skipped_rows.jsonl``.
+        self.data_reports: List[ConversionReport] = []
         self.total_steps = int(total_steps if total_steps is not None else t.max_steps)
         self.step = 0
         self.consecutive_nonfinite = 0
@@ -260,6 +279,11 @@ class Trainer:
         """Run from ``self.step`` (0, or where ``resume`` left it) until ``total_steps``; checkpoints every
         ``save_steps`` and at the end."""
         t = self.cfg.train
+        if self.data_reports and comm.is_main():
+            # Written here, not as the rows are read: run_stage replaces a previous run (--overwrite_output_dir,
+            # which removes its skipped_rows.jsonl with its other outputs) only after the trainer is built, and a
+            # start that fails before that must leave the previous run's files as they were.
+            write_skipped_rows(self.output_dir / SKIPPED_ROWS_FILE, self.data_reports)
         logger = MetricsLogger(self.output_dir, comm.is_main(), t.tensorboard, resume_step=self.step)
         history = []
         bar = tqdm(total=self.total_steps, initial=self.step, desc=self.stage.upper(), unit="step",

@@ -5,42 +5,21 @@ position is the step, so resuming needs no data state), the learning-rate schedu
 policy, evaluation every ``eval_steps`` steps and after the last. A stage says how a batch becomes
 micro-batches and the step's global counts (``prepare``), which of the objective's metrics it logs
 (``stage_metrics``) and how it evaluates (``evaluate``).
-
-The rows a stage's data readers skipped are named here, once for every stage: the first
-``SKIPPED_ROWS_LOGGED`` of each file in the log as they are read (``log_data_report``), and all of them in
-``output_dir/skipped_rows.jsonl`` when training starts (``OfflineTrainer.train``).
+The reports of a stage's data readers (``reports``) name the rows they skipped: ``trainer.base``.
 """
 from __future__ import annotations
 
 import bisect
-import logging
-from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from mindrlhf.data.dataset import ShardedDataset
-from mindrlhf.data.report import SKIPPED_ROWS_FILE, ConversionReport, write_skipped_rows
+from mindrlhf.data.report import ConversionReport
 from mindrlhf.parallel import comm
 from mindrlhf.trainer.base import Trainer
 from mindrlhf.trainer.experience import bucket as round_up
 from mindrlhf.trainer.schedule import run_length
-
-log = logging.getLogger(__name__)
-#: Skipped rows named in the log per data file; the rest are counted there, and all are in SKIPPED_ROWS_FILE.
-SKIPPED_ROWS_LOGGED = 10
-
-
-def log_data_report(cfg, report: ConversionReport, what: str) -> ConversionReport:
-    """On the main rank, log a data reader's ``report`` of the file given as ``what`` (``train_file``): its summary
-    line, then its first skipped rows by name (``path:line: skipped (reason): detail``), then how many more
-    there are and that ``output_dir/skipped_rows.jsonl`` lists them all. Returns ``report``."""
-    if comm.is_main():
-        log.info("%s: %s", what, report.summary())
-        where = f" (all in {Path(cfg.train.output_dir) / SKIPPED_ROWS_FILE})"
-        for line in report.named(SKIPPED_ROWS_LOGGED, where):
-            log.warning("%s", line)
-    return report
 
 
 class OfflineTrainer(Trainer):
@@ -52,7 +31,6 @@ class OfflineTrainer(Trainer):
                  reports: Sequence[ConversionReport] = ()):
         """``reports``: the data readers' reports (train and valid file), whose skipped rows ``train`` lists in
         ``output_dir/skipped_rows.jsonl``."""
-        self.data_reports = list(reports)
         d, p = cfg.data, cfg.parallel
         self.dataset = ShardedDataset(columns, batch_size=d.batch_size, seed=cfg.train.seed,
                                       shard_id=layout.groups.dp_rank, num_shards=p.train_dp, source=source)
@@ -63,6 +41,7 @@ class OfflineTrainer(Trainer):
         total = run_length(cfg, d.num_epochs, len(self.dataset), "num_epochs", unit)
         cfg.train.max_steps = total  # config.yaml and a resume compare the resolved length
         super().__init__(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout, total_steps=total)
+        self.data_reports = list(reports)
         self.num_tokens = 0  # TRL's num_tokens: every real token of the rows trained on so far (``prepare`` counts)
 
     # -- what a stage writes ------------------------------------------------------------------------
@@ -85,15 +64,6 @@ class OfflineTrainer(Trainer):
         return False
 
     # -- the step ---------------------------------------------------------------------------------
-    def train(self) -> List[Dict[str, float]]:
-        """Write ``output_dir/skipped_rows.jsonl`` (main rank), then train (``Trainer.train``). Written here, not
-        as the rows are read: ``run_stage`` replaces a previous run (``--overwrite_output_dir``, which removes its
-        skipped_rows.jsonl with its other outputs) only after the trainer is built, and a start that fails
-        before that must leave the previous run's files as they were."""
-        if comm.is_main():
-            write_skipped_rows(self.output_dir / SKIPPED_ROWS_FILE, self.data_reports)
-        return super().train()
-
     def train_one_step(self) -> Dict[str, float]:
         epoch, index = divmod(self.step, len(self.dataset))
         rows = self.dataset.global_indices(epoch, index)

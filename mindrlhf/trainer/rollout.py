@@ -31,7 +31,7 @@ from mindrlhf.parallel import comm
 from mindrlhf.parallel.pipeline import PipelineRunner
 from mindrlhf.parallel.resharding import reshard_arrays
 from mindrlhf.rewards import RewardManager
-from mindrlhf.trainer.base import Trainer
+from mindrlhf.trainer.base import Trainer, log_data_report
 from mindrlhf.trainer.experience import (
     Experience,
     bucket,
@@ -82,6 +82,8 @@ class RolloutTrainer(Trainer):
         g = cfg.generation
         self.stop_ids = list(g.stop_token_ids) or list(tokenizer.stop_token_ids)
         self.batches_drawn = 0  # dataset batches consumed so far (all epochs): where the next step reads
+        if dataset.report is not None:  # a prompt JSONL file: its skipped rows are listed in output_dir
+            self.data_reports = [dataset.report]
 
     # -- rollout ----------------------------------------------------------------------------------
     def _sampling_params(self, step: int, rollout: int) -> SamplingParams:
@@ -341,30 +343,21 @@ def resolve_dataset(cfg, tokenizer) -> str:
     return str(out)
 
 
-#: Skipped rows of a prompt JSONL file named one by one in the log (the rest are counted).
-SHOWN_SKIPPED_ROWS = 10
-
-
 def read_prompt_jsonl(path: str, cfg, tokenizer, layout, batch_size: int) -> PromptDataset:
     """A prompt JSONL file (``text_rows.read_prompt_rows``) as a ``PromptDataset`` padded to the config's
     max_prompt_length, like the mindrecord the converter would write. Every rank reads it (the same rows);
-    rank 0 names the skipped rows and logs the summary."""
+    rank 0 logs the summary and names the skipped rows (``trainer.base.log_data_report``)."""
     from mindrlhf.data.text_rows import read_prompt_rows
 
     max_len = cfg.generation.max_prompt_length
     rows, report = read_prompt_rows(path, tokenizer, max_prompt_length=max_len, show_progress=False)
-    if comm.is_main():
-        for row in report.skipped[:SHOWN_SKIPPED_ROWS]:
-            log.warning("%s", row)
-        if len(report.skipped) > SHOWN_SKIPPED_ROWS:
-            log.warning("... and %d more skipped rows", len(report.skipped) - SHOWN_SKIPPED_ROWS)
-        log.info("prompts: %s", report.summary())
+    log_data_report(cfg, report, "train_file")
     if tokenizer.pad_token_id is None:
         raise MindRLHFError(f"the tokenizer from {tokenizer.source} has neither pad_token nor eos_token; "
                             "fix tokenizer_config.json")
     return PromptDataset.from_rows(rows, max_prompt_length=max_len, pad_id=tokenizer.pad_token_id,
                                    batch_size=batch_size, seed=cfg.train.seed, shard_id=layout.infer_dp_rank,
-                                   num_shards=layout.infer.dp)
+                                   num_shards=layout.infer.dp, report=report)
 
 
 def load_prompt_dataset(cfg, layout, tokenizer, model_config, batch_size: int) -> PromptDataset:
