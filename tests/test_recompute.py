@@ -111,14 +111,16 @@ def test_auto_keeps_activations_on_the_tiny_job_and_recomputes_under_a_small_bud
     first = _updater(model, cfg)
     assert (first.recompute, first.activation_bytes) == ("none", need)
     [line] = [r.getMessage() for r in caplog.records]
-    assert line == (f"recompute auto -> none for the policy: a micro-batch of {320 + 4 * 128} positions keeps "
-                    f"~{need / 2 ** 30:.2f} GiB of activations without recompute; budget 16.00 GiB (80% of "
-                    "available host memory)")
+    assert line == (f"recompute auto -> none for the policy: without recompute its largest micro-batch "
+                    f"({320 + 4 * 128} positions) would hold ~{need / 2 ** 30:.2f} GiB of activations; budget "
+                    "16.00 GiB (80% of available host memory)")
     caplog.clear()
     small = parse_grpo_args(job + ["--memory_budget_gb", str(need / 2 / 2 ** 30)])
     assert _updater(model, small).recompute == "full"
     [line] = [r.getMessage() for r in caplog.records]
-    assert "-> full" in line and "(memory_budget_gb); set memory_budget_gb or recompute none" in line
+    assert "-> full" in line and line.endswith("(memory_budget_gb); so each layer is recomputed in the backward "
+                                               "instead (memory_budget_gb or recompute none keeps the activations "
+                                               "anyway)")
     caplog.clear()
     just = parse_grpo_args(job + ["--memory_budget_gb", str(1.5 * need / 2 ** 30)])
     assert _updater(model, just).recompute == "none"

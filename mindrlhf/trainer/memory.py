@@ -152,8 +152,10 @@ def resolve_recompute(setting: str, config, extent: MicroBatchExtent, *, layers:
     if reserved:
         source += f", less {reserved / 2 ** 30:.2f} GiB planned for another model"
     mode = "none" if need <= budget - reserved else "full"
-    log.info("recompute auto -> %s for the %s: a micro-batch of %d positions keeps ~%.2f GiB of activations "
-             "without recompute; budget %.2f GiB (%s)%s", mode, what, extent.tokens, need / 2 ** 30,
+    # Worded as the decision it is: the figure is what the whole graph WOULD keep, not what the run will use.
+    log.info("recompute auto -> %s for the %s: without recompute its largest micro-batch (%d positions) would "
+             "hold ~%.2f GiB of activations; budget %.2f GiB (%s)%s", mode, what, extent.tokens, need / 2 ** 30,
              (budget - reserved) / 2 ** 30, source,
-             "" if mode == "none" else "; set memory_budget_gb or recompute none to keep them anyway")
+             "" if mode == "none" else "; so each layer is recomputed in the backward instead (memory_budget_gb "
+             "or recompute none keeps the activations anyway)")
     return mode, need if mode == "none" else 0
