@@ -3,7 +3,8 @@
     python .ci/check_quickstart.py OUTPUT_DIR STEPS
 
 metrics.jsonl has one row per step with finite numbers, the last step's checkpoint folder loads as
-a model with its tokenizer and gives finite logits, the curves are PNGs, TensorBoard has events.
+a model with its tokenizer and gives finite logits, the curves are PNGs, TensorBoard has events, the
+last step's completions are dumped.
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ def main(out: Path, steps: int) -> None:
         image = imread(out / name)
         assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100, (name, image.shape)
     assert any((out / "tensorboard").glob("events.out.tfevents.*")), "no TensorBoard events"
+    dumped = out / f"completions_step_{steps}.jsonl"  # the last step's completions, whatever log_completions_steps
+    assert dumped.is_file() and dumped.read_text(encoding="utf-8").strip(), f"no {dumped.name}"
     print(f"quickstart output OK: {len(rows)} metrics rows (reward {rows[-1]['reward']:.3f}), "
           f"{ckpt.name} loads ({sum(p.size for p in model.get_parameters()) / 1e6:.1f}M parameters), curves, events")
 

@@ -69,7 +69,7 @@ def stage_argv(stage: str, assets: dict, out: Path, **extra) -> List[str]:
     """A one-step run of ``stage`` on the tiny models, saving its checkpoint; keywords override flags."""
     if stage == "grpo":
         args = dict(max_steps=1, num_generations=2, chunk_size=2, max_completion_length=4,
-                    reward_funcs=["e2e_rewards:length_reward"], tensorboard="false", log_completions_steps=0)
+                    reward_funcs=["e2e_rewards:length_reward"], tensorboard="false")
         args.update(extra)
         return grpo_args(assets, out, **args)
     common = {"model": assets["model"], "output_dir": out, "max_steps": 1, "save_steps": 1, "lr": 1e-3,
@@ -146,6 +146,15 @@ def test_each_run_knows_its_stage_and_models(runs, assets):
         "--ref_model"] == {"path": ""}
     assert set(json.loads((runs["ppo"] / "checkpoints" / "step_00000001" / "state.json").read_text())["models"]) == {
         "--model", "--ref_model", "--reward_model", "--critic_model"}
+
+
+@pytest.mark.slow
+def test_the_last_steps_completions_are_dumped(runs):
+    """Issue 41: completions_step_N.jsonl appeared only every log_completions_steps (10) steps, so a short run had
+    none; the last step's are written too."""
+    for stage in ("grpo", "ppo"):
+        rows = [json.loads(line) for line in (runs[stage] / "completions_step_1.jsonl").read_text().splitlines()]
+        assert rows and all(row["completion"] is not None for row in rows), stage
 
 
 @pytest.mark.slow

@@ -325,7 +325,7 @@ class RolloutTrainConfig(TrainLoopConfig):
 
     log_completions_steps: int = config_field(
         10, "Write output_dir/completions_step_N.jsonl (prompt, completion, rewards and the stage's per-row "
-        "values: GRPO's advantage, PPO's mean advantage) every N steps. 0 = never. Range >= 0.",
+        "values: GRPO's advantage, PPO's mean advantage) every N steps and at the last step. 0 = never. Range >= 0.",
         ge=0)
     save_data_file: str = config_field(
         "", "Dump every step's experience (prompt and completion ids, masks, sampler log-probs, rewards per "

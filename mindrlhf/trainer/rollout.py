@@ -282,7 +282,8 @@ class RolloutTrainer(Trainer):
                         exp: Experience, texts: Optional[List[str]], info) -> Dict[str, float]:
         """What every rollout stage ends a step's metrics with: the reward functions' failure counts, the phase
         times, ``step_time`` (since ``t0``), completion ``tokens_per_second``; and the step's completions
-        dump when ``log_completions_steps`` asks for it (generated steps only: ``texts`` is None on replay)."""
+        dump every ``log_completions_steps`` steps and at the last (generated steps only: ``texts`` is None on
+        replay)."""
         if self.rewards is not None:
             metrics["reward_fn_failures"] = float(sum(self.rewards.failures.values()))
             if self.cfg.algorithm.reward_errors == "skip":
@@ -292,7 +293,8 @@ class RolloutTrainer(Trainer):
         tokens = float(self._sum_replicas(np.array([exp.extras["completion_present"].sum()]))[0])
         metrics["tokens_per_second"] = tokens / max(metrics["step_time"], 1e-9)
         every = self.cfg.train.log_completions_steps
-        if texts is not None and every and step % every == 0 and comm.is_main():
+        # The last step too: a run shorter than log_completions_steps still shows what it generated.
+        if texts is not None and every and (step % every == 0 or step == self.total_steps) and comm.is_main():
             self._dump_completions(step, texts, info, exp)
         return metrics
 
