@@ -75,6 +75,8 @@ class RMTrainer(OfflineTrainer):
               ("accuracy", "accuracy.png", "reward model: pairwise accuracy", "accuracy"))
     math_groups = ("optimizer", "data", "loss")
     headline = "accuracy"
+    next_command = ("use it as PPO's reward model: mindrlhf-ppo --reward_model {checkpoint}, or export it: "
+                    "mindrlhf-convert-weight --reverse --input_path {checkpoint}/policy.ckpt --output_path DIR")
 
     def __init__(self, cfg: RMConfig, *, model, updater, tokenizer, layout, train_pairs, valid_pairs=None,
                  reports=()):

@@ -122,6 +122,7 @@ def runs(assets, tmp_path_factory) -> Dict[str, Path]:
         out[stage] = root / stage
         proc = child_run(stage, stage_argv(stage, assets, out[stage]))
         assert proc.returncode == 0, proc.stderr[-3000:]
+        (root / f"{stage}.log").write_text(proc.stderr)  # beside the run, not in it
         assert (out[stage] / "checkpoints" / "step_00000001" / "manifest.json").is_file()
     return out
 
@@ -146,6 +147,26 @@ def test_each_run_knows_its_stage_and_models(runs, assets):
         "--ref_model"] == {"path": ""}
     assert set(json.loads((runs["ppo"] / "checkpoints" / "step_00000001" / "state.json").read_text())["models"]) == {
         "--model", "--ref_model", "--reward_model", "--critic_model"}
+
+
+@pytest.mark.slow
+def test_the_last_line_names_every_output_and_the_next_command(runs):
+    """Issue 41: the run's last line named only metrics.jsonl; it names the checkpoint, plots, TensorBoard events and
+    completion dumps the run wrote, and the command to run next on the checkpoint."""
+    for stage, out in runs.items():
+        last = (out.parent / f"{stage}.log").read_text().strip().splitlines()[-1]
+        step = out / "checkpoints" / "step_00000001"
+        assert "done: 1 steps, last " in last, last
+        assert f"; in {out}: metrics.jsonl, checkpoints/step_00000001 (the model), " in last, last
+        pngs = sorted(p.name for p in out.glob("*.png"))
+        assert pngs and all(name in last for name in pngs), last
+        if stage == "rm":
+            assert last.endswith(f"use it as PPO's reward model: mindrlhf-ppo --reward_model {step}, or export it: "
+                                 f"mindrlhf-convert-weight --reverse --input_path {step}/policy.ckpt --output_path DIR")
+        else:
+            assert last.endswith(f"; evaluate it: mindrlhf-eval --model {step}"), last
+        if stage in ("grpo", "ppo"):
+            assert "1 completions_step_N.jsonl (the last completions_step_1.jsonl)" in last, last
 
 
 @pytest.mark.slow

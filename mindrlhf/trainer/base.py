@@ -65,6 +65,8 @@ class Trainer:
     headline = "loss"
     #: Plots written beside metrics.jsonl with each checkpoint: (metric, file, title, y label).
     curves: Tuple[Curve, ...] = (("loss", "loss.png", "training loss", "loss"),)
+    #: What a user runs next on the run's newest checkpoint folder (``{checkpoint}``); the last log line says it.
+    next_command = "evaluate it: mindrlhf-eval --model {checkpoint}"
 
     def __init__(self, cfg, *, model, updater: Updater, tokenizer, layout: Optional[RunLayout] = None,
                  total_steps: Optional[int] = None):
@@ -273,6 +275,27 @@ class Trainer:
             log.warning("--resume %s: recompute differs from the checkpointed run's (%s); the resumed steps equal "
                         "the original's to float rounding, not bit for bit (set recompute to the checkpoint's mode "
                         "to resume exactly)", path, "; ".join(changed))
+
+    def finished(self, history: List[Dict[str, float]]) -> str:
+        """The run's last log line: its steps and headline, every output it wrote, and what to run next."""
+        out = self.output_dir
+        found = self.ckpt.latest_complete(self.run_id)
+        names = ["metrics.jsonl"]
+        if found:
+            where = found[1].relative_to(out) if found[1].is_relative_to(out) else found[1]
+            names.append(f"{where} (the model)")
+        names += sorted(p.name for p in out.glob("*.png"))
+        if (out / "tensorboard").is_dir():
+            names.append("tensorboard/")
+        dumps = sorted(out.glob("completions_step_*.jsonl"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
+        if dumps:
+            names.append(f"{len(dumps)} completions_step_N.jsonl (the last {dumps[-1].name})")
+        skipped = sum(len(report.skipped) for report in self.data_reports)
+        if skipped:
+            names.append(f"{SKIPPED_ROWS_FILE} ({skipped} rows)")
+        line = (f"done: {self.step} steps, last {self.headline} {history[-1].get(self.headline, float('nan')):.4f}; "
+                f"in {out}: {', '.join(names)}")
+        return f"{line}; {self.next_command.format(checkpoint=found[1])}" if found else line
 
     # -- the loop ---------------------------------------------------------------------------------
     def train(self) -> List[Dict[str, float]]:

@@ -178,6 +178,5 @@ def run_stage(spec: StageSpec, argv: Optional[Sequence[str]] = None) -> int:
         if not started:
             start.undo()  # a failed start leaves no empty output or checkpoint directory behind
     if comm.is_main() and history:
-        log.info("done: %d steps, last %s %.4f, metrics in %s", trainer.step, trainer.headline,
-                 history[-1].get(trainer.headline, float("nan")), Path(t.output_dir) / "metrics.jsonl")
+        log.info("%s", trainer.finished(history))
     return 0
