@@ -252,7 +252,7 @@ def test_stage_under_msrun_equals_one_process(stage_assets, tmp_path, stage, lay
         assert np.abs(b[name] - a[name]).mean() < 1e-7, name  # ...but only such entries
 
 
-def test_gsm8k_pairs_from_a_models_wrong_answers(stage_assets, tmp_path, qwen_tokenizer_dir):
+def test_gsm8k_pairs_from_a_models_wrong_answers(stage_assets, tmp_path, qwen_tokenizer_dir, capsys):
     """mindrlhf-data --pairs: k sampled completions per question; every wrong one (a random model's are) is a
     rejected answer against the reference solution (calculator notes removed), in ReaL's format, which
     read_pair_rows reads; --max_pairs_per_question caps them; an existing output needs --overwrite."""
@@ -277,7 +277,12 @@ def test_gsm8k_pairs_from_a_models_wrong_answers(stage_assets, tmp_path, qwen_to
     pairs, report = read_pair_rows(out, tokenizer, max_length=512, show_progress=False)
     assert len(pairs.prompt_ids) == 12, report.summary()
     assert main(argv) == 2  # an existing output is kept unless --overwrite
-    assert main(argv + ["--overwrite", "--max_pairs_per_question", "1"]) == 0
+    capsys.readouterr()
+    with_bar = [a for a in argv if a != "--no_progress"]
+    assert main(with_bar + ["--overwrite", "--max_pairs_per_question", "1"]) == 0
+    said = capsys.readouterr()  # the bar says what it does (#41: it said "gsm8k maj"); stdout: what was written
+    assert "pairs: 3 answers a question" in said.err and "gsm8k maj" not in said.err
+    assert json.loads(said.out.strip().splitlines()[-1])["pairs"] == 4
     assert [len(json.loads(line)["neg_answers"]) for line in out.read_text().splitlines()] == [1, 1, 1, 1]
     assert not list(tmp_path.glob("*.samples.jsonl")) and not list(tmp_path.glob("*.tmp"))
 

@@ -253,6 +253,7 @@ def evaluate(
     output: Optional[PathLike] = None,
     overwrite: bool = False,
     progress: bool = True,
+    progress_label: str = "",
     tokenizer_dir: Optional[PathLike] = None,
     vocab_path: Optional[PathLike] = None,
     merges_file_path: Optional[PathLike] = None,
@@ -275,7 +276,8 @@ def evaluate(
     training. ``batch_size`` questions go to the sampler per call; with sampling, call ``i`` uses
     seed ``seed`` mixed with its first question's index, so results depend on (seed, batch_size, offset).
     ``output``: per-question JSONL (written to ``<output>.tmp`` per batch, renamed when done); an
-    existing file is an error unless ``overwrite``.
+    existing file is an error unless ``overwrite``. ``progress_label``: the progress bar's label (default
+    ``gsm8k <mode>``; a caller that samples for another purpose names it).
     The device must be set up by the caller (the CLI does it).
     """
     from tqdm import tqdm
@@ -322,7 +324,7 @@ def evaluate(
     sink = open(tmp, "w", encoding="utf-8") if tmp is not None else None
     t0 = time.perf_counter()
     try:
-        with tqdm(total=len(questions), desc=f"gsm8k {mode}", unit="q", disable=not progress,
+        with tqdm(total=len(questions), desc=progress_label or f"gsm8k {mode}", unit="q", disable=not progress,
                   file=sys.stderr) as bar:
             for start in range(0, len(questions), batch_size):
                 batch = questions[start:start + batch_size]

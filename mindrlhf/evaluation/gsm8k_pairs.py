@@ -45,7 +45,8 @@ def make_pairs(output: os.PathLike, *, model: Any = None, data_path: Optional[os
     samples = output.with_name(output.name + ".samples.jsonl")
     summary = evaluate(model, data_path=data, limit=limit, offset=offset, mode="maj", k=k, temperature=temperature,
                        max_new_tokens=max_new_tokens, seed=seed, prompt_style=prompt_style, output=samples,
-                       overwrite=True, progress=progress, **model_args)
+                       overwrite=True, progress=progress, progress_label=f"pairs: {k} answers a question",
+                       **model_args)
     # The reference solutions of the questions used, by line number (evaluate keeps only their final numbers).
     # Only those lines: evaluate checked them, and rows past --limit may be anything (malformed, not UTF-8).
     lines = data.read_bytes().split(b"\n")
