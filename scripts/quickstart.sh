@@ -6,3 +6,6 @@ set -euo pipefail
 # shellcheck source=scripts/_env.sh
 . "$(dirname "$0")/_env.sh" ""
 mindrlhf-grpo "$@"
+# The other commands (mindrlhf-sft, -rm, -dpo, -ppo, -eval, -data, ...) live in the environment's bin/.
+echo "mindrlhf's commands (mindrlhf-sft, mindrlhf-eval, mindrlhf-data, ...) are in $VIRTUAL_ENV/bin: in a new shell," \
+     "run 'source $VIRTUAL_ENV/bin/activate' first"
