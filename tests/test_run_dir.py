@@ -161,3 +161,26 @@ def test_a_model_is_the_same_by_content_wherever_it_is(tmp_path):
     assert not same and found["sha256"] != recorded["sha256"]
     assert same_model({"path": ""}, "", []) == (True, {"path": ""})
     assert not same_model({"path": ""}, str(model), files(model))[0]
+
+
+def test_a_run_folder_given_as_a_model_is_its_newest_intact_checkpoint(tmp_path, caplog):
+    """Issue 41: the walkthrough hard-coded checkpoints/step_00000100 in every command after SFT, so shortening SFT
+    broke them all. A run's output folder given as a model stands for that run's newest intact checkpoint (said once
+    in the log); any other path is itself."""
+    from mindrlhf.checkpoint.run_dir import model_of_run
+
+    run = tmp_path / "sft"
+    step1, step2, step3 = _save(run / "checkpoints", "A", 1, 2, 3)
+    (step3 / "manifest.json").unlink()  # a newest folder that is not intact is passed over
+    write_run_id(run, "A", "sft")
+    with caplog.at_level(logging.INFO):
+        assert model_of_run(run) == step2 == model_of_run(str(run))
+    said = [r.getMessage() for r in caplog.records if "is a training run" in r.getMessage()]
+    assert said == [f"{run} is a training run: using its newest intact checkpoint {step2} (step 2)"]
+    assert model_of_run(step1) == step1 and model_of_run(tmp_path / "hf_model") == tmp_path / "hf_model"
+    empty = tmp_path / "empty"
+    write_run_id(empty, "B", "sft")
+    with pytest.raises(MindRLHFError, match=rf"^{empty} is a training run's folder with no intact checkpoint "
+                                            rf"\(in {empty / 'checkpoints'}\); let the run save one, or pass a "
+                                            r"model folder$"):
+        model_of_run(empty)

@@ -546,9 +546,12 @@ class WeightSource:
 
 
 def _weights_path(path: PathLike) -> Path:
-    """The file or HF directory a model path loads from: a training checkpoint folder (``step_N/``) loads
-    its ``policy.ckpt``."""
-    path = Path(path)
+    """The file or HF directory a model path loads from: a training run's folder stands for its newest intact
+    checkpoint (``run_dir.model_of_run``), and a training checkpoint folder (``step_N/``) loads its
+    ``policy.ckpt``."""
+    from mindrlhf.checkpoint.run_dir import model_of_run
+
+    path = model_of_run(path)
     if path.is_dir() and (path / "policy.ckpt").is_file() and not any(
             (path / name).is_file() for name in (SINGLE_SAFETENSORS, SAFETENSORS_INDEX)):
         return path / "policy.ckpt"

@@ -100,10 +100,11 @@ def verify_files(paths: Iterable[PathLike]) -> None:
 DEFAULT_MODEL = ""
 
 
-def _root(path: str) -> Path:
-    """The folder a model's file names are relative to: the model directory, or a file's folder."""
-    p = Path(path)
-    return p if p.is_dir() else p.parent
+def _name(f: Path, path: str) -> str:
+    """A model file's name in the record: relative to the model's folder (the model directory, or a file's
+    folder), else its full path (a run's checkpoints saved elsewhere)."""
+    root = Path(path) if Path(path).is_dir() else Path(path).parent
+    return str(f.relative_to(root)) if f.is_relative_to(root) else str(f)
 
 
 def _stat(f: Path) -> Dict[str, int]:
@@ -117,8 +118,7 @@ def model_identity(path: str, files: List[Path]) -> Dict[str, object]:
     The packaged default model (``path`` '') is recorded as such."""
     if path == DEFAULT_MODEL:
         return {"path": DEFAULT_MODEL}
-    root = _root(path)
-    listed = {str(f.relative_to(root)): {**_stat(f), "sha256": sha256_file(f)} for f in files}
+    listed = {_name(f, path): {**_stat(f), "sha256": sha256_file(f)} for f in files}
     return {"path": str(Path(path).resolve()), "files": listed, "sha256": _digest(listed)}
 
 
@@ -133,10 +133,9 @@ def same_model(recorded: Mapping, path: str, files: List[Path]) -> Tuple[bool, D
     common resume); otherwise the content decides, so a model that was only moved is still the same."""
     if DEFAULT_MODEL in (recorded.get("path"), path):
         return recorded.get("path") == path, model_identity(path, files)
-    root, old = _root(path), recorded.get("files") or {}
+    old = recorded.get("files") or {}
     if str(Path(path).resolve()) == recorded.get("path") and len(old) == len(files) and all(
-            {k: (old.get(str(f.relative_to(root))) or {}).get(k) for k in ("bytes", "mtime_ns")} == _stat(f)
-            for f in files):
+            {k: (old.get(_name(f, path)) or {}).get(k) for k in ("bytes", "mtime_ns")} == _stat(f) for f in files):
         return True, dict(recorded)
     identity = model_identity(path, files)
     return identity["sha256"] == recorded.get("sha256"), identity

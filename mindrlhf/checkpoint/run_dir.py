@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Union
 
+import yaml
+
 from mindrlhf.checkpoint.manager import CheckpointManager
 from mindrlhf.checkpoint.manifest import DEFAULT_MODEL, describe, read_manifest, same_model
 from mindrlhf.errors import MindRLHFError
@@ -58,6 +60,33 @@ def write_run_id(output_dir: PathLike, run_id: str, stage: str = "") -> None:
     """Record that ``output_dir``'s history belongs to run ``run_id`` of ``stage``."""
     write_text_atomic(Path(output_dir) / RUN_FILE, json.dumps({"run_id": run_id, "stage": stage}) + "\n",
                       "the run file")
+
+
+_SAID: set = set()  # run folders whose resolution was logged (a model path is opened several times per load)
+
+
+def model_of_run(path: PathLike) -> Path:
+    """A model path as given, or, for a training run's output folder (``run.json`` beside ``checkpoints/``), that
+    run's newest intact checkpoint folder: ``--model output/sft`` follows the SFT run, however many steps it ran
+    (the choice is logged once). Other paths are returned as they are."""
+    folder = Path(path)
+    if not ((folder / RUN_FILE).is_file() and folder.is_dir()):
+        return folder
+    ckpt_dir = folder / "checkpoints"
+    try:  # the run may have saved elsewhere (--save_ckpt_dir): its config.yaml says where
+        saved = (yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8")) or {}).get("train", {})
+        ckpt_dir = Path(saved.get("save_ckpt_dir") or ckpt_dir)
+    except (OSError, ValueError, AttributeError):
+        pass
+    run_id = read_run_id(folder) or None
+    found = CheckpointManager(str(ckpt_dir)).latest_complete(run_id)
+    if found is None:
+        raise MindRLHFError(f"{folder} is a training run's folder with no intact checkpoint (in {ckpt_dir}); let the "
+                            f"run save one, or pass a model folder")
+    if folder.resolve() not in _SAID:
+        _SAID.add(folder.resolve())
+        log.info("%s is a training run: using its newest intact checkpoint %s (step %d)", folder, found[1], found[0])
+    return found[1]
 
 
 def _history(output_dir: Path) -> int:

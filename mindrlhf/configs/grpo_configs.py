@@ -243,7 +243,8 @@ class ModelConfig(ModelBaseConfig):
 
     sft_path_train: str = config_field(
         "", "Policy (trained model) weights: a Hugging Face directory (config.json + safetensors) or a "
-        "MindSpore checkpoint (full, or a folder of rank_{r} shards for the train layout). '' = the "
+        "MindSpore checkpoint (full, or a folder of rank_{r} shards for the train layout), a training checkpoint "
+        "folder (step_N) or a training run's output_dir (its newest intact checkpoint). '' = the "
         "packaged default model. Or, as in MindRLHF's tutorial, a MindFormers model YAML (.yaml): its "
         "parallel_config sets train_dp / train_tp / train_pp / train_micro_batches (data_parallel, "
         "model_parallel, pipeline_stage, micro_batch_num), its model.model_config architecture keys are checked "

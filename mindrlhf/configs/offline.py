@@ -22,7 +22,8 @@ class OfflineModelConfig(ModelBaseConfig):
     model_path: str = config_field(
         "", "The model to train: a Hugging Face directory (config.json + safetensors), a MindSpore checkpoint "
         "(.ckpt / .safetensors with config.json beside it, or a folder of rank_{r} shards for the train "
-        "layout), or a training checkpoint folder (step_N) of any mindrlhf stage. '' = the packaged default "
+        "layout), a training checkpoint folder (step_N) of any mindrlhf stage, or a training run's output_dir (its "
+        "newest intact checkpoint, named in the log). '' = the packaged default "
         "model (SmolLM2-135M-Instruct).",
         key_aliases=("model",))
 

@@ -28,7 +28,8 @@ class PPOModelConfig(ModelBaseConfig):
     model_path: str = config_field(
         "", "The actor (the trained policy): a Hugging Face directory, a MindSpore checkpoint (.ckpt / "
         ".safetensors with config.json beside it, or a folder of rank_{r} shards for the train layout), or a "
-        "training checkpoint folder (step_N) of any mindrlhf stage, e.g. mindrlhf-sft's. '' = the packaged "
+        "training checkpoint folder (step_N) of any mindrlhf stage, e.g. mindrlhf-sft's, or a training run's "
+        "output_dir (its newest intact checkpoint, named in the log). '' = the packaged "
         "default model (SmolLM2-135M-Instruct).",
         key_aliases=("model",))
     critic_model_path: str = config_field(

@@ -182,7 +182,8 @@ def binomial_stderr(p: float, n: int) -> float:
 # model / tokenizer resolution
 # ---------------------------------------------------------------------------------------------
 def resolve_model_path(model: Optional[PathLike], progress: bool = False) -> Path:
-    """The given model path (checked to exist), or the embedded SmolLM2-135M-Instruct."""
+    """The given model path (checked to exist; a training run's folder stands for its newest intact checkpoint),
+    or the embedded SmolLM2-135M-Instruct."""
     if model is None or str(model) == "":
         from mindrlhf.checkpoint.smollm2 import prepare_smollm2
 
@@ -192,7 +193,9 @@ def resolve_model_path(model: Optional[PathLike], progress: bool = False) -> Pat
         raise MindRLHFError(f"--model {path} not found; pass a Hugging Face model directory, a training checkpoint "
                             f"folder (checkpoints/step_N) or a MindSpore "
                             f".ckpt/.safetensors file with config.json next to it (or omit --model for SmolLM2)")
-    return path
+    from mindrlhf.checkpoint.run_dir import model_of_run
+
+    return model_of_run(path)  # a training run's folder: its newest intact checkpoint
 
 
 def _load(model, tokenizer, batch_rows: int, progress: bool, dtype: str, jit: bool, tokenizer_args: tuple,

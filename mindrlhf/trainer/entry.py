@@ -62,10 +62,13 @@ def setup_runtime(cfg) -> RunLayout:
 
 
 def resolve_weights(path: str) -> str:
-    """The model weights a stage was given; the embedded SmolLM2 default (converted once into a user
-    cache, ``checkpoint.smollm2``) when ``path`` is ''."""
+    """The model weights a stage was given (a training run's folder: its newest intact checkpoint,
+    ``checkpoint.run_dir.model_of_run``); the embedded SmolLM2 default (converted once into a user cache,
+    ``checkpoint.smollm2``) when ``path`` is ''."""
     if path:
-        return path
+        from mindrlhf.checkpoint.run_dir import model_of_run
+
+        return str(model_of_run(path))
     from mindrlhf.checkpoint.smollm2 import prepare_smollm2
 
     # The conversion into the cache is atomic, so racing ranks are harmless; rank 0 goes first
