@@ -30,6 +30,7 @@ from mindrlhf.configs.ppo import PPOConfig, parse_ppo_args
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.trainer.entry import StageSpec, load_policy, load_tokenizer, resolve_weights, run_stage
 from mindrlhf.trainer.experience import Experience
+from mindrlhf.trainer.metrics import EVAL_CURVE
 from mindrlhf.trainer.rollout import RolloutTrainer, load_prompt_dataset
 from mindrlhf.trainer.schedule import lr_at
 from mindrlhf.utils.cli import run_cli
@@ -39,7 +40,7 @@ log = logging.getLogger("mindrlhf")
 #: Plots written beside metrics.jsonl with each checkpoint.
 PPO_CURVES = (("objective/scores", "reward.png", "PPO: mean score", "score"),
               ("objective/kl", "kl.png", "PPO: KL to the reference (per completion)", "KL"),
-              ("loss/value_avg", "loss.png", "PPO: value loss", "value loss"))
+              ("loss/value_avg", "loss.png", "PPO: value loss", "value loss"), EVAL_CURVE)
 
 
 class ActorObjective:

@@ -82,6 +82,9 @@ class RolloutTrainer(Trainer):
         g = cfg.generation
         self.stop_ids = list(g.stop_token_ids) or list(tokenizer.stop_token_ids)
         self.batches_drawn = 0  # dataset batches consumed so far (all epochs): where the next step reads
+        #: The prompt style the training prompts were built with (eval_steps asks its questions the same way; a
+        #: custom system prompt: the default style's).
+        self.prompt_style = prompt_style_of(tokenizer, dataset)
         if dataset.report is not None:  # a prompt JSONL file: its skipped rows are listed in output_dir
             self.data_reports = [dataset.report]
 
@@ -296,7 +299,32 @@ class RolloutTrainer(Trainer):
         # The last step too: a run shorter than log_completions_steps still shows what it generated.
         if texts is not None and every and (step % every == 0 or step == self.total_steps) and comm.is_main():
             self._dump_completions(step, texts, info, exp)
+        every = self.cfg.train.eval_steps
+        if every and (step % every == 0 or step == self.total_steps):
+            t1 = time.perf_counter()
+            metrics.update(self.evaluate_policy())
+            metrics["time/eval"] = time.perf_counter() - t1
         return metrics
+
+    def evaluate_policy(self) -> Dict[str, float]:
+        """``eval/*`` of the policy as it is now (after the step's weight sync): ``mindrlhf-eval``'s GSM8K evaluation
+        (``evaluation.gsm8k_eval.evaluate``) run on this run's own sampler, with the training prompt style and
+        completion length, on ``eval_file``'s first ``eval_limit`` questions. Every rank runs it (a generator's tp
+        ranks decode together; its dp replicas compute the same greedy answers), so it costs what a
+        ``mindrlhf-eval`` of the checkpoint costs, without loading it."""
+        from mindrlhf.data.gsm8k import DEFAULT_PROMPT_STYLE
+        from mindrlhf.evaluation.gsm8k_eval import evaluate
+
+        t, g = self.cfg.train, self.cfg.generation
+        k = t.eval_num_generations
+        summary = evaluate(self.sampler, self.tokenizer, data_path=t.eval_file or None, limit=t.eval_limit,
+                           mode="greedy" if k == 1 else "maj", k=k, temperature=g.temperature, top_p=g.top_p,
+                           seed=t.seed, max_new_tokens=g.max_completion_length,
+                           prompt_style=self.prompt_style or DEFAULT_PROMPT_STYLE,
+                           stop_token_ids=self.stop_ids, progress=False)
+        self.sampler.release()
+        return {"eval/accuracy": summary["accuracy"], "eval/format_rate": summary["format_rate"],
+                "eval/mean_length": summary["mean_completion_tokens"], "eval/truncated_rate": summary["truncated_rate"]}
 
     def _dump_completions(self, step: int, texts: List[str], info, exp: Experience) -> None:
         path = self.output_dir / f"completions_step_{step}.jsonl"
@@ -391,14 +419,22 @@ def load_prompt_dataset(cfg, layout, tokenizer, model_config, batch_size: int) -
     return dataset
 
 
+def prompt_style_of(tokenizer, dataset) -> Optional[str]:
+    """The prompt style the data was built with, read from its first prompt (None: a custom system prompt, or no
+    row)."""
+    from mindrlhf.data.gsm8k import detect_prompt_style
+
+    if not dataset.num_rows:
+        return None
+    return detect_prompt_style(tokenizer.decode(dataset.prompt_ids[0, :int(dataset.prompt_length[0])],
+                                                skip_special_tokens=False))
+
+
 def check_reward_style(cfg, tokenizer, dataset) -> None:
     """A format reward must match the prompt style the data was built with (read from its first
     prompt); the other style's format reward never fires. Custom system prompts are not checked."""
-    from mindrlhf.data.gsm8k import check_format_reward, detect_prompt_style
+    from mindrlhf.data.gsm8k import check_format_reward
 
-    if not dataset.num_rows:
-        return
-    first = tokenizer.decode(dataset.prompt_ids[0, :int(dataset.prompt_length[0])], skip_special_tokens=False)
-    style = detect_prompt_style(first)
+    style = prompt_style_of(tokenizer, dataset)
     if style is not None:
         check_format_reward(style, cfg.algorithm.reward_funcs, dataset.path)
