@@ -119,13 +119,15 @@ def test_the_same_rows_give_the_same_tokens_as_jsonl(tmp_path, tok, data_dir, la
 
 def test_ground_truth_comes_first_then_solution_then_answer(tmp_path, tok):
     """The accuracy reward's reference: reward_model.ground_truth when the row has one, else the existing rules
-    (``solution``, else the final number of ``answer``)."""
+    (``solution``, else the final number of ``answer``); pandas' saved index column is no reward column."""
     rows = [{"prompt": "a", "reward_model": {"ground_truth": "1"}, "solution": "9", "answer": "#### 8"},
             {"prompt": "b", "reward_model": {"style": "model"}, "solution": "2", "answer": "#### 8"},
             {"prompt": "c", "answer": "so #### 3"}]
-    got, _ = read_prompt_rows(write_parquet(tmp_path / "p.parquet", rows), tok, max_prompt_length=16,
-                              show_progress=False)
+    table = pa.Table.from_pylist(rows).append_column("__index_level_0__", pa.array([4, 7, 9]))  # pandas' index
+    pq.write_table(table, tmp_path / "p.parquet")
+    got, _ = read_prompt_rows(tmp_path / "p.parquet", tok, max_prompt_length=16, show_progress=False)
     assert got.solutions == ["1", "2", "3"]
+    assert sorted(got.columns) == ["answer", "question", "reward_model"]
 
 
 def test_bad_table_rows_are_skipped_and_named_by_row_number(tmp_path, tok, caplog):

@@ -15,8 +15,9 @@ The readers of ``text_rows`` (SFT, pair and prompt rows) parse rows; this module
 A table row's number is its 1-based position in the file (across a folder's files), so a report names it as
 ``path:number`` like a JSONL line. Nested columns arrive as Python lists and dicts (a struct column is a dict),
 as ``datasets`` hands them to TRL. A null cell is read as an absent key: a table has every column in every row,
-and a JSONL file turned into a table (``datasets``) gets nulls where its rows lacked a key. pyarrow is imported
-only when a table is read.
+and a JSONL file turned into a table (``datasets``) gets nulls where its rows lacked a key. pandas' saved index
+(``__index_level_0__``, written by ``DataFrame.to_parquet`` for a filtered frame) is not a column of the rows.
+pyarrow is imported only when a table is read.
 """
 from __future__ import annotations
 
@@ -84,7 +85,8 @@ class RowSource:
         for batch in self._table_batches():
             for row in batch.to_pylist():
                 number += 1
-                yield number, {key: value for key, value in row.items() if value is not None}, None, 1
+                yield number, {key: value for key, value in row.items()
+                               if value is not None and not key.startswith("__index_level_")}, None, 1
 
     def _jsonl_rows(self) -> Iterator[Tuple[int, Any, Optional[str], int]]:
         with open(self.path, "rb") as handle:
