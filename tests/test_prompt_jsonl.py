@@ -13,6 +13,7 @@ import pytest
 from grpo_runs import grpo_args, is_timing, read_rows, run_cli
 from mindrlhf.data import build_prompt, read_prompt_rows
 from mindrlhf.data.gsm8k import DEFAULT_SYSTEM_PROMPT, extract_gsm8k_solution
+from mindrlhf.data.text_rows import NO_SOLUTION_WARNING
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.tokenizer import Tokenizer
 
@@ -82,7 +83,7 @@ def test_columns_pass_as_given_and_missing_keys_are_none(tmp_path, qwen_tokenize
                             "ground_truth": [[4], None, None, None], "question": ["What is 2+2?", "Name a colour.",
                                                                                    "Say hi.", "Tell a joke."],
                             "index": [None, 3, None, None]}
-    assert report.warnings == {"no 'solution' or 'answer' column: the accuracy reward gives them no score": 1}
+    assert report.warnings == {NO_SOLUTION_WARNING: 1}
     assert rows.prompt_ids[0].tolist() == tok.encode("What is 2+2?", add_special_tokens=True)
 
 
@@ -160,13 +161,14 @@ def test_the_stages_name_the_skipped_rows(tmp_path, grpo_assets, prompt_files, c
 def test_a_prompt_file_is_jsonl_by_its_name_or_first_byte(tmp_path, grpo_assets):
     """``.jsonl`` / ``.json`` names, or a first byte ``{`` (after a BOM or blank lines), are JSON lines; a
     mindrecord (its binary header) and a missing file of another name go to the mindrecord reader."""
-    from mindrlhf.trainer.rollout import is_prompt_jsonl
+    from mindrlhf.trainer.rollout import prompt_file_format
 
     text = tmp_path / "prompts.txt"
     text.write_text('\ufeff\n{"prompt": "x"}\n', encoding="utf-8")
-    assert is_prompt_jsonl(str(text)) and is_prompt_jsonl(str(tmp_path / "missing.jsonl"))
-    assert is_prompt_jsonl(str(tmp_path / "rows.JSON"))
-    assert not is_prompt_jsonl(str(grpo_assets["data"])) and not is_prompt_jsonl(str(tmp_path / "missing.mr"))
+    assert prompt_file_format(str(text)) == prompt_file_format(str(tmp_path / "missing.jsonl")) == "jsonl"
+    assert prompt_file_format(str(tmp_path / "rows.JSON")) == "jsonl"
+    assert prompt_file_format(str(grpo_assets["data"])) == prompt_file_format(str(tmp_path / "missing.mr")) \
+        == "mindrecord"
 
 
 # -- the stages ---------------------------------------------------------------------------------------

@@ -283,12 +283,14 @@ class DataConfig:
 
     mind_dataset_dir: str = config_field(
         "", "The training prompts (the seed's flag name; alias train_file): a .mindrecord written by rlhf_data.py, "
-        "or a JSONL file (named .jsonl/.json or starting with '{') of ReaL's {\"prompt\": text} rows or TRL's "
+        "or prompt rows as JSONL (named .jsonl/.json or starting with '{'), a .parquet file (e.g. verl's GSM8K "
+        "preprocessing output) or a datasets save_to_disk folder: ReaL's {\"prompt\": text} rows or TRL's "
         "prompt-only rows (prompt: a text, used as is, or a list of role/content messages, rendered with the chat "
-        "template and its generation prompt). A JSONL row's other keys are passed to the reward functions as "
-        "dataset columns (as TRL does); the accuracy reward reads 'solution', else the final answer of 'answer' "
-        "(the number after GSM8K's '####'). Prompts longer than max_prompt_length and bad rows are skipped and "
-        "named in the log. '' = the packaged GSM8K sample.",
+        "template and its generation prompt). A row's other keys (columns) are passed to the reward functions as "
+        "dataset columns (as TRL does; nested ones as dicts); the accuracy reward reads verl's "
+        "reward_model.ground_truth, else 'solution', else the final answer of 'answer' (the number after GSM8K's "
+        "'####'). Prompts longer than max_prompt_length and bad rows are skipped and named in the log. '' = the "
+        "packaged GSM8K sample.",
         key_aliases=("train_file",))
 
 

@@ -30,14 +30,16 @@ class OfflineModelConfig(ModelBaseConfig):
 
 @dataclass
 class OfflineDataConfig:
-    """Training and validation rows (jsonl), batch geometry and the length limit."""
+    """Training and validation rows (JSONL, parquet or a datasets folder), batch geometry and the length limit."""
 
     train_file: str = config_field(
-        "", "Training rows, one JSON object per line (see the README's data formats). '' = the packaged GSM8K "
-        "sample as conversational rows (system prompt + question, the reference solution as the answer).")
+        "", "Training rows: a JSONL file (one JSON object per line), a .parquet file or a folder written by "
+        "datasets' save_to_disk (a DatasetDict folder: pass one split's subfolder), the same row formats (see the "
+        "README's data formats). '' = the packaged GSM8K sample as conversational rows (system prompt + question, "
+        "the reference solution as the answer).")
     valid_file: str = config_field(
-        "", "Validation rows in the same format, evaluated every eval_steps steps and at the end (eval/loss, "
-        "...). '' = no evaluation.")
+        "", "Validation rows in the same formats (JSONL, parquet or a save_to_disk folder), evaluated every "
+        "eval_steps steps and at the end (eval/loss, ...). '' = no evaluation.")
     max_length: int = config_field(
         1024, "Longest row in tokens (prompt + completion + EOS); longer rows are cut at the end (the start is "
         "kept, as TRL does) and rows with no trained token left are dropped and counted. Range >= 2.",
@@ -88,8 +90,9 @@ class PairDataConfig(OfflineDataConfig):
     """Preference pairs (jsonl), batch geometry (in pairs) and the length limit."""
 
     train_file: str = config_field(
-        "", "Training pairs, one JSON object per line: ReaL's prompt/pos_answers/neg_answers or TRL's "
-        "prompt/chosen/rejected (see the README's data formats). Required: there is no packaged default "
+        "", "Training pairs: ReaL's prompt/pos_answers/neg_answers or TRL's prompt/chosen/rejected rows in a JSONL "
+        "file (one JSON object per line), a .parquet file or a datasets save_to_disk folder (see the README's data "
+        "formats). Required: there is no packaged default "
         "(mindrlhf-data --pairs builds GSM8K pairs from a model's wrong answers).")
 
     max_pairs_per_prompt: int = config_field(

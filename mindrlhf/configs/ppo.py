@@ -62,13 +62,15 @@ class PPODataConfig:
 
     mind_dataset_dir: str = config_field(
         "", "The training prompts: a .mindrecord written by rlhf_data.py (GSM8K, OpenR1-Math or generic "
-        "question/answer JSONL; the answers feed the rule rewards), or a JSONL file (named .jsonl/.json or "
-        "starting with '{') of ReaL's {\"prompt\": text} rows or TRL's prompt-only rows (prompt: a text, used as "
-        "is, or a list of role/content messages, rendered with the chat template and its generation prompt). A "
-        "JSONL row's other keys are passed to the reward functions as dataset columns (as TRL does); the accuracy "
-        "reward reads 'solution', else the final answer of 'answer' (the number after GSM8K's '####'). Prompts "
-        "longer than max_prompt_length and bad rows are skipped and named in the log. '' = the packaged GSM8K "
-        "sample.",
+        "question/answer JSONL; the answers feed the rule rewards), or "
+        "prompt rows as JSONL (named .jsonl/.json or starting with '{'), a .parquet file (e.g. verl's GSM8K "
+        "preprocessing output) or a datasets save_to_disk folder: ReaL's {\"prompt\": text} rows or TRL's "
+        "prompt-only rows (prompt: a text, used as is, or a list of role/content messages, rendered with the chat "
+        "template and its generation prompt). A row's other keys (columns) are passed to the reward functions as "
+        "dataset columns (as TRL does; nested ones as dicts); the accuracy reward reads verl's "
+        "reward_model.ground_truth, else 'solution', else the final answer of 'answer' (the number after GSM8K's "
+        "'####'). Prompts longer than max_prompt_length and bad rows are skipped and named in the log. '' = the "
+        "packaged GSM8K sample.",
         key_aliases=("train_file",))
 
 

@@ -1,4 +1,5 @@
-"""Training rows for the SFT, reward-model, DPO and RL stages: JSONL files tokenised exactly as TRL 1.16 does.
+"""Training rows for the SFT, reward-model, DPO and RL stages: JSONL files (or parquet files and ``datasets``
+save_to_disk folders: ``row_files``, the same rows and rules) tokenised exactly as TRL 1.16 does.
 
 The same file trains the same tokens here and under TRL (``tests/test_text_rows.py`` compares the
 ids with TRL's own, recorded by ``tests/make_trl_token_reference.py``). Formats, detected per file
@@ -13,7 +14,8 @@ from its first valid row (a row of another format is a bad row):
   split as ``trl.data_utils.extract_prompt`` splits them), ReaL ``{"prompt", "pos_answers",
   "neg_answers"}`` (one pair per index).
 * Prompts (``read_prompt_rows``, GRPO and PPO): ReaL's ``{"prompt": str}`` and TRL's prompt-only rows
-  (``prompt`` a string or a list of messages); the rows' other keys are the reward functions' columns.
+  (``prompt`` a string or a list of messages); the rows' other keys are the reward functions' columns, and the
+  accuracy reward's reference answer is verl's ``reward_model.ground_truth``, else ``solution``, else ``answer``.
 
 Tokenisation, as TRL 1.16's ``SFTTrainer._prepare_dataset`` / ``DPOTrainer._prepare_dataset`` /
 ``RewardTrainer._prepare_dataset``:
@@ -31,8 +33,8 @@ Tokenisation, as TRL 1.16's ``SFTTrainer._prepare_dataset`` / ``DPOTrainer._prep
 * The first token of a sequence is never trained (nothing predicts it); masks are explicit, never
   derived from token ids, so an EOS that equals the pad id is trained.
 
-Bad rows are skipped with their file, line and reason (``mindrlhf.data.report``); ``strict=True``
-makes the first one a one-line ``MindRLHFError``. No MindSpore here.
+Bad rows are skipped with their file, line (a table's 1-based row number) and reason
+(``mindrlhf.data.report``); ``strict=True`` makes the first one a one-line ``MindRLHFError``. No MindSpore here.
 """
 from __future__ import annotations
 
@@ -41,7 +43,6 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -49,6 +50,7 @@ from jinja2.exceptions import TemplateError
 from tqdm import tqdm
 
 from mindrlhf.data.report import REASONS, ConversionReport, SkippedRow
+from mindrlhf.data.row_files import open_rows
 from mindrlhf.errors import MindRLHFError
 
 if TYPE_CHECKING:  # annotations only: importing mindrlhf.data stays light
@@ -211,14 +213,14 @@ def _texts_or_conversations(row: Dict[str, Any], keys: Sequence[str]) -> bool:
 
 
 class _Reader:
-    """One JSONL file: format detection, row checks, rendering, batched tokenisation."""
+    """One data file (JSONL, parquet or a save_to_disk folder: ``row_files``): format detection, row checks,
+    rendering, batched tokenisation."""
 
     def __init__(self, path: PathLike, tokenizer: "Tokenizer", formats: Dict[str, Tuple[str, ...]], kind: str,
                  strict: bool, show_progress: bool,
                  build: Callable[["_Reader", _Example, List[List[int]], Optional[List[int]]], None]) -> None:
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise MindRLHFError(f"{kind} data file not found: {self.path}; pass a JSONL file (one JSON object a line)")
+        self.source = open_rows(path, kind)
+        self.path = self.source.path
         self.tokenizer = tokenizer
         self.formats = formats
         self.kind = kind
@@ -333,21 +335,17 @@ class _Reader:
         return start
 
     def read(self, parse: Callable[["_Reader", Dict[str, Any], int], List[_Example]]) -> ConversionReport:
-        """Read every line: parse rows into examples, tokenise them in chunks, fill the report."""
+        """Read every row of the file (``row_files.RowSource``: JSONL lines or table rows): parse rows into
+        examples, tokenise them in chunks, fill the report."""
         done = 0
-        with open(self.path, "rb") as handle, tqdm(
-                total=self.path.stat().st_size, desc=f"reading {self.path.name}", unit="B", unit_scale=True,
-                disable=not self.show_progress, file=sys.stderr) as bar:
-            for line_no, raw in enumerate(handle, start=1):
-                done += len(raw)
-                if not raw.strip():
-                    continue
+        with tqdm(total=self.source.total, desc=f"reading {self.path.name}", unit=self.source.unit,
+                  unit_scale=self.source.unit == "B", disable=not self.show_progress, file=sys.stderr) as bar:
+            for line_no, row, error, advance in self.source.rows():
+                done += advance
                 self.report.rows_read += 1
                 try:
-                    try:
-                        row = json.loads(raw.decode("utf-8-sig"))  # a BOM (Windows editors) is not part of the row
-                    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-                        raise _Bad("malformed_json", str(err)) from None
+                    if error is not None:
+                        raise _Bad("malformed_json", error)
                     if not isinstance(row, dict):
                         raise _Bad("not_an_object", f"a JSON {type(row).__name__}, not an object")
                     self.pending.extend(parse(self, row, line_no))
@@ -547,7 +545,8 @@ PROMPT_ROW_NOT_COLUMNS = ("prompt", "completion", "completion_ids")
 _REWARD_ARGUMENTS = ("prompts", "completions")
 _PROMPT_FORMATS: Dict[str, Tuple[str, ...]] = {"TRL/ReaL prompt": ("prompt",)}
 #: The report's warning for rows without a reference answer (the built-in accuracy reward scores them None).
-NO_SOLUTION_WARNING = "no 'solution' or 'answer' column: the accuracy reward gives them no score"
+NO_SOLUTION_WARNING = ("no reward_model.ground_truth, 'solution' or 'answer' column: the accuracy reward gives them "
+                       "no score")
 
 
 @dataclass
@@ -579,11 +578,15 @@ class _PromptReader(_Reader):
 
 
 def _row_solution(row: Dict[str, Any]) -> Any:
-    """The reference answer of a prompt row: its ``solution`` as given (TRL passes columns unchanged), else the
+    """The reference answer of a prompt row: verl's ``reward_model.ground_truth`` (its data layout, e.g. the GSM8K
+    preprocessing's parquet) as given, else its ``solution`` as given (TRL passes columns unchanged), else the
     final answer of its ``answer`` as the prompt mindrecord holds it (``rlhf_data``: the number after GSM8K's
     ``####``, or the answer itself when it has no marker), else None."""
     from mindrlhf.data.gsm8k import final_answer
 
+    reward_model = row.get("reward_model")
+    if isinstance(reward_model, dict) and reward_model.get("ground_truth") is not None:
+        return reward_model["ground_truth"]
     if "solution" in row:
         return row["solution"]
     answer = row.get("answer")

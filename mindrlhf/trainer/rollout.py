@@ -342,22 +342,20 @@ class RolloutTrainer(Trainer):
 
 
 # -- the prompts ------------------------------------------------------------------------------------
-def is_prompt_jsonl(path: str) -> bool:
-    """Whether a prompt file is JSON lines (ReaL's / TRL's prompt rows) rather than a mindrecord: named
-    ``.jsonl`` / ``.json``, or starting with ``{`` (a mindrecord starts with its binary header size)."""
-    if Path(path).suffix.lower() in (".jsonl", ".json"):
-        return True
-    try:
-        with open(path, "rb") as f:
-            head = f.read(64).lstrip(b"\xef\xbb\xbf \t\r\n")
-    except OSError:  # missing or unreadable: the mindrecord reader names the problem
-        return False
-    return head.startswith(b"{")
+def prompt_file_format(path: str) -> str:
+    """How a prompt file is read: ``"mindrecord"`` (the converter's output: ``PromptDataset``), or the rows format
+    ``data.row_files.row_file_format`` names (JSONL, parquet, a datasets save_to_disk folder; read by
+    ``text_rows.read_prompt_rows``). A missing file of no rows suffix goes to the mindrecord reader, which names
+    the problem."""
+    from mindrlhf.data.row_files import row_file_format
+
+    return row_file_format(path) or "mindrecord"
 
 
 def resolve_dataset(cfg, tokenizer) -> str:
-    """The prompt file (``data.mind_dataset_dir``, alias ``train_file``): a mindrecord or a prompt JSONL file;
-    the packaged GSM8K sample, tokenised once into output_dir as a mindrecord, by default."""
+    """The prompt file (``data.mind_dataset_dir``, alias ``train_file``): a mindrecord or prompt rows (JSONL, parquet, a
+    datasets save_to_disk folder); the packaged GSM8K sample, tokenised once into output_dir as a mindrecord, by
+    default."""
     if cfg.data.mind_dataset_dir:
         return cfg.data.mind_dataset_dir
     from mindrlhf.data.rlhf_data import convert_to_mindrecord
@@ -374,9 +372,10 @@ def resolve_dataset(cfg, tokenizer) -> str:
 
 
 def read_prompt_jsonl(path: str, cfg, tokenizer, layout, batch_size: int) -> PromptDataset:
-    """A prompt JSONL file (``text_rows.read_prompt_rows``) as a ``PromptDataset`` padded to the config's
-    max_prompt_length, like the mindrecord the converter would write. Every rank reads it (the same rows);
-    rank 0 logs the summary and names the skipped rows (``trainer.base.log_data_report``)."""
+    """A prompt rows file (JSONL, parquet or a save_to_disk folder: ``text_rows.read_prompt_rows``) as a
+    ``PromptDataset`` padded to the config's max_prompt_length, like the mindrecord the converter would write. Every
+    rank reads it (the same rows); rank 0 logs the summary and names the skipped rows
+    (``trainer.base.log_data_report``)."""
     from mindrlhf.data.text_rows import read_prompt_rows
 
     max_len = cfg.generation.max_prompt_length
@@ -395,7 +394,7 @@ def load_prompt_dataset(cfg, layout, tokenizer, model_config, batch_size: int) -
     config and the model: prompt length limits, the vocabulary, the context length and the format reward's
     prompt style."""
     data_path = resolve_dataset(cfg, tokenizer)
-    if is_prompt_jsonl(data_path):
+    if prompt_file_format(data_path) != "mindrecord":
         dataset = read_prompt_jsonl(data_path, cfg, tokenizer, layout, batch_size)
     else:
         # Generator replica j samples its share of every global batch (its tp ranks: the same prompts).
