@@ -4,7 +4,8 @@
     python bench/matmul.py --repeats 5 --tokens 512
     python bench/matmul.py --skip settings,mlp    # parts: ops, mlp, settings
 
-The peak is numpy's ``matmul`` (the OpenBLAS in numpy's wheel) in the same process. Every figure is
+The peak is numpy's ``matmul`` (the OpenBLAS in numpy's wheel) in the same process; the header names the
+kernels OpenBLAS picked (``OPENBLAS_CORETYPE`` in the environment overrides its CPU detection). Every figure is
 measured right after a peak measurement of the same product (interleaved), ``--repeats`` times; the table
 gives the median GFLOP/s and its range, and the median of the ratios to the adjacent peak, so a shared,
 noisy machine still compares routes fairly. Routes:
@@ -38,9 +39,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-# (label, M, K, N) of y = x Wᵀ with x (M, K), W (N, K); ``{t}`` is --tokens
+# (label, M, K, N) of y = x Wᵀ with x (M, K), W (N, K); ``{t}`` is --tokens, ``{h}`` --head_rows
 SMOLLM2 = (("q/o proj", "{t}", 576, 576), ("k/v proj", "{t}", 576, 192), ("gate/up", "{t}", 576, 1536),
-           ("down", "{t}", 1536, 576), ("vocab head", "{t}", 576, 49152), ("decode gate/up", 8, 576, 1536),
+           ("down", "{t}", 1536, 576), ("vocab head", "{h}", 576, 49152), ("decode gate/up", 8, 576, 1536),
            ("decode vocab", 8, 576, 49152), ("2048^3", 2048, 2048, 2048))
 # MindSpore's own knobs: (label, extra environment, python run in the child before measuring)
 SETTINGS = (
@@ -135,7 +136,9 @@ def part_ops(args, peak_out: list) -> None:
     print("| " + " | ".join(header) + " |")
     print("|" + " --- |" * len(header))
     for label, m, k, n in SMOLLM2:
-        m = args.tokens if m == "{t}" else m
+        if args.shapes and label not in args.shapes.split(","):
+            continue
+        m = {"{t}": args.tokens, "{h}": args.head_rows}.get(m, m)
         for case in ("nt", "nn", "tn"):
             if label.startswith("decode") and case != "nt":
                 continue  # the sampler runs forward only
@@ -275,6 +278,9 @@ def part_settings(args) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=1024, help="rows of the SmolLM2 products (tokens of a micro-batch)")
+    ap.add_argument("--head_rows", type=int, default=256,
+                    help="rows of the vocabulary-head products (58 GFLOP each at 1024 rows: slow to repeat)")
+    ap.add_argument("--shapes", default="", help="comma-separated labels of the ops part's shapes (default: all)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved measurements of each figure")
     ap.add_argument("--min_time", type=float, default=0.3, help="seconds of calls per measurement")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: ops, mlp, settings")
@@ -291,7 +297,9 @@ def main(argv=None) -> None:
     skip = set(filter(None, args.skip.split(",")))
     cpu_matmul.build_openblas_kernel()
     print(f"# CPU float32 matmul routes: {os.cpu_count()} CPUs, MindSpore {ms.__version__}, numpy {np.__version__} "
-          f"({cpu_matmul.numpy_openblas().name}); OpenBLAS kernel build {cpu_matmul.last_build_seconds:.2f} s "
+          f"({cpu_matmul.numpy_openblas().name}, kernels {cpu_matmul.openblas_core()}, "
+          f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', 'unset')}); "
+          f"OpenBLAS kernel build {cpu_matmul.last_build_seconds:.2f} s "
           f"(0.00 = cached); load {_load()}")
     peak: list = []
     if "ops" not in skip:

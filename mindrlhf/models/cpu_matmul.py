@@ -48,6 +48,15 @@ def numpy_openblas() -> Path:
     return Path(found[0])
 
 
+def openblas_core() -> str:
+    """The kernel family numpy's OpenBLAS picked for this CPU (``OPENBLAS_CORETYPE`` overrides its detection)."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(numpy_openblas()))  # numpy already loaded it: the same handle, the same choice
+    lib.openblas_get_corename64_.restype = ctypes.c_char_p
+    return lib.openblas_get_corename64_().decode()
+
+
 def _cache_dir() -> Path:
     return Path(os.environ.get("MINDRLHF_CACHE", Path.home() / ".cache" / "mindrlhf")) / "cpu_matmul"
 
