@@ -59,19 +59,23 @@ SETTINGS = (
 
 
 def _time(fn, min_seconds: float) -> float:
-    """Seconds per call of ``fn`` (which returns something ``_sync`` waits for), after one warm-up call."""
+    """Seconds per call of ``fn`` (which returns something ``_sync`` waits for), after one warm-up call.
+
+    Each call is waited for: PyNative launches asynchronously, so an unsynchronised loop would queue far more
+    than ``min_seconds`` of work (a 2048³ product a few microseconds each) and drain it at the end."""
     _sync(fn())
     calls, start = 0, time.perf_counter()
     while True:
-        out = fn()
+        _sync(fn())
         calls += 1
         if time.perf_counter() - start >= min_seconds:
             break
-    _sync(out)
     return (time.perf_counter() - start) / calls
 
 
 def _sync(out) -> None:
+    # asnumpy waits for the kernel (mindspore.runtime.synchronize does not support CPU in 2.10); the copy of the
+    # output it adds is small beside the product for every shape here but the decode ones
     for o in out if isinstance(out, (tuple, list)) else (out,):
         if hasattr(o, "asnumpy"):
             o.asnumpy()
