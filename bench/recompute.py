@@ -3,6 +3,7 @@
     python bench/recompute.py                          # the embedded SmolLM2-135M-Instruct
     python bench/recompute.py --model tiny             # a small random Qwen2 (a quick check of the script)
     python bench/recompute.py --modes graphs,jit       # some of the ways only
+    python bench/recompute.py --cpu_matmul openblas    # the decoder's matmuls through numpy's OpenBLAS (#40)
 
 The same update (GRPO's: completion log-probs of shared-prompt packed rows, a weighted sum) computed seven
 ways, each in its own process so each peak RSS is its own:
@@ -94,6 +95,28 @@ def _layer_jit(model) -> None:
     model._layers = layers
 
 
+def _route_matmuls(route: str) -> None:
+    """Build the decoder with ``route``'s float32 2-D matmuls (``mindrlhf.models.cpu_matmul``) where it makes
+    ``ops.MatMul`` (the linear layers, the vocabulary head, rope's rotation): #40's prototype wiring, to measure a
+    training update with it. Attention's ``BatchMatMul`` stays MindSpore's."""
+    import types
+
+    from mindspore import ops
+
+    from mindrlhf.models import cpu_matmul, decoder, tp_layers
+
+    table = cpu_matmul.matmul_ops(route)
+    cases = {(False, False): "nn", (False, True): "nt", (True, False): "tn"}
+
+    def matmul(transpose_a: bool = False, transpose_b: bool = False):
+        return table[cases[(transpose_a, transpose_b)]]
+
+    proxy = types.ModuleType("ops")
+    proxy.__dict__.update(vars(ops))
+    proxy.MatMul = matmul
+    decoder.ops = tp_layers.ops = proxy
+
+
 def run_mode(args) -> dict:
     """One mode in this process: the model loaded, ``steps`` updates timed, peak RSS."""
     import mindspore as ms
@@ -108,6 +131,8 @@ def run_mode(args) -> dict:
         import mindrlhf.parallel.pipeline as pipeline
 
         pipeline.jit_any_shape = lambda fn, name: ms.jit(fn)
+    if args.cpu_matmul != "ms":
+        _route_matmuls(args.cpu_matmul)
     model = load_model(args.model_dir)
     if args.mode == "layer_jit":
         _layer_jit(model)
@@ -154,6 +179,8 @@ def main(argv=None) -> int:
     p.add_argument("--num_generations", type=int, default=4, help="completions per prompt")
     p.add_argument("--prompt_len", type=int, default=126)
     p.add_argument("--completion_len", type=int, default=160)
+    p.add_argument("--cpu_matmul", default="ms", choices=("ms", "openblas", "numpy"),
+                   help="the decoder's 2-D float32 matmuls: MindSpore's (ms) or a mindrlhf.models.cpu_matmul route")
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--model_dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -167,7 +194,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = _model_dir(args.model, Path(tmp))
         child = [f"--{k}={getattr(args, k)}" for k in ("steps", "micro_batches", "prompts", "num_generations",
-                                                        "prompt_len", "completion_len")]
+                                                        "prompt_len", "completion_len", "cpu_matmul")]
         results = []
         for mode in modes:
             proc = subprocess.run([sys.executable, __file__, *child, "--mode", mode, "--model_dir", str(model_dir)],
@@ -176,7 +203,8 @@ def main(argv=None) -> int:
                 print(f"{mode}: failed (rc {proc.returncode})\n{proc.stderr[-2000:]}", file=sys.stderr)
                 continue
             results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    print(f"{args.model}: {args.micro_batches} micro-batches x {args.prompts} prompt(s) x {args.num_generations} "
+    print(f"{args.model} (matmuls: {args.cpu_matmul}): {args.micro_batches} micro-batches x {args.prompts} "
+          f"prompt(s) x {args.num_generations} "
           f"completions, prompt {args.prompt_len} + completion {args.completion_len} tokens; "
           f"means of steps 2..{args.steps}")
     print("| mode | step s | first step s | peak RSS GiB | RSS after load GiB | grad norm |")
