@@ -282,7 +282,8 @@ class DataConfig:
     """Training prompts."""
 
     mind_dataset_dir: str = config_field(
-        "", "The training prompts (the seed's flag name; alias train_file): a .mindrecord written by rlhf_data.py, "
+        "", "The training prompts (GRPO and PPO; the seed's flag name, alias train_file): a .mindrecord written by "
+        "rlhf_data.py (GSM8K, OpenR1-Math or generic question/answer JSONL; the answers feed the rule rewards), "
         "or prompt rows as JSONL (named .jsonl/.json or starting with '{'), a .parquet file (e.g. verl's GSM8K "
         "preprocessing output) or a datasets save_to_disk folder: ReaL's {\"prompt\": text} rows or TRL's "
         "prompt-only rows (prompt: a text, used as is, or a list of role/content messages, rendered with the chat "

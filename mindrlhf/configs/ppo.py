@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence
 
 from mindrlhf.configs.base import config_field
 from mindrlhf.configs.common import ModelBaseConfig, OptimizerConfig, TrainingConfig
-from mindrlhf.configs.grpo_configs import GenerationConfig, ParallelConfig, RolloutTrainConfig
+from mindrlhf.configs.grpo_configs import DataConfig, GenerationConfig, ParallelConfig, RolloutTrainConfig
 from mindrlhf.rewards.manager import REWARD_ERRORS, reward_spec_name
 
 #: Per-token KL estimators of the reward's penalty (``algorithms.ppo.kl_shaped_rewards``).
@@ -54,24 +54,6 @@ class PPOModelConfig(ModelBaseConfig):
         "the initial actor), so the actor's and critic's updates run without them in device memory. The same "
         "numbers either way. On CPU it does not pay: SmolLM2's PPO step peaked at 11.28 GiB with it vs 9.75 "
         "without (freed host memory is not returned before the reload) and took 8 s longer.")
-
-
-@dataclass
-class PPODataConfig:
-    """Training prompts."""
-
-    mind_dataset_dir: str = config_field(
-        "", "The training prompts: a .mindrecord written by rlhf_data.py (GSM8K, OpenR1-Math or generic "
-        "question/answer JSONL; the answers feed the rule rewards), or "
-        "prompt rows as JSONL (named .jsonl/.json or starting with '{'), a .parquet file (e.g. verl's GSM8K "
-        "preprocessing output) or a datasets save_to_disk folder: ReaL's {\"prompt\": text} rows or TRL's "
-        "prompt-only rows (prompt: a text, used as is, or a list of role/content messages, rendered with the chat "
-        "template and its generation prompt). A row's other keys (columns) are passed to the reward functions as "
-        "dataset columns (as TRL does; nested ones as dicts); the accuracy reward reads verl's "
-        "reward_model.ground_truth, else 'solution', else the final answer of 'answer' (the number after GSM8K's "
-        "'####'). Prompts longer than max_prompt_length and bad rows are skipped and named in the log. '' = the "
-        "packaged GSM8K sample.",
-        key_aliases=("train_file",))
 
 
 @dataclass
@@ -219,7 +201,7 @@ class PPOConfig(TrainingConfig):
     generation: PPOGenerationConfig = dataclasses.field(default_factory=PPOGenerationConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     model: PPOModelConfig = dataclasses.field(default_factory=PPOModelConfig)
-    data: PPODataConfig = dataclasses.field(default_factory=PPODataConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     train: PPOTrainConfig = dataclasses.field(default_factory=PPOTrainConfig)
 
