@@ -174,15 +174,9 @@ class CheckpointManager:
 
     @staticmethod
     def stage_of(path: Path) -> str:
-        """The stage that wrote a checkpoint (its manifest's, else its state.json's; '' when neither says:
-        checkpoints from before stages were recorded)."""
-        stage = (read_manifest(path) or {}).get("stage")
-        if not stage:
-            try:
-                stage = json.loads((Path(path) / "state.json").read_text(encoding="utf-8")).get("stage")
-            except (OSError, ValueError, AttributeError):
-                stage = ""
-        return str(stage or "")
+        """The stage that wrote a checkpoint, from its manifest ('' for checkpoints from before stages were
+        recorded; state.json names it too, written with the same save)."""
+        return str((read_manifest(path) or {}).get("stage") or "")
 
     def list_steps(self) -> List[int]:
         """Steps that have a checkpoint folder (complete or not), ascending."""

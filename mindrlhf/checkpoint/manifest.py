@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from pathlib import Path
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 from mindrlhf.errors import MindRLHFError
 
-log = logging.getLogger(__name__)
 PathLike = Union[str, Path]
 MANIFEST = "manifest.json"
 

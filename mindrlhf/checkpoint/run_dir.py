@@ -28,7 +28,7 @@ from typing import Dict, List, Mapping, Optional, Union
 import yaml
 
 from mindrlhf.checkpoint.manager import CheckpointManager
-from mindrlhf.checkpoint.manifest import DEFAULT_MODEL, describe, read_manifest, same_model
+from mindrlhf.checkpoint.manifest import DEFAULT_MODEL, describe, model_identity, read_manifest, same_model
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.utils.fs import is_inside, write_text_atomic
 
@@ -190,11 +190,25 @@ def check_run_dirs(output_dir: PathLike, ckpt_dir: PathLike, *, resume: str, ove
     return start
 
 
+def _loaded_files(path: str) -> List[Path]:
+    """The files the loader reads for a model path (none for a role's default, '')."""
+    from mindrlhf.checkpoint.hf_io import model_files
+
+    return model_files(path) if path != DEFAULT_MODEL else []
+
+
+def identify_models(models: Mapping[str, str]) -> Dict[str, Dict[str, object]]:
+    """Each input model's identity (``manifest.model_identity``: path, and size and SHA-256 of the files its loader
+    reads), for the checkpoints; a path given for several roles is hashed once."""
+    found: Dict[str, Dict[str, object]] = {}
+    for path in set(models.values()):
+        found[path] = model_identity(path, _loaded_files(path))
+    return {flag: found[path] for flag, path in models.items()}
+
+
 def _same_models(checkpoint: Path, models: Mapping[str, str]) -> Optional[Dict[str, Dict[str, object]]]:
     """Each input model's identity, refusing a resume whose models differ from those ``checkpoint`` recorded
     (None for a checkpoint from before models were recorded)."""
-    from mindrlhf.checkpoint.hf_io import model_files
-
     recorded = CheckpointManager.read_state(checkpoint).get("models")
     if not isinstance(recorded, dict):
         return None
@@ -203,7 +217,7 @@ def _same_models(checkpoint: Path, models: Mapping[str, str]) -> Optional[Dict[s
         old = recorded.get(flag)
         if old is None:  # a role this stage did not record then
             continue
-        same, found[flag] = same_model(old, path, model_files(path) if path != DEFAULT_MODEL else [])
+        same, found[flag] = same_model(old, path, _loaded_files(path))
         if not same:
             was = f"pass {flag} {old['path']}" if old.get("path") else f"leave {flag} out"
             raise MindRLHFError(f"--resume {checkpoint}: {flag} differs from the run's: it trained with "

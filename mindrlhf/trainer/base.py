@@ -84,7 +84,7 @@ class Trainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
         self.run_id = uuid.uuid4().hex[:12]  # a resumed run takes its checkpoint's
         self.ckpt = CheckpointManager(cfg.checkpoint_dir, t.keep_last, self.run_id, self.stage)
-        #: Each input model's identity (``trainer.entry.identify_models``), recorded in every checkpoint.
+        #: Each input model's identity (``checkpoint.run_dir.identify_models``), recorded in every checkpoint.
         self.input_models: Dict[str, Dict[str, object]] = {}
         #: The reports of the data files the stage read as text rows (``log_data_report``): ``train`` lists every
         #: row they skipped in ``output_dir/skipped_rows.jsonl``.

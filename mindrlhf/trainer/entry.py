@@ -13,7 +13,7 @@ from typing import Callable, Dict, Optional, Sequence
 import mindspore as ms
 
 from mindrlhf.checkpoint.manager import CheckpointManager
-from mindrlhf.checkpoint.run_dir import check_run_dirs, clear_previous_run, write_run_id
+from mindrlhf.checkpoint.run_dir import check_run_dirs, clear_previous_run, identify_models, write_run_id
 from mindrlhf.errors import MindRLHFError, WorkerLostError
 from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import RunLayout, init_run_layout
@@ -120,15 +120,6 @@ def load_policy(path: str, config, layout: RunLayout, dtype: str, *, load: bool 
     model = CausalLM(masters.config, dtype, shard)
     cast_weights_into(model, masters)
     return model, masters.trainable_params()
-
-
-def identify_models(models: Dict[str, str]) -> Dict[str, Dict[str, object]]:
-    """Each input model's identity (path, and size and SHA-256 of the files its loader reads)."""
-    from mindrlhf.checkpoint.hf_io import model_files
-    from mindrlhf.checkpoint.manifest import DEFAULT_MODEL, model_identity
-
-    return {flag: model_identity(path, model_files(path) if path != DEFAULT_MODEL else [])
-            for flag, path in models.items()}
 
 
 def worker_lost(cfg, op: str, err: RuntimeError) -> WorkerLostError:
