@@ -172,3 +172,29 @@ def small_filesystem(path: Path, size_bytes: int):
         yield lambda n: subprocess.run(["mount", "-o", f"remount,size={pages(n)}", str(path)], check=True)
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def check_score_export(ckpt_file: Path, model, hf_dir: Path, seed: int = 2) -> None:
+    """convert_weight --reverse exports a sequence-classification checkpoint file (a reward model's policy.ckpt, a
+    PPO critic's critic.ckpt) to an HF Qwen2ForSequenceClassification directory that transformers loads with the
+    scores ``model`` gives (<=1e-4) on a padded batch drawn with ``seed``."""
+    import numpy as np
+    import torch
+    from mindspore import Tensor
+    from transformers import AutoModelForSequenceClassification
+
+    from mindrlhf.testing import padded_batch
+    from mindrlhf.tools import convert_weight
+
+    assert convert_weight.main(["--reverse", "--input_path", str(ckpt_file), "--output_path", str(hf_dir),
+                                "--no_progress"]) == 0
+    hf = AutoModelForSequenceClassification.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen2ForSequenceClassification" and hf.config.num_labels == 1
+    ids, mask = padded_batch(1000, seed=seed)
+    ids = np.where(mask > 0, ids + 10, hf.config.pad_token_id)  # real ids are never the pad id
+    pos = np.clip(mask.cumsum(1) - 1, 0, None)
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                  position_ids=torch.tensor(pos)).logits.numpy()
+    got = model.scores(Tensor(ids.astype(np.int32)), Tensor(mask.astype(np.int32))).asnumpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from grpo_runs import SUITE_RECOMPUTE
+from grpo_runs import SUITE_RECOMPUTE, check_score_export
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K = REPO / "mindrlhf" / "resources" / "gsm8k_train_sample.jsonl"
@@ -85,30 +85,6 @@ def _run(stage, argv, env_extra=None, **kw):
                           capture_output=True, text=True, timeout=900, **kw)
 
 
-def _check_hf_export(checkpoint: Path, model, hf_dir: Path) -> None:
-    """convert_weight --reverse exports the trained reward model to an HF Qwen2ForSequenceClassification
-    directory that transformers loads with the same rewards (≤1e-4)."""
-    import torch
-    from mindspore import Tensor
-    from transformers import AutoModelForSequenceClassification
-
-    from mindrlhf.testing import padded_batch
-    from mindrlhf.tools import convert_weight
-
-    assert convert_weight.main(["--reverse", "--input_path", str(checkpoint / "policy.ckpt"), "--output_path",
-                                str(hf_dir), "--no_progress"]) == 0
-    hf = AutoModelForSequenceClassification.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    assert type(hf).__name__ == "Qwen2ForSequenceClassification" and hf.config.num_labels == 1
-    ids, mask = padded_batch(1000, seed=2)
-    ids = np.where(mask > 0, ids + 10, hf.config.pad_token_id)  # real ids are never the pad id
-    pos = np.clip(mask.cumsum(1) - 1, 0, None)
-    with torch.no_grad():
-        want = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                  position_ids=torch.tensor(pos)).logits.numpy()
-    got = model.scores(Tensor(ids.astype(np.int32)), Tensor(mask.astype(np.int32))).asnumpy()
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-
-
 def _last_checkpoint(out: Path, step: int = 4) -> Path:
     from mindrlhf.checkpoint.manager import CheckpointManager
 
@@ -149,7 +125,7 @@ def test_stage_runs_and_resumes_exactly_after_sigkill(stage_assets, tmp_path, st
     final = load_model(_last_checkpoint(full))
     assert final.config.num_labels == (1 if stage == "rm" else 0)
     if stage == "rm":
-        _check_hf_export(_last_checkpoint(full), final, tmp_path / "hf")
+        check_score_export(_last_checkpoint(full) / "policy.ckpt", final, tmp_path / "hf")
 
     if not kill:
         return

@@ -288,31 +288,14 @@ def test_ppo_critic_exports_as_a_sequence_classifier(ppo_runs, tmp_path, run_nam
     """``convert_weight --reverse`` on a PPO checkpoint's critic.ckpt writes an HF Qwen2ForSequenceClassification
     directory (from critic.config.json beside it) that transformers loads with our critic's scores (≤1e-4), whether
     the critic started from the reward model or from the actor with a new score head."""
-    import torch
-    from mindspore import Tensor
-    from transformers import AutoModelForSequenceClassification
-
+    from grpo_runs import check_score_export
     from mindrlhf.checkpoint.manager import CheckpointManager
     from mindrlhf.models import load_model
-    from mindrlhf.testing import padded_batch
-    from mindrlhf.tools import convert_weight
 
     run = ppo_runs[run_name]
     assert run["proc"].returncode == 0, run["proc"].stderr[-3000:]
     step, checkpoint = CheckpointManager(str(run["out"] / "checkpoints")).latest_complete()
     assert step == 1
-    hf_dir = tmp_path / "critic_hf"
-    assert convert_weight.main(["--reverse", "--input_path", str(checkpoint / "critic.ckpt"), "--output_path",
-                                str(hf_dir), "--no_progress"]) == 0
-    hf = AutoModelForSequenceClassification.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    assert type(hf).__name__ == "Qwen2ForSequenceClassification" and hf.config.num_labels == 1
     critic = load_model(checkpoint / "critic.ckpt")
     assert critic.config.num_labels == 1
-    ids, mask = padded_batch(1000, seed=3)
-    ids = np.where(mask > 0, ids + 10, hf.config.pad_token_id)  # real ids are never the pad id
-    pos = np.clip(mask.cumsum(1) - 1, 0, None)
-    with torch.no_grad():
-        want = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                  position_ids=torch.tensor(pos)).logits.numpy()
-    got = critic.scores(Tensor(ids.astype(np.int32)), Tensor(mask.astype(np.int32))).asnumpy()
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    check_score_export(checkpoint / "critic.ckpt", critic, tmp_path / "critic_hf", seed=3)
