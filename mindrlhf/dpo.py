@@ -24,7 +24,8 @@ from mindrlhf.errors import MindRLHFError
 from mindrlhf.parallel import comm
 from mindrlhf.rm import read_pairs
 from mindrlhf.trainer.entry import StageSpec, load_tokenizer, resolve_weights, run_stage
-from mindrlhf.trainer.offline import OfflineTrainer, prompt_completion_micro_batches
+from mindrlhf.trainer.metrics import EVAL_CURVE
+from mindrlhf.trainer.offline import PolicyOfflineTrainer, prompt_completion_micro_batches
 from mindrlhf.utils.cli import run_cli
 
 log = logging.getLogger("mindrlhf")
@@ -96,12 +97,13 @@ def sequence_logps(micro: Sequence[Dict[str, np.ndarray]], logps: Sequence[np.nd
     return np.concatenate(out)
 
 
-class DPOTrainer(OfflineTrainer):
+class DPOTrainer(PolicyOfflineTrainer):
     """DPO on the shared loop: one optimizer step per ``batch_size`` pairs."""
 
     stage = "dpo"
     curves = (("loss", "loss.png", "DPO: training loss", "loss"),
-              ("rewards/accuracies", "accuracy.png", "DPO: implicit-reward accuracy", "rewards/accuracies"))
+              ("rewards/accuracies", "accuracy.png", "DPO: implicit-reward accuracy", "rewards/accuracies"), EVAL_CURVE)
+    prompt_column = "prompt"
     math_groups = ("optimizer", "data", "loss")
     headline = "rewards/accuracies"
 

@@ -24,7 +24,8 @@ from mindrlhf.errors import MindRLHFError
 from mindrlhf.parallel import comm
 from mindrlhf.trainer.base import log_data_report
 from mindrlhf.trainer.entry import StageSpec, load_tokenizer, resolve_weights, run_stage
-from mindrlhf.trainer.offline import OfflineTrainer, pack_rows, prompt_completion_micro_batches
+from mindrlhf.trainer.metrics import EVAL_CURVE
+from mindrlhf.trainer.offline import PolicyOfflineTrainer, pack_rows, prompt_completion_micro_batches
 from mindrlhf.utils.cli import run_cli
 
 log = logging.getLogger("mindrlhf")
@@ -46,11 +47,11 @@ class SFTObjective:
         return {"mean_token_accuracy": reduced["correct"] / tokens, "entropy": reduced["entropy"] / tokens}
 
 
-class SFTTrainer(OfflineTrainer):
+class SFTTrainer(PolicyOfflineTrainer):
     """SFT on the shared loop: one optimizer step per ``batch_size`` rows."""
 
     stage = "sft"
-    curves = (("loss", "loss.png", "SFT: training loss", "loss"),)
+    curves = (("loss", "loss.png", "SFT: training loss", "loss"), EVAL_CURVE)
 
     def __init__(self, cfg: SFTConfig, *, model, updater, tokenizer, layout, train_rows, valid_rows=None,
                  reports=()):

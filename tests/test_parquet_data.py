@@ -260,3 +260,57 @@ def test_ppo_trains_a_step_on_a_verl_parquet(verl_parquet, tmp_path):
     rows = read_rows(out)
     assert [r["step"] for r in rows] == [1]
     assert "rewards/accuracy/mean" in rows[0] and "no reward_model.ground_truth" not in proc.stderr
+
+
+# -- question files: mindrlhf-eval --data_path, eval_file, mindrlhf-data (#41) -----------------------------------
+@pytest.mark.parametrize("layout", ["parquet", "save_to_disk"])
+def test_question_files_read_a_verl_parquet_as_the_gsm8k_jsonl(tmp_path, data_dir, layout):
+    """The question readers (mindrlhf-eval's and eval_file's ``load_questions``, the converter's and mindrlhf-data
+    --sft's ``read_records``) read verl's GSM8K layout from a parquet file or a save_to_disk folder as they read the
+    GSM8K JSONL it came from: the same questions, worked answers, final answers and row numbers, and mindrlhf-data
+    --sft writes the same rows. A verl row without extra_info asks its prompt's user message, answered by its
+    reward_model.ground_truth."""
+    from mindrlhf.data.gsm8k import write_sft_rows
+    from mindrlhf.data.rlhf_data import read_records
+    from mindrlhf.evaluation.gsm8k_eval import load_questions
+
+    write = write_parquet if layout == "parquet" else write_saved
+    source = data_dir / "gsm8k" / "test.jsonl"
+    jsonl = write_jsonl(tmp_path / "gsm8k.jsonl", [json.loads(line) for line in source.read_text().splitlines()[:6]])
+    table = write(tmp_path / f"verl.{layout}", verl_gsm8k_rows(data_dir, 6, "test"))
+    got, want = load_questions(table, limit=4, offset=1), load_questions(jsonl, limit=4, offset=1)
+    assert got == want and len(got[0]) == 4 and got[0][0].solution == "3"
+    records, records_want = read_records(table, "gsm8k", "question", "answer"), \
+        read_records(jsonl, "gsm8k", "question", "answer")
+    assert [(n, r["question"], r["answer"], s) for n, r, s in records[0]] == \
+        [(n, r["question"], r["answer"], s) for n, r, s in records_want[0]] and records[2] == 6
+    write_sft_rows(table, tmp_path / "a.jsonl")
+    write_sft_rows(jsonl, tmp_path / "b.jsonl")
+    assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text()
+    bare = [{k: v for k, v in row.items() if k != "extra_info"} for row in verl_gsm8k_rows(data_dir, 2, "test")]
+    questions, _ = load_questions(write_parquet(tmp_path / "bare.parquet", bare))
+    assert [(q.question, q.solution, q.line) for q in questions] == \
+        [(r["prompt"][0]["content"], r["reward_model"]["ground_truth"], i + 1) for i, r in enumerate(bare)]
+
+
+@pytest.mark.slow
+def test_mindrlhf_eval_and_pairs_take_a_verl_parquet(grpo_assets, data_dir, tmp_path):
+    """mindrlhf-eval --data_path and mindrlhf-data --pairs --data_path take the verl parquet: the same summary
+    (rewards included) and the same pairs as the GSM8K JSONL it came from; GRPO's eval_file accepts it."""
+    from mindrlhf.configs import parse_args
+    from mindrlhf.evaluation.gsm8k_eval import evaluate
+    from mindrlhf.evaluation.gsm8k_pairs import make_pairs
+
+    source = data_dir / "gsm8k" / "test.jsonl"
+    jsonl = write_jsonl(tmp_path / "gsm8k.jsonl", [json.loads(line) for line in source.read_text().splitlines()[:3]])
+    table = write_parquet(tmp_path / "test.parquet", verl_gsm8k_rows(data_dir, 3, "test"))
+    runs = {}
+    for name, path in (("parquet", table), ("jsonl", jsonl)):
+        summary = evaluate(str(grpo_assets["model"]), data_path=path, max_new_tokens=6, progress=False)
+        pairs = make_pairs(tmp_path / f"{name}.pairs.jsonl", model=str(grpo_assets["model"]), data_path=path, k=2,
+                           max_new_tokens=6, progress=False)
+        runs[name] = ({k: v for k, v in summary.items() if not k.endswith("_s") and k != "data_path"},
+                      (tmp_path / f"{name}.pairs.jsonl").read_text(), pairs["pairs"])
+    assert runs["parquet"] == runs["jsonl"] and runs["jsonl"][2] > 0
+    assert set(runs["jsonl"][0]["rewards"]) == {"accuracy", "gsm8k_format"}
+    assert parse_args(["--eval_steps", "1", "--eval_file", str(table)]).train.eval_file == str(table)

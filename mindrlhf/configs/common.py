@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import List
 
 from mindrlhf.configs.base import GroupedConfig, config_field
@@ -242,6 +243,33 @@ class TrainLoopConfig:
     def check(self, errors: List[str]) -> None:
         if not self.output_dir:
             errors.append("output_dir is empty; give a directory for logs and checkpoints")
+
+
+@dataclass
+class PolicyEvalTrainConfig(TrainLoopConfig):
+    """Training loop of a stage that trains a policy (GRPO, PPO, SFT, DPO): the shared loop and the GSM8K
+    generation evaluation while it trains (``trainer.policy_eval``). When it runs is the stage's: GRPO/PPO's
+    eval_steps, SFT/DPO's eval_generation."""
+
+    eval_file: str = config_field(
+        "", "The held-out questions of the evaluation while training (GRPO/PPO: eval_steps; SFT/DPO: "
+        "eval_generation), read as mindrlhf-eval --data_path reads them: GSM8K-style question/answer rows in a "
+        "JSONL file, a .parquet file or a datasets save_to_disk folder, or verl's GSM8K layout (prompt messages, "
+        "reward_model.ground_truth). '' = the packaged GSM8K test sample (never the training questions).")
+    eval_limit: int = config_field(
+        64, "How many questions of eval_file the evaluation asks (the first N; 0 = all). Range >= 0.",
+        ge=0)
+    eval_num_generations: int = config_field(
+        1, "Completions per question in the evaluation: 1 = greedy pass@1; k > 1 = maj@k (k samples, majority "
+        "vote; GRPO/PPO at the run's temperature and top_p, SFT/DPO at mindrlhf-eval's defaults 0.7 and 1). "
+        "Range >= 1.",
+        ge=1)
+
+    def check(self, errors: List[str]) -> None:
+        super().check(errors)
+        if self.eval_file and not Path(self.eval_file).exists():  # found now, not after the first evaluation
+            errors.append(f"eval_file = {self.eval_file!r} does not exist; give GSM8K-style question/answer rows "
+                          "(JSONL, parquet or a datasets folder), or '' for the packaged GSM8K test sample")
 
 
 class TrainingConfig(GroupedConfig):

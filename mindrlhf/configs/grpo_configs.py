@@ -15,11 +15,16 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from dataclasses import dataclass
-from pathlib import Path
 from typing import List, Optional, Sequence, Tuple, Union
 
 from mindrlhf.configs.base import config_field
-from mindrlhf.configs.common import ModelBaseConfig, OptimizerConfig, TrainingConfig, TrainLayoutConfig, TrainLoopConfig
+from mindrlhf.configs.common import (
+    ModelBaseConfig,
+    OptimizerConfig,
+    PolicyEvalTrainConfig,
+    TrainingConfig,
+    TrainLayoutConfig,
+)
 from mindrlhf.configs.mindformers import is_model_yaml, read_model_yaml
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.registry import (
@@ -324,9 +329,9 @@ class ParallelConfig(TrainLayoutConfig):
 
 
 @dataclass
-class RolloutTrainConfig(TrainLoopConfig):
-    """Training loop of a stage that samples its data (GRPO, PPO): the shared loop, completion dumps and the
-    experience record / replay."""
+class RolloutTrainConfig(PolicyEvalTrainConfig):
+    """Training loop of a stage that samples its data (GRPO, PPO): the shared loop, the evaluation while training,
+    completion dumps and the experience record / replay."""
 
     log_completions_steps: int = config_field(
         10, "Write output_dir/completions_step_N.jsonl (prompt, completion, rewards and the stage's per-row "
@@ -336,20 +341,12 @@ class RolloutTrainConfig(TrainLoopConfig):
         0, "Evaluate the policy every N steps and at the last step on held-out GSM8K questions (eval_file), with "
         "the run's own sampler after the step's weight sync: the training prompt style, max_completion_length "
         "new tokens, greedy (or maj@k, eval_num_generations). Logged as eval/accuracy, eval/format_rate, "
-        "eval/mean_length and eval/truncated_rate (metrics.jsonl, TensorBoard, eval_accuracy.png): the numbers "
-        "mindrlhf-eval gives for that step's checkpoint with the same questions and settings. 0 = never. "
-        "Range >= 0.",
+        "eval/mean_length, eval/truncated_rate and eval/reward/<fn> (each of the run's reward functions averaged "
+        "over the evaluated completions, given the question and its solution as columns; a function that fails "
+        "on them logs nan; PPO without reward_funcs: the built-in accuracy and format rewards) in metrics.jsonl, "
+        "TensorBoard and eval_accuracy.png: the numbers mindrlhf-eval gives for that step's checkpoint with the "
+        "same questions and settings. 0 = never. Range >= 0.",
         ge=0)
-    eval_file: str = config_field(
-        "", "The questions of eval_steps: GSM8K-style question/answer JSONL (as mindrlhf-eval --data_path). '' = "
-        "the packaged GSM8K test sample (never the training questions).")
-    eval_limit: int = config_field(
-        64, "How many questions of eval_file eval_steps evaluates (the first N; 0 = all). Range >= 0.",
-        ge=0)
-    eval_num_generations: int = config_field(
-        1, "Completions per question in eval_steps: 1 = greedy pass@1; k > 1 = maj@k (k samples at the run's "
-        "temperature and top_p, majority vote). Range >= 1.",
-        ge=1)
     save_data_file: str = config_field(
         "", "Dump every step's experience (prompt and completion ids, masks, sampler log-probs, rewards per "
         "function, GRPO's advantages) as .npz files, one per step: <path without .npz>.step<N>.npz. For debugging "
@@ -361,9 +358,6 @@ class RolloutTrainConfig(TrainLoopConfig):
 
     def check(self, errors: List[str]) -> None:
         super().check(errors)
-        if self.eval_file and not Path(self.eval_file).is_file():  # found now, not after eval_steps steps
-            errors.append(f"eval_file = {self.eval_file!r} does not exist; give a GSM8K-style question/answer JSONL, "
-                          "or '' for the packaged GSM8K test sample")
         if self.save_data_file and self.save_data_file == self.replay_data_file:
             errors.append(f"save_data_file and replay_data_file are both {self.save_data_file!r}: the dump would "
                           "overwrite its own input; give save_data_file another path")

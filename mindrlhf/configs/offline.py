@@ -11,7 +11,14 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from mindrlhf.configs.base import config_field
-from mindrlhf.configs.common import ModelBaseConfig, OptimizerConfig, TrainingConfig, TrainLayoutConfig, TrainLoopConfig
+from mindrlhf.configs.common import (
+    ModelBaseConfig,
+    OptimizerConfig,
+    PolicyEvalTrainConfig,
+    TrainingConfig,
+    TrainLayoutConfig,
+    TrainLoopConfig,
+)
 from mindrlhf.registry import PREFERENCE_LOSSES
 
 
@@ -155,6 +162,26 @@ class OfflineTrainConfig(TrainLoopConfig):
         "default) checkpoints. Created if missing.")
 
 
+@dataclass
+class PolicyTrainConfig(OfflineTrainConfig, PolicyEvalTrainConfig):
+    """Training loop of SFT and DPO (the stages that train a policy on fixed rows): the shared loop and the GSM8K
+    generation evaluation while training, off unless eval_generation."""
+
+    eval_generation: bool = config_field(
+        False, "Also evaluate the policy by generation while it trains, as GRPO/PPO's eval_steps does: every "
+        "eval_steps steps and after the last (with valid_file's loss, if given), a sampler built on the trained "
+        "policy (once, at the first evaluation; its compiled graphs released after each) answers eval_file's "
+        "first eval_limit questions in the training prompt style (read from the first training row), greedy (or "
+        "maj@k, eval_num_generations), eval_max_new_tokens new tokens. Logged as eval/accuracy, eval/format_rate, "
+        "eval/mean_length, eval/truncated_rate and eval/reward/<fn> for the built-in accuracy reward and the "
+        "prompt style's format reward (metrics.jsonl, TensorBoard, eval_accuracy.png): the numbers mindrlhf-eval "
+        "gives for that step's checkpoint. Off by default (it adds eval_limit generations per evaluation); needs "
+        "train_pp 1.")
+    eval_max_new_tokens: int = config_field(
+        256, "Completion length limit of eval_generation in tokens (mindrlhf-eval's --max_new_tokens). Range >= 1.",
+        ge=1)
+
+
 _PREAMBLE = """
 Every field can be set in a YAML file passed with `--config` (grouped or flat) and on the command
 line as `--<field> VALUE`; see the GRPO reference for the common syntax. `--model` is another name
@@ -213,6 +240,14 @@ class OfflineConfig(TrainingConfig):
         elif self.micro_rows % p.train_micro_batches:
             errors.append(f"micro_batch_size = {self.micro_rows} is not divisible by train_micro_batches = "
                           f"{p.train_micro_batches} (pipeline micro-batches)")
+        t = self.train
+        if isinstance(t, PolicyTrainConfig) and not t.eval_generation and t.eval_file:
+            errors.append(f"eval_file = {t.eval_file!r} is given but eval_generation is false, so nothing would read "
+                          "it; add eval_generation true (or drop eval_file)")
+        if isinstance(t, PolicyTrainConfig) and t.eval_generation and p.train_pp > 1:
+            errors.append(f"eval_generation with train_pp = {p.train_pp}: the evaluation samples with the trained "
+                          "policy, which a pipeline stage holds only part of; use train_pp 1, or evaluate the "
+                          "checkpoints with mindrlhf-eval")
 
 
 @dataclass
@@ -223,6 +258,7 @@ class SFTConfig(OfflineConfig):
     REFERENCE_FILE = "docs/config_reference_sft.md"
 
     data: SFTDataConfig = dataclasses.field(default_factory=SFTDataConfig)
+    train: PolicyTrainConfig = dataclasses.field(default_factory=PolicyTrainConfig)
 
 
 @dataclass
@@ -247,7 +283,7 @@ class DPOConfig(OfflineConfig):
     model: DPOModelConfig = dataclasses.field(default_factory=DPOModelConfig)
     data: PairDataConfig = dataclasses.field(default_factory=PairDataConfig)
     loss: DPOLossConfig = dataclasses.field(default_factory=DPOLossConfig)
-    train: OfflineTrainConfig = dataclasses.field(default_factory=lambda: OfflineTrainConfig(output_dir="output/dpo"))
+    train: PolicyTrainConfig = dataclasses.field(default_factory=lambda: PolicyTrainConfig(output_dir="output/dpo"))
 
 
 def parse_sft_args(argv: Optional[Sequence[str]] = None) -> SFTConfig:

@@ -81,6 +81,31 @@ def extract_gsm8k_solution(answer: str) -> Optional[str]:
     return answer.rsplit("####", 1)[1].strip().replace(",", "")
 
 
+def question_answer_row(record: dict) -> dict:
+    """A question row with GSM8K's ``question`` / ``answer`` keys: the row itself when it has a question, else
+    verl's GSM8K layout (its preprocessing's parquet) mapped onto them: ``question`` from ``extra_info.question``,
+    else the last user message of ``prompt``; ``answer`` from ``extra_info.answer`` (GSM8K's worked answer), else
+    ``'#### '`` + ``reward_model.ground_truth``. Every question reader (mindrlhf-eval, eval_file, mindrlhf-data)
+    reads rows through it, so the same rules hold for every file format."""
+    if "question" in record or not isinstance(record.get("prompt"), list):
+        return record
+    extra = record.get("extra_info") if isinstance(record.get("extra_info"), dict) else {}
+    reward_model = record.get("reward_model") if isinstance(record.get("reward_model"), dict) else {}
+    out = dict(record)
+    question = extra.get("question")
+    if not isinstance(question, str):
+        users = [m.get("content") for m in record["prompt"] if isinstance(m, dict) and m.get("role") == "user"]
+        question = users[-1] if users else None
+    if question is not None:
+        out["question"] = question
+    if "answer" not in record:
+        if isinstance(extra.get("answer"), str):
+            out["answer"] = extra["answer"]
+        elif reward_model.get("ground_truth") is not None:
+            out["answer"] = f"#### {reward_model['ground_truth']}"
+    return out
+
+
 def build_prompt(
     question: str,
     tokenizer: "Tokenizer",
@@ -117,7 +142,8 @@ def sft_row(question: str, answer: str, style: str = DEFAULT_PROMPT_STYLE) -> di
 
 def write_sft_rows(gsm8k_jsonl, out, *, limit: int = 0, offset: int = 0, style: str = DEFAULT_PROMPT_STYLE,
                    strict: bool = False) -> "ConversionReport":
-    """Write GSM8K's ``{"question", "answer"}`` jsonl as conversational SFT rows (``sft_row``), atomically:
+    """Write GSM8K's ``{"question", "answer"}`` rows (``rlhf_data.read_records``: JSONL, parquet, a datasets folder)
+    as conversational SFT rows (``sft_row``), atomically:
     the usable rows after the first ``offset``, at most ``limit`` (0 = all); returns the report.
 
     Bad rows (malformed JSON or not UTF-8, no question or answer, no numeric final answer after ``####``) are
@@ -132,9 +158,9 @@ def write_sft_rows(gsm8k_jsonl, out, *, limit: int = 0, offset: int = 0, style: 
     from mindrlhf.utils.fs import write_text_atomic
 
     source = Path(gsm8k_jsonl)
-    if not source.is_file():
-        raise MindRLHFError(f"input file not found: {source}; pass a GSM8K jsonl (question/answer rows) with "
-                            "--data_path")
+    if not source.exists():
+        raise MindRLHFError(f"input file not found: {source}; pass GSM8K question/answer rows (JSONL, parquet or a "
+                            "datasets save_to_disk folder) with --data_path")
     records, skipped, read = read_records(source, "gsm8k", "question", "answer")
     report = ConversionReport(str(source), None, rows_read=read, skipped=skipped)
     if strict and skipped:
@@ -166,8 +192,9 @@ def sft_rows_main(argv=None) -> int:
     def run(args) -> int:
         p = argparse.ArgumentParser(prog="mindrlhf-data --sft", description=sft_rows_main.__doc__)
         p.add_argument("--output", required=True, help="the SFT jsonl to write (prompt/completion message lists)")
-        p.add_argument("--data_path", default=None, help="GSM8K jsonl with question/answer rows (default: the "
-                       "packaged training sample)")
+        p.add_argument("--data_path", default=None, help="GSM8K question/answer rows: a JSONL file, a .parquet "
+                       "file or a datasets save_to_disk folder, verl's GSM8K layout included (default: the packaged "
+                       "training sample)")
         p.add_argument("--limit", type=int, default=0, help="rows to write (0 = all)")
         p.add_argument("--offset", type=int, default=0, help="skip this many rows first")
         p.add_argument("--prompt_style", default=DEFAULT_PROMPT_STYLE, choices=sorted(PROMPT_STYLES),

@@ -13,7 +13,6 @@ byte-identical ``.mindrecord`` and ``.mindrecord.db`` (MindRecord stores the fil
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -49,7 +48,8 @@ _CHUNK = 256  # rows per tokenizer batch (and per progress-bar update)
 def read_rows(
     path: Path, dataset_type: str, question_field: str, answer_field: str
 ) -> Tuple[List[Tuple[int, str, str]], List[SkippedRow], int]:
-    """Parse a JSONL file into ``(line, question, solution)`` rows, skipped rows and the count of rows read."""
+    """Parse a question/answer file (``read_records``) into ``(line, question, solution)`` rows, skipped rows and
+    the count of rows read."""
     records, skipped, read = read_records(path, dataset_type, question_field, answer_field)
     return [(line, record[question_field], solution) for line, record, solution in records], skipped, read
 
@@ -57,37 +57,37 @@ def read_rows(
 def read_records(
     path: Path, dataset_type: str, question_field: str, answer_field: str
 ) -> Tuple[List[Tuple[int, dict, str]], List[SkippedRow], int]:
-    """Parse a JSONL file into ``(line, record, solution)`` rows (``record`` the row's JSON object), skipped rows
-    (line and reason: malformed JSON or not UTF-8, a missing question or answer, no final answer) and the count
-    of rows read. Blank lines are ignored."""
+    """Parse a question/answer file (JSONL, parquet or a datasets save_to_disk folder: ``data.row_files``; verl's
+    GSM8K layout read as ``data.gsm8k.question_answer_row`` maps it) into ``(line, record, solution)`` rows
+    (``record`` the row's object), skipped rows (line and reason: malformed JSON or not UTF-8, a missing question
+    or answer, no final answer) and the count of rows read. Blank lines are ignored."""
+    from mindrlhf.data.gsm8k import question_answer_row
+    from mindrlhf.data.row_files import open_rows
+
     rows: List[Tuple[int, dict, str]] = []
     skipped: List[SkippedRow] = []
     read = 0
-    with open(path, "rb") as handle:
-        for line_no, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            read += 1
-            try:
-                record = json.loads(raw.decode("utf-8-sig"))  # a BOM (Windows editors) is not part of the row
-            except (UnicodeDecodeError, json.JSONDecodeError) as err:
-                skipped.append(SkippedRow(line_no, "malformed_json", str(err)))
-                continue
-            if not isinstance(record, dict):
-                skipped.append(SkippedRow(line_no, "malformed_json", f"a JSON {type(record).__name__}, not an object"))
-                continue
-            question = record.get(question_field)
-            if not isinstance(question, str) or not question.strip():
-                skipped.append(SkippedRow(line_no, "missing_field", f"no non-empty string field '{question_field}'"))
-                continue
-            if record.get(answer_field) is None:
-                skipped.append(SkippedRow(line_no, "missing_field", f"no field '{answer_field}'"))
-                continue
-            solution, why = final_answer(record[answer_field], dataset_type)
-            if solution is None:
-                skipped.append(SkippedRow(line_no, "no_final_answer", why))
-                continue
-            rows.append((line_no, record, solution))
+    for line_no, record, error, _ in open_rows(path, "question").rows():
+        read += 1
+        if error is not None:
+            skipped.append(SkippedRow(line_no, "malformed_json", error))
+            continue
+        if not isinstance(record, dict):
+            skipped.append(SkippedRow(line_no, "malformed_json", f"a JSON {type(record).__name__}, not an object"))
+            continue
+        record = question_answer_row(record)
+        question = record.get(question_field)
+        if not isinstance(question, str) or not question.strip():
+            skipped.append(SkippedRow(line_no, "missing_field", f"no non-empty string field '{question_field}'"))
+            continue
+        if record.get(answer_field) is None:
+            skipped.append(SkippedRow(line_no, "missing_field", f"no field '{answer_field}'"))
+            continue
+        solution, why = final_answer(record[answer_field], dataset_type)
+        if solution is None:
+            skipped.append(SkippedRow(line_no, "no_final_answer", why))
+            continue
+        rows.append((line_no, record, solution))
     return rows, skipped, read
 
 
@@ -128,7 +128,8 @@ def convert_to_mindrecord(
     overwrite: bool = False,
     show_progress: bool = True,
 ) -> ConversionReport:
-    """Convert ``file_path`` (JSONL) into the prompt mindrecord ``output_path``; return the report.
+    """Convert ``file_path`` (question/answer rows: ``read_records``) into the prompt mindrecord ``output_path``;
+    return the report.
 
     With ``strict``, nothing is written when any row is skipped (``report.output_path`` is None).
     Only ``output_path`` and ``output_path + ".db"`` are ever written.
@@ -136,8 +137,9 @@ def convert_to_mindrecord(
     source, output = Path(file_path), Path(output_path)
     if dataset_type not in DATASET_FIELDS:
         raise MindRLHFError(f"--dataset_type {dataset_type!r} is unknown; use one of {', '.join(DATASET_FIELDS)}")
-    if not source.is_file():
-        raise MindRLHFError(f"input file not found: {source}; pass a JSONL file with --file_path")
+    if not source.exists():
+        raise MindRLHFError(f"input file not found: {source}; pass a JSONL file, a .parquet file or a datasets "
+                            "save_to_disk folder with --file_path")
     if max_prompt_length < 1:
         raise MindRLHFError(f"--max_prompt_length {max_prompt_length} must be >= 1")
     if output.resolve() == source.resolve():
@@ -209,7 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tokenizer_config.json with the chat template (default: the one next to --vocab_path)")
     parser.add_argument("--tokenizer_dir", default=None,
                         help="Hugging Face tokenizer folder, instead of --vocab_path/--merges_file_path")
-    parser.add_argument("--file_path", required=True, help="input JSONL file, one JSON object per line")
+    parser.add_argument("--file_path", required=True,
+                        help="input rows: a JSONL file (one JSON object per line), a .parquet file or a datasets "
+                             "save_to_disk folder; verl's GSM8K layout (prompt messages, reward_model.ground_truth, "
+                             "extra_info) is read too")
     parser.add_argument("--output_path", required=True,
                         help="output .mindrecord file (a .db index is written beside it)")
     parser.add_argument("--max_prompt_length", type=int, default=320,

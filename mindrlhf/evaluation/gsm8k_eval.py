@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
+
 from mindrlhf.data.gsm8k import (
     DEFAULT_PROMPT_STYLE,
     PROMPT_STYLES,
@@ -37,7 +39,14 @@ from mindrlhf.data.gsm8k import (
 )
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.resources import GSM8K_TEST_SAMPLE
-from mindrlhf.rewards import accuracy_reward, extract_answer, get_reward_fn, numbers_match, parse_number
+from mindrlhf.rewards import (
+    RewardManager,
+    accuracy_reward,
+    extract_answer,
+    get_reward_fn,
+    numbers_match,
+    parse_number,
+)
 from mindrlhf.tokenizer import resolve_tokenizer
 from mindrlhf.utils.cli import run_cli
 
@@ -55,58 +64,62 @@ PathLike = Union[str, os.PathLike]
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class Question:
-    """One GSM8K question: ``index`` counts the file's non-blank rows from 0 (the dataset index),
-    ``line`` is the 1-based line number, ``solution`` the final answer after ``####``."""
+    """One GSM8K question: ``index`` counts the file's rows from 0 (the dataset index), ``line`` is the 1-based
+    line number (a table's row number), ``solution`` the final answer after ``####``, ``answer`` the row's worked
+    answer."""
 
     index: int
     line: int
     question: str
     solution: str
+    answer: str = ""
 
 
 def load_questions(path: PathLike, limit: int = 0, offset: int = 0) -> Tuple[List[Question], int]:
-    """``(questions, skipped)`` from a GSM8K-style JSONL file (``question`` and ``answer`` fields).
+    """``(questions, skipped)`` from GSM8K-style rows (``question`` and ``answer`` fields; verl's GSM8K layout is
+    read as ``data.gsm8k.question_answer_row`` maps it) in a JSONL file, a parquet file or a datasets save_to_disk
+    folder (``data.row_files``).
 
     Rows whose answer has no ``#### N`` final answer are skipped and counted; ``offset`` and
     ``limit`` (0 = all) select among the usable questions, in file order, and reading stops once
     enough were found. Malformed JSON or a missing/empty field raises ``MindRLHFError`` naming the line.
     """
+    from mindrlhf.data.gsm8k import question_answer_row
+    from mindrlhf.data.row_files import ACCEPTED, open_rows
+
     path = Path(path)
-    if not path.is_file():
-        raise MindRLHFError(f"data file not found: {path}; pass --data_path with a GSM8K jsonl file "
-                            f"(question/answer fields)")
+    if not path.exists():
+        raise MindRLHFError(f"data file not found: {path}; pass --data_path with GSM8K question/answer rows "
+                            f"({ACCEPTED})")
     _check_count("limit", limit, 0)
     _check_count("offset", offset, 0)
+    source = open_rows(path, "question")
     wanted = offset + limit if limit else None
     found: List[Question] = []
     skipped = 0
     index = 0
-    with open(path, "rb") as handle:
-        for line_no, raw in enumerate(handle, start=1):
-            if wanted is not None and len(found) >= wanted:
-                break
-            if not raw.strip():
-                continue
-            where = f"{path} line {line_no}"
-            try:
-                record = json.loads(raw.decode("utf-8-sig"))  # a BOM (Windows editors) is not part of the row
-            except (UnicodeDecodeError, json.JSONDecodeError) as err:
-                raise MindRLHFError(f"{where}: malformed JSON ({err}); fix or remove that line") from None
-            if not isinstance(record, dict):
-                raise MindRLHFError(f"{where}: a JSON {type(record).__name__}, not an object with "
-                                    f"'question' and 'answer'; fix or remove that line")
-            question, answer = record.get("question"), record.get("answer")
-            if not isinstance(question, str) or not question.strip():
-                raise MindRLHFError(f"{where}: no non-empty string field 'question'; fix or remove that line")
-            if not isinstance(answer, str):
-                raise MindRLHFError(f"{where}: no string field 'answer' (GSM8K's worked answer ending in "
-                                    f"'#### N'); fix or remove that line")
-            solution = extract_gsm8k_solution(answer)
-            if solution:
-                found.append(Question(index, line_no, question, solution))
-            else:
-                skipped += 1
-            index += 1
+    for line_no, record, error, _ in source.rows():
+        if wanted is not None and len(found) >= wanted:
+            break
+        where = f"{path} {'line' if source.format == 'jsonl' else 'row'} {line_no}"
+        if error is not None:
+            raise MindRLHFError(f"{where}: malformed JSON ({error}); fix or remove that line")
+        if not isinstance(record, dict):
+            raise MindRLHFError(f"{where}: a JSON {type(record).__name__}, not an object with "
+                                f"'question' and 'answer'; fix or remove that line")
+        record = question_answer_row(record)
+        question, answer = record.get("question"), record.get("answer")
+        if not isinstance(question, str) or not question.strip():
+            raise MindRLHFError(f"{where}: no non-empty string field 'question'; fix or remove that line")
+        if not isinstance(answer, str):
+            raise MindRLHFError(f"{where}: no string field 'answer' (GSM8K's worked answer ending in "
+                                f"'#### N'); fix or remove that line")
+        solution = extract_gsm8k_solution(answer)
+        if solution:
+            found.append(Question(index, line_no, question, solution, answer))
+        else:
+            skipped += 1
+        index += 1
     return found[offset:], skipped
 
 
@@ -262,6 +275,7 @@ def evaluate(
     merges_file_path: Optional[PathLike] = None,
     stop_token_ids: Optional[Sequence[int]] = None,
     jit: bool = True,
+    rewards: Optional[RewardManager] = None,
 ) -> Dict[str, Any]:
     """Evaluate a model on GSM8K; return the summary as a dict.
 
@@ -270,7 +284,12 @@ def evaluate(
     ``sample_accuracy`` (mean accuracy reward over all completions), ``format_rate`` (fraction of
     completions the ``format`` reward scores 1), ``mean_completion_tokens``, ``truncated_rate``,
     ``wall_time_s`` (generation + scoring), ``load_time_s``, ``compile_time_s``, ``tokens_per_s``,
-    ``skipped_rows`` and the settings used.
+    ``skipped_rows``, ``rewards`` (each reward function's mean over all completions, by name; NaN where it
+    scored none) and the settings used.
+
+    ``rewards``: the reward functions to average (a ``RewardManager``, called as training calls it, with the
+    question and its solution as columns); default: the built-in ``accuracy`` and the prompt style's format
+    reward, as the training defaults.
 
     ``model``: an HF dir / MindSpore checkpoint path (None = the embedded SmolLM2), a ``CausalLM``
     or a ``Sampler``. ``tokenizer``: a ``Tokenizer``, else from ``tokenizer_dir``/``vocab_path`` or the
@@ -319,6 +338,9 @@ def evaluate(
         system_prompt = style_system_prompt(prompt_style)
     prompts = tokenizer.encode_batch([build_prompt(q.question, tokenizer, system_prompt, use_chat_template)
                                       for q in questions])
+    if rewards is None:
+        rewards = RewardManager(["accuracy", style_format_reward(prompt_style)])
+    reward_sums = {name: [0.0, 0] for name in rewards.names}  # sum and count of the scores given (not None)
     load_s = time.perf_counter() - t_load
 
     correct = sample_correct = format_ok = completions_total = tokens_total = truncated = 0
@@ -338,6 +360,8 @@ def evaluate(
                 done = sampler.generate(prompts[start:start + len(batch)], params)
                 compile_s += float(getattr(sampler, "last_stats", {}).get("compile_s", 0.0))
                 texts = tokenizer.batch_decode([c.token_ids for c in done], skip_special_tokens=True)
+                _add_rewards(reward_sums, rewards, texts, batch, n, tokenizer.batch_decode(
+                    prompts[start:start + len(batch)], skip_special_tokens=False), done)
                 for j, q in enumerate(batch):
                     mine = done[j * n:(j + 1) * n]
                     score = score_question(texts[j * n:(j + 1) * n], q.solution, prompt_style)
@@ -382,6 +406,7 @@ def evaluate(
         "mean_completion_tokens": tokens_total / completions_total,
         "truncated_rate": truncated / completions_total,
         "num_completions": completions_total, "skipped_rows": skipped,
+        "rewards": {name: total / count if count else math.nan for name, (total, count) in reward_sums.items()},
         "wall_time_s": wall, "load_time_s": load_s, "compile_time_s": compile_s,
         "tokens_per_s": tokens_total / wall if wall > 0 else 0.0,
         "model": str(model_path) if model_path is not None else type(model).__name__,
@@ -390,6 +415,19 @@ def evaluate(
         "top_p": 1.0 if mode == "greedy" else top_p, "seed": seed, "prompt_style": prompt_style,
         "output": str(out_path) if out_path is not None else None,
     }
+
+
+def _add_rewards(sums: Dict[str, list], rewards, texts: List[str], batch: Sequence[Question], n: int,
+                 prompt_texts: List[str], done) -> None:
+    """Score one batch's completions with ``rewards`` (as training calls them: the prompt as the model saw it,
+    the completion ids, the solution and the question as columns) and add each function's scores to ``sums``."""
+    rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731  (completions are question-major)
+    _, per_fn = rewards(texts, rep([q.solution for q in batch]), prompts=rep(prompt_texts),
+                        completion_ids=[list(c.token_ids) for c in done], question=rep([q.question for q in batch]))
+    for name, scores in per_fn.items():
+        given = scores[~np.isnan(scores)]
+        sums[name][0] += float(given.sum())
+        sums[name][1] += int(given.size)
 
 
 def _check_output(output: PathLike, inputs: Dict[str, Any], overwrite: bool) -> Path:
@@ -433,6 +471,9 @@ def format_summary(result: Dict[str, Any]) -> str:
         f"{result['load_time_s']:.1f} s loading (of the generation time, {result['compile_time_s']:.1f} s was "
         f"graph compilation)",
     ]
+    if result.get("rewards"):
+        scores = ", ".join(f"{name} {value:.4f}" for name, value in result["rewards"].items())
+        lines.append(f"  rewards        {scores} (mean over {result['num_completions']} completions)")
     if result["skipped_rows"]:
         lines.append(f"  skipped        {result['skipped_rows']} rows without a '#### N' final answer")
     if result["output"]:
@@ -456,7 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab_path", default=None, help="tokenizer vocab.json (with --merges_file_path)")
     p.add_argument("--merges_file_path", default=None, help="tokenizer merges.txt (with --vocab_path)")
     p.add_argument("--data_path", default=None,
-                   help=f"GSM8K jsonl with question/answer fields (default: the packaged {DEFAULT_DATA.name})")
+                   help="GSM8K question/answer rows: a JSONL file, a .parquet file or a datasets save_to_disk folder; "
+                        "verl's GSM8K layout (prompt messages, reward_model.ground_truth, extra_info.question) is "
+                        f"read too (default: the packaged {DEFAULT_DATA.name})")
     p.add_argument("--limit", type=int, default=0, help="evaluate the first N questions after --offset (0 = all)")
     p.add_argument("--offset", type=int, default=0, help="skip this many questions first (default 0)")
     p.add_argument("--batch_size", type=int, default=16,

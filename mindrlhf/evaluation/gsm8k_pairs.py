@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from mindrlhf.data.gsm8k import build_prompt, strip_calculator_notes, style_system_prompt
 from mindrlhf.errors import MindRLHFError
-from mindrlhf.evaluation.gsm8k_eval import evaluate
+from mindrlhf.evaluation.gsm8k_eval import evaluate, load_questions
 from mindrlhf.resources import GSM8K_TRAIN_SAMPLE
 from mindrlhf.utils.cli import run_cli
 
@@ -47,11 +47,9 @@ def make_pairs(output: os.PathLike, *, model: Any = None, data_path: Optional[os
                        max_new_tokens=max_new_tokens, seed=seed, prompt_style=prompt_style, output=samples,
                        overwrite=True, progress=progress, progress_label=f"pairs: {k} answers a question",
                        **model_args)
-    # The reference solutions of the questions used, by line number (evaluate keeps only their final numbers).
-    # Only those lines: evaluate checked them, and rows past --limit may be anything (malformed, not UTF-8).
-    lines = data.read_bytes().split(b"\n")
-    answers = {n: json.loads(lines[n - 1].decode("utf-8-sig"))["answer"] for n in
-               {json.loads(line)["line"] for line in samples.read_text(encoding="utf-8").splitlines()}}
+    # The reference solutions of the questions used, by line (row) number: read as evaluate read them (any row
+    # format), and only as far as it read (rows past --limit may be anything: malformed, not UTF-8).
+    answers = {q.line: q.answer for q in load_questions(data, limit=limit, offset=offset)[0]}
     from mindrlhf.tokenizer import resolve_tokenizer
 
     tokenizer = resolve_tokenizer(summary["model"], model_args.get("tokenizer_dir"), model_args.get("vocab_path"),
@@ -86,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="the pairs jsonl to write (ReaL's prompt/pos_answers/neg_answers)")
     p.add_argument("--model", default=None, help="HF dir, .ckpt, or a training checkpoint folder (default: the "
                    "embedded SmolLM2)")
-    p.add_argument("--data_path", default=None, help="GSM8K jsonl with question/answer rows (default: the packaged "
-                   "training sample)")
+    p.add_argument("--data_path", default=None, help="GSM8K question/answer rows: a JSONL file, a .parquet file or a "
+                   "datasets save_to_disk folder, verl's GSM8K layout included (default: the packaged training "
+                   "sample)")
     p.add_argument("--k", type=int, default=4, help="completions sampled per question (default 4)")
     p.add_argument("--max_pairs_per_question", type=int, default=0, help="keep at most N wrong completions per "
                    "question (0 = all)")

@@ -19,6 +19,12 @@ def build_sampler(cfg, model) -> Sampler:
     vLLM-MindSpore backend would implement ``Sampler`` (see docs/design.md) and be returned here.
     """
     check_sampler_config(cfg)
+    return native_sampler(model, jit=cfg.parallel.jit, share_prompts=cfg.parallel.share_prompts)
+
+
+def native_sampler(model, *, jit: bool = True, share_prompts: bool = True) -> Sampler:
+    """The native sampler generating with ``model``: the rollout stages' (``build_sampler``) and the one SFT and
+    DPO evaluate with (they have no generation settings: mindrlhf-eval's, compiled decode steps)."""
     from mindrlhf.generation.native import NativeSampler
 
-    return NativeSampler(model, jit=cfg.parallel.jit, share_prompts=cfg.parallel.share_prompts)
+    return NativeSampler(model, jit=jit, share_prompts=share_prompts)

@@ -99,6 +99,16 @@ class RewardManager:
         self.failures: Dict[str, int] = {name: 0 for name in self.names}
         self._logged: set = set()
 
+    def for_evaluation(self) -> "RewardManager":
+        """The same functions, names and weights with their own failure counts and ``errors="skip"``: what scores
+        an evaluation's completions (a function that cannot score held-out questions gives NaN there instead of
+        stopping the run, and its failures are not counted as the training rollouts')."""
+        import copy
+
+        other = copy.copy(self)
+        other.errors, other.failures, other._logged = "skip", {name: 0 for name in self.names}, set()
+        return other
+
     def __call__(
         self, completions: Sequence[str], solution: Sequence[str], *, prompts: Optional[Sequence[str]] = None,
         completion_ids: Optional[Sequence[Sequence[int]]] = None, **columns

@@ -51,8 +51,9 @@ def console_line(step: int, metrics: Mapping[str, float]) -> str:
 
 #: A plot: (metric key, file name, title, y label).
 Curve = Tuple[str, str, str, str]
-#: Held-out accuracy of the rollout stages' eval_steps (skipped when the run logged none).
-EVAL_CURVE: Curve = ("eval/accuracy", "eval_accuracy.png", "held-out GSM8K accuracy (eval_steps)", "accuracy")
+#: Held-out accuracy of the policy stages' evaluation while training (skipped when the run logged none).
+EVAL_CURVE: Curve = ("eval/accuracy", "eval_accuracy.png", "held-out GSM8K accuracy (evaluation while training)",
+                     "accuracy")
 GRPO_CURVES: Tuple[Curve, ...] = (
     ("reward", "reward.png", "GRPO mean training reward", "mean reward"),
     ("rewards/accuracy/mean", "accuracy.png", "GRPO training accuracy", "accuracy reward"), EVAL_CURVE)

@@ -4,7 +4,8 @@ One optimizer step per ``batch_size`` rows of a ``data.ShardedDataset`` in its d
 position is the step, so resuming needs no data state), the learning-rate schedule, the non-finite
 policy, evaluation every ``eval_steps`` steps and after the last. A stage says how a batch becomes
 micro-batches and the step's global counts (``prepare``), which of the objective's metrics it logs
-(``stage_metrics``) and how it evaluates (``evaluate``).
+(``stage_metrics``) and how it evaluates (``evaluate``). A stage that trains a policy (SFT, DPO) is a
+``PolicyOfflineTrainer``, which also evaluates by generation (``eval_generation``: ``trainer.policy_eval``).
 The reports of a stage's data readers (``reports``) name the rows they skipped: ``trainer.base``.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from mindrlhf.data.report import ConversionReport
 from mindrlhf.parallel import comm
 from mindrlhf.trainer.base import Trainer
 from mindrlhf.trainer.experience import bucket as round_up
+from mindrlhf.trainer.policy_eval import PolicyEvaluation
 from mindrlhf.trainer.schedule import run_length
 
 
@@ -63,6 +65,13 @@ class OfflineTrainer(Trainer):
     def has_validation(self) -> bool:
         return False
 
+    #: Whether the stage evaluates its policy by generation (``PolicyOfflineTrainer``'s ``eval_generation``).
+    evaluates_policy = False
+
+    def evaluate_policy(self) -> Dict[str, float]:
+        """``eval/*`` of the policy's generations (``trainer.policy_eval``; a stage without a policy has none)."""
+        return {}
+
     # -- the step ---------------------------------------------------------------------------------
     def train_one_step(self) -> Dict[str, float]:
         epoch, index = divmod(self.step, len(self.dataset))
@@ -78,8 +87,11 @@ class OfflineTrainer(Trainer):
                "epoch": self.step / len(self.dataset)}
         out.update(self.update_metrics())
         every = self.cfg.data.eval_steps
-        if self.has_validation and ((every and self.step % every == 0) or self.step == self.total_steps):
-            out.update(self.evaluate())
+        if (every and self.step % every == 0) or self.step == self.total_steps:
+            if self.has_validation:
+                out.update(self.evaluate())
+            if self.evaluates_policy:
+                out.update(self.evaluate_policy())
         return out
 
     def stage_state(self) -> Dict[str, object]:
@@ -99,6 +111,41 @@ class OfflineTrainer(Trainer):
         g = self.layout.groups
         total = comm.all_sum(np.asarray(values, np.float64).astype(np.float32)).astype(np.float64)
         return total / (g.tp * g.pp)
+
+
+class PolicyOfflineTrainer(PolicyEvaluation, OfflineTrainer):
+    """A stage that trains a policy on fixed rows (SFT, DPO): with ``eval_generation`` it also evaluates the policy
+    by generation (``trainer.policy_eval``) whenever it evaluates, on a sampler built on the trained model at the
+    first evaluation (it generates with the model itself: no copy, no weight sync)."""
+
+    #: The column whose first row shows the prompt style the data was built with (a prompt, or a whole row).
+    prompt_column = "input_ids"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._sampler = None
+        if self.cfg.train.eval_generation:
+            from mindrlhf.data.gsm8k import detect_prompt_style
+
+            first = self.dataset.columns[self.prompt_column][0]
+            self.prompt_style = detect_prompt_style(self.tokenizer.decode(list(map(int, first)),
+                                                                          skip_special_tokens=False))
+
+    @property
+    def evaluates_policy(self) -> bool:
+        return bool(self.cfg.train.eval_generation)
+
+    def eval_sampler(self):
+        if self._sampler is None:  # built when first needed: a run that never evaluates compiles nothing for it
+            from mindrlhf.generation.factory import native_sampler
+
+            self._sampler = native_sampler(self.model)
+        return self._sampler
+
+    def eval_generation_settings(self) -> Dict[str, Any]:
+        """``eval_max_new_tokens``; mindrlhf-eval's defaults for the rest (temperature 0.7, top_p 1, the
+        tokenizer's stop tokens)."""
+        return {"max_new_tokens": self.cfg.train.eval_max_new_tokens}
 
 
 def pad_rows(rows: Sequence[np.ndarray], pad_id: int, bucket: int = 32) -> Tuple[np.ndarray, np.ndarray]:

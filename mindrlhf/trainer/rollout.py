@@ -41,6 +41,7 @@ from mindrlhf.trainer.experience import (
     save_experience,
     step_file,
 )
+from mindrlhf.trainer.policy_eval import PolicyEvaluation
 from mindrlhf.utils import faults
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class Rollout:
     completions: List[Completion] = field(default_factory=list)
 
 
-class RolloutTrainer(Trainer):
+class RolloutTrainer(PolicyEvaluation, Trainer):
     """The rollout half of an RL stage on the shared loop (see the module docstring)."""
 
     def __init__(self, cfg, *, policy: CausalLM, updater, tokenizer, dataset: PromptDataset, sampler: Sampler,
@@ -83,7 +84,7 @@ class RolloutTrainer(Trainer):
         self.stop_ids = list(g.stop_token_ids) or list(tokenizer.stop_token_ids)
         self.batches_drawn = 0  # dataset batches consumed so far (all epochs): where the next step reads
         #: The prompt style the training prompts were built with (eval_steps asks its questions the same way; a
-        #: custom system prompt: the default style's).
+        #: custom system prompt: the default style's; trainer.policy_eval).
         self.prompt_style = prompt_style_of(tokenizer, dataset)
         if dataset.report is not None:  # a prompt JSONL file: its skipped rows are listed in output_dir
             self.data_reports = [dataset.report]
@@ -301,30 +302,23 @@ class RolloutTrainer(Trainer):
             self._dump_completions(step, texts, info, exp)
         every = self.cfg.train.eval_steps
         if every and (step % every == 0 or step == self.total_steps):
-            t1 = time.perf_counter()
             metrics.update(self.evaluate_policy())
-            metrics["time/eval"] = time.perf_counter() - t1
         return metrics
 
-    def evaluate_policy(self) -> Dict[str, float]:
-        """``eval/*`` of the policy as it is now (after the step's weight sync): ``mindrlhf-eval``'s GSM8K evaluation
-        (``evaluation.gsm8k_eval.evaluate``) run on this run's own sampler, with the training prompt style and
-        completion length, on ``eval_file``'s first ``eval_limit`` questions. Every rank runs it (a generator's tp
-        ranks decode together; its dp replicas compute the same greedy answers), so it costs what a
-        ``mindrlhf-eval`` of the checkpoint costs, without loading it."""
-        from mindrlhf.data.gsm8k import DEFAULT_PROMPT_STYLE
-        from mindrlhf.evaluation.gsm8k_eval import evaluate
+    # -- evaluation while training (trainer.policy_eval) -------------------------------------------
+    def eval_sampler(self) -> Sampler:
+        """The rollout sampler itself (after the step's weight sync, so it holds the policy's weights)."""
+        return self.sampler
 
-        t, g = self.cfg.train, self.cfg.generation
-        k = t.eval_num_generations
-        summary = evaluate(self.sampler, self.tokenizer, data_path=t.eval_file or None, limit=t.eval_limit,
-                           mode="greedy" if k == 1 else "maj", k=k, temperature=g.temperature, top_p=g.top_p,
-                           seed=t.seed, max_new_tokens=g.max_completion_length,
-                           prompt_style=self.prompt_style or DEFAULT_PROMPT_STYLE,
-                           stop_token_ids=self.stop_ids, progress=False)
-        self.sampler.release()
-        return {"eval/accuracy": summary["accuracy"], "eval/format_rate": summary["format_rate"],
-                "eval/mean_length": summary["mean_completion_tokens"], "eval/truncated_rate": summary["truncated_rate"]}
+    def eval_generation_settings(self) -> Dict[str, object]:
+        """The rollout's completion length, temperature / top_p (maj@k) and stop tokens."""
+        g = self.cfg.generation
+        return {"max_new_tokens": g.max_completion_length, "temperature": g.temperature, "top_p": g.top_p,
+                "stop_token_ids": self.stop_ids}
+
+    def eval_rewards(self) -> Optional[RewardManager]:
+        """The run's reward functions (scoring held-out questions: failures give NaN, not counted in training's)."""
+        return self.rewards.for_evaluation() if self.rewards is not None else None
 
     def _dump_completions(self, step: int, texts: List[str], info, exp: Experience) -> None:
         path = self.output_dir / f"completions_step_{step}.jsonl"

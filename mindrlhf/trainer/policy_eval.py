@@ -1,0 +1,67 @@
+"""Evaluation while a policy trains (#41): ``mindrlhf-eval``'s GSM8K evaluation run on the trainer's own sampler.
+
+``PolicyEvaluation`` is the one place every policy stage evaluates: the rollout stages (``trainer.rollout``:
+GRPO, PPO) on the sampler they roll out with, SFT and DPO (``trainer.offline.PolicyOfflineTrainer``) on a
+sampler built on the trained policy at the first evaluation. Both call ``evaluation.gsm8k_eval.evaluate`` with
+the run's ``eval_file`` / ``eval_limit`` / ``eval_num_generations`` (``configs.common.PolicyEvalTrainConfig``),
+the training prompt style and the stage's generation settings, so the ``eval/*`` rows are the numbers
+``mindrlhf-eval`` gives for that step's checkpoint. The sampler's compiled graphs are released afterwards: the
+evaluation must not keep a second set of decode caches alive through training.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Optional
+
+from mindrlhf.generation import Sampler
+from mindrlhf.rewards import RewardManager
+
+#: ``evaluate``'s summary keys logged as ``eval/*`` metrics.
+EVAL_METRICS = {"eval/accuracy": "accuracy", "eval/format_rate": "format_rate",
+                "eval/mean_length": "mean_completion_tokens", "eval/truncated_rate": "truncated_rate"}
+
+
+class PolicyEvaluation:
+    """A trainer mixin: ``evaluate_policy`` (see the module docstring). The stage provides the sampler
+    (``eval_sampler``), its generation settings (``eval_generation_settings``), the prompt style its data was built
+    with (``prompt_style``) and the reward functions to average (``eval_rewards``)."""
+
+    #: The prompt style of the training data (None: the default style's).
+    prompt_style: Optional[str] = None
+
+    def eval_sampler(self) -> Sampler:
+        """The sampler that holds the policy's current weights."""
+        raise NotImplementedError
+
+    def eval_generation_settings(self) -> Dict[str, Any]:
+        """``evaluate``'s ``max_new_tokens``, ``temperature``, ``top_p`` (maj@k) and ``stop_token_ids``."""
+        raise NotImplementedError
+
+    def eval_rewards(self) -> Optional[RewardManager]:
+        """The reward functions whose means are logged as ``eval/reward/<name>`` (None: the built-in accuracy
+        and the prompt style's format reward)."""
+        return None
+
+    def evaluate_policy(self) -> Dict[str, float]:
+        """``eval/*`` of the policy as it is now: ``eval/accuracy``, ``eval/format_rate``, ``eval/mean_length``,
+        ``eval/truncated_rate``, ``eval/reward/<fn>`` and ``time/eval``. Every rank runs it (a generator's tp ranks
+        decode together; dp replicas compute the same answers), so it costs what a ``mindrlhf-eval`` of the
+        checkpoint costs, without loading it."""
+        from mindrlhf.data.gsm8k import DEFAULT_PROMPT_STYLE
+        from mindrlhf.evaluation.gsm8k_eval import evaluate
+
+        t0 = time.perf_counter()
+        t = self.cfg.train
+        k = t.eval_num_generations
+        sampler = self.eval_sampler()
+        try:
+            summary = evaluate(sampler, self.tokenizer, data_path=t.eval_file or None, limit=t.eval_limit,
+                               mode="greedy" if k == 1 else "maj", k=k, seed=t.seed,
+                               prompt_style=self.prompt_style or DEFAULT_PROMPT_STYLE, rewards=self.eval_rewards(),
+                               progress=False, **self.eval_generation_settings())
+        finally:
+            sampler.release()
+        out = {key: float(summary[name]) for key, name in EVAL_METRICS.items()}
+        out.update({f"eval/reward/{name}": float(value) for name, value in summary["rewards"].items()})
+        out["time/eval"] = time.perf_counter() - t0
+        return out
