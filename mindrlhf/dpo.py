@@ -20,9 +20,9 @@ from mindspore import ops
 
 from mindrlhf.algorithms.supervised import dpo_logits, get_preference_loss
 from mindrlhf.configs.offline import DPOConfig, parse_dpo_args
+from mindrlhf.data.text_rows import read_pairs
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.parallel import comm
-from mindrlhf.rm import read_pairs
 from mindrlhf.trainer.entry import StageSpec, load_tokenizer, resolve_weights, run_stage
 from mindrlhf.trainer.offline import OfflineTrainer, prompt_completion_micro_batches
 from mindrlhf.utils.cli import run_cli
@@ -228,8 +228,9 @@ def build_trainer(cfg: DPOConfig, layout=None):
         require_causal_lm(checkpoint_config(m.ref_model_path), m.ref_model_path, "--ref_model", "DPO's reference",
                           "pass the policy's causal LM (e.g. the SFT checkpoint), or omit --ref_model to use the "
                           "initial policy")
-    train, train_report = read_pairs(cfg, cfg.data.train_file, tokenizer, "train_file", "truncate")
-    valid, valid_report = read_pairs(cfg, cfg.data.valid_file, tokenizer, "valid_file", "truncate") \
+    main = comm.is_main()
+    train, train_report = read_pairs(cfg, cfg.data.train_file, tokenizer, "train_file", "truncate", main=main)
+    valid, valid_report = read_pairs(cfg, cfg.data.valid_file, tokenizer, "valid_file", "truncate", main=main) \
         if cfg.data.valid_file else (None, None)
     policy, masters = load_policy(path, config, layout, m.dtype)
     shard = layout.groups.shard()
