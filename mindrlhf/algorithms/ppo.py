@@ -19,13 +19,8 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 from mindspore import Tensor, ops
 
+from mindrlhf.algorithms.kl import get_kl_estimator
 from mindrlhf.errors import MindRLHFError
-
-_KL = {  # per-token KL of d = logp − ref_logp, as algorithms.kl's estimators (host float64)
-    "k1": lambda d: d,
-    "k2": lambda d: 0.5 * d * d,
-    "k3": lambda d: np.exp(-d) + d - 1.0,
-}
 
 
 def _mask(mask: np.ndarray) -> np.ndarray:
@@ -60,11 +55,10 @@ def kl_shaped_rewards(logp: np.ndarray, ref_logp: np.ndarray, mask: np.ndarray, 
     """Per-token rewards (B, T): ``−kl_coef · KL_t`` on every completion token, plus the row's score at its last
     token; 0 on padding. Returns ``(rewards, kl)`` (``kl`` per token, 0 on padding: ``objective/kl`` is its row
     sum)."""
-    if estimator not in _KL:
-        raise MindRLHFError(f"kl estimator {estimator!r} is not one of {sorted(_KL)}")
+    kl_of = get_kl_estimator(estimator)  # algorithms.kl's estimator, on host float64 arrays
     m = _mask(mask)
     d = np.asarray(logp, np.float64) - np.asarray(ref_logp, np.float64)
-    kl = np.where(m, _KL[estimator](np.where(m, d, 0.0)), 0.0)
+    kl = np.where(m, kl_of(np.where(m, d, 0.0), exp=np.exp), 0.0)
     rewards = -kl_coef * kl
     last = last_token_index(m)
     rows = np.nonzero(last >= 0)[0]

@@ -25,6 +25,7 @@ from mindrlhf.errors import MindRLHFError
 from mindrlhf.registry import (
     ADVANTAGE_ESTIMATORS,
     IS_MODES,
+    KL_ESTIMATOR_FORMULAS,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     POLICY_LOSSES,
@@ -80,8 +81,7 @@ class AlgorithmConfig:
         "DeepSeekMath used 0.04; DAPO and Dr.GRPO use 0. Range >= 0.",
         ge=0.0)
     kl_estimator: str = config_field(
-        "k3", "KL estimator per token, with d = logp_ref - logp: k1 = -d, k2 = d^2 / 2, "
-        "k3 = exp(d) - d - 1 (unbiased, non-negative; the GRPO paper's). Used only when beta > 0.",
+        "k3", f"KL estimator per token (k3: the GRPO paper's), {KL_ESTIMATOR_FORMULAS}. Used only when beta > 0.",
         choices=KL_ESTIMATORS.names())
     loss_type: str = config_field(
         "grpo", "Policy loss: grpo = per-token clipped ratio exp(logp - logp_old) (PPO-style); gspo = "
