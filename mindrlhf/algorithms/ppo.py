@@ -5,7 +5,7 @@ Formulas as InstructGPT's PPO implements them in TRL's last ``PPOTrainer`` (trl 
 ``ppo_trainer.py``: reward = −kl_coef·KL per token plus the score at the last completion token, GAE,
 returns = advantages + values, advantages whitened over the mask, value loss
 ``0.5·max((V−R)², (clip(V, V_old±ε_v)−R)²)``) and ReaL (``realhf/impl/model/utils/ppo_functional.py``:
-score scaling/bias/clip, dual clip; its EMA value normaliser
+score scaling/bias/clip; its EMA value normaliser
 ``ExponentialRunningMeanStd``).
 
 Rows are completions, right-padded: ``mask`` (B, T) is 1 on each completion's tokens. Host functions
@@ -172,12 +172,3 @@ def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor,
     plain_sq = (values - returns) ** 2
     clipped_sq = (clipped - returns) ** 2
     return 0.5 * ops.maximum(plain_sq, clipped_sq), (clipped_sq > plain_sq).astype(values.dtype)
-
-
-def dual_clip_surrogate(ratio: Tensor, advantages: Tensor, epsilon_low: float, epsilon_high: float,
-                        dual_clip: float) -> Tensor:
-    """The clipped surrogate (negated) with ReaL's dual clip (Ye et al. 2020): for negative advantages the
-    loss is capped at ``−dual_clip · A`` so a huge ratio cannot make one token dominate (``dual_clip`` > 1)."""
-    clipped = ops.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    loss = -ops.minimum(ratio * advantages, clipped * advantages)
-    return ops.where(advantages < 0, ops.minimum(loss, -dual_clip * advantages), loss)

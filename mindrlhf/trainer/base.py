@@ -1,11 +1,11 @@
 """The training loop every stage shares: steps, metrics, progress bar, checkpoints and exact resume.
 
-A stage (GRPO today; SFT, RM, DPO, PPO next) subclasses ``Trainer`` and writes ``train_one_step``;
-it adds its own state through the hooks (``stage_state`` / ``load_stage_state`` for numbers in
-``state.json``, ``extra_tensors`` / ``load_extra_tensors`` for tensors beside the model and the
-optimizer) and names the config groups that change its math (``math_groups``). Checkpoints go
-through ``checkpoint.manager`` (atomic, checksummed, run-scoped) and always hold full tensors, so a
-run resumes under any layout.
+A stage (GRPO, SFT, RM, DPO, PPO) subclasses ``Trainer`` (the offline ones through ``trainer.offline``, the
+rollout ones through ``trainer.rollout``) and writes ``train_one_step``; it adds its own state through the
+hooks (``stage_state`` / ``load_stage_state`` for numbers in ``state.json``, ``extra_tensors`` /
+``load_extra_tensors`` for tensors beside the model and the optimizer) and names the config groups that change
+its math (``math_groups``). Checkpoints go through ``checkpoint.manager`` (atomic, checksummed, run-scoped)
+and always hold full tensors, so a run resumes under any layout.
 """
 from __future__ import annotations
 
