@@ -27,19 +27,6 @@ KEYS = {"objective/kl", "objective/entropy", "objective/non_score_reward", "obje
 
 
 @pytest.fixture(scope="module")
-def ppo_assets(tmp_path_factory, qwen_tokenizer_dir, data_dir) -> dict:
-    """GRPO's tiny actor and 16-prompt GSM8K mindrecord, and a tiny one-label reward model with the same vocabulary."""
-    from grpo_runs import make_grpo_assets
-    from mindrlhf.testing import add_tokenizer, make_tiny_reward_model
-
-    root = tmp_path_factory.mktemp("ppo")
-    assets = make_grpo_assets(root, qwen_tokenizer_dir, data_dir)
-    rm = make_tiny_reward_model(root / "rm", hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                num_key_value_heads=2, max_position_embeddings=1024, seed=7)
-    return {**assets, "rm": add_tokenizer(rm, qwen_tokenizer_dir)}
-
-
-@pytest.fixture(scope="module")
 def recorded(ppo_assets, tmp_path_factory) -> Path:
     """The uninterrupted 3-step run every other run is compared with; its rollouts recorded for replays."""
     out = tmp_path_factory.mktemp("ppo_recorded")
