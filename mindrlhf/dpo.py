@@ -209,10 +209,10 @@ class DPOTrainer(OfflineTrainer):
 
 def build_trainer(cfg: DPOConfig, layout=None):
     """Load the policy, the reference, the tokenizer and the pairs as the config says; return a ready trainer."""
-    from mindrlhf.models import CausalLM, get_weights, require_causal_lm, set_weights
+    from mindrlhf.models import require_causal_lm
     from mindrlhf.models.heads import LogProbHead
-    from mindrlhf.parallel.resharding import checkpoint_config, load_shard
-    from mindrlhf.trainer.entry import load_policy
+    from mindrlhf.parallel.resharding import checkpoint_config
+    from mindrlhf.trainer.entry import load_policy, load_reference
     from mindrlhf.trainer.memory import MicroBatchExtent
     from mindrlhf.trainer.update import build_frozen_runner, build_updater
 
@@ -233,12 +233,7 @@ def build_trainer(cfg: DPOConfig, layout=None):
     valid, valid_report = read_pairs(cfg, cfg.data.valid_file, tokenizer, "valid_file", "truncate", main=main) \
         if cfg.data.valid_file else (None, None)
     policy, masters = load_policy(path, config, layout, m.dtype)
-    shard = layout.groups.shard()
-    if m.ref_model_path:
-        ref = load_shard(m.ref_model_path, layout.train, layout.rank, dtype=m.dtype, tp_group=shard.tp_group)
-    else:  # the initial policy, in the compute dtype
-        ref = CausalLM(policy.config, m.dtype, shard)
-        set_weights(ref, get_weights(policy), source="initial policy")
+    ref = load_reference(m.ref_model_path, policy, layout, m.dtype)  # '': the initial policy, in the compute dtype
     share = layout.train.pp == 1  # the pair's two rows share their prompt: encode it once
     ref_runner = build_frozen_runner(cfg, ref, layout.groups, LogProbHead(), share_prompts=share)
     objective = DPOObjective(cfg.loss.loss_type, cfg.loss.beta, cfg.loss.label_smoothing)

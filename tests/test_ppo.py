@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -252,6 +253,25 @@ def test_ppo_refuses_bad_configs_in_one_line(tmp_path, capsys):
     assert main(["--train_jit", "true", "--output_dir", out]) == 2  # the replaced setting says what replaced it
     assert "--train_jit (it was replaced by recompute (train_jit true is recompute none" in capsys.readouterr().err
 
+
+
+@pytest.mark.parametrize("funcs, weights, message", [
+    (["accuracy", "accuracy"], None, "reward_funcs lists ['accuracy'] more than once"),
+    (["accuracy", "my.rewards:accuracy"], None, "reward_funcs ['accuracy', 'my.rewards:accuracy'] are all named "
+                                                "'accuracy' (logged as rewards/accuracy/mean"),
+    (["accuracy"], [1.0, 2.0], "reward_weights has 2 values [1.0, 2.0] but reward_funcs has 1 ['accuracy']")])
+def test_ppo_checks_its_reward_funcs_as_grpo_does(funcs, weights, message):
+    """Issue 42: configs/ppo.py had its own copy of GRPO's reward checks, and a blunter one (a function listed twice
+    and two functions of one name got the same words). One check now: the same error under both stages."""
+    from mindrlhf.configs import GRPOConfig
+    from mindrlhf.configs.ppo import PPOConfig
+    from mindrlhf.errors import MindRLHFError
+
+    for cls in (GRPOConfig, PPOConfig):
+        cfg = cls()
+        cfg.algorithm.reward_funcs, cfg.algorithm.reward_weights = funcs, weights
+        with pytest.raises(MindRLHFError, match=re.escape(message)):
+            cfg.validate()
 
 def test_score_is_scaled_model_score_plus_rules_clipped_and_penalised():
     """The score by hand: reward model × scaling + bias, plus the rule rewards (a row no rule scored adds 0),

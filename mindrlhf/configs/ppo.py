@@ -14,9 +14,15 @@ from typing import List, Optional, Sequence
 
 from mindrlhf.configs.base import config_field
 from mindrlhf.configs.common import ModelBaseConfig, OptimizerConfig, TrainingConfig
-from mindrlhf.configs.grpo_configs import DataConfig, GenerationConfig, ParallelConfig, RolloutTrainConfig
+from mindrlhf.configs.grpo_configs import (
+    DataConfig,
+    GenerationConfig,
+    ParallelConfig,
+    RolloutTrainConfig,
+    check_reward_funcs,
+)
 from mindrlhf.registry import KL_ESTIMATOR_FORMULAS, KL_ESTIMATORS
-from mindrlhf.rewards.manager import REWARD_ERRORS, reward_spec_name
+from mindrlhf.rewards.manager import REWARD_ERRORS
 
 
 @dataclass
@@ -236,13 +242,7 @@ class PPOConfig(TrainingConfig):
         if not a.reward_funcs and not m.reward_model_path:
             errors.append("no reward: reward_funcs is empty and reward_model_path is ''; give a reward model "
                           "(--reward_model DIR), reward functions (--reward_funcs accuracy), or both")
-        names = [reward_spec_name(f) for f in a.reward_funcs]
-        repeated = sorted({n for n in names if names.count(n) > 1})
-        if repeated:
-            errors.append(f"reward_funcs names {repeated} more than once; each function once (use reward_weights)")
-        if a.reward_weights is not None and len(a.reward_weights) != len(a.reward_funcs):
-            errors.append(f"reward_weights has {len(a.reward_weights)} values but reward_funcs has "
-                          f"{len(a.reward_funcs)}; give one weight per function or null")
+        check_reward_funcs(a.reward_funcs, a.reward_weights, errors)
         if a.critic_lr and self.optimizer.min_lr > a.critic_lr:
             errors.append(f"min_lr = {self.optimizer.min_lr} > critic_lr = {a.critic_lr}; the critic's decay "
                           "would rise")
