@@ -20,9 +20,9 @@ from mindspore import ops
 
 from mindrlhf.algorithms.supervised import dpo_logits, get_preference_loss
 from mindrlhf.configs.offline import DPOConfig, parse_dpo_args
+from mindrlhf.data.text_rows import read_pairs
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.parallel import comm
-from mindrlhf.rm import read_pairs
 from mindrlhf.trainer.entry import StageSpec, load_tokenizer, resolve_weights, run_stage
 from mindrlhf.trainer.metrics import EVAL_CURVE
 from mindrlhf.trainer.offline import PolicyOfflineTrainer, prompt_completion_micro_batches
@@ -211,10 +211,10 @@ class DPOTrainer(PolicyOfflineTrainer):
 
 def build_trainer(cfg: DPOConfig, layout=None):
     """Load the policy, the reference, the tokenizer and the pairs as the config says; return a ready trainer."""
-    from mindrlhf.models import CausalLM, get_weights, require_causal_lm, set_weights
+    from mindrlhf.models import require_causal_lm
     from mindrlhf.models.heads import LogProbHead
-    from mindrlhf.parallel.resharding import checkpoint_config, load_shard
-    from mindrlhf.trainer.entry import load_policy
+    from mindrlhf.parallel.resharding import checkpoint_config
+    from mindrlhf.trainer.entry import load_policy, load_reference
     from mindrlhf.trainer.memory import MicroBatchExtent
     from mindrlhf.trainer.update import build_frozen_runner, build_updater
 
@@ -230,16 +230,12 @@ def build_trainer(cfg: DPOConfig, layout=None):
         require_causal_lm(checkpoint_config(m.ref_model_path), m.ref_model_path, "--ref_model", "DPO's reference",
                           "pass the policy's causal LM (e.g. the SFT checkpoint), or omit --ref_model to use the "
                           "initial policy")
-    train, train_report = read_pairs(cfg, cfg.data.train_file, tokenizer, "train_file", "truncate")
-    valid, valid_report = read_pairs(cfg, cfg.data.valid_file, tokenizer, "valid_file", "truncate") \
+    main = comm.is_main()
+    train, train_report = read_pairs(cfg, cfg.data.train_file, tokenizer, "train_file", "truncate", main=main)
+    valid, valid_report = read_pairs(cfg, cfg.data.valid_file, tokenizer, "valid_file", "truncate", main=main) \
         if cfg.data.valid_file else (None, None)
     policy, masters = load_policy(path, config, layout, m.dtype)
-    shard = layout.groups.shard()
-    if m.ref_model_path:
-        ref = load_shard(m.ref_model_path, layout.train, layout.rank, dtype=m.dtype, tp_group=shard.tp_group)
-    else:  # the initial policy, in the compute dtype
-        ref = CausalLM(policy.config, m.dtype, shard)
-        set_weights(ref, get_weights(policy), source="initial policy")
+    ref = load_reference(m.ref_model_path, policy, layout, m.dtype)  # '': the initial policy, in the compute dtype
     share = layout.train.pp == 1  # the pair's two rows share their prompt: encode it once
     ref_runner = build_frozen_runner(cfg, ref, layout.groups, LogProbHead(), share_prompts=share)
     objective = DPOObjective(cfg.loss.loss_type, cfg.loss.beta, cfg.loss.label_smoothing)

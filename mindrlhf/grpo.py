@@ -19,7 +19,14 @@ from mindrlhf.parallel.groups import RunLayout, init_run_layout
 from mindrlhf.parallel.layout import ParallelLayout
 from mindrlhf.parallel.resharding import checkpoint_config, load_shard
 from mindrlhf.rewards import get_reward_fn
-from mindrlhf.trainer.entry import StageSpec, load_policy, load_tokenizer, resolve_weights, run_stage
+from mindrlhf.trainer.entry import (
+    StageSpec,
+    load_policy,
+    load_reference,
+    load_tokenizer,
+    resolve_weights,
+    run_stage,
+)
 from mindrlhf.trainer.rollout import load_prompt_dataset
 from mindrlhf.utils.cli import run_cli
 
@@ -40,7 +47,7 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
     bf16/fp16 the policy's float32 master weights are read from the file (nothing rounded before
     training starts) and its compute copy is cast from them.
     """
-    from mindrlhf.models import CausalLM, get_weights, set_weights
+    from mindrlhf.models import CausalLM
     from mindrlhf.trainer.grpo_trainer import GRPOTrainer
 
     m = cfg.model
@@ -51,7 +58,6 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
     config = checkpoint_config(train_path)
     check_model_yamls(cfg, config, train_path)
     check_causal_lms(cfg, config, train_path)
-    train_shard = layout.groups.shard()
     policy, masters = load_policy(train_path, config, layout, m.dtype, load=m.load_sft_checkpoint_train)
     infer_path = cfg.model_weights("infer")  # '' = the generator starts from the policy
     sampler_model = None
@@ -62,12 +68,8 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
         sampler_model = CausalLM(config, m.dtype, layout.infer_shard())
     ref_model = None
     if cfg.uses_reference:  # with beta == 0 the reference is never built
-        if m.load_ref_checkpoint:
-            ref_model = load_shard(cfg.model_weights("ref") or train_path, layout.train, layout.rank, dtype=m.dtype,
-                                   tp_group=train_shard.tp_group)
-        else:
-            ref_model = CausalLM(policy.config, m.dtype, train_shard)
-            set_weights(ref_model, get_weights(policy), source="initial policy")
+        ref_path = (cfg.model_weights("ref") or train_path) if m.load_ref_checkpoint else ""  # '': the initial policy
+        ref_model = load_reference(ref_path, policy, layout, m.dtype)
     dataset = load_prompt_dataset(cfg, layout, tokenizer, policy.config, cfg.algorithm.chunk_size)
     sampler = build_sampler(cfg, sampler_model if sampler_model is not None else policy)
     trainer = GRPOTrainer(cfg, policy=policy, tokenizer=tokenizer, dataset=dataset, sampler=sampler,

@@ -28,7 +28,7 @@ from mindrlhf.algorithms import ppo as ppo_math
 from mindrlhf.algorithms.losses import aggregate_loss, policy_loss
 from mindrlhf.configs.ppo import PPOConfig, parse_ppo_args
 from mindrlhf.errors import MindRLHFError
-from mindrlhf.trainer.entry import StageSpec, load_policy, load_tokenizer, resolve_weights, run_stage
+from mindrlhf.trainer.entry import StageSpec, load_policy, load_reference, load_tokenizer, resolve_weights, run_stage
 from mindrlhf.trainer.experience import Experience
 from mindrlhf.trainer.metrics import EVAL_CURVE
 from mindrlhf.trainer.rollout import RolloutTrainer, load_prompt_dataset
@@ -390,7 +390,7 @@ def build_trainer(cfg: PPOConfig, layout) -> PPOTrainer:
     """Load the actor (and its generator), the critic, the reference, the reward model, the tokenizer and the
     prompts as the config says; return a ready ``PPOTrainer``."""
     from mindrlhf.generation.factory import build_sampler
-    from mindrlhf.models import CausalLM, get_weights, require_causal_lm, set_weights
+    from mindrlhf.models import CausalLM, require_causal_lm
     from mindrlhf.parallel.resharding import checkpoint_config, load_shard
 
     m, a = cfg.model, cfg.algorithm
@@ -407,12 +407,8 @@ def build_trainer(cfg: PPOConfig, layout) -> PPOTrainer:
     actor, actor_masters = load_policy(actor_path, config, layout, m.dtype)
     sampler_model = None if layout.shared_generator else CausalLM(config, m.dtype, layout.infer_shard())
     ref_model = None
-    if cfg.uses_reference:
-        if m.ref_model_path:
-            ref_model = load_shard(m.ref_model_path, layout.train, layout.rank, dtype=m.dtype, tp_group=shard.tp_group)
-        else:
-            ref_model = CausalLM(actor.config, m.dtype, shard)
-            set_weights(ref_model, get_weights(actor), source="initial actor")
+    if cfg.uses_reference:  # no ref_model_path: the initial actor
+        ref_model = load_reference(m.ref_model_path, actor, layout, m.dtype, "initial actor")
     reward_model = None
     if m.reward_model_path:
         rm_config = checkpoint_config(m.reward_model_path)

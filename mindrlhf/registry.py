@@ -120,6 +120,11 @@ IS_MODES: Registry = Registry(
 ADVANTAGE_ESTIMATORS: Registry = Registry(
     "advantage estimator", module="mindrlhf.algorithms.advantages", builtins=("grpo", "dr_grpo", "batch_std", "rloo"))
 KL_ESTIMATORS: Registry = Registry("KL estimator", module="mindrlhf.algorithms.kl", builtins=("k1", "k2", "k3"))
+#: What the built-in KL estimators compute (``algorithms.kl``), for the config fields that choose one.
+KL_ESTIMATOR_FORMULAS = (
+    "with d = logp - logp_ref of the sampled token: k1 = d (unbiased; negative on a token the reference finds "
+    "likelier), k2 = d^2 / 2 (biased, low variance), k3 = exp(-d) + d - 1 (unbiased, non-negative) (Schulman, "
+    "'Approximating KL divergence', 2020; verl's kl_penalty kl / mse / low_var_kl)")
 PREFERENCE_LOSSES: Registry = Registry(
     "DPO loss", module="mindrlhf.algorithms.supervised", builtins=("sigmoid", "ipo", "hinge", "robust"))
 

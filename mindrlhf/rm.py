@@ -20,9 +20,9 @@ from mindspore import ops
 
 from mindrlhf.algorithms.supervised import reward_model_loss
 from mindrlhf.configs.offline import RMConfig, parse_rm_args
+from mindrlhf.data.text_rows import read_pairs
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.parallel import comm
-from mindrlhf.trainer.base import log_data_report
 from mindrlhf.trainer.entry import StageSpec, load_tokenizer, resolve_weights, run_stage
 from mindrlhf.trainer.offline import OfflineTrainer, pad_rows
 from mindrlhf.utils.cli import run_cli
@@ -120,19 +120,6 @@ def _pair_columns(pairs) -> Dict[str, list]:
             "rejected": [np.concatenate([p, r]) for p, r in zip(pairs.prompt_ids, pairs.rejected_ids)]}
 
 
-def read_pairs(cfg, path: str, tokenizer, what: str, overlong: str):
-    """``(pairs, report)``: the tokenised pairs of ``path`` (a file with no usable pair is an error) and the reader's
-    report, logged once with its skipped rows named (``trainer.base.log_data_report``). ``overlong``: a pair
-    longer than max_length is ``drop``ped (TRL's RewardTrainer) or each sequence is cut at its end (``truncate``,
-    TRL's DPOTrainer)."""
-    from mindrlhf.data.text_rows import read_pair_rows
-
-    pairs, report = read_pair_rows(path, tokenizer, max_length=cfg.data.max_length,
-                                   max_pairs_per_prompt=cfg.data.max_pairs_per_prompt, overlong=overlong,
-                                   strict=cfg.data.strict, show_progress=comm.is_main())
-    return pairs, log_data_report(cfg, report, what)
-
-
 def build_trainer(cfg: RMConfig, layout=None):
     """Load the model (with a score head), tokenizer and pairs as the config says; return a ready trainer."""
     from mindrlhf.models.heads import ScoreHead
@@ -151,8 +138,9 @@ def build_trainer(cfg: RMConfig, layout=None):
         # transformers' *ForSequenceClassification finds each row's last token through pad_token_id: an exported
         # reward model needs it (TRL sets it from the tokenizer too).
         config = replace(config, pad_token_id=tokenizer.pad_token_id)
-    train, train_report = read_pairs(cfg, cfg.data.train_file, tokenizer, "train_file", "drop")
-    valid, valid_report = read_pairs(cfg, cfg.data.valid_file, tokenizer, "valid_file", "drop") \
+    main = comm.is_main()
+    train, train_report = read_pairs(cfg, cfg.data.train_file, tokenizer, "train_file", "drop", main=main)
+    valid, valid_report = read_pairs(cfg, cfg.data.valid_file, tokenizer, "valid_file", "drop", main=main) \
         if cfg.data.valid_file else (None, None)
     model, masters = load_policy(path, config, layout, cfg.model.dtype, num_labels=1, seed=cfg.train.seed)
     # Each pair is two rows (chosen, rejected); a score head forms no vocabulary logits.

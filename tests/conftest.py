@@ -68,6 +68,17 @@ def grpo_assets(tmp_path_factory, qwen_tokenizer_dir, data_dir) -> dict:
     return make_grpo_assets(tmp_path_factory.mktemp("grpo"), qwen_tokenizer_dir, data_dir)
 
 
+@pytest.fixture(scope="session")
+def ppo_assets(grpo_assets, tmp_path_factory, qwen_tokenizer_dir) -> dict:
+    """``grpo_assets`` (the tiny actor, the 16-prompt GSM8K mindrecord) and ``rm``: a tiny one-label reward model with
+    the same vocabulary. PPO's inputs, and the models the stage-safety and one-line-error tests give every stage."""
+    from mindrlhf.testing import add_tokenizer, make_tiny_reward_model
+
+    rm = make_tiny_reward_model(tmp_path_factory.mktemp("reward_model") / "rm", hidden_size=32, intermediate_size=64,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, seed=7)
+    return {**grpo_assets, "rm": add_tokenizer(rm, qwen_tokenizer_dir)}
+
+
 # -- memory report ------------------------------------------------------------------------------------
 # The suite runs most tests in one process; MindSpore keeps compiled graphs and its memory pools for the
 # process's life, so an in-process test can leave gigabytes behind (a CI run once reached 12.7 GB beside

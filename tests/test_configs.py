@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -451,6 +452,20 @@ def test_docs_reference_is_up_to_date(stage):
         "write_config_references()\"")
     for name in cls.field_index():
         assert f"| `{name}` |" in committed
+
+
+#: A measured figure in a help text: a time, a memory size or a speed-up ratio.
+_FIGURE = re.compile(r"\d[\d.]*\s*(?:s|ms|min|GiB|MiB|GB)\b|\d(?:\.\d+)?x\b")
+
+
+@pytest.mark.parametrize("stage", list(REFERENCES))
+def test_help_says_what_a_field_does_and_leaves_figures_to_bench(stage):
+    """Issue 42: help strings carried benchmark figures (recompute's was 907 characters: GiB, seconds) that go
+    stale with every speed-up. A help says what the field does and where the figures are (bench/README.md)."""
+    carrying = {name: _FIGURE.findall(f.help) for name, f in REFERENCES[stage][0].field_index().items()
+                if _FIGURE.search(f.help)}
+    assert not carrying, carrying
+    assert "bench/README.md" in REFERENCES[stage][0].field_index()["recompute"].help
 
 
 @pytest.mark.parametrize("stage", list(REFERENCES))

@@ -86,14 +86,16 @@ def test_float16_update_agrees_with_float32(replayed_runs):
 
 def _updater(model_dir, dtype: str, **kw):
     from mindrlhf.models import load_model
-    from mindrlhf.trainer.grpo_loss import LossSettings, grpo_updater
+    from mindrlhf.models.heads import LogProbHead
+    from mindrlhf.trainer.grpo_loss import GRPOObjective, LossSettings
+    from mindrlhf.trainer.update import Updater
 
     model = load_model(model_dir, dtype=dtype)
     settings = LossSettings(loss_type="grpo", loss_agg_mode="token-mean", epsilon_low=0.2, epsilon_high=0.2,
                             beta=0.0, kl_estimator="k3", max_completion_length=8, temperature=1.0,
                             off_policy=False)
-    return grpo_updater(model, settings, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
-                         max_grad_norm=0.0, jit=False, **kw)
+    return Updater(model, GRPOObjective(settings), head=LogProbHead(settings.temperature), lr=1e-3,
+                   weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, max_grad_norm=0.0, jit=False, **kw)
 
 
 def _micro(advantage: float) -> dict:

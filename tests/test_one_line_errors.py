@@ -17,19 +17,12 @@ GSM8K = REPO / "mindrlhf" / "resources" / "gsm8k_train_sample.jsonl"
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory, qwen_tokenizer_dir, data_dir) -> dict:
-    """GRPO's tiny actor and 16-prompt mindrecord, a tiny reward model with its vocabulary, and two pairs."""
-    from grpo_runs import make_grpo_assets
-    from mindrlhf.testing import add_tokenizer, make_tiny_reward_model
-
-    root = tmp_path_factory.mktemp("one_line")
-    found = make_grpo_assets(root, qwen_tokenizer_dir, data_dir)
-    rm = make_tiny_reward_model(root / "rm", hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                num_key_value_heads=2, max_position_embeddings=1024, seed=7)
-    pairs = root / "pairs.jsonl"
+def assets(tmp_path_factory, ppo_assets) -> dict:
+    """The tiny actor, 16-prompt mindrecord and reward model (``ppo_assets``), and four pairs."""
+    pairs = tmp_path_factory.mktemp("one_line") / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"prompt": f"Q{i}: 2+{i}?\nA:", "chosen": f" {2 + i}",
                                          "rejected": f" {3 + i}"}) + "\n" for i in range(4)))
-    return {**found, "rm": add_tokenizer(rm, qwen_tokenizer_dir), "pairs": pairs}
+    return {**ppo_assets, "pairs": pairs}
 
 
 def _flags(**kw) -> list:

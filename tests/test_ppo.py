@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,19 +25,6 @@ KEYS = {"objective/kl", "objective/entropy", "objective/non_score_reward", "obje
         "val/clipfrac_avg", "val/mean", "val/var", "grad_norm", "val/grad_norm", "learning_rate",
         "completions/mean_length", "completions/clipped_ratio", "rewards/accuracy/mean",
         "rewards/reward_model/mean", "time/generate", "time/train", "tokens_per_second"}
-
-
-@pytest.fixture(scope="module")
-def ppo_assets(tmp_path_factory, qwen_tokenizer_dir, data_dir) -> dict:
-    """GRPO's tiny actor and 16-prompt GSM8K mindrecord, and a tiny one-label reward model with the same vocabulary."""
-    from grpo_runs import make_grpo_assets
-    from mindrlhf.testing import add_tokenizer, make_tiny_reward_model
-
-    root = tmp_path_factory.mktemp("ppo")
-    assets = make_grpo_assets(root, qwen_tokenizer_dir, data_dir)
-    rm = make_tiny_reward_model(root / "rm", hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                num_key_value_heads=2, max_position_embeddings=1024, seed=7)
-    return {**assets, "rm": add_tokenizer(rm, qwen_tokenizer_dir)}
 
 
 @pytest.fixture(scope="module")
@@ -265,6 +253,25 @@ def test_ppo_refuses_bad_configs_in_one_line(tmp_path, capsys):
     assert main(["--train_jit", "true", "--output_dir", out]) == 2  # the replaced setting says what replaced it
     assert "--train_jit (it was replaced by recompute (train_jit true is recompute none" in capsys.readouterr().err
 
+
+
+@pytest.mark.parametrize("funcs, weights, message", [
+    (["accuracy", "accuracy"], None, "reward_funcs lists ['accuracy'] more than once"),
+    (["accuracy", "my.rewards:accuracy"], None, "reward_funcs ['accuracy', 'my.rewards:accuracy'] are all named "
+                                                "'accuracy' (logged as rewards/accuracy/mean"),
+    (["accuracy"], [1.0, 2.0], "reward_weights has 2 values [1.0, 2.0] but reward_funcs has 1 ['accuracy']")])
+def test_ppo_checks_its_reward_funcs_as_grpo_does(funcs, weights, message):
+    """Issue 42: configs/ppo.py had its own copy of GRPO's reward checks, and a blunter one (a function listed twice
+    and two functions of one name got the same words). One check now: the same error under both stages."""
+    from mindrlhf.configs import GRPOConfig
+    from mindrlhf.configs.ppo import PPOConfig
+    from mindrlhf.errors import MindRLHFError
+
+    for cls in (GRPOConfig, PPOConfig):
+        cfg = cls()
+        cfg.algorithm.reward_funcs, cfg.algorithm.reward_weights = funcs, weights
+        with pytest.raises(MindRLHFError, match=re.escape(message)):
+            cfg.validate()
 
 def test_score_is_scaled_model_score_plus_rules_clipped_and_penalised():
     """The score by hand: reward model × scaling + bias, plus the rule rewards (a row no rule scored adds 0),

@@ -1,6 +1,6 @@
 """PPO's math (``algorithms.ppo``) against hand-computed cases: KL-shaped rewards, GAE and returns on
 variable-length rows, whitening, score shaping, the running value normaliser, the clipped value loss (values
-and gradients) and the dual-clip surrogate."""
+and gradients)."""
 from __future__ import annotations
 
 import math
@@ -24,6 +24,34 @@ def test_kl_shaped_rewards_put_the_score_on_each_rows_last_token():
     assert k3[0, 1] == pytest.approx(math.exp(1.0) - 1.0 - 1.0) and k3[1, 2] == 0.0
     with pytest.raises(Exception, match="k9"):
         ppo.kl_shaped_rewards(logp, ref, MASK, np.zeros(2), 0.1, estimator="k9")
+
+
+def test_ppo_reward_kl_is_the_registered_estimator():
+    """Issue 42: PPO's reward kept its own copy of the KL estimators and configs/ppo.py its own list of their
+    names. Now one table: every registered estimator (a new one too) is PPO's, on host float64 arrays, with the
+    values the policy loss's MindSpore estimator gives, and PPO's kl_estimator choices are the registry's."""
+    import dataclasses
+
+    import mindspore as ms
+
+    from mindrlhf.algorithms import KL_ESTIMATORS, kl_penalty, register_kl_estimator
+    from mindrlhf.configs.ppo import PPOAlgorithmConfig
+
+    logp = np.array([[-1.0, -2.0, -0.5], [-0.3, -0.4, -9.0]])
+    ref = np.array([[-1.5, -1.0, -0.5], [-0.1, -0.4, 3.0]])
+    for name in KL_ESTIMATORS.names():
+        _, kl = ppo.kl_shaped_rewards(logp, ref, MASK, np.zeros(2), 0.1, estimator=name)
+        device = kl_penalty(ms.Tensor(logp), ms.Tensor(ref), name).asnumpy()
+        np.testing.assert_allclose(kl, np.where(MASK > 0, device, 0.0), rtol=1e-12, atol=1e-15)
+    choices = {f.name: f for f in dataclasses.fields(PPOAlgorithmConfig)}["kl_estimator"].metadata["choices"]
+    assert choices == KL_ESTIMATORS.names() == ("k1", "k2", "k3")
+
+    register_kl_estimator("abs_test")(lambda d, exp=None: abs(d))
+    try:
+        _, kl = ppo.kl_shaped_rewards(logp, ref, MASK, np.zeros(2), 1.0, estimator="abs_test")
+    finally:
+        KL_ESTIMATORS.unregister("abs_test")
+    np.testing.assert_allclose(kl, [[0.5, 1.0, 0.0], [0.2, 0.0, 0.0]])
 
 
 def test_gae_and_returns_by_hand_on_variable_length_rows():
@@ -110,13 +138,3 @@ def test_clipped_value_loss_values_and_gradients():
     np.testing.assert_array_equal(clipped.asnumpy(), [1.0, 0.0, 0.0])
     grad = ms.grad(lambda v: ppo.clipped_value_loss(v, old, returns, 0.2)[0].sum())(values)
     np.testing.assert_allclose(grad.asnumpy(), [0.0, -1.4, 0.45], rtol=1e-6)  # clipped: no gradient
-
-
-def test_dual_clip_caps_the_loss_of_negative_advantages():
-    import mindspore as ms
-
-    ratio = ms.Tensor(np.array([5.0, 5.0, 0.5], np.float32))
-    adv = ms.Tensor(np.array([-1.0, 1.0, -2.0], np.float32))
-    out = ppo.dual_clip_surrogate(ratio, adv, 0.2, 0.2, dual_clip=3.0).asnumpy()
-    # -min(r·A, clip(r)·A): [5, -1.2, 1.6]; A < 0 capped at -3·A: [3, -, 6 (not binding)]
-    np.testing.assert_allclose(out, [3.0, -1.2, 1.6], rtol=1e-6)

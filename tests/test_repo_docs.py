@@ -156,3 +156,30 @@ def test_every_readme_training_command_is_a_valid_config():
                     parse_args(words[words.index("--") + 1:])
                     seen += 1
     assert seen >= 18  # per README: the results run, the DAPO and Dr.GRPO recipes, the node launches, the stages
+
+
+STAGE_FILES = ("grpo", "sft", "rm", "dpo", "ppo")
+
+
+def _stage_imports(path: Path) -> set:
+    """The stage modules (``mindrlhf.<stage>``) a file imports, anywhere in it (function bodies too)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found |= {n.split(".")[1] for n in names if n.startswith("mindrlhf.") and n.split(".")[1] in STAGE_FILES}
+    return found
+
+
+def test_no_stage_file_imports_another():
+    """design.md: each stage is one recipe file on the shared core; what two stages share lives in the core
+    (dpo.py once imported mindrlhf.rm for its pair reader, now data.text_rows.read_pairs)."""
+    crossed = {stage: sorted(_stage_imports(PKG / f"{stage}.py") - {stage}) for stage in STAGE_FILES}
+    assert not {s: i for s, i in crossed.items() if i}, crossed
+    assert _stage_imports(REPO / "tests" / "test_ppo.py")  # the check sees imports (tests import stages)

@@ -44,17 +44,12 @@ def _flags(args: Dict[str, object]) -> List[str]:
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory, qwen_tokenizer_dir, data_dir) -> dict:
-    """One tiny Qwen2 (with the real tokenizer) every stage reads, a tiny one-label reward model for PPO, SFT rows,
-    preference pairs and the 16-prompt GSM8K mindrecord of the GRPO tests."""
-    from grpo_runs import make_grpo_assets
+def assets(tmp_path_factory, ppo_assets, data_dir) -> dict:
+    """One tiny Qwen2 (with the real tokenizer) every stage reads, the tiny one-label reward model for PPO and the
+    16-prompt GSM8K mindrecord of the GRPO tests (``ppo_assets``), SFT rows and preference pairs."""
     from mindrlhf.data.gsm8k import sft_row, strip_calculator_notes
-    from mindrlhf.testing import add_tokenizer, make_tiny_reward_model
 
     root = tmp_path_factory.mktemp("safety")
-    found = make_grpo_assets(root, qwen_tokenizer_dir, data_dir)
-    rm = make_tiny_reward_model(root / "rm", hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                num_key_value_heads=2, max_position_embeddings=1024, seed=7)
     rows = [json.loads(line) for line in (data_dir / "gsm8k" / "train.jsonl").read_text().splitlines()[:4]]
     sft = root / "sft.jsonl"
     sft.write_text("".join(json.dumps(sft_row(r["question"], r["answer"])) + "\n" for r in rows))
@@ -62,7 +57,7 @@ def assets(tmp_path_factory, qwen_tokenizer_dir, data_dir) -> dict:
     pairs.write_text("".join(json.dumps({"prompt": f"Q: {r['question']}\nA:",
                                          "chosen": " " + strip_calculator_notes(r["answer"]),
                                          "rejected": " I do not know."}) + "\n" for r in rows))
-    return {**found, "rm": add_tokenizer(rm, qwen_tokenizer_dir), "sft": sft, "pairs": pairs}
+    return {**ppo_assets, "sft": sft, "pairs": pairs}
 
 
 def stage_argv(stage: str, assets: dict, out: Path, **extra) -> List[str]:

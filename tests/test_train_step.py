@@ -25,14 +25,17 @@ def _experience(width: int, seed: int = 0) -> Experience:
 
 def _update(model_dir, exp: Experience, loss_agg_mode: str):
     from mindrlhf.models import get_weights, load_model
-    from mindrlhf.trainer.grpo_loss import LossSettings, grpo_updater
+    from mindrlhf.models.heads import LogProbHead
+    from mindrlhf.trainer.grpo_loss import GRPOObjective, LossSettings
+    from mindrlhf.trainer.update import Updater
 
     model = load_model(model_dir)
     settings = LossSettings(loss_type="grpo", loss_agg_mode=loss_agg_mode, epsilon_low=0.2, epsilon_high=0.2,
                             beta=0.04, kl_estimator="k3", max_completion_length=16, temperature=0.7,
                             off_policy=False)
-    updater = grpo_updater(model, settings, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
-                            max_grad_norm=1.0, jit=False)
+    # The updater GRPO's trainer builds (trainer.update.build_updater), without its config.
+    updater = Updater(model, GRPOObjective(settings), head=LogProbHead(settings.temperature), lr=1e-3,
+                      weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, max_grad_norm=1.0, jit=False)
     inputs = exp.train_inputs()
     micro = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"],
              "completion_ids": exp.completion_ids, "completion_mask": exp.completion_mask,
@@ -62,7 +65,9 @@ def test_importance_sampling_correction_weights_the_update(tiny_qwen2_dir, mode)
     """On-policy (ratio 1), grpo's per-token loss is -A; the correction weights it by the mode's ratio of the
     trainer's to the sampler's log-probs, computed here in numpy from the trainer's own log-probs."""
     from mindrlhf.models import load_model
-    from mindrlhf.trainer.grpo_loss import LossSettings, grpo_updater
+    from mindrlhf.models.heads import LogProbHead
+    from mindrlhf.trainer.grpo_loss import GRPOObjective, LossSettings
+    from mindrlhf.trainer.update import Updater
 
     exp = _experience(9)
     inputs = exp.train_inputs()
@@ -72,9 +77,9 @@ def test_importance_sampling_correction_weights_the_update(tiny_qwen2_dir, mode)
     mask = exp.completion_mask
     results = {}
     for correction in (False, True):
-        updater = grpo_updater(load_model(tiny_qwen2_dir), LossSettings(
-            "grpo", "token-mean", 0.2, 0.2, 0.0, "k3", 16, 1.0, False, correction, mode, 1.5),
-            lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, max_grad_norm=0.0, jit=False)
+        settings = LossSettings("grpo", "token-mean", 0.2, 0.2, 0.0, "k3", 16, 1.0, False, correction, mode, 1.5)
+        updater = Updater(load_model(tiny_qwen2_dir), GRPOObjective(settings), head=LogProbHead(settings.temperature),
+                          lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, max_grad_norm=0.0, jit=False)
         logp = updater.forward([micro])[0].astype(np.float64)
         # A sampler that disagrees with the trainer by up to ±0.6 nats per token.
         sampler = (logp + np.random.default_rng(1).uniform(-0.6, 0.6, logp.shape)) * mask

@@ -1,6 +1,8 @@
-"""GRPO-family algorithm pieces: advantage estimators, KL estimators, policy losses, aggregation.
+"""The stages' pure losses and estimators: advantage estimators, KL estimators, policy losses and their
+aggregation (GRPO; ``kl`` also shapes PPO's reward), PPO's reward, GAE and value loss (``algorithms.ppo``), the
+supervised, reward-model and DPO losses (``algorithms.supervised``).
 
-Data flows reward → ``group_advantages`` / ``get_advantage_estimator`` → ``policy_loss`` (which
+GRPO's data flows reward → ``group_advantages`` / ``get_advantage_estimator`` → ``policy_loss`` (which
 uses ``kl_penalty`` and ``aggregate_loss``). Everything is registered by name so configs select it;
 the registries themselves (``mindrlhf.registry``) import no MindSpore.
 """

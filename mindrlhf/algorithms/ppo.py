@@ -5,7 +5,7 @@ Formulas as InstructGPT's PPO implements them in TRL's last ``PPOTrainer`` (trl 
 ``ppo_trainer.py``: reward = −kl_coef·KL per token plus the score at the last completion token, GAE,
 returns = advantages + values, advantages whitened over the mask, value loss
 ``0.5·max((V−R)², (clip(V, V_old±ε_v)−R)²)``) and ReaL (``realhf/impl/model/utils/ppo_functional.py``:
-score scaling/bias/clip, dual clip; its EMA value normaliser
+score scaling/bias/clip; its EMA value normaliser
 ``ExponentialRunningMeanStd``).
 
 Rows are completions, right-padded: ``mask`` (B, T) is 1 on each completion's tokens. Host functions
@@ -19,13 +19,8 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 from mindspore import Tensor, ops
 
+from mindrlhf.algorithms.kl import get_kl_estimator
 from mindrlhf.errors import MindRLHFError
-
-_KL = {  # per-token KL of d = logp − ref_logp, as algorithms.kl's estimators (host float64)
-    "k1": lambda d: d,
-    "k2": lambda d: 0.5 * d * d,
-    "k3": lambda d: np.exp(-d) + d - 1.0,
-}
 
 
 def _mask(mask: np.ndarray) -> np.ndarray:
@@ -60,11 +55,10 @@ def kl_shaped_rewards(logp: np.ndarray, ref_logp: np.ndarray, mask: np.ndarray, 
     """Per-token rewards (B, T): ``−kl_coef · KL_t`` on every completion token, plus the row's score at its last
     token; 0 on padding. Returns ``(rewards, kl)`` (``kl`` per token, 0 on padding: ``objective/kl`` is its row
     sum)."""
-    if estimator not in _KL:
-        raise MindRLHFError(f"kl estimator {estimator!r} is not one of {sorted(_KL)}")
+    kl_of = get_kl_estimator(estimator)  # algorithms.kl's estimator, on host float64 arrays
     m = _mask(mask)
     d = np.asarray(logp, np.float64) - np.asarray(ref_logp, np.float64)
-    kl = np.where(m, _KL[estimator](np.where(m, d, 0.0)), 0.0)
+    kl = np.where(m, kl_of(np.where(m, d, 0.0), exp=np.exp), 0.0)
     rewards = -kl_coef * kl
     last = last_token_index(m)
     rows = np.nonzero(last >= 0)[0]
@@ -178,12 +172,3 @@ def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor,
     plain_sq = (values - returns) ** 2
     clipped_sq = (clipped - returns) ** 2
     return 0.5 * ops.maximum(plain_sq, clipped_sq), (clipped_sq > plain_sq).astype(values.dtype)
-
-
-def dual_clip_surrogate(ratio: Tensor, advantages: Tensor, epsilon_low: float, epsilon_high: float,
-                        dual_clip: float) -> Tensor:
-    """The clipped surrogate (negated) with ReaL's dual clip (Ye et al. 2020): for negative advantages the
-    loss is capped at ``−dual_clip · A`` so a huge ratio cannot make one token dominate (``dual_clip`` > 1)."""
-    clipped = ops.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    loss = -ops.minimum(ratio * advantages, clipped * advantages)
-    return ops.where(advantages < 0, ops.minimum(loss, -dual_clip * advantages), loss)

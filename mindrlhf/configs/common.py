@@ -152,14 +152,12 @@ class TrainLayoutConfig:
     recompute: str = config_field(
         "auto", "How the training backward gets each layer's activations. auto: none when the largest "
         "micro-batch's estimated activations fit memory_budget_gb, else full; the decision and both figures "
-        "are logged once (on a 24 GiB CPU host README command 1's SmolLM2 job needs ~18.3 GiB against a "
-        "17.5 GiB budget, so full). full: the decoder layers run as two shared compiled graphs and each "
-        "layer's forward is recomputed in its backward (only layer inputs are kept; least memory). none: the "
-        "whole forward + backward is one compiled graph, compiled once for all input shapes (5-30 s), that "
-        "keeps every activation (bench/peer_trl.py's SmolLM2-135M GRPO step on CPU: 25.8 s instead of 33.2, peak "
-        "RSS 11.4 instead of 4.6 GiB). The same numbers either way (gradients equal to float rounding). Log-prob "
+        "are logged once. full: the decoder layers run as two shared compiled graphs and each layer's forward "
+        "is recomputed in its backward (only layer inputs are kept; least memory). none: the whole forward + "
+        "backward is one compiled graph, compiled once for all input shapes, that keeps every activation "
+        "(faster, more memory). The same numbers either way (gradients equal to float rounding). Log-prob "
         "passes and frozen models (reference, reward model) always run the layer graphs. Replaces train_jit "
-        "(true = none, false = full).",
+        "(true = none, false = full). Time and memory of each: bench/README.md (recompute.py, peer_trl.py).",
         choices=RECOMPUTE_MODES)
     memory_budget_gb: float = config_field(
         0.0, "GiB of activations recompute auto may keep per worker. 0 = derived when training starts: 80% "
@@ -169,9 +167,9 @@ class TrainLayoutConfig:
     layer_graphs: bool = config_field(
         True, "Run the decoder layers of training (with recompute full) and of every log-prob pass as two "
         "compiled graphs (forward; recomputed forward + backward) that every layer shares, loading its "
-        "weights before each call. Same numbers; on the SmolLM2-135M benchmark step the update took 29.7 s "
-        "instead of 33.8 and peak RSS fell from 6.0 to 4.45 GiB. false = pynative layers (for debugging: "
-        "autodiff keeps their activations, 2.5x slower).")
+        "weights before each call: less time and memory than pynative layers, the same numbers. false = "
+        "pynative layers (for debugging: autodiff keeps their activations; slower). Figures: bench/README.md "
+        "(peer_trl.py).")
 
     def layout_sizes(self) -> dict:
         """The layout's sizes by field name (each must be 1 without use_parallel)."""
@@ -194,10 +192,10 @@ class TrainLoopConfig:
     """Training loop: length, seed, outputs, checkpoints, resume, logging."""
 
     max_steps: int = config_field(
-        12, "Training steps (the default run: ~70 s each for SmolLM2-135M on 2 CPU cores, ~15 min in all). One "
-        "step = num_rollouts generation calls of chunk_size prompts, scoring, then num_iterations passes of "
-        "optimizer updates. Range >= 1. With grpo_epochs the run ends at whichever limit comes first; when "
-        "grpo_epochs is set and max_steps is not given, grpo_epochs alone sets the length.",
+        12, "Training steps (how long the default run takes: README.md's command 1). One step = num_rollouts "
+        "generation calls of chunk_size prompts, scoring, then num_iterations passes of optimizer updates. "
+        "Range >= 1. With grpo_epochs the run ends at whichever limit comes first; when grpo_epochs is set and "
+        "max_steps is not given, grpo_epochs alone sets the length.",
         ge=1)
     seed: int = config_field(
         42, "Seed for data order, initialisation and sampling; same seed and config = same run "

@@ -30,6 +30,7 @@ from mindrlhf.errors import MindRLHFError
 from mindrlhf.registry import (
     ADVANTAGE_ESTIMATORS,
     IS_MODES,
+    KL_ESTIMATOR_FORMULAS,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     POLICY_LOSSES,
@@ -85,8 +86,7 @@ class AlgorithmConfig:
         "DeepSeekMath used 0.04; DAPO and Dr.GRPO use 0. Range >= 0.",
         ge=0.0)
     kl_estimator: str = config_field(
-        "k3", "KL estimator per token, with d = logp_ref - logp: k1 = -d, k2 = d^2 / 2, "
-        "k3 = exp(d) - d - 1 (unbiased, non-negative; the GRPO paper's). Used only when beta > 0.",
+        "k3", f"KL estimator per token (k3: the GRPO paper's), {KL_ESTIMATOR_FORMULAS}. Used only when beta > 0.",
         choices=KL_ESTIMATORS.names())
     loss_type: str = config_field(
         "grpo", "Policy loss: grpo = per-token clipped ratio exp(logp - logp_old) (PPO-style); gspo = "
@@ -191,6 +191,22 @@ class AlgorithmConfig:
         "functions are called as TRL calls them: fn(prompts=, completions=, completion_ids=, solution=, question=), "
         "all by keyword, and return one number or None per completion.",
         choices=REWARD_ERRORS)
+
+
+def check_reward_funcs(funcs: List[str], weights: Optional[List[float]], errors: List[str]) -> None:
+    """The rule rewards' fields as GRPO and PPO read them (``reward_funcs``, ``reward_weights``): each function
+    once, each logged under its own name (``rewards/<name>/mean``), one weight per function."""
+    duplicates = sorted({f for f in funcs if funcs.count(f) > 1})
+    if duplicates:
+        errors.append(f"reward_funcs lists {duplicates} more than once; each function once (use reward_weights)")
+    names = [reward_spec_name(f) for f in funcs]
+    for name in sorted({n for n in names if names.count(n) > 1} - set(duplicates)):
+        same = [f for f in funcs if reward_spec_name(f) == name]
+        errors.append(f"reward_funcs {same} are all named {name!r} (logged as rewards/{name}/mean, TRL's name: "
+                      "the function's __name__); rename one of the functions")
+    if weights is not None and len(weights) != len(funcs):
+        errors.append(f"reward_weights has {len(weights)} values {weights} but reward_funcs has "
+                      f"{len(funcs)} {funcs}; give one weight per function or null")
 
 
 @dataclass
@@ -553,17 +569,7 @@ class GRPOConfig(TrainingConfig):
         # Rewards.
         if not a.reward_funcs:
             errors.append("reward_funcs is empty; give at least one reward function (e.g. accuracy)")
-        duplicates = sorted({f for f in a.reward_funcs if a.reward_funcs.count(f) > 1})
-        if duplicates:
-            errors.append(f"reward_funcs lists {duplicates} more than once; each function once (use reward_weights)")
-        names = [reward_spec_name(f) for f in a.reward_funcs]
-        for name in sorted({n for n in names if names.count(n) > 1} - set(duplicates)):
-            same = [f for f in a.reward_funcs if reward_spec_name(f) == name]
-            errors.append(f"reward_funcs {same} are all named {name!r} (logged as rewards/{name}/mean, TRL's name: "
-                          "the function's __name__); rename one of the functions")
-        if a.reward_weights is not None and len(a.reward_weights) != len(a.reward_funcs):
-            errors.append(f"reward_weights has {len(a.reward_weights)} values {a.reward_weights} but reward_funcs has "
-                          f"{len(a.reward_funcs)} {a.reward_funcs}; give one weight per function or null")
+        check_reward_funcs(a.reward_funcs, a.reward_weights, errors)
 
         # Reference model.
         if a.sync_ref_model and a.beta == 0:

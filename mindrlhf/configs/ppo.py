@@ -14,11 +14,15 @@ from typing import List, Optional, Sequence
 
 from mindrlhf.configs.base import config_field
 from mindrlhf.configs.common import ModelBaseConfig, OptimizerConfig, TrainingConfig
-from mindrlhf.configs.grpo_configs import DataConfig, GenerationConfig, ParallelConfig, RolloutTrainConfig
-from mindrlhf.rewards.manager import REWARD_ERRORS, reward_spec_name
-
-#: Per-token KL estimators of the reward's penalty (``algorithms.ppo.kl_shaped_rewards``).
-PPO_KL_ESTIMATORS = ("k1", "k2", "k3")
+from mindrlhf.configs.grpo_configs import (
+    DataConfig,
+    GenerationConfig,
+    ParallelConfig,
+    RolloutTrainConfig,
+    check_reward_funcs,
+)
+from mindrlhf.registry import KL_ESTIMATOR_FORMULAS, KL_ESTIMATORS
+from mindrlhf.rewards.manager import REWARD_ERRORS
 
 
 @dataclass
@@ -52,8 +56,8 @@ class PPOModelConfig(ModelBaseConfig):
         False, "Release the reward model's and the reference's weights after their pass in each step and read "
         "them again from their files before the next (the reference from ref_model_path, or from model_path: "
         "the initial actor), so the actor's and critic's updates run without them in device memory. The same "
-        "numbers either way. On CPU it does not pay: SmolLM2's PPO step peaked at 11.28 GiB with it vs 9.75 "
-        "without (freed host memory is not returned before the reload) and took 8 s longer.")
+        "numbers either way. On CPU it does not pay (freed host memory is not returned before the reload: a "
+        "higher peak and a slower step; figures in README.md's PPO section, bench/ppo_step.py --offload_models).")
 
 
 @dataclass
@@ -83,7 +87,7 @@ class PPOAlgorithmConfig:
     recompute_old_logp: bool = config_field(
         False, "Where the old policy's log-probs come from (the ratio's denominator, the actor term of the KL "
         "penalty, objective/entropy). false: the sampler's own log-probs of the tokens it drew, as TRL's and "
-        "ReaL's PPO take them from generation (no extra pass: 10 of 135 s of the SmolLM2 benchmark step); true: "
+        "ReaL's PPO take them from generation (no extra pass; its time: bench/README.md, ppo_step.py); true: "
         "one more actor forward over the rollout (verl's choice), for a sampler that computes in another dtype "
         "or layout than training, whose log-probs then differ from the trained model's.")
     kl_coef: float = config_field(
@@ -91,9 +95,8 @@ class PPOAlgorithmConfig:
         "completion token. Range >= 0; 0 skips the reference model.",
         ge=0.0)
     kl_estimator: str = config_field(
-        "k1", "Per-token KL of the penalty, with d = logp_actor - logp_ref of the sampled token: k1 = d (TRL's "
-        "default; can be negative per token), k2 = d^2 / 2, k3 = exp(-d) + d - 1 (non-negative, unbiased).",
-        choices=PPO_KL_ESTIMATORS)
+        "k1", f"Per-token KL estimator of the reward's penalty (k1: TRL's default), {KL_ESTIMATOR_FORMULAS}.",
+        choices=KL_ESTIMATORS.names())
     gamma: float = config_field(
         1.0, "Discount of GAE. Range [0, 1].",
         ge=0.0, le=1.0)
@@ -239,13 +242,7 @@ class PPOConfig(TrainingConfig):
         if not a.reward_funcs and not m.reward_model_path:
             errors.append("no reward: reward_funcs is empty and reward_model_path is ''; give a reward model "
                           "(--reward_model DIR), reward functions (--reward_funcs accuracy), or both")
-        names = [reward_spec_name(f) for f in a.reward_funcs]
-        repeated = sorted({n for n in names if names.count(n) > 1})
-        if repeated:
-            errors.append(f"reward_funcs names {repeated} more than once; each function once (use reward_weights)")
-        if a.reward_weights is not None and len(a.reward_weights) != len(a.reward_funcs):
-            errors.append(f"reward_weights has {len(a.reward_weights)} values but reward_funcs has "
-                          f"{len(a.reward_funcs)}; give one weight per function or null")
+        check_reward_funcs(a.reward_funcs, a.reward_weights, errors)
         if a.critic_lr and self.optimizer.min_lr > a.critic_lr:
             errors.append(f"min_lr = {self.optimizer.min_lr} > critic_lr = {a.critic_lr}; the critic's decay "
                           "would rise")

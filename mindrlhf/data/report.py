@@ -8,6 +8,7 @@ first skipped rows in its log (``ConversionReport.named``) and lists all of them
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,10 @@ from mindrlhf.utils.fs import write_text_atomic
 #: A training run's list of every row its data readers skipped, in its output_dir: one JSON object a line,
 #: ``{"path", "line", "reason", "detail"}`` (``reason`` a key of ``REASONS``), in the order the files were read.
 SKIPPED_ROWS_FILE = "skipped_rows.jsonl"
+#: Skipped rows named in the log per data file; the rest are counted there, and all are in SKIPPED_ROWS_FILE.
+SKIPPED_ROWS_LOGGED = 10
+
+log = logging.getLogger(__name__)
 
 # Reason key -> the words a report prints. One table, so a summary lists reasons in one fixed order.
 REASONS: Dict[str, str] = {
@@ -110,3 +115,14 @@ def write_skipped_rows(path: Union[str, Path], reports: Iterable[ConversionRepor
     rows = [row for report in reports for row in report.skipped]
     write_text_atomic(path, "".join(row.to_json() + "\n" for row in rows), "skipped rows")
     return len(rows)
+
+
+def log_report(report: ConversionReport, what: str, output_dir: Union[str, Path]) -> ConversionReport:
+    """Log a data reader's ``report`` of the file given as ``what`` (``train_file``): its summary line, then its
+    first ``SKIPPED_ROWS_LOGGED`` skipped rows by name (``path:line: skipped (reason): detail``), then how many
+    more there are and that ``output_dir/SKIPPED_ROWS_FILE`` lists them all. Returns ``report``."""
+    log.info("%s: %s", what, report.summary())
+    where = f" (all in {Path(output_dir) / SKIPPED_ROWS_FILE})"
+    for line in report.named(SKIPPED_ROWS_LOGGED, where):
+        log.warning("%s", line)
+    return report

@@ -49,7 +49,7 @@ import numpy as np
 from jinja2.exceptions import TemplateError
 from tqdm import tqdm
 
-from mindrlhf.data.report import REASONS, ConversionReport, SkippedRow
+from mindrlhf.data.report import REASONS, ConversionReport, SkippedRow, log_report
 from mindrlhf.data.row_files import open_rows
 from mindrlhf.errors import MindRLHFError
 
@@ -536,6 +536,20 @@ def read_pair_rows(path: PathLike, tokenizer: "Tokenizer", *, max_length: int, m
     report.examples = f"{len(prompts)} pairs"
     return PairRows(prompts, chosen, rejected, str(reader.path), lines), report
 
+
+
+def read_pairs(cfg, path: PathLike, tokenizer: "Tokenizer", what: str, overlong: str, *,
+               main: bool = True) -> Tuple[PairRows, ConversionReport]:
+    """A pair stage's read of its ``what`` file (``train_file``): ``read_pair_rows`` as the config's ``data``
+    group says (``cfg.data.max_length``, ``max_pairs_per_prompt``, ``strict``), its report logged once, on the
+    ``main`` rank, with its skipped rows named (``report.log_report``; the listing is in ``cfg.train.output_dir``).
+    ``overlong``: ``"drop"`` (the reward model, TRL's RewardTrainer) or ``"truncate"`` (DPO)."""
+    pairs, report = read_pair_rows(path, tokenizer, max_length=cfg.data.max_length,
+                                   max_pairs_per_prompt=cfg.data.max_pairs_per_prompt, overlong=overlong,
+                                   strict=cfg.data.strict, show_progress=main)
+    if main:
+        log_report(report, what, cfg.train.output_dir)
+    return pairs, report
 
 # ---------------------------------------------------------------------------------------------- prompts
 #: Keys of a prompt row that reward functions do not get as dataset columns, as in TRL's GRPOTrainer (the

@@ -1,8 +1,8 @@
-"""One readable decoder for the Qwen2 / Qwen2.5 / Llama family, in MindSpore.
+"""One readable decoder for the Qwen2 / Qwen2.5 / Qwen3 / Llama family, in MindSpore.
 
-RMSNorm, rotary embeddings (incl. Llama-3 rope scaling), grouped-query attention, SwiGLU MLP,
-optional q/k/v bias (Qwen2), tied or untied embeddings. Parameter names and shapes are exactly the
-Hugging Face ones, so weights move between the two with a dtype cast only.
+RMSNorm, rotary embeddings (incl. Llama-3 rope scaling), grouped-query attention, SwiGLU MLP, optional q/k/v
+bias (Qwen2), optional per-head q/k RMSNorm (Qwen3), tied or untied embeddings. Parameter names and shapes are
+exactly the Hugging Face ones, so weights move between the two with a dtype cast only.
 
 The same classes build one **shard** of the model (``ModelShard``): with ``tp > 1`` the linears
 are Megatron column/row-parallel and the embedding/output projection vocab-parallel

@@ -1,11 +1,11 @@
 """The training loop every stage shares: steps, metrics, progress bar, checkpoints and exact resume.
 
-A stage (GRPO today; SFT, RM, DPO, PPO next) subclasses ``Trainer`` and writes ``train_one_step``;
-it adds its own state through the hooks (``stage_state`` / ``load_stage_state`` for numbers in
-``state.json``, ``extra_tensors`` / ``load_extra_tensors`` for tensors beside the model and the
-optimizer) and names the config groups that change its math (``math_groups``). Checkpoints go
-through ``checkpoint.manager`` (atomic, checksummed, run-scoped) and always hold full tensors, so a
-run resumes under any layout.
+A stage (GRPO, SFT, RM, DPO, PPO) subclasses ``Trainer`` (the offline ones through ``trainer.offline``, the
+rollout ones through ``trainer.rollout``) and writes ``train_one_step``; it adds its own state through the
+hooks (``stage_state`` / ``load_stage_state`` for numbers in ``state.json``, ``extra_tensors`` /
+``load_extra_tensors`` for tensors beside the model and the optimizer) and names the config groups that change
+its math (``math_groups``). Checkpoints go through ``checkpoint.manager`` (atomic, checksummed, run-scoped)
+and always hold full tensors, so a run resumes under any layout.
 """
 from __future__ import annotations
 
@@ -22,7 +22,13 @@ from tqdm.auto import tqdm
 
 from mindrlhf.checkpoint.hf_io import config_with_dtype
 from mindrlhf.checkpoint.manager import CheckpointManager, load_parameters_into
-from mindrlhf.data.report import SKIPPED_ROWS_FILE, ConversionReport, write_skipped_rows
+from mindrlhf.data.report import (
+    SKIPPED_ROWS_FILE,
+    SKIPPED_ROWS_LOGGED,  # noqa: F401  (its old home: tests read it here)
+    ConversionReport,
+    log_report,
+    write_skipped_rows,
+)
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import RunLayout, data_parallel_groups
@@ -35,20 +41,14 @@ from mindrlhf.trainer.update import Updater
 from mindrlhf.utils import faults
 
 log = logging.getLogger(__name__)
-#: Skipped rows named in the log per data file; the rest are counted there, and all are in SKIPPED_ROWS_FILE.
-SKIPPED_ROWS_LOGGED = 10
 
 
 def log_data_report(cfg, report: ConversionReport, what: str) -> ConversionReport:
-    """On the main rank, log a data reader's ``report`` of the file given as ``what`` (``train_file``): its summary
-    line, then its first skipped rows by name (``path:line: skipped (reason): detail``), then how many more
-    there are and that ``output_dir/skipped_rows.jsonl`` lists them all. Returns ``report``, for the trainer's
+    """On the main rank, log a data reader's ``report`` of the file given as ``what`` (``data.report.log_report``:
+    its summary, its first skipped rows by name, where all are listed). Returns ``report``, for the trainer's
     ``data_reports``."""
     if comm.is_main():
-        log.info("%s: %s", what, report.summary())
-        where = f" (all in {Path(cfg.train.output_dir) / SKIPPED_ROWS_FILE})"
-        for line in report.named(SKIPPED_ROWS_LOGGED, where):
-            log.warning("%s", line)
+        log_report(report, what, cfg.train.output_dir)
     return report
 
 

@@ -1,7 +1,7 @@
-"""What every training command does around its stage: parse, check the run's directories, set up the
-device and the parallel groups, build the trainer (``load_policy``: the trainable model and its float32
-masters), resume, start the run's files, train, and turn a lost worker into one line. A stage's command
-is ``run_cli(partial(run_stage, spec), argv)``.
+"""What every training command does around its stage: parse, check the run's directories, set up the device and
+the parallel groups, build the trainer (``load_policy``: the trainable model and its float32 masters;
+``load_reference``: a frozen reference), resume, start the run's files, train, and turn a lost worker into one
+line. A stage's command is ``run_cli(partial(run_stage, spec), argv)``.
 """
 from __future__ import annotations
 
@@ -120,6 +120,20 @@ def load_policy(path: str, config, layout: RunLayout, dtype: str, *, load: bool 
     model = CausalLM(masters.config, dtype, shard)
     cast_weights_into(model, masters)
     return model, masters.trainable_params()
+
+
+def load_reference(path: str, policy, layout: RunLayout, dtype: str, source: str = "initial policy"):
+    """A stage's frozen reference in the train layout: this rank's shard of the checkpoint at ``path``, or (``path``
+    '') a copy of the initial ``policy``'s weights in the compute ``dtype`` (``source`` names it in errors)."""
+    from mindrlhf.models import CausalLM, get_weights, set_weights
+    from mindrlhf.parallel.resharding import load_shard
+
+    shard = layout.groups.shard()
+    if path:
+        return load_shard(path, layout.train, layout.rank, dtype=dtype, tp_group=shard.tp_group)
+    ref = CausalLM(policy.config, dtype, shard)
+    set_weights(ref, get_weights(policy), source=source)
+    return ref
 
 
 def worker_lost(cfg, op: str, err: RuntimeError) -> WorkerLostError:

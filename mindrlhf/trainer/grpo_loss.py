@@ -94,12 +94,3 @@ class GRPOObjective:
         for k, _ in EXTREMES:  # no valid token anywhere: 0
             out[k] = reduced[k] if math.isfinite(reduced[k]) else 0.0
         return out
-
-
-def grpo_updater(model, settings: LossSettings, **kwargs):
-    """The shared ``Updater`` with GRPO's objective (``kwargs``: the ``Updater``'s optimizer and layout
-    arguments)."""
-    from mindrlhf.models.heads import LogProbHead
-    from mindrlhf.trainer.update import Updater
-
-    return Updater(model, GRPOObjective(settings), head=LogProbHead(settings.temperature), **kwargs)
