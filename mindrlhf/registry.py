@@ -3,7 +3,9 @@
 One small class serves every "pick it by name" table: policy losses, importance-sampling modes,
 advantage estimators, KL estimators (here) and reward functions (``rewards.registry``). Register
 with a decorator, look up with ``get`` (a one-line ``MindRLHFError`` naming the unknown name and the
-choices), list with ``names()``.
+choices), list with ``names()``. ``STAGES`` is the stage table: each training command's module, config
+class and generated config reference, read by ``configs.REFERENCES``, ``examples/stages/run.py`` and the
+tests (which also tie ``pyproject.toml``'s console scripts to it).
 
 This module imports no MindSpore, so ``configs`` reads its choices from here. The functions of the
 algorithm registries live in ``mindrlhf.algorithms`` (MindSpore code); each registry lists the names
@@ -14,6 +16,7 @@ importing MindSpore, and ``get`` imports the module when a built-in is first nee
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import Callable, Dict, Generic, Iterator, Mapping, Optional, Sequence, Tuple, TypeVar
 
 from mindrlhf.errors import MindRLHFError
@@ -131,3 +134,59 @@ PREFERENCE_LOSSES: Registry = Registry(
 #: Fixed choices of the algorithm code (plain branches, not registries), here so configs read them without MindSpore.
 LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 SCALE_REWARDS = ("group", "batch", "none")
+
+
+# --- the stage table --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Stage:
+    """One training command. Module and config class are dotted names, imported on first need, so reading
+    the table imports no MindSpore and no stage module."""
+
+    name: str  #: the stage's name: ``mindrlhf-<name>``, ``python -m <module>``, recorded in its runs
+    module: str  #: the recipe module, whose ``main(argv)`` is the command
+    config: str  #: ``module:ClassName`` of the stage's config dataclass
+    reference: str  #: the generated config reference under the repository (named by unknown-key errors)
+    title: str  #: that reference's title
+
+    @property
+    def script(self) -> str:
+        """The console script's name (``pyproject.toml``'s ``[project.scripts]``)."""
+        return f"mindrlhf-{self.name}"
+
+    @property
+    def entry_point(self) -> str:
+        """The console script's target, ``module:main``."""
+        return f"{self.module}:main"
+
+    def config_class(self) -> type:
+        """The stage's config dataclass (imports its config module, never MindSpore)."""
+        module, _, cls = self.config.partition(":")
+        return getattr(importlib.import_module(module), cls)
+
+    def main(self, argv: Optional[Sequence[str]] = None) -> int:
+        """Run the command (``mindrlhf-<name> ARGV``); imports the stage module."""
+        return importlib.import_module(self.module).main(argv)
+
+
+#: name -> stage. Adding a stage: its recipe module (with ``main``), its registered loss, its config
+#: group/class (``REFERENCE_FILE = STAGES[name].reference``) and one row here; then its console script in
+#: pyproject.toml (a test checks the two agree) and ``write_config_references()`` for its reference file.
+STAGES: Dict[str, Stage] = {stage.name: stage for stage in (
+    Stage("grpo", "mindrlhf.grpo", "mindrlhf.configs.grpo_configs:GRPOConfig", "docs/config_reference.md",
+          "GRPO configuration reference"),
+    Stage("sft", "mindrlhf.sft", "mindrlhf.configs.offline:SFTConfig", "docs/config_reference_sft.md",
+          "SFT configuration reference (mindrlhf-sft)"),
+    Stage("rm", "mindrlhf.rm", "mindrlhf.configs.offline:RMConfig", "docs/config_reference_rm.md",
+          "Reward-model configuration reference (mindrlhf-rm)"),
+    Stage("dpo", "mindrlhf.dpo", "mindrlhf.configs.offline:DPOConfig", "docs/config_reference_dpo.md",
+          "DPO configuration reference (mindrlhf-dpo)"),
+    Stage("ppo", "mindrlhf.ppo", "mindrlhf.configs.ppo:PPOConfig", "docs/config_reference_ppo.md",
+          "PPO configuration reference (mindrlhf-ppo)"),
+)}
+
+
+def stage(name: str) -> Stage:
+    """The stage called ``name``; a one-line ``MindRLHFError`` listing the stages otherwise."""
+    if name not in STAGES:
+        raise MindRLHFError(f"unknown stage {name!r}; choose one of {', '.join(STAGES)}")
+    return STAGES[name]

@@ -154,8 +154,8 @@ def test_two_workers_match_one_on_replayed_rollouts(ppo_assets, recorded, tmp_pa
 
     two = tmp_path / "two"
     # Two of the recorded three steps (a constant learning rate: the same schedule for any run length).
-    msrun(2, _argv(ppo_assets, two, max_steps=2, replay_data_file=recorded / "exp" / "rollouts.npz",
-                   use_parallel="true", **layout), tmp_path / "log", 8137, script="examples/stages/ppo.py")
+    msrun(2, ["ppo", *_argv(ppo_assets, two, max_steps=2, replay_data_file=recorded / "exp" / "rollouts.npz",
+                            use_parallel="true", **layout)], tmp_path / "log", 8137, script="examples/stages/run.py")
     m1, m2 = _rows(recorded / "run"), _rows(two)
     assert [r["step"] for r in m2] == [1, 2]
     for a, b in zip(m1, m2):

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from mindrlhf.registry import STAGES
+
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "mindrlhf"
 DOCS = [REPO / "README.md", REPO / "README_CN.md", REPO / "bench" / "README.md", REPO / "tests" / "data" / "README.md",
@@ -129,42 +133,44 @@ def test_ruff_clean():  # ruff comes with the test extra
 
 
 def test_every_readme_training_command_is_a_valid_config():
-    """The recipes and reproduce commands of both READMEs parse and validate (flags joined over line breaks)."""
+    """The recipes and reproduce commands of both READMEs parse and validate (flags joined over line breaks):
+    every ``mindrlhf-<stage>`` of the stage table, ``examples/stages/run.py STAGE`` under msrun, the node launches."""
     import shlex
 
-    from mindrlhf.configs import parse_args
-    from mindrlhf.configs.offline import parse_dpo_args, parse_rm_args, parse_sft_args
-
-    stages = {"mindrlhf-sft": parse_sft_args, "mindrlhf-rm": parse_rm_args, "mindrlhf-dpo": parse_dpo_args}
+    parsers = {stage.script: stage.config_class().parse_args for stage in STAGES.values()}
     seen = 0
     for name in ("README.md", "README_CN.md"):
         text = (REPO / name).read_text(encoding="utf-8")
         for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
             for command in block.replace("\\\n", " ").splitlines():
                 words = shlex.split(command, comments=True)
-                if words[:1] == ["mindrlhf-grpo"]:
-                    parse_args(words[1:])
+                if words[:1] and words[0] in parsers:
+                    parsers[words[0]](words[1:])
                     seen += 1
-                elif words[:1] and words[0] in stages:
-                    stages[words[0]](words[1:])
-                    seen += 1
-                elif words[:1] == ["msrun"] and any(w.startswith("examples/stages/") for w in words):
-                    script = next(w for w in words if w.startswith("examples/stages/"))
-                    stages["mindrlhf-" + Path(script).stem](words[words.index(script) + 1:])
+                elif words[:1] == ["msrun"] and RUN_SCRIPT in words:
+                    at = words.index(RUN_SCRIPT)
+                    parsers["mindrlhf-" + words[at + 1]](words[at + 2:])
                     seen += 1
                 elif words[:2] == ["bash", "scripts/launch_node.sh"]:  # the training flags follow "--"
-                    parse_args(words[words.index("--") + 1:])
+                    parsers["mindrlhf-grpo"](words[words.index("--") + 1:])
                     seen += 1
     assert seen >= 18  # per README: the results run, the DAPO and Dr.GRPO recipes, the node launches, the stages
 
 
-STAGE_FILES = ("grpo", "sft", "rm", "dpo", "ppo")
+RUN_SCRIPT = "examples/stages/run.py"
+
+
+def _stage_modules() -> dict:
+    """The stage table's recipe modules: dotted name -> stage name."""
+    return {stage.module: name for name, stage in STAGES.items()}
 
 
 def _stage_imports(path: Path) -> set:
-    """The stage modules (``mindrlhf.<stage>``) a file imports, anywhere in it (function bodies too)."""
+    """The stages whose recipe module (the stage table's ``module``) a file imports, anywhere in it (function
+    bodies too)."""
     import ast
 
+    modules = _stage_modules()
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
@@ -173,13 +179,51 @@ def _stage_imports(path: Path) -> set:
             names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
         else:
             continue
-        found |= {n.split(".")[1] for n in names if n.startswith("mindrlhf.") and n.split(".")[1] in STAGE_FILES}
+        found |= {stage for module, stage in modules.items()
+                  if any(n == module or n.startswith(module + ".") for n in names)}
     return found
 
 
 def test_no_stage_file_imports_another():
     """design.md: each stage is one recipe file on the shared core; what two stages share lives in the core
     (dpo.py once imported mindrlhf.rm for its pair reader, now data.text_rows.read_pairs)."""
-    crossed = {stage: sorted(_stage_imports(PKG / f"{stage}.py") - {stage}) for stage in STAGE_FILES}
+    crossed = {stage: sorted(_stage_imports(REPO / (module.replace(".", "/") + ".py")) - {stage})
+               for module, stage in _stage_modules().items()}
     assert not {s: i for s, i in crossed.items() if i}, crossed
     assert _stage_imports(REPO / "tests" / "test_ppo.py")  # the check sees imports (tests import stages)
+
+
+def test_console_scripts_are_the_stage_table():
+    """pyproject.toml's console scripts are static text: each stage of the table has ``mindrlhf-<name> =
+    "<module>:main"``, and no other script points at a stage module (a stage added to one but not the other)."""
+    import tomllib
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["scripts"]
+    modules = _stage_modules()
+    listed = {script: target for script, target in scripts.items() if target.split(":")[0] in modules}
+    assert listed == {stage.script: stage.entry_point for stage in STAGES.values()}
+    for stage in STAGES.values():  # the module is where the table says, with the main the script calls
+        assert (REPO / (stage.module.replace(".", "/") + ".py")).is_file(), stage.module
+        assert stage.config_class().REFERENCE_FILE == stage.reference, stage.name
+
+
+def test_run_script_names_the_stages_on_a_bad_stage():
+    """``examples/stages/run.py`` with an unknown stage: one line listing the table's stages, exit 2."""
+    proc = subprocess.run([sys.executable, RUN_SCRIPT, "orpo", "--max_steps", "1"], cwd=REPO, capture_output=True,
+                          text=True)
+    assert (proc.returncode, proc.stderr) == (2, "error: unknown stage 'orpo'; choose one of grpo, sft, rm, dpo, "
+                                                 "ppo\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(STAGES))
+def test_every_stage_runs_as_module_script_and_run_py(name):
+    """``python -m <module> --help`` (what the console script runs) and ``examples/stages/run.py NAME --help``
+    print the same options: the stage's config fields."""
+    stage = STAGES[name]
+    outs = [subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+            for cmd in ([sys.executable, "-m", stage.module, "--help"], [sys.executable, RUN_SCRIPT, name, "--help"])]
+    assert [p.returncode for p in outs] == [0, 0], [p.stderr[-500:] for p in outs]
+    helps = [p.stdout.split("\n", 2)[2] for p in outs]  # past the "usage: <prog>" line
+    assert helps[0] == helps[1] and stage.reference in helps[0]
+    assert all(f"--{field}" in helps[0] for field in stage.config_class().field_index())

@@ -1,7 +1,8 @@
 """Configuration: every stage's settings as dataclasses, loaded from YAML and the command line.
 
-``REFERENCES`` names each stage's config class, its generated reference file and title;
-``config_reference_markdown(stage)`` renders one and ``write_config_references()`` regenerates them all.
+``REFERENCES`` names each stage's config class, its generated reference file and title (read from the
+stage table, ``mindrlhf.registry.STAGES``); ``config_reference_markdown(stage)`` renders one and
+``write_config_references()`` regenerates them all.
 """
 from pathlib import Path
 from typing import Dict, Tuple
@@ -19,15 +20,12 @@ from mindrlhf.configs.grpo_configs import (
 )
 from mindrlhf.configs.offline import DPOConfig, RMConfig, SFTConfig
 from mindrlhf.configs.ppo import PPOConfig
+from mindrlhf.registry import STAGES
 
-#: stage -> (config class, reference file under the repository (the class's REFERENCE_FILE), title)
+#: stage -> (config class, reference file under the repository (the class's REFERENCE_FILE), title), in the
+#: order of the stage table.
 REFERENCES: Dict[str, Tuple[type, str, str]] = {
-    stage: (cls, cls.REFERENCE_FILE, title) for stage, cls, title in (
-        ("grpo", GRPOConfig, "GRPO configuration reference"),
-        ("sft", SFTConfig, "SFT configuration reference (mindrlhf-sft)"),
-        ("rm", RMConfig, "Reward-model configuration reference (mindrlhf-rm)"),
-        ("dpo", DPOConfig, "DPO configuration reference (mindrlhf-dpo)"),
-        ("ppo", PPOConfig, "PPO configuration reference (mindrlhf-ppo)"))}
+    name: (stage.config_class(), stage.reference, stage.title) for name, stage in STAGES.items()}
 
 
 def config_reference_markdown(stage: str = "grpo") -> str:

@@ -245,7 +245,8 @@ class GroupedConfig:
 
     # Text placed after the title in the generated Markdown reference.
     REFERENCE_PREAMBLE: ClassVar[str] = ""
-    # The generated reference of this config (``configs.REFERENCES``), named by errors about unknown keys.
+    # The generated reference of this config (a stage's: ``registry.STAGES[name].reference``), named by errors
+    # about unknown keys.
     REFERENCE_FILE: ClassVar[str] = "docs/config_reference.md"
 
     # ---------------------------------------------------------------- introspection

@@ -35,6 +35,7 @@ from mindrlhf.registry import (
     LOSS_AGG_MODES,
     POLICY_LOSSES,
     SCALE_REWARDS,
+    STAGES,
 )
 from mindrlhf.rewards.manager import REWARD_ERRORS, reward_spec_name
 
@@ -417,6 +418,7 @@ class GRPOConfig(TrainingConfig):
     """All GRPO settings, one attribute per group: ``cfg.algorithm.beta``, ``cfg.train.max_steps``."""
 
     REFERENCE_PREAMBLE = _PREAMBLE
+    REFERENCE_FILE = STAGES["grpo"].reference
 
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
@@ -637,4 +639,4 @@ class GRPOConfig(TrainingConfig):
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> GRPOConfig:
     """Build a ``GRPOConfig`` from ``--config PATH`` and ``--<field>`` flags, validated."""
-    return GRPOConfig.parse_args(argv, description="GRPO training for MindSpore (see docs/config_reference.md)")
+    return GRPOConfig.parse_args(argv, description=f"GRPO training for MindSpore (see {GRPOConfig.REFERENCE_FILE})")

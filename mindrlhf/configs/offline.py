@@ -19,7 +19,7 @@ from mindrlhf.configs.common import (
     TrainLayoutConfig,
     TrainLoopConfig,
 )
-from mindrlhf.registry import PREFERENCE_LOSSES
+from mindrlhf.registry import PREFERENCE_LOSSES, STAGES
 
 
 @dataclass
@@ -255,7 +255,7 @@ class SFTConfig(OfflineConfig):
     """All SFT settings, one attribute per group: ``cfg.data.max_length``, ``cfg.optimizer.lr``."""
 
     REFERENCE_PREAMBLE = _PREAMBLE
-    REFERENCE_FILE = "docs/config_reference_sft.md"
+    REFERENCE_FILE = STAGES["sft"].reference
 
     data: SFTDataConfig = dataclasses.field(default_factory=SFTDataConfig)
     train: PolicyTrainConfig = dataclasses.field(default_factory=PolicyTrainConfig)
@@ -266,7 +266,7 @@ class RMConfig(OfflineConfig):
     """All reward-model settings; ``batch_size`` and ``micro_batch_size`` count pairs."""
 
     REFERENCE_PREAMBLE = _PAIR_PREAMBLE
-    REFERENCE_FILE = "docs/config_reference_rm.md"
+    REFERENCE_FILE = STAGES["rm"].reference
 
     data: PairDataConfig = dataclasses.field(default_factory=PairDataConfig)
     loss: RewardLossConfig = dataclasses.field(default_factory=RewardLossConfig)
@@ -278,7 +278,7 @@ class DPOConfig(OfflineConfig):
     """All DPO settings; ``batch_size`` and ``micro_batch_size`` count pairs."""
 
     REFERENCE_PREAMBLE = RMConfig.REFERENCE_PREAMBLE
-    REFERENCE_FILE = "docs/config_reference_dpo.md"
+    REFERENCE_FILE = STAGES["dpo"].reference
 
     model: DPOModelConfig = dataclasses.field(default_factory=DPOModelConfig)
     data: PairDataConfig = dataclasses.field(default_factory=PairDataConfig)

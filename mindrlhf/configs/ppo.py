@@ -21,7 +21,7 @@ from mindrlhf.configs.grpo_configs import (
     RolloutTrainConfig,
     check_reward_funcs,
 )
-from mindrlhf.registry import KL_ESTIMATOR_FORMULAS, KL_ESTIMATORS
+from mindrlhf.registry import KL_ESTIMATOR_FORMULAS, KL_ESTIMATORS, STAGES
 from mindrlhf.rewards.manager import REWARD_ERRORS
 
 
@@ -198,7 +198,7 @@ class PPOConfig(TrainingConfig):
     """All PPO settings, one attribute per group: ``cfg.algorithm.kl_coef``, ``cfg.model.critic_model_path``."""
 
     REFERENCE_PREAMBLE = _PREAMBLE
-    REFERENCE_FILE = "docs/config_reference_ppo.md"
+    REFERENCE_FILE = STAGES["ppo"].reference
 
     algorithm: PPOAlgorithmConfig = dataclasses.field(default_factory=PPOAlgorithmConfig)
     generation: PPOGenerationConfig = dataclasses.field(default_factory=PPOGenerationConfig)
