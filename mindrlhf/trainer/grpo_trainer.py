@@ -118,7 +118,7 @@ class GRPOTrainer(RolloutTrainer):
                     "frac_reward_zero_std": float(1.0 - informative.mean())}
         return ScoredRollout(exp, texts=texts, prompts=prompts, reward_time=reward_time, sampling=sampling,
                              solutions=[self.dataset.solution[int(i)] for i in exp.prompt_index],
-                             policy_version=np.full(len(exp), step - 1, np.int64))
+                             policy_version=np.full(len(exp), self.step, np.int64))
 
     def _with_advantages(self, everything: Experience) -> Experience:
         everything.advantages = self._estimate(everything.rewards)

@@ -1,13 +1,15 @@
 """What GRPO and PPO share around their updates: the rollout (sample → score), the experience's rows
 across replicas, log-prob passes, the train → infer weight sync and the reward/length metrics.
 
-``RolloutTrainer`` is a ``trainer.base.Trainer`` whose steps start from completions it samples itself:
-every generator replica samples its share of each global batch of prompts (``_rollout``), scores them
-(``_score``: the stage's ``RewardManager``), and the stage gathers the global rows (``_global_rows``),
-computes what its loss needs on them, and trains on its replica's share (``_train_share``). Losses are
-normalised by global counts and gradients summed over ranks, so an update does not depend on the number
-of data-parallel workers. A stage subclasses it (``grpo_trainer.GRPOTrainer``, ``ppo.PPOTrainer``) and
-writes ``train_one_step``.
+``RolloutTrainer`` is a ``trainer.base.Trainer`` whose steps start from completions it samples itself.
+A step's first phase is ``collect(step, timer) -> ScoredRollout``: replayed rows, or every generator replica
+samples its share of each global batch of prompts (``_rollout``), pads and decodes them (``_arrays``) and
+scores them (``_reward``: the stage's ``RewardManager``), and the stage gathers the global rows
+(``_global_rows``), computes what its loss needs on them (``generate``) and keeps its replica's share
+(``_train_share``). Each later phase runs under ``with timer("time/<phase>")`` (``PhaseTimer``), and updates cut
+mini-batches with ``mini_batch``. Losses are normalised by global counts and gradients summed over ranks, so an
+update does not depend on the number of data-parallel workers. A stage subclasses it
+(``grpo_trainer.GRPOTrainer``, ``ppo.PPOTrainer``) and writes ``train_one_step`` as a list of named phases.
 """
 from __future__ import annotations
 
@@ -74,8 +76,9 @@ class ScoredRollout:
     texts: Optional[List[str]] = None                           # the decoded completions
     prompts: List[List[int]] = field(default_factory=list)      # each row's prompt token ids
     solutions: List[object] = field(default_factory=list)       # each row's reference answer
-    #: (N,) int64: the number of optimizer steps of the policy each row was sampled with (the sampler is synced
-    #: after every step, so step s samples with version s - 1). An asynchronous rollout would see older ones.
+    #: (N,) int64: the trainer steps the policy each row was sampled with had taken (the sampler is synced after
+    #: every step, so step s samples with version s - 1); None for a replayed step. An asynchronous rollout will
+    #: hand older rows to the update.
     policy_version: Optional[np.ndarray] = None
     reward_time: float = 0.0                                    # seconds spent in the reward functions
     #: DAPO's dynamic sampling: ``sampling/rounds``, ``sampling/kept_groups`` and the unfiltered
@@ -178,11 +181,11 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         """One generation round on this generator replica: sample (``_rollout``), pad and decode (``_arrays``),
         score (``_reward``). Rows are this replica's, widths global; no advantages yet."""
         rollout = self._rollout(step, round_index)
-        scored = self._arrays(rollout, step)
+        scored = self._arrays(rollout)
         self._reward(scored, rollout)
         return scored
 
-    def _arrays(self, rollout: Rollout, step: int) -> ScoredRollout:
+    def _arrays(self, rollout: Rollout) -> ScoredRollout:
         """The rollout's arrays (padded to the global widths) and texts; rewards not yet scored (NaN)."""
         g = self.cfg.generation
         completions, prompts = rollout.completions, rollout.prompts
@@ -211,7 +214,7 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
                     "sampler_entropy": right_pad([c.entropies for c in completions], C, 0.0, np.float32)})
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         return ScoredRollout(exp, texts=texts, prompts=rep(prompts), solutions=rep(rollout.solutions),
-                             policy_version=np.full(N, step - 1, np.int64))
+                             policy_version=np.full(N, self.step, np.int64))
 
     def _reward(self, scored: ScoredRollout, rollout: Rollout) -> None:
         """The reward step: every completion's rewards (total and per function) into ``scored.exp``, and the time
