@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
-import time
+from dataclasses import dataclass
 from functools import partial
 from typing import Dict, Optional, Sequence
 
@@ -31,7 +31,7 @@ from mindrlhf.errors import MindRLHFError
 from mindrlhf.trainer.entry import StageSpec, load_policy, load_reference, load_tokenizer, resolve_weights, run_stage
 from mindrlhf.trainer.experience import Experience
 from mindrlhf.trainer.metrics import EVAL_CURVE
-from mindrlhf.trainer.rollout import RolloutTrainer, load_prompt_dataset
+from mindrlhf.trainer.rollout import MiniBatch, PhaseTimer, RolloutTrainer, load_prompt_dataset
 from mindrlhf.trainer.schedule import lr_at
 from mindrlhf.utils.cli import run_cli
 
@@ -118,6 +118,30 @@ def reward_model_scores(runner, exp: Experience, micro_size: int) -> np.ndarray:
     return values[np.arange(len(exp)), present.sum(1)].astype(np.float64)
 
 
+@dataclass
+class PPOTargets:
+    """PPO's per-token training arrays of this train replica's rows, beside its ``Experience`` (whose
+    ``advantages`` PPO fills per token, (B, C), and ``old_logp`` with the actor's old log-probs). All (B, C)
+    float32, zero past each completion's end."""
+
+    rewards: np.ndarray                        # −kl_coef·KL_t, plus the score at each completion's last token
+    returns: Optional[np.ndarray] = None       # GAE's returns (normalised with value_norm); None until GAE ran
+    old_values: Optional[np.ndarray] = None    # the critic's values before this step's updates; None until known
+
+
+@dataclass
+class PPOBatch:
+    """The step's numbers on the GLOBAL batch (every train replica's rows, the same on every rank; R rows),
+    from which GAE, whitening and the ``objective/*`` metrics are computed."""
+
+    mask: np.ndarray        # (R, C) float32 completion (loss) mask
+    old_logp: np.ndarray    # (R, C) float64 the actor's old log-probs
+    score: np.ndarray       # (R,) float64 each completion's score (PPOTrainer.scores)
+    kl: np.ndarray          # (R, C) per-token KL estimate to the reference (kl_estimator)
+    rewards: np.ndarray     # (R, C) the KL-shaped per-token rewards
+    values: Optional[np.ndarray] = None  # (R, C) float64 the critic's old values (denormalised), once known
+
+
 class PPOTrainer(RolloutTrainer):
     """PPO on the shared loop: the actor is the trained model of ``trainer.base`` (its masters and optimizer
     are the checkpoint's policy.ckpt / optimizer.ckpt); the critic is a second ``Updater`` saved beside it."""
@@ -180,100 +204,107 @@ class PPOTrainer(RolloutTrainer):
     # -- the step -----------------------------------------------------------------------------------
     def train_one_step(self) -> Dict[str, float]:
         """Run PPO step ``self.step + 1``; returns its metrics."""
-        a, t = self.cfg.algorithm, self.cfg.train
-        step = self.step + 1
-        times: Dict[str, float] = {}
-        t0 = time.perf_counter()
-        texts, info = None, None
-        if t.replay_data_file:
-            exp = self.replay(step)
-            times["time/generate"], times["time/reward"] = 0.0, 0.0
-        else:
-            local, texts, info = self._score(self._rollout(step, 0))
-            exp = self._train_share(self._global_rows(local))
-            times["time/reward"] = info["reward_time"]
-            times["time/generate"] = time.perf_counter() - t0 - info["reward_time"]
-        self.record(step, exp)
-
-        t1 = time.perf_counter()
-        rm_scores = None
-        if self.rm_runner is not None:
-            rm_scores = self.model_scores(exp)
-            self.rm_runner.release()
-        times["time/reward_model"] = time.perf_counter() - t1
-        t1 = time.perf_counter()
-        # The sampler's log-probs are log_softmax(logits / T) of the drawn tokens under the policy it was synced
-        # to after the last update (generation.params.Completion): the old policy, without another pass.
-        old_logp = self.completion_forward(self.updater.runner, exp) if a.recompute_old_logp else exp.sampler_logp
-        times["time/old_logp"] = time.perf_counter() - t1
-        t1 = time.perf_counter()
-        ref_logp = old_logp
-        if self.ref_runner is not None:
-            ref_logp = self.completion_forward(self.ref_runner, exp)
-            self.ref_runner.release()
-        times["time/ref"] = time.perf_counter() - t1
-        gather = self._gather_rows
-        mask = gather(exp.completion_mask)
-        t1 = time.perf_counter()
-        # The in-loss targets read each completion's mask as a prefix (its tokens, then padding); anything else
-        # takes the separate pass (decided on the global batch: every rank the same way).
-        in_update = self.values_in_update and bool(np.all(np.diff(mask, axis=1) <= 0))
-        values = None if in_update else self.completion_forward(self.critic_updater.runner, exp)
-        times["time/values"] = time.perf_counter() - t1
-
-        # The reward, GAE and whitening on the global batch (every rank the same numbers), then this share.
-        score = self.scores(exp, rm_scores)
-        g_old, g_score = gather(old_logp).astype(np.float64), gather(score)
-        rewards, kl = ppo_math.kl_shaped_rewards(g_old, gather(ref_logp), mask, g_score, a.kl_coef, a.kl_estimator)
-        share = self._share_rows(len(mask))
-        exp.extras["rewards"] = rewards[share].astype(np.float32)
+        a = self.cfg.algorithm
+        step, timer = self.step + 1, PhaseTimer()
+        scored = self.collect(step, timer)
+        exp = scored.exp
+        with timer("time/reward_model"):
+            rm_scores = self.reward_model_pass(exp)
+        with timer("time/old_logp"):
+            # The sampler's log-probs are log_softmax(logits / T) of the drawn tokens under the policy it was synced
+            # to after the last update (generation.params.Completion): the old policy, without another pass.
+            exp.old_logp = (self.completion_forward(self.updater.runner, exp) if a.recompute_old_logp
+                            else exp.sampler_logp)
+        with timer("time/ref"):
+            ref_logp = self.reference_pass(exp)
+        batch = self.shaped_rewards(exp, ref_logp, self.scores(exp, rm_scores))
+        with timer("time/values"):
+            values = self.values_pass(exp, batch)
         self.set_learning_rates()
+        targets = PPOTargets(rewards=batch.rewards[self._share_rows(len(batch.mask))].astype(np.float32))
         first_critic = None
         if values is None:  # the critic's first update computes the old values on its way (CriticObjective)
-            t1 = time.perf_counter()
-            values, first_critic = self._critic_first_update(exp)
-            times["time/train"] = time.perf_counter() - t1
-        g_values = gather(values).astype(np.float64)
-        gae_values = self.value_norm.denormalize(g_values) if self.value_norm is not None else g_values
-        advantages, returns = ppo_math.gae(rewards, gae_values, mask, a.gamma, a.lam)
-        if self.value_norm is not None:
-            self.value_norm.update(returns, mask)
-            returns = np.where(mask > 0, self.value_norm.normalize(returns), 0.0)
-        if a.adv_norm:
-            advantages = ppo_math.masked_whiten(advantages, mask)
-        exp.advantages = advantages[share].astype(np.float32)
-        exp.old_logp = old_logp
-        exp.extras["returns"] = returns[share].astype(np.float32)
-        exp.extras["old_values"] = values.astype(np.float32)
-
-        t1 = time.perf_counter()
-        train_metrics = self.train_on(exp, first_critic)
-        times["time/train"] = times.get("time/train", 0.0) + time.perf_counter() - t1
-        t1 = time.perf_counter()
-        self.sync_generator()
-        times["time/sync"] = time.perf_counter() - t1
+            with timer("time/train"):
+                values, first_critic = self._critic_first_update(exp, targets)
+        self.advantages_and_returns(exp, targets, values, batch)
+        with timer("time/train"):
+            train_metrics = self.train_on(exp, targets, first_critic)
+        with timer("time/sync"):
+            self.sync_generator()
         self.step = step
+        exp.rewards = batch.score.astype(np.float32)  # the reward metrics describe the score the step trained on
+        metrics = {**self._objective_metrics(exp, batch, rm_scores), **train_metrics, **self.update_metrics()}
+        return self._finish_metrics(step, metrics, timer, scored)
 
-        exp.rewards = score.astype(np.float32)  # the reward metrics describe the score the step trained on
+    # -- the step's phases --------------------------------------------------------------------------
+    def reward_model_pass(self, exp: Experience) -> Optional[np.ndarray]:
+        """The reward model's score of this share's rows (B,), None without one; its runner released after."""
+        if self.rm_runner is None:
+            return None
+        rm_scores = self.model_scores(exp)
+        self.rm_runner.release()
+        return rm_scores
+
+    def reference_pass(self, exp: Experience) -> np.ndarray:
+        """The reference's log-probs of this share's rows (B, C); the old log-probs without a reference (kl 0)."""
+        if self.ref_runner is None:
+            return exp.old_logp
+        ref_logp = self.completion_forward(self.ref_runner, exp)
+        self.ref_runner.release()
+        return ref_logp
+
+    def shaped_rewards(self, exp: Experience, ref_logp: np.ndarray, score: np.ndarray) -> PPOBatch:
+        """The KL-shaped per-token rewards on the global batch (every rank the same numbers)."""
+        a, gather = self.cfg.algorithm, self._gather_rows
+        mask, old_logp, g_score = gather(exp.completion_mask), gather(exp.old_logp).astype(np.float64), gather(score)
+        rewards, kl = ppo_math.kl_shaped_rewards(old_logp, gather(ref_logp), mask, g_score, a.kl_coef, a.kl_estimator)
+        return PPOBatch(mask=mask, old_logp=old_logp, score=g_score, kl=kl, rewards=rewards)
+
+    def values_pass(self, exp: Experience, batch: PPOBatch) -> Optional[np.ndarray]:
+        """The critic's old values of this share's rows (B, C), or None when its first update computes them."""
+        # The in-loss targets read each completion's mask as a prefix (its tokens, then padding); anything else
+        # takes the separate pass (decided on the global batch: every rank the same way).
+        in_update = self.values_in_update and bool(np.all(np.diff(batch.mask, axis=1) <= 0))
+        return None if in_update else self.completion_forward(self.critic_updater.runner, exp)
+
+    def advantages_and_returns(self, exp: Experience, targets: PPOTargets, values: np.ndarray,
+                               batch: PPOBatch) -> None:
+        """GAE (and whitening, and the value normaliser) on the global batch; this share's per-token advantages
+        into ``exp.advantages``, its returns and old values into ``targets``."""
+        a = self.cfg.algorithm
+        g_values = self._gather_rows(values).astype(np.float64)
+        batch.values = self.value_norm.denormalize(g_values) if self.value_norm is not None else g_values
+        advantages, returns = ppo_math.gae(batch.rewards, batch.values, batch.mask, a.gamma, a.lam)
+        if self.value_norm is not None:
+            self.value_norm.update(returns, batch.mask)
+            returns = np.where(batch.mask > 0, self.value_norm.normalize(returns), 0.0)
+        if a.adv_norm:
+            advantages = ppo_math.masked_whiten(advantages, batch.mask)
+        share = self._share_rows(len(batch.mask))
+        exp.advantages = advantages[share].astype(np.float32)
+        targets.returns = returns[share].astype(np.float32)
+        targets.old_values = values.astype(np.float32)
+
+    def _objective_metrics(self, exp: Experience, batch: PPOBatch, rm_scores: Optional[np.ndarray]) -> Dict[str, float]:
+        """The rollout's reward metrics and TRL's ``objective/*`` and ``val/*`` of the global batch."""
+        a = self.cfg.algorithm
         metrics = self._reward_metrics(exp)
         for k in ("reward_std", "frac_reward_zero_std"):  # group statistics: GRPO's, not PPO's
             metrics.pop(k, None)
         if rm_scores is not None:
-            metrics["rewards/reward_model/mean"] = float(np.mean(gather(rm_scores)))
-        m = mask > 0
-        non_score = (-a.kl_coef * kl).sum(1)
+            metrics["rewards/reward_model/mean"] = float(np.mean(self._gather_rows(rm_scores)))
+        m = batch.mask > 0
+        non_score = (-a.kl_coef * batch.kl).sum(1)
         metrics.update({
-            "objective/kl": float(kl.sum(1).mean()),
-            "objective/entropy": float((-np.where(m, g_old, 0.0)).sum(1).mean()),
+            "objective/kl": float(batch.kl.sum(1).mean()),
+            "objective/entropy": float((-np.where(m, batch.old_logp, 0.0)).sum(1).mean()),
             "objective/non_score_reward": float(non_score.mean()),
-            "objective/rlhf_reward": float((g_score + non_score).mean()),
-            "objective/scores": float(g_score.mean()),
-            "val/mean": float(gae_values[m].mean()) if m.any() else 0.0,
-            "val/var": float(gae_values[m].var()) if m.any() else 0.0,
+            "objective/rlhf_reward": float((batch.score + non_score).mean()),
+            "objective/scores": float(batch.score.mean()),
+            "val/mean": float(batch.values[m].mean()) if m.any() else 0.0,
+            "val/var": float(batch.values[m].var()) if m.any() else 0.0,
         })
-        metrics.update(train_metrics)
-        metrics.update(self.update_metrics())
-        return self._finish_metrics(step, metrics, times, t0, exp, texts, info)
+        return metrics
 
     def _share_rows(self, n: int) -> np.ndarray:
         """This train replica's rows of a global batch of ``n`` (``_train_share``'s block)."""
@@ -288,56 +319,42 @@ class PPOTrainer(RolloutTrainer):
                                          warmup_steps=o.warmup_steps, total_steps=self.total_steps,
                                          schedule=o.lr_schedule))
 
-    def _mini_batch(self, exp: Experience, k: int) -> tuple:
-        """Mini-batch ``k``: its micro-batches' row indices, their model inputs, and its global completion tokens.
-        It holds local rows j ≡ k (mod num_mini_batches): the same global rows for any number of ranks."""
-        inputs = exp.train_inputs()
-        rows = np.arange(k, len(exp), self.cfg.algorithm.num_mini_batches)
-        num_tokens = float(self._sum_replicas(np.array([exp.completion_mask[rows].sum()]))[0])
-        size = self._micro_size()
-        pieces = [rows[s:s + size] for s in range(0, len(rows), size)]
-        base = [{"input_ids": inputs["input_ids"][r], "attention_mask": inputs["attention_mask"][r],
-                 "completion_ids": exp.completion_ids[r], "completion_mask": exp.completion_mask[r]} for r in pieces]
-        return pieces, base, num_tokens
-
-    def _critic_update(self, exp: Experience, batch: tuple, own_targets: bool = False,
+    def _critic_update(self, batch: MiniBatch, targets: PPOTargets, own_targets: bool = False,
                        outputs: Optional[list] = None) -> Dict[str, float]:
-        """One critic update on ``batch`` (``_mini_batch``'s pieces, inputs and token count)."""
-        pieces, base, num_tokens = batch
+        """One critic update on the mini-batch ``batch`` (``RolloutTrainer.mini_batch``)."""
         if own_targets:  # returns and old values are computed in the loss (CriticObjective)
-            zeros = np.zeros_like(exp.extras["rewards"])
-            targets = {"returns": zeros, "old_values": zeros}
+            zeros = np.zeros_like(targets.rewards)
+            returns, old_values = zeros, zeros
         else:
-            targets = {"returns": exp.extras["returns"], "old_values": exp.extras["old_values"]}
-        micro = [dict(b, rewards=exp.extras["rewards"][r], **{n: t[r] for n, t in targets.items()})
-                 for b, r in zip(base, pieces)]
-        res = self.critic_updater.step(micro, (num_tokens, float(own_targets)), outputs=outputs)
+            returns, old_values = targets.returns, targets.old_values
+        micro = batch.micro(rewards=targets.rewards, returns=returns, old_values=old_values)
+        res = self.critic_updater.step(micro, (batch.num_tokens, float(own_targets)), outputs=outputs)
         self.count_nonfinite(res)
         return res
 
-    def _critic_first_update(self, exp: Experience):
+    def _critic_first_update(self, exp: Experience, targets: PPOTargets):
         """The critic's first update of the step (one mini-batch: every row), which computes the old values of
         this share's rows itself; returns them (B, C) and the update's result."""
         values: list = []
-        res = self._critic_update(exp, self._mini_batch(exp, 0), own_targets=True, outputs=values)
+        res = self._critic_update(self.mini_batch(exp, 0, self.cfg.algorithm.num_mini_batches), targets,
+                                  own_targets=True, outputs=values)
         return np.concatenate(values).astype(np.float32), res
 
-    def train_on(self, exp: Experience, first_critic: Optional[Dict[str, float]] = None) -> Dict[str, float]:
+    def train_on(self, exp: Experience, targets: PPOTargets,
+                 first_critic: Optional[Dict[str, float]] = None) -> Dict[str, float]:
         """ppo_epochs × num_mini_batches updates of the actor, then the critic, on this step's rollout.
         ``first_critic``: the result of the critic's first update when ``_critic_first_update`` already made it."""
         a = self.cfg.algorithm
         actor_results, critic_results = [], []
         for epoch in range(a.ppo_epochs):
             for k in range(a.num_mini_batches):
-                batch = self._mini_batch(exp, k)
-                pieces, base, num_tokens = batch
-                actor_micro = [dict(b, advantages=exp.advantages[r], old_logp=exp.old_logp[r])
-                               for b, r in zip(base, pieces)]
-                res = self.updater.step(actor_micro, (num_tokens,))
+                batch = self.mini_batch(exp, k, a.num_mini_batches)
+                res = self.updater.step(batch.micro(advantages=exp.advantages, old_logp=exp.old_logp),
+                                        (batch.num_tokens,))
                 self.count_nonfinite(res)
                 actor_results.append(res)
                 done = first_critic is not None and epoch == 0 and k == 0
-                critic_results.append(first_critic if done else self._critic_update(exp, batch))
+                critic_results.append(first_critic if done else self._critic_update(batch, targets))
         mean = lambda rs, k: float(np.mean([r[k] for r in rs]))  # noqa: E731
         return {"loss/policy_avg": mean(actor_results, "loss"),
                 "policy/approxkl_avg": mean(actor_results, "policy/approxkl"),

@@ -27,7 +27,7 @@ class Experience:
     truncated: np.ndarray         # (N,) bool: hit max_completion_length without a stop token
     rewards: np.ndarray           # (N,) float32, NaN where every reward function declined
     reward_per_fn: np.ndarray     # (N, F) float32
-    advantages: np.ndarray        # (N,) float32
+    advantages: np.ndarray        # (N,) float32 per completion (GRPO); (N, C) per token for PPO (ppo.PPOTargets)
     prompt_index: np.ndarray      # (N,) int64: global dataset row of the prompt
     old_logp: Optional[np.ndarray] = None   # (N, C), only for off-policy updates
     ref_logp: Optional[np.ndarray] = None   # (N, C), only when beta > 0

@@ -7,9 +7,8 @@ passes and the reference re-sync.
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence
 
 import mindspore as ms
 import numpy as np
@@ -27,7 +26,7 @@ from mindrlhf.trainer.experience import Experience, concat_experiences
 from mindrlhf.trainer.grpo_loss import GRPOObjective, LossSettings
 from mindrlhf.trainer.memory import rollout_extent
 from mindrlhf.trainer.metrics import GRPO_CURVES
-from mindrlhf.trainer.rollout import RolloutTrainer
+from mindrlhf.trainer.rollout import PhaseTimer, RolloutTrainer, ScoredRollout
 from mindrlhf.trainer.schedule import run_steps
 from mindrlhf.trainer.update import build_frozen_runner, build_updater
 
@@ -79,20 +78,16 @@ class GRPOTrainer(RolloutTrainer):
         self.ref_synced = False
 
     # -- generation ----------------------------------------------------------------------------------
-    def generate(self, step: int) -> Tuple[Experience, List[str], Dict[str, list]]:
+    def generate(self, step: int) -> ScoredRollout:
         """Generate G completions per prompt of the step's batches, score them and build its arrays
         (this train replica's rows, advantages included): rollout → scoring → advantages."""
         if self.cfg.algorithm.dynamic_sampling:
             return self._generate_dynamic(step)
-        exp, texts, info = self._generate_round(step, 0)
-        return self._train_share(self._with_advantages(self._global_rows(exp))), texts, info
+        scored = self._round(step, 0)
+        scored.exp = self._train_share(self._with_advantages(self._global_rows(scored.exp)))
+        return scored
 
-    def _generate_round(self, step: int, round_index: int) -> Tuple[Experience, List[str], Dict[str, list]]:
-        """One generation round: this generator replica's share of the next num_rollouts batches, sampled
-        (``_rollout``) and scored (``_score``); advantages not yet computed."""
-        return self._score(self._rollout(step, round_index))
-
-    def _generate_dynamic(self, step: int) -> Tuple[Experience, List[str], Dict[str, list]]:
+    def _generate_dynamic(self, step: int) -> ScoredRollout:
         """DAPO's dynamic sampling: rounds of generation until the step has prompts_per_step groups whose
         rewards are not all equal (or max_sampling_rounds ran); extra groups are dropped, and a shortfall
         is filled with flat groups whose completions are masked out of the loss, so the batch keeps its
@@ -102,10 +97,10 @@ class GRPOTrainer(RolloutTrainer):
         G, need = a.num_generations, self.cfg.prompts_per_step
         pool, reward_time, rounds = None, 0.0, 0
         while rounds < a.max_sampling_rounds:
-            exp, _, info = self._generate_round(step, rounds)
-            reward_time += info["reward_time"]
-            pool = self._global_rows(exp) if pool is None else concat_experiences(
-                [pool, self._global_rows(exp)], self.pad_id)
+            scored = self._round(step, rounds)
+            reward_time += scored.reward_time
+            pool = self._global_rows(scored.exp) if pool is None else concat_experiences(
+                [pool, self._global_rows(scored.exp)], self.pad_id)
             rounds += 1
             if int(informative_groups(pool.rewards, G).sum()) >= need:
                 break
@@ -121,8 +116,9 @@ class GRPOTrainer(RolloutTrainer):
         prompts = [ids[m > 0].tolist() for ids, m in zip(exp.prompt_ids, exp.prompt_mask)]
         sampling = {"sampling/rounds": float(rounds), "sampling/kept_groups": float((~flat).sum()),
                     "frac_reward_zero_std": float(1.0 - informative.mean())}
-        return exp, texts, {"reward_time": reward_time, "prompts": prompts, "sampling": sampling,
-                            "solutions": [self.dataset.solution[int(i)] for i in exp.prompt_index]}
+        return ScoredRollout(exp, texts=texts, prompts=prompts, reward_time=reward_time, sampling=sampling,
+                             solutions=[self.dataset.solution[int(i)] for i in exp.prompt_index],
+                             policy_version=np.full(len(exp), self.step, np.int64))
 
     def _with_advantages(self, everything: Experience) -> Experience:
         everything.advantages = self._estimate(everything.rewards)
@@ -137,8 +133,6 @@ class GRPOTrainer(RolloutTrainer):
     def train_on(self, exp: Experience) -> Dict[str, float]:
         """num_iterations × mini-batches of optimizer steps on this step's experience."""
         a = self.cfg.algorithm
-        inputs = exp.train_inputs()
-        n_mb = self.cfg.mini_batches_per_step
         zeros = np.zeros_like(exp.completion_mask)
         old = exp.old_logp if exp.old_logp is not None else zeros
         ref = exp.ref_logp if exp.ref_logp is not None else zeros
@@ -147,23 +141,10 @@ class GRPOTrainer(RolloutTrainer):
         self.updater.set_lr(lr)
         results = []
         for _ in range(a.num_iterations):
-            for k in range(n_mb):
-                # Mini-batch k holds local rows j ≡ k (mod n_mb): the same global rows for any
-                # number of ranks, because each rank's share is a multiple of n_mb.
-                rows = np.arange(k, len(exp), n_mb)
-                # Global denominators (as algorithms.loss_denominators defines them: sequences with
-                # no loss tokens do not count), summed over ranks.
-                sub = exp.completion_mask[rows]
-                num_tokens, num_seqs = self._sum_replicas(np.array([sub.sum(), (sub.sum(1) > 0).sum()]))
-                size = self._micro_size()
-                micro = []
-                for s in range(0, len(rows), size):
-                    r = rows[s:s + size]
-                    micro.append({"input_ids": inputs["input_ids"][r], "attention_mask": inputs["attention_mask"][r],
-                                  "completion_ids": exp.completion_ids[r], "completion_mask": exp.completion_mask[r],
-                                  "advantages": exp.advantages[r], "old_logp": old[r], "ref_logp": ref[r],
-                                  "sampler_logp": exp.sampler_logp[r]})
-                res = self.updater.step(micro, (float(num_tokens), float(num_seqs)))
+            for k in range(self.cfg.mini_batches_per_step):
+                mb = self.mini_batch(exp, k, self.cfg.mini_batches_per_step)
+                micro = mb.micro(advantages=exp.advantages, old_logp=old, ref_logp=ref, sampler_logp=exp.sampler_logp)
+                res = self.updater.step(micro, (mb.num_tokens, mb.num_seqs))
                 res["learning_rate"] = lr
                 self.count_nonfinite(res)
                 results.append(res)
@@ -223,44 +204,35 @@ class GRPOTrainer(RolloutTrainer):
     # -- the loop -------------------------------------------------------------------------------
     def train_one_step(self) -> Dict[str, float]:
         """Run GRPO step ``self.step + 1``; returns its metrics."""
-        cfg, a, t = self.cfg, self.cfg.algorithm, self.cfg.train
-        step = self.step + 1
-        times = {}
-        t0 = time.perf_counter()
-        texts, info = None, None
-        if t.replay_data_file:
-            exp = self.replay(step)
-            times["time/generate"], times["time/reward"] = 0.0, 0.0
-        else:
-            exp, texts, info = self.generate(step)
-            times["time/reward"] = info["reward_time"]
-            times["time/generate"] = time.perf_counter() - t0 - info["reward_time"]
-        self.record(step, exp)
-        t1 = time.perf_counter()
-        if cfg.uses_reference:
-            exp.ref_logp = self.completion_forward(self.ref_runner, exp)
-        times["time/ref"] = time.perf_counter() - t1
-        t1 = time.perf_counter()
-        if self.off_policy:
-            exp.old_logp = self.completion_forward(self.updater.runner, exp)
-        times["time/old_logp"] = time.perf_counter() - t1
-        t1 = time.perf_counter()
-        train_metrics = self.train_on(exp)
-        times["time/train"] = time.perf_counter() - t1
-        t1 = time.perf_counter()
-        self.sync_generator()
-        if cfg.algorithm.sync_ref_model and step % a.ref_model_sync_steps == 0:
-            self.sync_reference()
-        times["time/sync"] = time.perf_counter() - t1
+        cfg, a = self.cfg, self.cfg.algorithm
+        step, timer = self.step + 1, PhaseTimer()
+        scored = self.collect(step, timer)
+        exp = scored.exp
+        with timer("time/ref"):
+            if cfg.uses_reference:
+                exp.ref_logp = self.completion_forward(self.ref_runner, exp)
+        with timer("time/old_logp"):
+            if self.off_policy:
+                exp.old_logp = self.completion_forward(self.updater.runner, exp)
+        with timer("time/train"):
+            train_metrics = self.train_on(exp)
+        with timer("time/sync"):
+            self.sync_generator()
+            if a.sync_ref_model and step % a.ref_model_sync_steps == 0:
+                self.sync_reference()
         self.step = step
         self._warn_if_nothing_to_learn(step, exp)
-        metrics = self._reward_metrics(exp)
-        if info is not None and "sampling" in info:  # dynamic sampling: its counts, and the unfiltered zero-std share
-            metrics.update(info["sampling"])
+        return self._finish_metrics(step, self._step_metrics(scored, train_metrics), timer, scored)
+
+    def _step_metrics(self, scored: ScoredRollout, train_metrics: Dict[str, float]) -> Dict[str, float]:
+        """The step's reward, sampling and update metrics (KL only with a reference; the updater's skip and
+        overflow flags are counted by ``update_metrics`` instead)."""
+        metrics = self._reward_metrics(scored.exp)
+        metrics.update(scored.sampling)  # dynamic sampling: its counts, and the unfiltered zero-std share
         metrics.update(train_metrics)
-        if not cfg.uses_reference:
+        if not self.cfg.uses_reference:
             metrics.pop("kl", None)
         metrics.pop("skipped", None)
         metrics.pop("overflow", None)
         metrics.update(self.update_metrics())
-        return self._finish_metrics(step, metrics, times, t0, exp, texts, info)
+        return metrics

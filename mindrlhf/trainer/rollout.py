@@ -1,13 +1,15 @@
 """What GRPO and PPO share around their updates: the rollout (sample → score), the experience's rows
 across replicas, log-prob passes, the train → infer weight sync and the reward/length metrics.
 
-``RolloutTrainer`` is a ``trainer.base.Trainer`` whose steps start from completions it samples itself:
-every generator replica samples its share of each global batch of prompts (``_rollout``), scores them
-(``_score``: the stage's ``RewardManager``), and the stage gathers the global rows (``_global_rows``),
-computes what its loss needs on them, and trains on its replica's share (``_train_share``). Losses are
-normalised by global counts and gradients summed over ranks, so an update does not depend on the number
-of data-parallel workers. A stage subclasses it (``grpo_trainer.GRPOTrainer``, ``ppo.PPOTrainer``) and
-writes ``train_one_step``.
+``RolloutTrainer`` is a ``trainer.base.Trainer`` whose steps start from completions it samples itself.
+A step's first phase is ``collect(step, timer) -> ScoredRollout``: replayed rows, or every generator replica
+samples its share of each global batch of prompts (``_rollout``), pads and decodes them (``_arrays``) and
+scores them (``_reward``: the stage's ``RewardManager``), and the stage gathers the global rows
+(``_global_rows``), computes what its loss needs on them (``generate``) and keeps its replica's share
+(``_train_share``). Each later phase runs under ``with timer("time/<phase>")`` (``PhaseTimer``), and updates cut
+mini-batches with ``mini_batch``. Losses are normalised by global counts and gradients summed over ranks, so an
+update does not depend on the number of data-parallel workers. A stage subclasses it
+(``grpo_trainer.GRPOTrainer``, ``ppo.PPOTrainer``) and writes ``train_one_step`` as a list of named phases.
 """
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ import logging
 import math
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional
 
 import numpy as np
 
@@ -61,6 +64,58 @@ class Rollout:
     columns: Dict[str, list] = field(default_factory=dict)  # the reward functions' dataset columns, by name
     index: List[int] = field(default_factory=list)
     completions: List[Completion] = field(default_factory=list)
+
+
+@dataclass
+class ScoredRollout:
+    """One step's (or one round's) sampled and scored rows: the arrays, and what the arrays do not hold. Every
+    list has one entry per row of ``exp``, in its order; ``texts`` is None for a replayed step (its dump holds
+    no texts: no completions dump then)."""
+
+    exp: Experience
+    texts: Optional[List[str]] = None                           # the decoded completions
+    prompts: List[List[int]] = field(default_factory=list)      # each row's prompt token ids
+    solutions: List[object] = field(default_factory=list)       # each row's reference answer
+    #: (N,) int64: the trainer steps the policy each row was sampled with had taken (the sampler is synced after
+    #: every step, so step s samples with version s - 1); None for a replayed step. An asynchronous rollout will
+    #: hand older rows to the update.
+    policy_version: Optional[np.ndarray] = None
+    reward_time: float = 0.0                                    # seconds spent in the reward functions
+    #: DAPO's dynamic sampling: ``sampling/rounds``, ``sampling/kept_groups`` and the unfiltered
+    #: ``frac_reward_zero_std`` (logged as they are; empty otherwise).
+    sampling: Dict[str, float] = field(default_factory=dict)
+
+
+class PhaseTimer:
+    """A step's wall-clock phases: ``with timer("time/ref"): ...`` adds the block's seconds to
+    ``times["time/ref"]`` (the order of first use is the order logged); ``start`` is when the step began."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.times: Dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+
+
+@dataclass
+class MiniBatch:
+    """One mini-batch of a step's rows on this rank (``RolloutTrainer.mini_batch``): its micro-batches' local
+    row indices and model inputs, and the global counts its loss normalises by."""
+
+    pieces: List[np.ndarray]            # each micro-batch's local row indices
+    inputs: List[Dict[str, np.ndarray]]  # each micro-batch's input_ids/attention_mask/completion_ids/completion_mask
+    num_tokens: float                   # loss tokens of the mini-batch, summed over train replicas
+    num_seqs: float                     # sequences with at least one loss token, summed over train replicas
+
+    def micro(self, **per_row: np.ndarray) -> List[Dict[str, np.ndarray]]:
+        """The micro-batches' inputs plus each of ``per_row`` (arrays over this rank's rows) cut to their rows."""
+        return [dict(b, **{name: a[r] for name, a in per_row.items()}) for b, r in zip(self.inputs, self.pieces)]
 
 
 class RolloutTrainer(PolicyEvaluation, Trainer):
@@ -122,47 +177,82 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
             out.index += [int(i) for i in batch["index"]]
         return out
 
-    def _score(self, rollout: Rollout) -> Tuple[Experience, List[str], Dict[str, list]]:
-        """The rollout's arrays (padded to the global widths) and every completion's rewards."""
+    def _round(self, step: int, round_index: int) -> ScoredRollout:
+        """One generation round on this generator replica: sample (``_rollout``), pad and decode (``_arrays``),
+        score (``_reward``). Rows are this replica's, widths global; no advantages yet."""
+        rollout = self._rollout(step, round_index)
+        scored = self._arrays(rollout)
+        self._reward(scored, rollout)
+        return scored
+
+    def _arrays(self, rollout: Rollout) -> ScoredRollout:
+        """The rollout's arrays (padded to the global widths) and texts; rewards not yet scored (NaN)."""
         g = self.cfg.generation
         completions, prompts = rollout.completions, rollout.prompts
         G = self.num_generations
         rep = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731
-        prompts_rep, solution_rep = rep(prompts), rep(rollout.solutions)
+        N = len(completions)
         P = bucket(max(len(p) for p in prompts), PROMPT_BUCKET, None)
         # Every rank uses the global width, so rows gathered across ranks line up and the numbers
         # do not depend on how rows are spread over ranks.
         longest = int(comm.all_gather(np.array([max(len(c.token_ids) for c in completions)], np.int64)).max())
         C = bucket(longest, COMPLETION_BUCKET, g.max_completion_length)
-        prompt_ids, prompt_mask = left_pad(prompts_rep, P, self.pad_id)
-        comp_ids = right_pad([c.token_ids for c in completions], C, self.pad_id, np.int32)
+        prompt_ids, prompt_mask = left_pad(rep(prompts), P, self.pad_id)
         present = right_pad([[1] * len(c.token_ids) for c in completions], C, 0, np.int32)
-        sampler_logp = right_pad([c.logprobs for c in completions], C, 0.0, np.float32)
         truncated = np.array([c.finish_reason == "length" for c in completions])
-        texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        t0 = time.perf_counter()
-        # TRL's reward arguments: the prompt text as the model saw it (chat template included) and the ids.
-        prompt_texts = rep(self.tokenizer.batch_decode(prompts, skip_special_tokens=False))
-        if self.rewards is not None:
-            total, per_fn = self.rewards(texts, solution_rep, prompts=prompt_texts,
-                                         completion_ids=[list(c.token_ids) for c in completions],
-                                         **{name: rep(values) for name, values in rollout.columns.items()})
-        else:  # a stage scored by a model alone (PPO with a reward model and no reward_funcs)
-            total, per_fn = np.full(len(completions), np.nan, np.float32), {}
-        reward_time = time.perf_counter() - t0
         mask = present.astype(np.float32)
         if self.mask_truncated:
             mask[truncated] = 0.0
         exp = Experience(
-            prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=comp_ids, completion_mask=mask,
-            sampler_logp=sampler_logp, truncated=truncated, rewards=total.astype(np.float32),
-            reward_per_fn=np.stack([per_fn[k] for k in self.reward_names], axis=1).astype(np.float32) if per_fn
-            else np.zeros((len(completions), 0), np.float32),
-            advantages=np.zeros(len(completions), np.float32), prompt_index=np.array(rep(rollout.index), np.int64),
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+            completion_ids=right_pad([c.token_ids for c in completions], C, self.pad_id, np.int32),
+            completion_mask=mask, sampler_logp=right_pad([c.logprobs for c in completions], C, 0.0, np.float32),
+            truncated=truncated, rewards=np.full(N, np.nan, np.float32),
+            reward_per_fn=np.zeros((N, len(self.reward_names)), np.float32), advantages=np.zeros(N, np.float32),
+            prompt_index=np.array(rep(rollout.index), np.int64),
             extras={"completion_present": present,
                     "sampler_entropy": right_pad([c.entropies for c in completions], C, 0.0, np.float32)})
-        return exp, texts, {"reward_time": reward_time, "solutions": solution_rep, "prompts": prompts_rep}
+        texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        return ScoredRollout(exp, texts=texts, prompts=rep(prompts), solutions=rep(rollout.solutions),
+                             policy_version=np.full(N, self.step, np.int64))
 
+    def _reward(self, scored: ScoredRollout, rollout: Rollout) -> None:
+        """The reward step: every completion's rewards (total and per function) into ``scored.exp``, and the time
+        it took into ``scored.reward_time``. Without a ``RewardManager`` (PPO scored by a model alone) the rewards
+        stay NaN."""
+        t0 = time.perf_counter()
+        if self.rewards is not None:
+            G = self.num_generations
+            rep = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731
+            # TRL's reward arguments: the prompt text as the model saw it (chat template included) and the ids.
+            prompt_texts = rep(self.tokenizer.batch_decode(rollout.prompts, skip_special_tokens=False))
+            total, per_fn = self.rewards(scored.texts, scored.solutions, prompts=prompt_texts,
+                                         completion_ids=[list(c.token_ids) for c in rollout.completions],
+                                         **{name: rep(values) for name, values in rollout.columns.items()})
+            scored.exp.rewards = total.astype(np.float32)
+            if per_fn:
+                scored.exp.reward_per_fn = np.stack([per_fn[k] for k in self.reward_names], axis=1).astype(np.float32)
+        scored.reward_time = time.perf_counter() - t0
+
+    def generate(self, step: int) -> ScoredRollout:
+        """Sample and score the step's completions; this train replica's rows (a stage adds what it computes on
+        the global rows first, e.g. GRPO's advantages)."""
+        scored = self._round(step, 0)
+        scored.exp = self._train_share(self._global_rows(scored.exp))
+        return scored
+
+    def collect(self, step: int, timer: PhaseTimer) -> ScoredRollout:
+        """Step ``step``'s rollout on this train replica: replayed (``--replay_data_file``) or generated and scored
+        (``generate``), then recorded (``--save_data_file``); times ``time/generate`` and ``time/reward``."""
+        t0 = time.perf_counter()
+        if self.cfg.train.replay_data_file:
+            scored = ScoredRollout(self.replay(step))
+        else:
+            scored = self.generate(step)
+        timer.times["time/generate"] = 0.0 if scored.texts is None else time.perf_counter() - t0 - scored.reward_time
+        timer.times["time/reward"] = scored.reward_time
+        self.record(step, scored.exp)
+        return scored
 
     # -- rows across replicas ---------------------------------------------------------------------
     def _global_rows(self, exp: Experience) -> Experience:
@@ -224,6 +314,21 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         into train_micro_batches pipeline micro-batches (the config checks that it divides)."""
         return self.cfg.micro_batch_completions // self.cfg.parallel.train_micro_batches
 
+    def mini_batch(self, exp: Experience, k: int, n: int) -> MiniBatch:
+        """Mini-batch ``k`` of ``n`` of this rank's rows: local rows j ≡ k (mod n), the same global rows for any
+        number of ranks because each rank's share is a multiple of n; cut into micro-batches of ``_micro_size``.
+        Its denominators are global (as ``algorithms.loss_denominators`` defines them: sequences with no loss
+        tokens do not count), summed over ranks."""
+        inputs = exp.train_inputs()
+        rows = np.arange(k, len(exp), n)
+        sub = exp.completion_mask[rows]
+        num_tokens, num_seqs = self._sum_replicas(np.array([sub.sum(), (sub.sum(1) > 0).sum()]))
+        size = self._micro_size()
+        pieces = [rows[s:s + size] for s in range(0, len(rows), size)]
+        base = [{"input_ids": inputs["input_ids"][r], "attention_mask": inputs["attention_mask"][r],
+                 "completion_ids": exp.completion_ids[r], "completion_mask": exp.completion_mask[r]} for r in pieces]
+        return MiniBatch(pieces, base, float(num_tokens), float(num_seqs))
+
     # -- sync -----------------------------------------------------------------------------------
     def sync_generator(self) -> None:
         """Push the policy's new weights to the sampler: this rank's arrays in its layout (nothing to do
@@ -282,24 +387,24 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
             m["entropy"] = float(sums[:, 0].sum() / max(sums[:, 1].sum(), 1.0))
         return m
 
-    def _finish_metrics(self, step: int, metrics: Dict[str, float], times: Dict[str, float], t0: float,
-                        exp: Experience, texts: Optional[List[str]], info) -> Dict[str, float]:
+    def _finish_metrics(self, step: int, metrics: Dict[str, float], timer: PhaseTimer,
+                        scored: ScoredRollout) -> Dict[str, float]:
         """What every rollout stage ends a step's metrics with: the reward functions' failure counts, the phase
-        times, ``step_time`` (since ``t0``), completion ``tokens_per_second``; and the step's completions
-        dump every ``log_completions_steps`` steps and at the last (generated steps only: ``texts`` is None on
-        replay)."""
+        times, ``step_time`` (since ``timer.start``), completion ``tokens_per_second``; and the step's completions
+        dump every ``log_completions_steps`` steps and at the last (generated steps only: no texts on replay)."""
+        exp = scored.exp
         if self.rewards is not None:
             metrics["reward_fn_failures"] = float(sum(self.rewards.failures.values()))
             if self.cfg.algorithm.reward_errors == "skip":
                 metrics.update({f"rewards/{name}/failures": float(n) for name, n in self.rewards.failures.items()})
-        metrics.update(times)
-        metrics["step_time"] = time.perf_counter() - t0
+        metrics.update(timer.times)
+        metrics["step_time"] = time.perf_counter() - timer.start
         tokens = float(self._sum_replicas(np.array([exp.extras["completion_present"].sum()]))[0])
         metrics["tokens_per_second"] = tokens / max(metrics["step_time"], 1e-9)
         every = self.cfg.train.log_completions_steps
         # The last step too: a run shorter than log_completions_steps still shows what it generated.
-        if texts is not None and every and (step % every == 0 or step == self.total_steps) and comm.is_main():
-            self._dump_completions(step, texts, info, exp)
+        if scored.texts is not None and every and (step % every == 0 or step == self.total_steps) and comm.is_main():
+            self._dump_completions(step, scored)
         every = self.cfg.train.eval_steps
         if every and (step % every == 0 or step == self.total_steps):
             metrics.update(self.evaluate_policy())
@@ -320,12 +425,13 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         """The run's reward functions (scoring held-out questions: failures give NaN, not counted in training's)."""
         return self.rewards.for_evaluation() if self.rewards is not None else None
 
-    def _dump_completions(self, step: int, texts: List[str], info, exp: Experience) -> None:
+    def _dump_completions(self, step: int, scored: ScoredRollout) -> None:
         path = self.output_dir / f"completions_step_{step}.jsonl"
-        prompts = self.tokenizer.batch_decode(info["prompts"], skip_special_tokens=False)
+        exp = scored.exp
+        prompts = self.tokenizer.batch_decode(scored.prompts, skip_special_tokens=False)
         with open(path, "w", encoding="utf-8") as f:
-            for i, text in enumerate(texts):
-                row = {"step": step, "prompt": prompts[i], "completion": text, "solution": info["solutions"][i],
+            for i, text in enumerate(scored.texts):
+                row = {"step": step, "prompt": prompts[i], "completion": text, "solution": scored.solutions[i],
                        "reward": float(exp.rewards[i]), **self._dump_fields(exp, i),
                        "rewards": {n: float(exp.reward_per_fn[i, j]) for j, n in enumerate(self.reward_names)}}
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
