@@ -2,7 +2,7 @@
 
     python bench/matmul.py                        # everything below, SmolLM2 shapes at 1024 tokens
     python bench/matmul.py --repeats 5 --tokens 512
-    python bench/matmul.py --skip settings,mlp    # parts: ops, mlp, settings
+    python bench/matmul.py --skip settings,mlp    # parts: ops, mlp, bf16, coretype, settings
 
 The peak is numpy's ``matmul`` (the OpenBLAS in numpy's wheel) in the same process; the header names the
 kernels OpenBLAS picked (``OPENBLAS_CORETYPE`` in the environment overrides its CPU detection). Every figure is
@@ -20,7 +20,11 @@ of 64, vocabulary 49152) at ``--tokens`` rows, forward ``x Wᵀ`` (nt) and backw
 ``dW = dYᵀ X`` (tn), the sampler's decode shapes (8 rows), and 2048³; ``mlp``: SmolLM2's MLP
 (``down(silu(gate(x)) * up(x))``) forward + backward per route, and torch's as a reference; ``settings``:
 MindSpore's own knobs (thread count, affinity, oneDNN environment variables), each in a child process
-(environment variables are read at start-up), with the peak measured in that child.
+(environment variables are read at start-up), with the peak measured in that child and the float32 product's
+error against float64 (``ONEDNN_DEFAULT_FPMATH_MODE=BF16`` would show bfloat16's); ``bf16``: MindSpore's
+``MatMul`` on bfloat16 tensors (whether it runs on CPU, its speed against float32 interleaved, its error);
+``coretype``: a second copy of numpy's OpenBLAS loaded with ``OPENBLAS_CORETYPE`` unset for that load only (its
+own CPU detection), its sgemm against numpy's, interleaved.
 """
 from __future__ import annotations
 
@@ -235,6 +239,109 @@ def part_mlp(args, peak: list) -> None:
         print(f"| {name} | {med:.1f} ({lo:.0f}-{hi:.0f}) | {statistics.median(ratio[name]):.0%} |", flush=True)
 
 
+def _rel_err(got, a, b) -> float:
+    """Relative Frobenius error of ``got`` against ``a @ b.T`` computed in float64."""
+    ref = a.astype(np.float64) @ b.astype(np.float64).T
+    return float(np.linalg.norm(np.asarray(got, np.float64) - ref) / np.linalg.norm(ref))
+
+
+def part_bf16(args) -> None:
+    """MindSpore's ``MatMul`` on bfloat16 tensors on CPU: does it run, its speed against float32 (interleaved), and
+    its error against a float64 product of the same (bfloat16-rounded) inputs, beside float32's."""
+    import mindspore as ms
+    from mindspore import Tensor, ops
+
+    rng = np.random.default_rng(2)
+    print(f"\n## bfloat16 MatMul (x Wᵀ) on CPU: GFLOP/s median (range), ratio to float32 adjacent; "
+          f"relative error vs float64; load {_load()}")
+    print("| shape | mode | float32 GFLOP/s | bfloat16 GFLOP/s | bf16 / f32 | f32 error | bf16 error |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    mm = ops.MatMul(transpose_b=True)
+    for name, (m, k, n) in (("2048^3", (2048, 2048, 2048)), ("gate/up", (args.tokens, 576, 1536))):
+        a, b, flop = _operands("nt", m, k, n, rng)
+        # round the inputs to bfloat16 once, so both products see the same numbers and only the arithmetic differs
+        a32 = Tensor(a, ms.bfloat16).astype(ms.float32)
+        b32 = Tensor(b, ms.bfloat16).astype(ms.float32)
+        an, bn = a32.asnumpy(), b32.asnumpy()
+        a16, b16 = a32.astype(ms.bfloat16), b32.astype(ms.bfloat16)
+        for mode in ("pynative", "jit"):
+            call = ms.jit(_call2(mm)) if mode == "jit" else mm
+            try:
+                out16 = call(a16, b16).astype(ms.float32).asnumpy()
+            except Exception as exc:  # noqa: BLE001 - report what MindSpore says and go on
+                why = next((x.strip() for x in str(exc).splitlines() if x.strip(" -")), type(exc).__name__)
+                print(f"| {name} {m}x{k}x{n} | {mode} | - | fails: {why[:120]} | | | |")
+                continue
+            f32, f16 = [], []
+            for _ in range(args.repeats):
+                f32.append(flop / _time(functools.partial(call, a32, b32), args.min_time) / 1e9)
+                f16.append(flop / _time(functools.partial(call, a16, b16), args.min_time) / 1e9)
+            e32 = _rel_err(call(a32, b32).asnumpy(), an, bn)
+            e16 = _rel_err(out16, an, bn)
+            ratio = statistics.median(x / y for x, y in zip(f16, f32))
+            print(f"| {name} {m}x{k}x{n} | {mode} | {statistics.median(f32):.1f} ({min(f32):.0f}-{max(f32):.0f}) | "
+                  f"{statistics.median(f16):.1f} ({min(f16):.0f}-{max(f16):.0f}) | {ratio:.0%} | {e32:.1e} | "
+                  f"{e16:.1e} |", flush=True)
+
+
+def _second_openblas(tmp: Path):
+    """A second copy of numpy's OpenBLAS, loaded with ``OPENBLAS_CORETYPE`` removed from the environment for that
+    load only (OpenBLAS reads it when the library initialises): ``(library, kernels it picked)``. The copy has its
+    own file (the dynamic loader would return numpy's already loaded one for the same file) and its own threads."""
+    import ctypes
+    import shutil
+
+    from mindrlhf.models import cpu_matmul
+
+    copy = tmp / "libopenblas_second.so"
+    shutil.copy2(cpu_matmul.numpy_openblas(), copy)
+    saved = os.environ.pop("OPENBLAS_CORETYPE", None)
+    try:
+        lib = ctypes.CDLL(str(copy))
+    finally:
+        if saved is not None:
+            os.environ["OPENBLAS_CORETYPE"] = saved
+    lib.openblas_get_corename64_.restype = ctypes.c_char_p
+    i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    lib.cblas_sgemm64_.argtypes = [ctypes.c_int] * 3 + [i64] * 3 + [f32, ptr, i64, ptr, i64, f32, ptr, i64]
+    return lib, lib.openblas_get_corename64_().decode()
+
+
+def part_coretype(args) -> None:
+    """Whether a second OpenBLAS, loaded with ``OPENBLAS_CORETYPE`` unset for that load only, beats numpy's (which
+    runs the kernels the environment asks for): its sgemm through ctypes, interleaved with numpy's."""
+    import tempfile
+
+    from mindrlhf.models import cpu_matmul
+
+    with tempfile.TemporaryDirectory() as tmp:
+        lib, core = _second_openblas(Path(tmp))
+        print(f"\n## a second OpenBLAS loaded with OPENBLAS_CORETYPE unset (kernels {core}) against numpy's "
+              f"(kernels {cpu_matmul.openblas_core()}, OPENBLAS_CORETYPE="
+              f"{os.environ.get('OPENBLAS_CORETYPE', 'unset')}); x Wᵀ GFLOP/s median (range); load {_load()}")
+        print("| shape | numpy | second OpenBLAS | ratio | max abs difference |")
+        print("| --- | --- | --- | --- | --- |")
+        rng = np.random.default_rng(3)
+        for name, (m, k, n) in (("2048^3", (2048, 2048, 2048)), ("gate/up", (args.tokens, 576, 1536)),
+                                ("down", (args.tokens, 1536, 576)), ("k/v proj", (args.tokens, 576, 192))):
+            a, b, flop = _operands("nt", m, k, n, rng)
+            c = np.empty((m, n), np.float32)
+
+            # row-major (101), A as is (111), B transposed (112): c = a bᵀ
+            second = functools.partial(lib.cblas_sgemm64_, 101, 111, 112, m, n, k, 1.0, a.ctypes.data, k,
+                                       b.ctypes.data, k, 0.0, c.ctypes.data, n)
+            g_np, g_2 = [], []
+            for _ in range(args.repeats):
+                g_np.append(flop / _time(_np_case("nt", a, b), args.min_time) / 1e9)
+                g_2.append(flop / _time(second, args.min_time) / 1e9)
+            second()
+            diff = float(np.abs(c - a @ b.T).max())
+            ratio = statistics.median(y / x for x, y in zip(g_np, g_2))
+            print(f"| {name} {m}x{k}x{n} | {statistics.median(g_np):.0f} ({min(g_np):.0f}-{max(g_np):.0f}) | "
+                  f"{statistics.median(g_2):.0f} ({min(g_2):.0f}-{max(g_2):.0f}) | {ratio:.0%} | {diff:.1e} |",
+                  flush=True)
+
+
 def settings_child(label: str, args) -> None:
     """In a child process: MindSpore's matmul under one setting, each figure next to a numpy peak."""
     import mindspore as ms
@@ -259,14 +366,15 @@ def settings_child(label: str, args) -> None:
                 gf.append(g)
                 ratio.append(g / p)
             out[f"{name} {mode}"] = (gf, ratio)
+            out[f"{name} {mode} error"] = _rel_err(fn().asnumpy(), a, b)
     print("RESULT " + json.dumps(out))
 
 
 def part_settings(args) -> None:
     print(f"\n## MindSpore's own settings (each in a child process; ms MatMul x Wᵀ); load {_load()}")
     cols = ["2048^3 pynative", "2048^3 jit", "gate/up pynative", "gate/up jit"]
-    print("| setting | " + " | ".join(cols) + " |")
-    print("|" + " --- |" * (len(cols) + 1))
+    print("| setting | " + " | ".join(cols) + " | error vs float64 (2048^3 jit) |")
+    print("|" + " --- |" * (len(cols) + 2))
     for label, env, _ in SETTINGS:
         cmd = [sys.executable, __file__, "--settings_child", label, "--repeats", str(args.repeats),
                "--min_time", str(args.min_time), "--tokens", str(args.tokens)]
@@ -276,7 +384,8 @@ def part_settings(args) -> None:
             print(f"| {label} | failed: {done.stderr.strip().splitlines()[-1:]} |")
             continue
         res = json.loads(line[len("RESULT "):])
-        print(f"| {label} | " + " | ".join(_fmt(*res[c]) for c in cols) + " |", flush=True)
+        print(f"| {label} | " + " | ".join(_fmt(*res[c]) for c in cols) + f" | {res['2048^3 jit error']:.1e} |",
+              flush=True)
 
 
 def main(argv=None) -> None:
@@ -287,7 +396,7 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", default="", help="comma-separated labels of the ops part's shapes (default: all)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved measurements of each figure")
     ap.add_argument("--min_time", type=float, default=0.3, help="seconds of calls per measurement")
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: ops, mlp, settings")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: ops, mlp, bf16, coretype, settings")
     ap.add_argument("--settings_child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.settings_child:
@@ -313,6 +422,10 @@ def main(argv=None) -> None:
     if peak:
         med, lo, hi = _summary(peak)
         print(f"\nnumpy sgemm peak 2048^3 in this run: {med:.0f} GFLOP/s (range {lo:.0f}-{hi:.0f})")
+    if "bf16" not in skip:
+        part_bf16(args)
+    if "coretype" not in skip:
+        part_coretype(args)
     if "settings" not in skip:
         part_settings(args)
     print(f"load at the end: {_load()}")

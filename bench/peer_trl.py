@@ -145,8 +145,9 @@ def _matmul_gflops() -> float:
     return 2 * n ** 3 / best / 1e9
 
 
-def run_ours(spec: Dict[str, Any]) -> Dict[str, Any]:
-    """Run ``spec["steps"]`` mindrlhf GRPO steps the way ``bench/grpo_step.py`` does; return the results."""
+def build_ours_grpo(spec: Dict[str, Any]) -> Any:
+    """``(cfg, trainer)``: our GRPO trainer of ``spec`` (``make_spec``), built as ``mindrlhf-grpo`` builds it
+    (``parse_args``, ``setup_runtime``, ``grpo.build_trainer``); ``bench/train_flops.py`` reuses it."""
     # peer_trl:length_reward imports: this child runs the script, and Python puts the script's folder on the path.
     from mindrlhf.configs import parse_args
     from mindrlhf.data.gsm8k import DEFAULT_SYSTEM_PROMPT
@@ -171,7 +172,13 @@ def run_ours(spec: Dict[str, Any]) -> Dict[str, Any]:
             "--log_completions_steps", "0"] + list(spec.get("ours_flags", []))
     cfg = parse_args(argv)
     setup_runtime(cfg)
-    trainer = build_trainer(cfg)
+    return cfg, build_trainer(cfg)
+
+
+def run_ours(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """Run ``spec["steps"]`` mindrlhf GRPO steps the way ``bench/grpo_step.py`` does; return the results."""
+    cfg, trainer = build_ours_grpo(spec)
+    g = spec["num_generations"]
     rows = []
     for step in range(1, spec["steps"] + 1):
         rows.append(trainer.train_one_step())
@@ -225,10 +232,10 @@ def _step_summary(side: str, spec: Dict[str, Any], steps: List[Dict[str, float]]
             "losses": [r["loss"] for r in steps], "peak_rss_gib": _peak_rss_gib(), **extra}
 
 
-def run_ours_stage(spec: Dict[str, Any]) -> Dict[str, Any]:
-    """``spec["steps"]`` steps of our SFT / reward-model / DPO trainer, built as ``mindrlhf-<stage>`` builds it
-    (the stage's ``parse_*_args``, ``trainer.entry.setup_runtime``, the stage's ``build_trainer``); the loop
-    calls ``train_one_step`` like ``Trainer.train`` minus its logging and checkpoint files."""
+def build_ours_stage(spec: Dict[str, Any]) -> Any:
+    """``(cfg, trainer)``: our SFT / reward-model / DPO trainer of ``spec`` (``make_stage_spec``), built as
+    ``mindrlhf-<stage>`` builds it (the stage's ``parse_*_args``, ``trainer.entry.setup_runtime``, the stage's
+    ``build_trainer``), its rows in file order; ``bench/train_flops.py`` reuses it."""
     import numpy as np
 
     from mindrlhf.trainer.entry import setup_runtime
@@ -257,6 +264,15 @@ def run_ours_stage(spec: Dict[str, Any]) -> Dict[str, Any]:
     rows = trainer.dataset.num_rows
     # File order, as TRL's sequential sampler: every step trains the same micro-batches on both sides.
     trainer.dataset.permutation = lambda epoch: np.arange(rows)
+    return cfg, trainer
+
+
+def run_ours_stage(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """``spec["steps"]`` steps of our SFT / reward-model / DPO trainer (``build_ours_stage``); the loop calls
+    ``train_one_step`` like ``Trainer.train`` minus its logging and checkpoint files."""
+    stage = spec["stage"]
+    cfg, trainer = build_ours_stage(spec)
+    rows = trainer.dataset.num_rows
     columns = trainer.dataset.columns
     if stage == "sft":  # loss-bearing tokens of a step (the first token of a row is never predicted)
         trained: Optional[float] = float(sum(m[1:].sum() for m in columns["trained"]))

@@ -4,6 +4,7 @@
     python bench/recompute.py --model tiny             # a small random Qwen2 (a quick check of the script)
     python bench/recompute.py --modes graphs,jit       # some of the ways only
     python bench/recompute.py --cpu_matmul openblas    # the decoder's matmuls through numpy's OpenBLAS (#40)
+    python bench/recompute.py --modes graphs --cpu_matmul ms,openblas   # both, steps alternating in one process
 
 The same update (GRPO's: completion log-probs of shared-prompt packed rows, a weighted sum) computed seven
 ways, each in its own process so each peak RSS is its own:
@@ -117,8 +118,19 @@ def _route_matmuls(route: str) -> None:
     decoder.ops = tp_layers.ops = proxy
 
 
-def run_mode(args) -> dict:
-    """One mode in this process: the model loaded, ``steps`` updates timed, peak RSS."""
+def _mindspore_matmuls() -> None:
+    """Undo ``_route_matmuls``: the decoder built from here on uses MindSpore's ``ops.MatMul``."""
+    from mindspore import ops
+
+    from mindrlhf.models import decoder, tp_layers
+
+    decoder.ops = tp_layers.ops = ops
+
+
+def run_mode(args) -> list:
+    """One mode in this process: one model per route of ``--cpu_matmul`` (comma-separated routes are built side by
+    side and their updates alternate step by step, so a changing machine load hits each alike), ``steps``
+    updates each timed; peak RSS (of the whole process: with several routes, of all their models)."""
     import mindspore as ms
 
     ms.set_device("CPU")
@@ -131,40 +143,49 @@ def run_mode(args) -> dict:
         import mindrlhf.parallel.pipeline as pipeline
 
         pipeline.jit_any_shape = lambda fn, name: ms.jit(fn)
-    if args.cpu_matmul != "ms":
-        _route_matmuls(args.cpu_matmul)
-    model = load_model(args.model_dir)
-    if args.mode == "layer_jit":
-        _layer_jit(model)
-    if args.mode in ("jit_recompute", "jit_half"):
-        marked = list(model.layer_range)
-        for i in marked[: len(marked) // 2] if args.mode == "jit_half" else marked:
-            model.model.layers[i].recompute()
-
     def loss(logp, weights):
         return (logp * weights).sum() / weights.size, ()
 
-    runner = PipelineRunner(model, data_parallel_groups(0, 1), loss, jit=args.mode.startswith("jit"),
-                            layer_graphs=args.mode == "graphs", share_prompts=True)
-    micro = _micro_batches(args, model.config.vocab_size)
+    routes = [r for r in args.cpu_matmul.split(",") if r]
+    runners, micro = {}, None
+    for route in routes:
+        if route != "ms":
+            _route_matmuls(route)
+        else:
+            _mindspore_matmuls()
+        model = load_model(args.model_dir)
+        if args.mode == "layer_jit":
+            _layer_jit(model)
+        if args.mode in ("jit_recompute", "jit_half"):
+            marked = list(model.layer_range)
+            for i in marked[: len(marked) // 2] if args.mode == "jit_half" else marked:
+                model.model.layers[i].recompute()
+        runners[route] = PipelineRunner(model, data_parallel_groups(0, 1), loss, jit=args.mode.startswith("jit"),
+                                        layer_graphs=args.mode == "graphs", share_prompts=True)
+        micro = micro or _micro_batches(args, model.config.vocab_size)
     loaded = _peak_gib()
-    times, norm = [], None
+    times, norm = {r: [] for r in routes}, {}
     for _ in range(args.steps):
-        t = time.perf_counter()
-        grads, _, _ = runner.loss_and_grads(micro, ["weights"])
-        arrays = [g.asnumpy() for g in grads]
-        times.append(time.perf_counter() - t)
-        if norm is None:
-            norm = float(np.sqrt(sum(float((a.astype(np.float64) ** 2).sum()) for a in arrays)))
-    rest = times[1:] or times
+        for route, runner in runners.items():
+            t = time.perf_counter()
+            grads, _, _ = runner.loss_and_grads(micro, ["weights"])
+            arrays = [g.asnumpy() for g in grads]
+            times[route].append(time.perf_counter() - t)
+            if route not in norm:
+                norm[route] = float(np.sqrt(sum(float((a.astype(np.float64) ** 2).sum()) for a in arrays)))
     from mindrlhf.trainer.memory import MicroBatchExtent, activation_bytes
 
     extent = MicroBatchExtent.shared_prompts(args.prompts * args.num_generations, args.num_generations,
                                              args.prompt_len, args.completion_len, packed=True)
-    return {"mode": args.mode, "step_s": float(np.mean(rest)), "first_s": times[0], "grad_norm": norm,
-            "loaded_gib": loaded, "peak_gib": _peak_gib(),
-            "positions": int(sum(mb["input_ids"].size for mb in micro)),
-            "estimate_gib": activation_bytes(model.config, extent, layers=len(model.layer_range)) / 2 ** 30}
+    out = []
+    for route in routes:
+        rest = times[route][1:] or times[route]
+        name = args.mode if len(routes) == 1 else f"{args.mode} {route}"
+        out.append({"mode": name, "step_s": float(np.mean(rest)), "first_s": times[route][0],
+                    "steps": times[route], "grad_norm": norm[route], "loaded_gib": loaded, "peak_gib": _peak_gib(),
+                    "positions": int(sum(mb["input_ids"].size for mb in micro)),
+                    "estimate_gib": activation_bytes(model.config, extent, layers=len(model.layer_range)) / 2 ** 30})
+    return out
 
 
 def main(argv=None) -> int:
@@ -179,11 +200,16 @@ def main(argv=None) -> int:
     p.add_argument("--num_generations", type=int, default=4, help="completions per prompt")
     p.add_argument("--prompt_len", type=int, default=126)
     p.add_argument("--completion_len", type=int, default=160)
-    p.add_argument("--cpu_matmul", default="ms", choices=("ms", "openblas", "numpy"),
-                   help="the decoder's 2-D float32 matmuls: MindSpore's (ms) or a mindrlhf.models.cpu_matmul route")
+    p.add_argument("--cpu_matmul", default="ms",
+                   help="the decoder's 2-D float32 matmuls: MindSpore's (ms) or a mindrlhf.models.cpu_matmul route "
+                        "(openblas, numpy); comma-separated (ms,openblas): one model per route in each mode's "
+                        "process, their steps alternating")
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--model_dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    bad = [r for r in args.cpu_matmul.split(",") if r not in ("ms", "openblas", "numpy")]
+    if bad:
+        p.error(f"--cpu_matmul: {bad} not among ms, openblas, numpy")
     if args.mode:  # a child process: one mode, its result as the last line
         print(json.dumps(run_mode(args)), flush=True)
         return 0
@@ -202,16 +228,16 @@ def main(argv=None) -> int:
             if proc.returncode != 0:
                 print(f"{mode}: failed (rc {proc.returncode})\n{proc.stderr[-2000:]}", file=sys.stderr)
                 continue
-            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            results.extend(json.loads(proc.stdout.strip().splitlines()[-1]))
     print(f"{args.model} (matmuls: {args.cpu_matmul}): {args.micro_batches} micro-batches x {args.prompts} "
           f"prompt(s) x {args.num_generations} "
           f"completions, prompt {args.prompt_len} + completion {args.completion_len} tokens; "
           f"means of steps 2..{args.steps}")
-    print("| mode | step s | first step s | peak RSS GiB | RSS after load GiB | grad norm |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| mode | step s | first step s | peak RSS GiB | RSS after load GiB | grad norm | every step s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         print(f"| {r['mode']} | {r['step_s']:.2f} | {r['first_s']:.2f} | {r['peak_gib']:.2f} | {r['loaded_gib']:.2f} "
-              f"| {r['grad_norm']:.6g} |")
+              f"| {r['grad_norm']:.6g} | {', '.join(f'{t:.2f}' for t in r['steps'])} |")
     by_mode = {r["mode"]: r for r in results}
     if "graphs" in by_mode and "jit" in by_mode:  # what recompute auto's estimate says of the same micro-batch
         print(f"no recompute kept {by_mode['jit']['peak_gib'] - by_mode['graphs']['peak_gib']:.2f} GiB more peak "

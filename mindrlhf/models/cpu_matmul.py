@@ -1,8 +1,9 @@
 """float32 matmuls on CPU through the OpenBLAS numpy ships, as MindSpore ``Custom`` ops with their own backward (#40).
 
-MindSpore 2.10's CPU ``MatMul`` (oneDNN under MindSpore's thread pool) runs float32 products at about a third
-of this machine's sgemm rate; numpy's OpenBLAS, in the same process, runs them at the full rate. This module
-wraps that BLAS in three ``ops.Custom`` primitives, one per transpose case of ``C = op(A) op(B)`` with 2-D
+On the issue's Xeon MindSpore 2.10's CPU ``MatMul`` (oneDNN under MindSpore's thread pool) ran float32 products
+at about a third of numpy's OpenBLAS in the same process; on the Zen 5 measured since, it reaches 62-83% of
+OpenBLAS's own AVX-512 kernels in compiled graphs (bench/README.md, #40). This module wraps that BLAS in three
+``ops.Custom`` primitives, one per transpose case of ``C = op(A) op(B)`` with 2-D
 operands (``nn`` ``A B``, ``nt`` ``A Bᵀ`` -- the linear layers' forward --, ``tn`` ``Aᵀ B``), each with a
 bprop made of the other two, so gradients flow through them in PyNative, ``mindspore.jit`` and the layer graphs.
 
@@ -14,7 +15,8 @@ Two routes (``matmul_ops(route)``):
 - ``"numpy"``: ``Custom(func_type="pyfunc")``: the kernel calls back into Python (``numpy.matmul``); no
   compiler, but the Python call and the GIL cost per call.
 
-A prototype: not yet used by the decoder (CPU only; on other targets ``matmul_ops`` refuses).
+A measured prototype, not used by the decoder: the SmolLM2 update ran slower with it (bench/README.md), so
+the layers keep ``ops.MatMul``. CPU only (on other targets ``matmul_ops`` refuses).
 """
 from __future__ import annotations
 
