@@ -204,9 +204,9 @@ def test_stage_under_msrun_equals_one_process(stage_assets, tmp_path, stage, lay
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = tmp_path / "two"
     log_dir = tmp_path / "log"
-    script = REPO / "examples" / "stages" / f"{stage}.py"
+    script = REPO / "examples" / "stages" / "run.py"
     cmd = [str(Path(sys.executable).parent / "msrun"), "--worker_num=2", "--local_worker_num=2",
-           f"--master_port={port}", "--join=True", f"--log_dir={log_dir}", str(script),
+           f"--master_port={port}", "--join=True", f"--log_dir={log_dir}", str(script), stage,
            *_argv(stage, stage_assets, two, use_parallel="true", **layout, **extra)]
     proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=900)
     logs = "\n".join(p.read_text()[-3000:] for p in sorted(log_dir.glob("*.log")))
