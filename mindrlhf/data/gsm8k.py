@@ -48,6 +48,11 @@ def detect_prompt_style(prompt: str) -> Optional[str]:
     return None
 
 
+def prompt_style_of_ids(tokenizer, ids) -> Optional[str]:
+    """``detect_prompt_style`` of a tokenised prompt (or a whole row that starts with one)."""
+    return detect_prompt_style(tokenizer.decode([int(i) for i in ids], skip_special_tokens=False))
+
+
 def check_format_reward(style: str, reward_funcs, data_source: str) -> None:
     """Refuse another style's format reward: against these prompts it can never score."""
     own = style_format_reward(style)

@@ -125,11 +125,9 @@ class PolicyOfflineTrainer(PolicyEvaluation, OfflineTrainer):
         super().__init__(*args, **kwargs)
         self._sampler = None
         if self.cfg.train.eval_generation:
-            from mindrlhf.data.gsm8k import detect_prompt_style
+            from mindrlhf.data.gsm8k import prompt_style_of_ids
 
-            first = self.dataset.columns[self.prompt_column][0]
-            self.prompt_style = detect_prompt_style(self.tokenizer.decode(list(map(int, first)),
-                                                                          skip_special_tokens=False))
+            self.prompt_style = prompt_style_of_ids(self.tokenizer, self.dataset.columns[self.prompt_column][0])
 
     @property
     def evaluates_policy(self) -> bool:

@@ -521,12 +521,11 @@ def load_prompt_dataset(cfg, layout, tokenizer, model_config, batch_size: int) -
 def prompt_style_of(tokenizer, dataset) -> Optional[str]:
     """The prompt style the data was built with, read from its first prompt (None: a custom system prompt, or no
     row)."""
-    from mindrlhf.data.gsm8k import detect_prompt_style
+    from mindrlhf.data.gsm8k import prompt_style_of_ids
 
     if not dataset.num_rows:
         return None
-    return detect_prompt_style(tokenizer.decode(dataset.prompt_ids[0, :int(dataset.prompt_length[0])],
-                                                skip_special_tokens=False))
+    return prompt_style_of_ids(tokenizer, dataset.prompt_ids[0, :int(dataset.prompt_length[0])])
 
 
 def check_reward_style(cfg, tokenizer, dataset) -> None:
