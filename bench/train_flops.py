@@ -48,6 +48,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -177,30 +178,35 @@ def _grpo_micro(cfg, vocab: int, prompt_len: int = 126):
     return micro, (float(mask.sum()), float(len(prompts)))
 
 
-def run_stage(args) -> dict:
-    """One stage in this process: built through its own code path, ``--steps`` updates timed."""
+def build_stage(stage: str, steps: int, work_dir: str, cpu_matmul: str = "ms", flags: Sequence[str] = ()):
+    """``(cfg, trainer, model, micro, scalars, group)``: ``stage`` built through its own code path (``flags``:
+    extra config flags, e.g. ``--recompute none``) with one update's micro-batches (``group``: completions
+    packed per prompt, 0 for the offline stages)."""
     sys.path.insert(0, str(BENCH))
     import peer_trl
 
-    if args.cpu_matmul != "ms":
+    if cpu_matmul != "ms":
         import recompute
 
-        recompute._route_matmuls(args.cpu_matmul)
-    work = Path(args.work_dir) / args.stage
+        recompute._route_matmuls(cpu_matmul)
+    work = Path(work_dir) / stage
     work.mkdir(parents=True, exist_ok=True)
-    if args.stage == "grpo":
-        spec = peer_trl.make_spec("smollm2", args.steps, work)
+    if stage == "grpo":
+        spec = peer_trl.make_spec("smollm2", steps, work, flags)
         cfg, trainer = peer_trl.build_ours_grpo(spec)
         micro, scalars = _grpo_micro(cfg, trainer.policy.config.vocab_size)
         group = cfg.algorithm.num_generations if cfg.parallel.share_prompts else 0
-        model = trainer.policy
-    else:
-        spec = peer_trl.make_stage_spec(args.stage, args.steps, work)
-        cfg, trainer = peer_trl.build_ours_stage(spec)
-        rows = trainer.dataset.global_indices(0, 0)
-        micro, scalars = trainer.prepare(trainer.dataset.batch(0, 0), rows)
-        group = 0
-        model = trainer.model
+        return cfg, trainer, trainer.policy, micro, scalars, group
+    spec = peer_trl.make_stage_spec(stage, steps, work, flags)
+    cfg, trainer = peer_trl.build_ours_stage(spec)
+    rows = trainer.dataset.global_indices(0, 0)
+    micro, scalars = trainer.prepare(trainer.dataset.batch(0, 0), rows)
+    return cfg, trainer, trainer.model, micro, scalars, 0
+
+
+def run_stage(args) -> dict:
+    """One stage in this process: built through its own code path, ``--steps`` updates timed."""
+    cfg, trainer, model, micro, scalars, group = build_stage(args.stage, args.steps, args.work_dir, args.cpu_matmul)
     updater = trainer.updater
     updater.set_lr(1e-9)  # tiny steps: every update sees (nearly) the same weights
     config, layers = model.config, len(model.layer_range)
