@@ -90,12 +90,16 @@ def ipo_loss(logits: Tensor, beta: float, label_smoothing: float) -> Tensor:
 
 
 def log1mexp(x: Tensor) -> Tensor:
-    """``log(1 − exp(x))`` for ``x ≤ 0``, accurate on both sides of −ln 2 (Mächler 2012; TRL's ``log1mexp``).
-    Each branch reads its input clamped to its own side, so the branch ``where`` discards has finite
-    gradients (an unclamped ``log1p(−exp(x))`` at ``x = 0`` would make the selected gradient NaN)."""
+    """``log(1 − exp(x))`` for ``x ≤ 0``, accurate on both sides of −ln 2 (Mächler 2012; TRL's ``log1mexp``):
+    ``log1p(−e^x)`` below, ``log(−expm1(x))`` above, the latter as ``log(−2t) − log1p(−t)``, ``t = tanh(x/2)``,
+    because MindSpore's CPU ``expm1`` is ``exp(x) − 1`` (it loses every digit as ``x → 0``). Each branch reads
+    its input clamped to its own side, so the branch ``where`` discards has finite gradients; ``x`` is capped at
+    ``−1e−7`` (a completion whose every token has probability 1 in float32), where the value (TRL's too) is −inf
+    and its gradient NaN."""
     t = -0.6931471805599453
-    lo, hi = ops.minimum(x, t), ops.maximum(x, t)
-    return ops.where(x < t, ops.log1p(-ops.exp(lo)), ops.log(-ops.expm1(hi)))
+    lo = ops.minimum(x, t)
+    half = ops.tanh(ops.minimum(ops.maximum(x, t), -1e-7) / 2.0)
+    return ops.where(x < t, ops.log1p(-ops.exp(lo)), ops.log(-2.0 * half) - ops.log1p(-half))
 
 
 def orpo_log_odds(chosen_logp: Tensor, rejected_logp: Tensor) -> Tensor:

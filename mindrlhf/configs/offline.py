@@ -302,7 +302,12 @@ class DPOConfig(OfflineConfig):
 class ORPOConfig(OfflineConfig):
     """All ORPO settings; ``batch_size`` and ``micro_batch_size`` count pairs. No reference model."""
 
-    REFERENCE_PREAMBLE = RMConfig.REFERENCE_PREAMBLE
+    REFERENCE_PREAMBLE = _PAIR_PREAMBLE + """
+**ORPO's loss** (Hong et al. 2024, as TRL's `ORPOTrainer`): the NLL of the chosen rows (prompt and
+completion tokens; a mean over the whole step's chosen-row tokens) plus `beta` times the mean over
+the step's pairs of `-log sigmoid(log odds ratio)`, the odds read from each completion's token-mean
+log-prob. There is no reference model: `--ref_model` is not an option of this stage.
+"""
     REFERENCE_FILE = STAGES["orpo"].reference
 
     data: PairDataConfig = dataclasses.field(default_factory=PairDataConfig)
