@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 from mindspore import Tensor, ops
 
-from mindrlhf.algorithms.supervised import odds_ratio_loss, orpo_log_odds, sft_loss
+from mindrlhf.algorithms.supervised import log_sigmoid, odds_ratio_loss, orpo_log_odds, sft_loss
 from mindrlhf.configs.offline import ORPOConfig, parse_orpo_args
 from mindrlhf.data.text_rows import read_pairs
 from mindrlhf.errors import MindRLHFError
@@ -61,7 +61,7 @@ class ORPOObjective:
             + odds_ratio_loss(log_odds, self.beta).sum() / ops.maximum(num_pairs, 1.0)
         c, r, z = ops.stop_gradient(chosen), ops.stop_gradient(rejected), ops.stop_gradient(log_odds)
         return loss, (ops.ones_like(c).sum(), c.sum(), r.sum(), (c > r).astype(c.dtype).sum(),
-                      -ops.stop_gradient(logp * nll_mask).sum(), nll_mask.sum(), (-ops.softplus(-z)).sum(), z.sum())
+                      -ops.stop_gradient(logp * nll_mask).sum(), nll_mask.sum(), log_sigmoid(z).sum(), z.sum())
 
     def metrics(self, reduced: Dict[str, float]) -> Dict[str, float]:
         """TRL's names: rewards are ``beta * logps`` (ORPO has no reference); ``log_odds_ratio`` is the mean
