@@ -12,7 +12,9 @@ prompt + chosen and prompt + rejected, whose every token after the first is scor
 chosen row's prompt tokens too, so the prompt is not encoded once for both rows as in DPO) → the
 objective: token-mean log-probs of the completions, the odds-ratio term, the chosen rows' NLL as a token
 mean over the step → the shared update, loop, checkpoints and CLI. Metrics carry TRL's ``ORPOTrainer``
-names.
+names. One tokenisation difference: TRL's ORPO prepends the tokenizer's BOS to a prompt that does not start
+with it; the pair reader (DPO's, as TRL's DPOTrainer) adds none. Qwen2.5 has no BOS and chat-templated
+SmolLM2 prompts start with theirs, so both give the same ids there.
 """
 from __future__ import annotations
 
