@@ -180,6 +180,8 @@ STAGES: Dict[str, Stage] = {stage.name: stage for stage in (
           "Reward-model configuration reference (mindrlhf-rm)"),
     Stage("dpo", "mindrlhf.dpo", "mindrlhf.configs.offline:DPOConfig", "docs/config_reference_dpo.md",
           "DPO configuration reference (mindrlhf-dpo)"),
+    Stage("orpo", "mindrlhf.orpo", "mindrlhf.configs.offline:ORPOConfig", "docs/config_reference_orpo.md",
+          "ORPO configuration reference (mindrlhf-orpo)"),
     Stage("ppo", "mindrlhf.ppo", "mindrlhf.configs.ppo:PPOConfig", "docs/config_reference_ppo.md",
           "PPO configuration reference (mindrlhf-ppo)"),
 )}

@@ -1,4 +1,4 @@
-"""Records tests/data/trl_stage_reference.json: TRL 1.16's first logged step of SFT, the reward model and DPO.
+"""Records tests/data/trl_stage_reference.json: TRL 1.16's first logged step of SFT, the reward model, DPO and ORPO.
 
 Runs in TRL's virtualenv (bench/.venv-trl, see bench/README.md). It never imports the ``mindrlhf``
 package: the tiny models come from ``mindrlhf/testing.py`` loaded by its file path
@@ -18,6 +18,7 @@ of squares of ``new - old`` over every weight):
 * RM: preference pairs on a ``Qwen2ForSequenceClassification`` folder (one label, pad id 151643 !=
   EOS 151645, so the reward is read at the appended EOS).
 * DPO: the same pairs, sigmoid loss, beta 0.1, the policy against a reference of other weights.
+* ORPO: the same pairs, beta (lambda) 0.1, the policy alone (``trl.experimental.orpo.ORPOTrainer``).
 
     bench/.venv-trl/bin/python tests/make_trl_stage_reference.py [--output tests/data/trl_stage_reference.json]
 """
@@ -65,7 +66,7 @@ PAIR_ROWS: List[Dict[str, str]] = [
 ]
 #: stage -> (rows, the trained model, the reference model or None)
 STAGES: Dict[str, Any] = {"sft": ("sft", "policy", None), "rm": ("pairs", "rm", None),
-                          "dpo": ("pairs", "policy", "ref")}
+                          "dpo": ("pairs", "policy", "ref"), "orpo": ("pairs", "policy", None)}
 ROWS = {"sft": SFT_ROWS, "pairs": PAIR_ROWS}
 
 
@@ -132,6 +133,12 @@ def run_stage(stage: str, models: Dict[str, Path], tokenizer, workdir: Path) -> 
         trainer = RewardTrainer(model=path, args=RewardConfig(**common), train_dataset=dataset,
                                 processing_class=tokenizer)
         assert trainer.model.config.pad_token_id == tokenizer.pad_token_id != tokenizer.eos_token_id
+    elif stage == "orpo":
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        trainer = ORPOTrainer(model=policy, args=ORPOConfig(**common, beta=SETTINGS["beta"]), train_dataset=dataset,
+                              processing_class=tokenizer)
     else:
         policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         ref = AutoModelForCausalLM.from_pretrained(str(models[reference]), dtype=torch.float32)
@@ -153,7 +160,7 @@ def main() -> None:
                         help="Hugging Face tokenizer folder (default: the repository's Qwen2.5 tokenizer)")
     parser.add_argument("--output", default=str(HERE / "data" / "trl_stage_reference.json"),
                         help="JSON file to write (default: tests/data/trl_stage_reference.json)")
-    parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset of sft,rm,dpo")
+    parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset of " + ",".join(STAGES))
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")

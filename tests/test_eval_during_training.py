@@ -103,7 +103,7 @@ def _policy_rows(tmp_path: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["sft", "dpo"])
+@pytest.mark.parametrize("stage", ["sft", "dpo", "orpo"])
 def test_sft_and_dpo_eval_generation_rows_equal_mindrlhf_eval(grpo_assets, tmp_path, stage):
     """eval_generation on a 4-step run with eval_steps 2: eval rows at steps 2 and 4 only, equal to mindrlhf-eval on
     those checkpoints (accuracy, format rate, length, truncation, the built-in rewards), and the curve."""
@@ -114,7 +114,8 @@ def test_sft_and_dpo_eval_generation_rows_equal_mindrlhf_eval(grpo_assets, tmp_p
     from grpo_runs import REPO, SUITE_RECOMPUTE
 
     out = tmp_path / stage
-    args = {"model": grpo_assets["model"], "train_file": _policy_rows(tmp_path)[stage], "output_dir": out,
+    rows_file = _policy_rows(tmp_path)["sft" if stage == "sft" else "dpo"]  # ORPO trains on DPO's pairs
+    args = {"model": grpo_assets["model"], "train_file": rows_file, "output_dir": out,
             "max_steps": 4, "batch_size": 4, "max_length": 256, "save_steps": 1, "eval_steps": 2, "lr": 1e-3,
             "eval_generation": "true", "eval_limit": EVAL["eval_limit"], "eval_max_new_tokens": 8,
             "progress_bar": "false", **SUITE_RECOMPUTE}

@@ -1,5 +1,5 @@
-"""``mindrlhf-sft``, ``mindrlhf-rm`` and ``mindrlhf-dpo`` end to end on a tiny Qwen2 with the real tokenizer:
-each command's outputs (metrics under TRL's names, plots, checkpoints that load as models), and a run
+"""``mindrlhf-sft``, ``mindrlhf-rm``, ``mindrlhf-dpo`` and ``mindrlhf-orpo`` end to end on a tiny Qwen2 with the real
+tokenizer: each command's outputs (metrics under TRL's names, plots, checkpoints that load as models), and a run
 killed with SIGKILL mid-step then resumed reproduces the uninterrupted run's metrics and weights."""
 from __future__ import annotations
 
@@ -24,10 +24,14 @@ KEYS = {
            "num_tokens", "epoch"},
     "dpo": {"loss", "grad_norm", "learning_rate", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
             "rewards/margins", "logps/chosen", "logps/rejected", "num_tokens", "epoch"},
+    "orpo": {"loss", "grad_norm", "learning_rate", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
+             "rewards/margins", "logps/chosen", "logps/rejected", "nll_loss", "log_odds_ratio", "log_odds_chosen",
+             "num_tokens", "epoch"},
 }
 EVAL_KEYS = {"sft": {"eval/loss", "eval/mean_token_accuracy"},
              "rm": {"eval/loss", "eval/accuracy", "eval/margin", "eval/mean_reward"},
-             "dpo": {"eval/loss", "eval/rewards/accuracies", "eval/rewards/margins"}}
+             "dpo": {"eval/loss", "eval/rewards/accuracies", "eval/rewards/margins"},
+             "orpo": {"eval/loss", "eval/rewards/accuracies", "eval/rewards/margins", "eval/nll_loss"}}
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +103,7 @@ def _metrics(out: Path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage,extra,kill", [("sft", {}, False), ("rm", {"center_rewards_coefficient": 0.01}, False),
-                                              ("dpo", {"beta": 0.2}, True)])
+                                              ("dpo", {"beta": 0.2}, True), ("orpo", {"beta": 0.2}, False)])
 def test_stage_runs_and_resumes_exactly_after_sigkill(stage_assets, tmp_path, stage, extra, kill):
     """4 steps uninterrupted vs killed (SIGKILL) in step 3's gradient reduction and resumed with --resume:
     identical metrics (every key, rel 1e-6) and final weights; metrics carry TRL's names, eval runs at steps
@@ -188,11 +192,12 @@ def test_reward_model_trains_the_same_with_and_without_recompute(stage_assets, t
 @pytest.mark.slow
 @pytest.mark.msrun
 @pytest.mark.parametrize("stage,layout,port", [
-    ("rm", {"train_tp": 2}, 8303), ("dpo", {"train_pp": 2, "train_micro_batches": 2}, 8305)])
+    ("rm", {"train_tp": 2}, 8303), ("dpo", {"train_pp": 2, "train_micro_batches": 2}, 8305),
+    ("orpo", {"train_dp": 2}, 8307)])
 def test_stage_under_msrun_equals_one_process(stage_assets, tmp_path, stage, layout, port):
-    """Two msrun workers (RM tensor-parallel, DPO pipeline-parallel with 2 micro-batches) give one process's
-    metrics (loss, grad_norm, the stage's metrics, eval) and final weights. (Data parallelism is the shared
-    Updater's dp reduction, covered with GRPO's msrun tests; SFT runs it unchanged.)"""
+    """Two msrun workers (RM tensor-parallel, DPO pipeline-parallel with 2 micro-batches, ORPO data-parallel: each
+    worker a half of every step's pairs and of the validation pairs) give one process's metrics (loss, grad_norm,
+    the stage's metrics, eval) and final weights. (SFT runs the shared Updater's dp reduction unchanged.)"""
     from grpo_runs import launch_env
     from mindrlhf.models import get_weights, load_model
 

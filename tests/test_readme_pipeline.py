@@ -1,4 +1,4 @@
-"""Issue 41: the README's pipeline block (SFT rows, SFT, pairs from the SFT model, RM, DPO, PPO, GRPO,
+"""Issue 41: the README's pipeline block (SFT rows, SFT, pairs from the SFT model, RM, DPO, ORPO, PPO, GRPO,
 evaluation) runs top to bottom exactly as written. Each command is the README's, in a fresh folder, with only
 shortening flags appended (fewer rows and steps, shorter completions) and, for the one command that reads the
 base model (SFT), a tiny random Qwen2 instead of the embedded SmolLM2: every later command finds its model
@@ -26,6 +26,7 @@ SHORTER = {
     "mindrlhf-data --pairs": ["--limit", "2", "--k", "2", "--max_new_tokens", "8", "--no_progress"],
     "mindrlhf-rm": ["--max_steps", "1", "--batch_size", "2", "--micro_batch_size", "2", *_TRAIN],
     "mindrlhf-dpo": ["--max_steps", "1", "--batch_size", "2", "--micro_batch_size", "2", *_TRAIN],
+    "mindrlhf-orpo": ["--max_steps", "1", "--batch_size", "2", "--micro_batch_size", "2", *_TRAIN],
     "mindrlhf-ppo": ["--max_steps", "1", "--batch_size", "2", "--micro_batch_size", "1", "--max_new_tokens", "8",
                      *_TRAIN],
     "mindrlhf-grpo": ["--max_steps", "1", "--num_generations", "2", "--chunk_size", "2", "--max_completion_length",
@@ -48,8 +49,9 @@ def test_the_readme_pipeline_runs_top_to_bottom_as_written(tmp_path, qwen_tokeni
 
     commands = readme_pipeline()
     assert [c[0] for c in commands] == ["mindrlhf-data", "mindrlhf-data", "mindrlhf-sft", "mindrlhf-data",
-                                        "mindrlhf-data", "mindrlhf-rm", "mindrlhf-dpo", "mindrlhf-ppo",
-                                        "mindrlhf-grpo", "mindrlhf-eval", "mindrlhf-eval", "mindrlhf-eval"]
+                                        "mindrlhf-data", "mindrlhf-rm", "mindrlhf-dpo", "mindrlhf-orpo", "mindrlhf-ppo",
+                                        "mindrlhf-grpo", "mindrlhf-eval", "mindrlhf-eval", "mindrlhf-eval",
+                                        "mindrlhf-eval"]
     assert not any("step_0" in arg for c in commands for arg in c), "a hard-coded checkpoint step"
     tiny = add_tokenizer(make_tiny_qwen2(tmp_path / "tiny", seed=5, max_position_embeddings=1024),
                          qwen_tokenizer_dir)
@@ -63,9 +65,9 @@ def test_the_readme_pipeline_runs_top_to_bottom_as_written(tmp_path, qwen_tokeni
         extra = SHORTER[key] + (["--model", str(tiny)] if cmd[0] == "mindrlhf-sft" else [])
         proc = subprocess.run([*cmd, *extra], cwd=work, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, (cmd, proc.stderr[-3000:])
-    for stage in ("sft", "rm", "dpo", "ppo", "grpo"):
+    for stage in ("sft", "rm", "dpo", "orpo", "ppo", "grpo"):
         assert (work / "output" / stage / "checkpoints" / "step_00000001" / "manifest.json").is_file(), stage
-    assert all((work / f"eval_{stage}.jsonl").read_text().count("\n") == 2 for stage in ("dpo", "ppo", "grpo"))
+    assert all((work / f"eval_{stage}.jsonl").read_text().count("\n") == 2 for stage in ("dpo", "orpo", "ppo", "grpo"))
 
 
 def test_the_chinese_readme_has_the_same_pipeline():

@@ -209,10 +209,10 @@ def test_console_scripts_are_the_stage_table():
 
 def test_run_script_names_the_stages_on_a_bad_stage():
     """``examples/stages/run.py`` with an unknown stage: one line listing the table's stages, exit 2."""
-    proc = subprocess.run([sys.executable, RUN_SCRIPT, "orpo", "--max_steps", "1"], cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, RUN_SCRIPT, "kto", "--max_steps", "1"], cwd=REPO, capture_output=True,
                           text=True)
-    assert (proc.returncode, proc.stderr) == (2, "error: unknown stage 'orpo'; choose one of grpo, sft, rm, dpo, "
-                                                 "ppo\n")
+    assert (proc.returncode, proc.stderr) == (2, "error: unknown stage 'kto'; choose one of grpo, sft, rm, dpo, "
+                                                 "orpo, ppo\n")
 
 
 @pytest.mark.slow

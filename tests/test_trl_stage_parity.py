@@ -1,7 +1,7 @@
-"""Step-1 parity with TRL 1.16: ``mindrlhf-sft``, ``mindrlhf-rm`` and ``mindrlhf-dpo`` log the loss, grad_norm,
-learning_rate and every metric TRL's SFTTrainer / RewardTrainer / DPOTrainer logged for the same tiny Qwen2
-models and rows (recorded in tests/data/trl_stage_reference.json by tests/make_trl_stage_reference.py in
-TRL's virtualenv; rerun live when that venv is here), and make the same update.
+"""Step-1 parity with TRL 1.16: ``mindrlhf-sft``, ``mindrlhf-rm``, ``mindrlhf-dpo`` and ``mindrlhf-orpo`` log the
+loss, grad_norm, learning_rate and every metric TRL's SFTTrainer / RewardTrainer / DPOTrainer / (experimental)
+ORPOTrainer logged for the same tiny Qwen2 models and rows (recorded in tests/data/trl_stage_reference.json by
+tests/make_trl_stage_reference.py in TRL's virtualenv; rerun live when that venv is here), and make the same update.
 
 The models are rebuilt here by the same numpy-seeded maker (``mindrlhf.testing.make_numpy_qwen2``); their
 checksums must equal the recorded ones before anything is compared, so a drift in the maker, numpy or
@@ -26,7 +26,8 @@ REFERENCE = REPO / "tests" / "data" / "trl_stage_reference.json"
 LOSS_REL = 1e-4
 METRIC_REL, METRIC_ABS = 1e-4, 1e-5
 #: TRL keys we do not log (yet): DPO's policy-logit, entropy and token-accuracy diagnostics.
-NOT_LOGGED = {"dpo": {"entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy"}}
+NOT_LOGGED = {"dpo": {"entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy"},
+              "orpo": {"logits/chosen", "logits/rejected"}}
 #: Exact: counts, the schedule, the epoch.
 EXACT = {"learning_rate", "num_tokens", "epoch"}
 
@@ -44,6 +45,8 @@ def _ours_argv(stage: str, files: Dict[str, Path], out: Path, tokenizer_dir: Pat
             "dtype": "float32", "save_steps": 0, "progress_bar": "false", "tensorboard": "false"}
     if stage == "dpo":
         args.update(ref_model=files[ref], loss_type="sigmoid", beta=SETTINGS["beta"], label_smoothing=0.0)
+    if stage == "orpo":
+        args.update(beta=SETTINGS["beta"])
     return [x for k, v in args.items() for x in (f"--{k}", str(v))]
 
 
@@ -107,12 +110,12 @@ def test_step_one_equals_trl(stage, parity_assets, tmp_path, qwen_tokenizer_dir)
     """Our command's step 1 logs TRL's loss (rel 1e-4), grad_norm and metrics (rel 1e-4 / abs 1e-5), the same
     learning_rate, num_tokens and epoch; and the update matches (Adam's first step moves each weight by
     ~lr * sign(grad): the sum of |update| counts the weights that moved, the signed sum their directions)."""
-    from mindrlhf import dpo, rm, sft
+    from mindrlhf import dpo, orpo, rm, sft
 
     recorded = _reference()["stages"][stage]
     n = len(ROWS[STAGES[stage][0]])
     out = tmp_path / "out"
-    main = {"sft": sft.main, "rm": rm.main, "dpo": dpo.main}[stage]
+    main = {"sft": sft.main, "rm": rm.main, "dpo": dpo.main, "orpo": orpo.main}[stage]
     assert main(_ours_argv(stage, parity_assets, out, qwen_tokenizer_dir, n)) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == [1]

@@ -4,8 +4,8 @@ r"""Any training stage (``mindrlhf-<STAGE>``) as a script, for msrun, which laun
     msrun --worker_num=2 --local_worker_num=2 --master_port=8118 --join=True --log_dir=log \
         examples/stages/run.py STAGE --use_parallel true --train_dp 2 [--field value ...]
 
-STAGE is a name of the stage table (``mindrlhf.registry.STAGES``: grpo, sft, rm, dpo, ppo); the flags are
-the ones ``mindrlhf-<STAGE>`` takes, every field of the stage's config (see its docs/config_reference*.md).
+STAGE is a name of the stage table (``mindrlhf.registry.STAGES``, e.g. sft or dpo; a wrong name lists them); the
+flags are the ones ``mindrlhf-<STAGE>`` takes, every field of the stage's config (see its docs/config_reference*.md).
 """
 import sys
 from typing import Optional, Sequence

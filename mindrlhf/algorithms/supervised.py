@@ -1,4 +1,4 @@
-"""Losses of the stages that train on fixed rows: SFT, the reward model and DPO.
+"""Losses of the stages that train on fixed rows: SFT, the reward model, DPO and ORPO.
 
 Pure MindSpore functions of the head's output (no state, no Python branching on tensor values), so
 they differentiate with ``mindspore.grad`` and compile inside ``mindspore.jit``. Counts that normalise
@@ -7,7 +7,8 @@ so a step's loss is the same whatever its split into micro-batches and ranks.
 
 DPO's loss types are registered (``registry.PREFERENCE_LOSSES``): ``fn(logits, beta, label_smoothing)
 -> per-pair loss`` of ``logits = (logp_c − logp_r) − (ref_c − ref_r)``, the formulas of TRL's
-``DPOTrainer.dpo_loss`` (each cites its paper).
+``DPOTrainer.dpo_loss`` (each cites its paper). ORPO's odds-ratio term (``orpo_log_odds``,
+``odds_ratio_loss``) is reference-free and reads token-mean log-probs, so it is not one of them.
 """
 from __future__ import annotations
 
@@ -86,6 +87,35 @@ def ipo_loss(logits: Tensor, beta: float, label_smoothing: float) -> Tensor:
     """IPO (Azar et al. 2023, eq. 17): ``(logits − 1/(2β))²``, β being the paper's τ. Its log-probs are
     token means, not sums (the caller averages them, as TRL does for ``loss_type="ipo"``)."""
     return ops.square(logits - 1.0 / (2.0 * beta))
+
+
+def log1mexp(x: Tensor) -> Tensor:
+    """``log(1 − exp(x))`` for ``x ≤ 0``, accurate on both sides of −ln 2 (Mächler 2012; TRL's ``log1mexp``):
+    ``log1p(−e^x)`` below, ``log(−expm1(x))`` above, the latter as ``log(−2t) − log1p(−t)``, ``t = tanh(x/2)``,
+    because MindSpore's CPU ``expm1`` is ``exp(x) − 1`` (it loses every digit as ``x → 0``). Each branch reads
+    its input clamped to its own side, so the branch ``where`` discards has finite gradients; ``x`` is capped at
+    ``−1e−7`` (a completion whose every token has probability 1 in float32), where the value (TRL's too) is −inf
+    and its gradient NaN."""
+    t = -0.6931471805599453
+    lo = ops.minimum(x, t)
+    half = ops.tanh(ops.minimum(ops.maximum(x, t), -1e-7) / 2.0)
+    return ops.where(x < t, ops.log1p(-ops.exp(lo)), ops.log(-2.0 * half) - ops.log1p(-half))
+
+
+def orpo_log_odds(chosen_logp: Tensor, rejected_logp: Tensor) -> Tensor:
+    """ORPO's log odds ratio of a pair (Hong et al. 2024, "ORPO: Monolithic Preference Optimization without
+    Reference Model", the odds of eq. 4, their ratio in eq. 7): ``log(odds(y_w|x) / odds(y_l|x))`` with
+    ``odds(y|x) = P / (1 − P)``, i.e. ``(c − r) − (log(1 − e^c) − log(1 − e^r))`` of the completions'
+    TOKEN-MEAN log-probs ``c``, ``r`` (P,) (TRL 1.16, ``trl/experimental/orpo/orpo_trainer.py``:
+    ``ORPOTrainer.odds_ratio_loss`` on ``get_batch_logps(..., average_log_prob=True)``)."""
+    return (chosen_logp - rejected_logp) - (log1mexp(chosen_logp) - log1mexp(rejected_logp))
+
+
+def odds_ratio_loss(log_odds: Tensor, beta: float) -> Tensor:
+    """ORPO's odds-ratio term of each pair, ``λ · L_OR = −λ · log σ(log_odds)`` (Hong et al. 2024, eqs. 6-7;
+    λ is TRL's ``beta``). ORPO's loss is the chosen row's NLL plus the mean of this over the pairs (TRL:
+    ``loss = policy_nll_loss - losses.mean()``, ``losses = beta * logsigmoid(log_odds)``)."""
+    return -beta * log_sigmoid(log_odds)
 
 
 def get_preference_loss(name: str) -> PreferenceLoss:

@@ -1,4 +1,4 @@
-"""Configs of the stages that train on a fixed dataset of rows: SFT, the reward model and DPO.
+"""Configs of the stages that train on a fixed dataset of rows: SFT, the reward model, DPO and ORPO.
 
 They share the groups of ``configs.common`` and two of their own: ``OfflineModelConfig`` (the model's
 weights: ``--model``) and ``OfflineDataConfig`` (the jsonl files, the batch geometry, the length limit).
@@ -150,6 +150,18 @@ class DPOLossConfig:
 
 
 @dataclass
+class ORPOLossConfig:
+    """ORPO's loss: the chosen row's NLL plus lambda times the odds-ratio term."""
+
+    beta: float = config_field(
+        0.1, "lambda of ORPO (Hong et al. 2024; TRL's ORPOConfig.beta): the weight of the odds-ratio term "
+        "-log sigmoid(log odds(chosen) - log odds(rejected)), from the completions' token-mean log-probs, against the "
+        "NLL of the chosen row (prompt and completion tokens, as TRL). Also scales the logged rewards (beta * "
+        "logps). Range > 0.",
+        gt=0.0)
+
+
+@dataclass
 class OfflineTrainConfig(TrainLoopConfig):
     """Training loop: length, seed, outputs, checkpoints, resume, logging."""
 
@@ -286,6 +298,23 @@ class DPOConfig(OfflineConfig):
     train: PolicyTrainConfig = dataclasses.field(default_factory=lambda: PolicyTrainConfig(output_dir="output/dpo"))
 
 
+@dataclass
+class ORPOConfig(OfflineConfig):
+    """All ORPO settings; ``batch_size`` and ``micro_batch_size`` count pairs. No reference model."""
+
+    REFERENCE_PREAMBLE = _PAIR_PREAMBLE + """
+**ORPO's loss** (Hong et al. 2024, as TRL's `ORPOTrainer`): the NLL of the chosen rows (prompt and
+completion tokens; a mean over the whole step's chosen-row tokens) plus `beta` times the mean over
+the step's pairs of `-log sigmoid(log odds ratio)`, the odds read from each completion's token-mean
+log-prob. There is no reference model: `--ref_model` is not an option of this stage.
+"""
+    REFERENCE_FILE = STAGES["orpo"].reference
+
+    data: PairDataConfig = dataclasses.field(default_factory=PairDataConfig)
+    loss: ORPOLossConfig = dataclasses.field(default_factory=ORPOLossConfig)
+    train: PolicyTrainConfig = dataclasses.field(default_factory=lambda: PolicyTrainConfig(output_dir="output/orpo"))
+
+
 def parse_sft_args(argv: Optional[Sequence[str]] = None) -> SFTConfig:
     """Build an ``SFTConfig`` from ``--config PATH`` and ``--<field>`` flags, validated."""
     return SFTConfig.parse_args(argv, description=f"Supervised fine-tuning for MindSpore (see "
@@ -302,3 +331,9 @@ def parse_dpo_args(argv: Optional[Sequence[str]] = None) -> DPOConfig:
     """Build a ``DPOConfig`` from ``--config PATH`` and ``--<field>`` flags, validated."""
     return DPOConfig.parse_args(argv, description=f"Direct preference optimisation for MindSpore (see "
                                 f"{DPOConfig.REFERENCE_FILE})")
+
+
+def parse_orpo_args(argv: Optional[Sequence[str]] = None) -> ORPOConfig:
+    """Build an ``ORPOConfig`` from ``--config PATH`` and ``--<field>`` flags, validated."""
+    return ORPOConfig.parse_args(argv, description=f"Odds-ratio preference optimisation for MindSpore (see "
+                                 f"{ORPOConfig.REFERENCE_FILE})")

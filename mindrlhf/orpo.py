@@ -1,0 +1,207 @@
+"""``mindrlhf-orpo`` / ``python -m mindrlhf.orpo``: odds-ratio preference optimisation on preference pairs.
+
+ORPO (Hong et al. 2024) is supervised fine-tuning with a penalty on the rejected answer, in one stage and
+with no reference model: the loss is the NLL of the chosen row plus lambda times the mean over the pairs
+of ``-log sigmoid(log odds ratio)``, the odds of each completion read from its token-mean log-prob (the
+formulas: ``algorithms.supervised.orpo_log_odds`` / ``odds_ratio_loss``, from TRL 1.16's
+``trl/experimental/orpo/orpo_trainer.py``).
+
+The recipe, top to bottom: pair rows (``data.text_rows.read_pairs``, tokenised as for DPO: the prompt's
+tokens, then each completion with its EOS; each sequence cut to ``max_length``) → each pair as two rows,
+prompt + chosen and prompt + rejected, whose every token after the first is scored (TRL's NLL covers the
+chosen row's prompt tokens too, so the prompt is not encoded once for both rows as in DPO) → the
+objective: token-mean log-probs of the completions, the odds-ratio term, the chosen rows' NLL as a token
+mean over the step → the shared update, loop, checkpoints and CLI. Metrics carry TRL's ``ORPOTrainer``
+names. One tokenisation difference: TRL's ORPO prepends the tokenizer's BOS to a prompt that does not start
+with it; the pair reader (DPO's, as TRL's DPOTrainer) adds none. Qwen2.5 has no BOS and chat-templated
+SmolLM2 prompts start with theirs, so both give the same ids there.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+from mindspore import Tensor, ops
+
+from mindrlhf.algorithms.supervised import log_sigmoid, odds_ratio_loss, orpo_log_odds, sft_loss
+from mindrlhf.configs.offline import ORPOConfig, parse_orpo_args
+from mindrlhf.data.text_rows import read_pairs
+from mindrlhf.errors import MindRLHFError
+from mindrlhf.trainer.entry import StageSpec, load_tokenizer, resolve_weights, run_stage
+from mindrlhf.trainer.metrics import EVAL_CURVE
+from mindrlhf.trainer.offline import PolicyOfflineTrainer, prompt_completion_micro_batches
+from mindrlhf.utils.cli import run_cli
+
+#: TRL ORPOTrainer's metric names, each a mean over the step's pairs (``nll_loss``: over its chosen rows' tokens).
+#: TRL's ``logits/chosen`` / ``logits/rejected`` (mean raw logits) are not logged: the log-prob head never forms
+#: the vocabulary-wide logits outside its graph.
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected", "nll_loss", "log_odds_ratio", "log_odds_chosen")
+
+
+class ORPOObjective:
+    """ORPO's loss of one micro-batch (rows ``[chosen_0, rejected_0, chosen_1, ...]``, each scored from its
+    second token: ``orpo_micro_batches``) and the sums its metrics are made of (``trainer.update.Objective``).
+    ``completion_mask`` marks each row's completion tokens (the odds' token-mean log-probs), ``nll_mask`` the
+    chosen rows' scored tokens. The step's scalars: its pair count and its ``nll_mask`` token count."""
+
+    inputs = ("completion_mask", "nll_mask")
+    aux = (("pairs", "sum"), ("chosen_logp", "sum"), ("rejected_logp", "sum"), ("correct", "sum"),
+           ("nll", "sum"), ("nll_tokens", "sum"), ("log_odds_ratio", "sum"), ("log_odds", "sum"))
+
+    def __init__(self, beta: float):
+        self.beta = float(beta)
+
+    def loss(self, logp, completion_mask, nll_mask, num_pairs, num_nll_tokens):
+        mask = completion_mask.astype(logp.dtype)
+        mean = (logp * mask).sum(-1) / ops.maximum(mask.sum(-1), 1.0)  # token-mean log-prob of each completion
+        chosen, rejected = mean[0::2], mean[1::2]
+        log_odds = orpo_log_odds(chosen, rejected)
+        nll_mask = nll_mask.astype(logp.dtype)
+        loss = sft_loss(logp, nll_mask, num_nll_tokens) \
+            + odds_ratio_loss(log_odds, self.beta).sum() / ops.maximum(num_pairs, 1.0)
+        c, r, z = ops.stop_gradient(chosen), ops.stop_gradient(rejected), ops.stop_gradient(log_odds)
+        return loss, (ops.ones_like(c).sum(), c.sum(), r.sum(), (c > r).astype(c.dtype).sum(),
+                      -ops.stop_gradient(logp * nll_mask).sum(), nll_mask.sum(), log_sigmoid(z).sum(), z.sum())
+
+    def metrics(self, reduced: Dict[str, float]) -> Dict[str, float]:
+        """TRL's names: rewards are ``beta * logps`` (ORPO has no reference); ``log_odds_ratio`` is the mean
+        ``log sigmoid(log odds)``, ``log_odds_chosen`` the mean log odds ratio itself."""
+        pairs = max(reduced["pairs"], 1.0)
+        chosen, rejected = reduced["chosen_logp"] / pairs, reduced["rejected_logp"] / pairs
+        return {"rewards/chosen": self.beta * chosen, "rewards/rejected": self.beta * rejected,
+                "rewards/accuracies": reduced["correct"] / pairs, "rewards/margins": self.beta * (chosen - rejected),
+                "logps/chosen": chosen, "logps/rejected": rejected,
+                "nll_loss": reduced["nll"] / max(reduced["nll_tokens"], 1.0),
+                "log_odds_ratio": reduced["log_odds_ratio"] / pairs, "log_odds_chosen": reduced["log_odds"] / pairs}
+
+
+def nll_token_count(prompts: Sequence[np.ndarray], chosen: Sequence[np.ndarray]) -> int:
+    """Tokens of the chosen rows in ORPO's NLL: every token of ``prompt + chosen`` but the first."""
+    return sum(len(p) + len(c) - 1 for p, c in zip(prompts, chosen))
+
+
+def orpo_micro_batches(prompts: Sequence[np.ndarray], chosen: Sequence[np.ndarray], rejected: Sequence[np.ndarray],
+                       pairs: int, pad_id: int, bucket: int = 32) -> List[Dict[str, np.ndarray]]:
+    """Pairs cut into micro-batches of ``pairs`` pairs in the log-prob head's layout
+    (``trainer.offline.prompt_completion_micro_batches``), rows ``chosen_i, rejected_i`` interleaved: each row's
+    first token is the context and every later one is scored, ``completion_mask`` on the completion's tokens,
+    ``nll_mask`` on all scored tokens of the chosen rows (TRL's ORPO NLL: prompt and completion)."""
+    rows, trained = [], []
+    for p, pair in zip(prompts, zip(chosen, rejected)):
+        for c in pair:
+            rows.append(np.r_[p, c])
+            # the scored tokens are the row's from its second on: the prompt's (none left of an empty prompt), then
+            # the completion's (without its first when the prompt is empty: that token is the context)
+            trained.append(np.r_[np.zeros(max(len(p) - 1, 0), np.float32),
+                                 np.ones(len(c) - (0 if len(p) else 1), np.float32)])
+    micro = prompt_completion_micro_batches([r[:1] for r in rows], [r[1:] for r in rows], 2 * pairs, pad_id,
+                                            trained=trained, bucket=bucket)
+    at = 0
+    for mb in micro:
+        nll = np.zeros_like(mb["completion_mask"])
+        for b in range(0, len(nll), 2):
+            nll[b, :len(rows[at + b]) - 1] = 1.0
+        mb["nll_mask"] = nll
+        at += len(nll)
+    return micro
+
+
+class ORPOTrainer(PolicyOfflineTrainer):
+    """ORPO on the shared loop: one optimizer step per ``batch_size`` pairs."""
+
+    stage = "orpo"
+    curves = (("loss", "loss.png", "ORPO: training loss", "loss"),
+              ("rewards/accuracies", "accuracy.png", "ORPO: log-prob accuracy (chosen > rejected)",
+               "rewards/accuracies"), EVAL_CURVE)
+    prompt_column = "prompt"
+    math_groups = ("optimizer", "data", "loss")
+    headline = "rewards/accuracies"
+
+    def __init__(self, cfg: ORPOConfig, *, model, updater, tokenizer, layout, train_pairs, valid_pairs=None,
+                 reports=()):
+        columns = {"prompt": train_pairs.prompt_ids, "chosen": train_pairs.chosen_ids,
+                   "rejected": train_pairs.rejected_ids}
+        super().__init__(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout, columns=columns,
+                         source=train_pairs.source, reports=reports)
+        self.valid = valid_pairs
+
+    def _micro(self, prompts, chosen, rejected) -> List[Dict[str, np.ndarray]]:
+        return orpo_micro_batches(prompts, chosen, rejected, self.micro_rows, self.pad_id)
+
+    def prepare(self, batch, rows):
+        columns = self.dataset.columns
+        self.num_tokens += sum(2 * len(columns["prompt"][i]) + len(columns["chosen"][i]) + len(columns["rejected"][i])
+                               for i in rows)
+        nll_tokens = nll_token_count([columns["prompt"][i] for i in rows], [columns["chosen"][i] for i in rows])
+        return self._micro(batch["prompt"], batch["chosen"], batch["rejected"]), (float(len(rows)), float(nll_tokens))
+
+    def stage_metrics(self, res, rows):
+        return {k: res[k] for k in METRICS}
+
+    @property
+    def has_validation(self) -> bool:
+        return self.valid is not None
+
+    def evaluate(self) -> Dict[str, float]:
+        """``eval/loss`` (the objective's loss over every validation pair, as one batch) and ``eval/<metric>``
+        of each of TRL's metrics: the objective applied to the policy's forward outputs."""
+        v, objective = self.valid, self.updater.objective
+        scalars = (Tensor(np.float32(len(v.prompt_ids))), Tensor(np.float32(nll_token_count(v.prompt_ids,
+                                                                                             v.chosen_ids))))
+        mine = self.replica_share(range(len(v.prompt_ids)))
+        sums = np.zeros(1 + len(objective.aux))
+        if mine:
+            micro = self._micro(*[[col[i] for i in mine] for col in (v.prompt_ids, v.chosen_ids, v.rejected_ids)])
+            for mb, lp in zip(micro, self.updater.forward(micro)):
+                loss, aux = objective.loss(Tensor(lp), *[Tensor(mb[k]) for k in objective.inputs], *scalars)
+                sums += [float(loss.asnumpy()), *[float(a.asnumpy()) for a in aux]]
+        sums = self.replica_sum(sums)
+        metrics = objective.metrics({name: s for (name, _), s in zip(objective.aux, sums[1:])})
+        return {"eval/loss": float(sums[0]), **{f"eval/{k}": metrics[k] for k in METRICS}}
+
+
+def build_trainer(cfg: ORPOConfig, layout=None):
+    """Load the policy, the tokenizer and the pairs as the config says; return a ready trainer."""
+    from mindrlhf.models import require_causal_lm
+    from mindrlhf.models.heads import LogProbHead
+    from mindrlhf.parallel import comm
+    from mindrlhf.parallel.resharding import checkpoint_config
+    from mindrlhf.trainer.entry import load_policy
+    from mindrlhf.trainer.memory import MicroBatchExtent
+    from mindrlhf.trainer.update import build_updater
+
+    if not cfg.data.train_file:
+        raise MindRLHFError("--train_file is required: preference pairs as jsonl (README: preference data; "
+                            "mindrlhf-data --pairs builds GSM8K pairs)")
+    m = cfg.model
+    path = resolve_weights(m.model_path)
+    tokenizer = load_tokenizer(m, path)
+    config = checkpoint_config(path)
+    require_causal_lm(config, path, "--model", "the policy ORPO trains")
+    main = comm.is_main()
+    train, train_report = read_pairs(cfg, cfg.data.train_file, tokenizer, "train_file", "truncate", main=main)
+    valid, valid_report = read_pairs(cfg, cfg.data.valid_file, tokenizer, "valid_file", "truncate", main=main) \
+        if cfg.data.valid_file else (None, None)
+    policy, masters = load_policy(path, config, layout, m.dtype)
+    extent = MicroBatchExtent.padded(2 * cfg.micro_rows, cfg.data.max_length)  # two rows a pair
+    updater = build_updater(cfg, policy, ORPOObjective(cfg.loss.beta), head=LogProbHead(), groups=layout.groups,
+                            masters=masters, extent=extent)
+    return ORPOTrainer(cfg, model=policy, updater=updater, tokenizer=tokenizer, layout=layout, train_pairs=train,
+                       valid_pairs=valid, reports=[r for r in (train_report, valid_report) if r])
+
+
+ORPO = StageSpec("orpo", parse=parse_orpo_args, build=build_trainer,
+                 models=lambda cfg: {"--model": cfg.model.model_path})
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console entry point (``mindrlhf-orpo``)."""
+    return run_cli(partial(run_stage, ORPO), argv)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
