@@ -176,10 +176,9 @@ class GRPOTrainer(RolloutTrainer):
                                 head=LogProbHead(self.loss_settings.temperature), groups=groups,
                                 masters=policy_masters, share_prompts=cfg.parallel.share_prompts,
                                 extent=rollout_extent(cfg))
-        # max_steps / grpo_epochs: the run and the LR decay. Recorded as max_steps, so the saved
-        # config.yaml reruns (and a resume compares) the same length.
+        # max_steps / grpo_epochs: the run and the LR decay. Kept as total_steps (the config stays as given);
+        # run_config() records it as max_steps, so the saved config.yaml reruns (and a resume compares) that length.
         total = run_steps(cfg, len(dataset))
-        cfg.train.max_steps = total
         funcs, weights = list(a.reward_funcs), a.reward_weights
         if a.overlong_buffer_length:  # DAPO's overlong punishment: one more reward term, weight 1
             funcs.append(overlong_reward(g.max_completion_length, a.overlong_buffer_length, a.overlong_penalty))
