@@ -84,7 +84,7 @@ def run_stage(stage: str, argv: list, result: Path) -> None:
     cfg = parse_args(argv)
     layout = setup_runtime(cfg)
     trainer = build_trainer(cfg, layout)
-    rows = [trainer.train_one_step() for _ in range(cfg.train.max_steps)]
+    rows = [trainer.train_one_step() for _ in range(trainer.total_steps)]  # the resolved run length
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
     result.write_text(json.dumps({"rows": rows, "peak_rss_gib": peak}))
 

@@ -1,4 +1,13 @@
-"""``mindrlhf-grpo`` / ``python -m mindrlhf.grpo``: build everything from the config and train.
+"""``mindrlhf-grpo`` / ``python -m mindrlhf.grpo``: GRPO (DeepSeekMath's group-relative policy optimisation, with
+DAPO's and Dr. GRPO's variants) on one process or several.
+
+The recipe, top to bottom: the objective (``GRPOObjective``: the clipped policy loss of
+``algorithms.policy_loss`` with the KL term and the importance-sampling correction of the rollout/train
+mismatch) → the trainer (``GRPOTrainer.train_one_step``: collect → reference / old log-probs → update → sync; the
+rollout, the rows across replicas, log-prob passes and the weight sync are ``trainer.rollout``'s, shared with
+PPO; GRPO's own part is the group advantages, DAPO's dynamic sampling, the update passes and the reference
+re-sync) → the builder (``build_trainer``: models, tokenizer, data, sampler from the config) → ``GRPO``, the
+stage's ``StageSpec``.
 
 Run on one process with ``python`` or on several with
 ``msrun --worker_num=N --local_worker_num=N --master_port=P --join=True … grpo_one_stage.py``.
@@ -8,17 +17,30 @@ With no paths given, it trains the embedded default: SmolLM2-135M-Instruct (from
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import dataclass
 from functools import partial
-from typing import Optional, Sequence
+from pathlib import Path
+from typing import Dict, Optional, Sequence, Tuple
 
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, ops
+
+from mindrlhf.algorithms import get_advantage_estimator, get_is_mode, informative_groups, policy_loss
 from mindrlhf.configs import GRPOConfig, parse_args
+from mindrlhf.data import PromptDataset
+from mindrlhf.errors import MindRLHFError
+from mindrlhf.generation import Sampler
 from mindrlhf.generation.factory import build_sampler, check_sampler_config
+from mindrlhf.models import CausalLM
 from mindrlhf.models.config import require_causal_lm
+from mindrlhf.models.heads import LogProbHead
 from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import RunLayout, init_run_layout
 from mindrlhf.parallel.layout import ParallelLayout
 from mindrlhf.parallel.resharding import checkpoint_config, load_shard
-from mindrlhf.rewards import get_reward_fn
+from mindrlhf.rewards import RewardManager, get_reward_fn, overlong_reward
 from mindrlhf.trainer.entry import (
     StageSpec,
     load_policy,
@@ -27,12 +49,313 @@ from mindrlhf.trainer.entry import (
     resolve_weights,
     run_stage,
 )
-from mindrlhf.trainer.rollout import load_prompt_dataset
+from mindrlhf.trainer.experience import Experience, concat_experiences
+from mindrlhf.trainer.memory import rollout_extent
+from mindrlhf.trainer.metrics import EVAL_CURVE, Curve
+from mindrlhf.trainer.rollout import PhaseTimer, RolloutTrainer, ScoredRollout, load_prompt_dataset
+from mindrlhf.trainer.schedule import run_steps
+from mindrlhf.trainer.update import build_frozen_runner, build_updater
 from mindrlhf.utils.cli import run_cli
 
 log = logging.getLogger("mindrlhf")
 
+#: Plots written beside metrics.jsonl with each checkpoint.
+GRPO_CURVES: Tuple[Curve, ...] = (
+    ("reward", "reward.png", "GRPO mean training reward", "mean reward"),
+    ("rewards/accuracy/mean", "accuracy.png", "GRPO training accuracy", "accuracy reward"), EVAL_CURVE)
 
+
+# -- the objective ----------------------------------------------------------------------------------
+# Token-weighted means: each micro-batch returns mean x its token count, summed over the step.
+TOKEN_MEANS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+               "sampling/sampling_logp_difference/mean")
+EXTREMES = (("sampling/sampling_logp_difference/max", "max"), ("sampling/importance_sampling_ratio/max", "max"),
+            ("sampling/importance_sampling_ratio/min", "min"))
+
+
+@dataclass
+class LossSettings:
+    """The algorithm fields the loss needs (a slice of the GRPO config)."""
+
+    loss_type: str
+    loss_agg_mode: str
+    epsilon_low: float
+    epsilon_high: float
+    beta: float
+    kl_estimator: str
+    max_completion_length: int
+    temperature: float
+    off_policy: bool
+    is_correction: bool = False
+    is_mode: str = "sequence_mask"
+    is_cap: float = 3.0
+
+    @classmethod
+    def from_config(cls, cfg) -> "LossSettings":
+        """The settings of a ``GRPOConfig``."""
+        a, g = cfg.algorithm, cfg.generation
+        loss_type, agg = cfg.policy_loss
+        return cls(loss_type, agg, a.epsilon_low, a.epsilon_high, a.beta, a.kl_estimator, g.max_completion_length,
+                   g.temperature if g.temperature > 0 else 1.0, cfg.needs_old_logprobs,
+                   a.importance_sampling_correction, a.importance_sampling_mode, a.importance_sampling_cap)
+
+
+class GRPOObjective:
+    """The GRPO loss of one micro-batch of completion log-probs, normalised by the mini-batch's global
+    token and sequence counts (the step's scalars)."""
+
+    inputs = ("completion_mask", "advantages", "old_logp", "ref_logp", "sampler_logp")
+    aux = tuple((k, "sum") for k in TOKEN_MEANS) + (("tokens", "sum"), ("is_ratio_sum", "sum"),
+                                                    ("is_ratio_count", "sum")) + EXTREMES
+
+    def __init__(self, settings: LossSettings):
+        self.settings = settings
+
+    def loss(self, logp: Tensor, completion_mask: Tensor, advantages: Tensor, old_logp: Tensor, ref_logp: Tensor,
+             sampler_logp: Tensor, num_tokens: Tensor, num_seqs: Tensor) -> Tuple[Tensor, Tuple[Tensor, ...]]:
+        s = self.settings
+        # On-policy: old == current (detached), so the ratio is exactly 1 and needs no extra forward.
+        old = old_logp if s.off_policy else ops.stop_gradient(logp)
+        # Rollout/train mismatch: the trainer's log-probs of the sampling policy vs the sampler's own.
+        valid = completion_mask > 0
+        gap = ops.where(valid, ops.stop_gradient(old).astype(ms.float32) - sampler_logp, 0.0)
+        mask = valid.astype(ms.float32)
+        weights = get_is_mode(s.is_mode)(gap, mask, s.is_cap)
+        loss, metrics = policy_loss(
+            logp, old, advantages, completion_mask, ref_logp=ref_logp if s.beta > 0 else None,
+            loss_type=s.loss_type, epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high, beta=s.beta,
+            kl_estimator=s.kl_estimator, loss_agg_mode=s.loss_agg_mode,
+            max_completion_length=s.max_completion_length, global_num_tokens=num_tokens, global_num_seqs=num_seqs,
+            is_weights=weights if s.is_correction else None)
+        # Means are over this micro-batch; weighted by its token count, the step forms exact global means.
+        tokens = mask.sum()
+        metrics["sampling/sampling_logp_difference/mean"] = ops.abs(gap).sum() / ops.maximum(tokens, 1.0)
+        # Ratio statistics over what the ratio is per: valid tokens, or completions with a valid token.
+        counted = mask if weights.shape[-1] != 1 else (mask.sum(axis=-1, keepdims=True) > 0).astype(ms.float32)
+        weights = ops.broadcast_to(weights, counted.shape)
+        inf = float("inf")
+        aux = tuple(metrics[k] * tokens for k in TOKEN_MEANS) + (tokens,)
+        aux += ((weights * counted).sum(), counted.sum())
+        aux += (ops.abs(gap).max(), ops.where(counted > 0, weights, -inf).max(),
+                ops.where(counted > 0, weights, inf).min())
+        return loss, aux
+
+    def metrics(self, reduced: Dict[str, float]) -> Dict[str, float]:
+        tokens = max(reduced["tokens"], 1.0)
+        out = {k: reduced[k] / tokens for k in TOKEN_MEANS}
+        count = reduced["is_ratio_count"]
+        out["sampling/importance_sampling_ratio/mean"] = reduced["is_ratio_sum"] / count if count else 0.0
+        for k, _ in EXTREMES:  # no valid token anywhere: 0
+            out[k] = reduced[k] if math.isfinite(reduced[k]) else 0.0
+        return out
+
+
+# -- the trainer ----------------------------------------------------------------------------------
+class GRPOTrainer(RolloutTrainer):
+    """One-stage GRPO: the policy, the generator, the reference, the data and the rewards of one run,
+    on the shared loop, update and checkpoints (``trainer.base``)."""
+
+    stage = "grpo"
+    math_groups = ("algorithm", "generation", "optimizer", "data")
+    headline = "reward"
+    curves = GRPO_CURVES
+
+    def __init__(self, cfg, *, policy: CausalLM, tokenizer, dataset: PromptDataset, sampler: Sampler,
+                 ref_model: Optional[CausalLM] = None, layout: Optional[RunLayout] = None,
+                 policy_masters: Optional[Sequence[ms.Parameter]] = None):
+        """``sampler``: the rollout backend (``generation.build_sampler``); the policy's weights reach it
+        through ``sync_generator`` only. ``policy_masters``: float32 master weights of the policy's
+        trainable parameters (same order), when the policy computes in bf16/fp16; by default they are
+        copied from the policy itself."""
+        a, g = cfg.algorithm, cfg.generation
+        if cfg.uses_reference and ref_model is None:
+            raise MindRLHFError("beta > 0 needs a reference model; the trainer was built without one")
+        self.loss_settings = LossSettings.from_config(cfg)
+        groups = layout.groups if layout is not None else None
+        updater = build_updater(cfg, policy, GRPOObjective(self.loss_settings),
+                                head=LogProbHead(self.loss_settings.temperature), groups=groups,
+                                masters=policy_masters, share_prompts=cfg.parallel.share_prompts,
+                                extent=rollout_extent(cfg))
+        # max_steps / grpo_epochs: the run and the LR decay. Kept as total_steps (the config stays as given);
+        # run_config() records it as max_steps, so the saved config.yaml reruns (and a resume compares) that length.
+        total = run_steps(cfg, len(dataset))
+        funcs, weights = list(a.reward_funcs), a.reward_weights
+        if a.overlong_buffer_length:  # DAPO's overlong punishment: one more reward term, weight 1
+            funcs.append(overlong_reward(g.max_completion_length, a.overlong_buffer_length, a.overlong_penalty))
+            weights = None if weights is None else list(weights) + [1.0]
+        super().__init__(cfg, policy=policy, updater=updater, tokenizer=tokenizer, dataset=dataset, sampler=sampler,
+                         rewards=RewardManager(funcs, weights, a.reward_errors), layout=layout, total_steps=total,
+                         num_generations=a.num_generations, rollouts_per_step=a.num_rollouts,
+                         mask_truncated=a.mask_truncated_completions)
+        self.ref_model = ref_model
+        self.off_policy = cfg.needs_old_logprobs
+        self.ref_runner = None if ref_model is None else build_frozen_runner(
+            cfg, ref_model, self.updater.groups, LogProbHead(self.loss_settings.temperature),
+            share_prompts=cfg.parallel.share_prompts)
+        self.ref_synced = False
+
+    # -- generation ----------------------------------------------------------------------------------
+    def generate(self, step: int) -> ScoredRollout:
+        """Generate G completions per prompt of the step's batches, score them and build its arrays
+        (this train replica's rows, advantages included): rollout → scoring → advantages."""
+        if self.cfg.algorithm.dynamic_sampling:
+            return self._generate_dynamic(step)
+        scored = self._round(step, 0)
+        scored.exp = self._train_share(self._with_advantages(self._global_rows(scored.exp)))
+        return scored
+
+    def _generate_dynamic(self, step: int) -> ScoredRollout:
+        """DAPO's dynamic sampling: rounds of generation until the step has prompts_per_step groups whose
+        rewards are not all equal (or max_sampling_rounds ran); extra groups are dropped, and a shortfall
+        is filled with flat groups whose completions are masked out of the loss, so the batch keeps its
+        geometry and the loss its normalisation (masked rows count in no denominator). Decided on the
+        global batch, so every rank agrees."""
+        a = self.cfg.algorithm
+        G, need = a.num_generations, self.cfg.prompts_per_step
+        pool, reward_time, rounds = None, 0.0, 0
+        while rounds < a.max_sampling_rounds:
+            scored = self._round(step, rounds)
+            reward_time += scored.reward_time
+            pool = self._global_rows(scored.exp) if pool is None else concat_experiences(
+                [pool, self._global_rows(scored.exp)], self.pad_id)
+            rounds += 1
+            if int(informative_groups(pool.rewards, G).sum()) >= need:
+                break
+        informative = informative_groups(pool.rewards, G)
+        order = np.concatenate([np.flatnonzero(informative), np.flatnonzero(~informative)])[:need]
+        chosen = pool.rows((order[:, None] * G + np.arange(G)).reshape(-1))
+        flat = ~informative[order]
+        chosen.completion_mask[np.repeat(flat, G)] = 0.0
+        exp = self._train_share(self._with_advantages(chosen))
+        texts = self.tokenizer.batch_decode(
+            [ids[p > 0].tolist() for ids, p in zip(exp.completion_ids, exp.extras["completion_present"])],
+            skip_special_tokens=True)
+        prompts = [ids[m > 0].tolist() for ids, m in zip(exp.prompt_ids, exp.prompt_mask)]
+        sampling = {"sampling/rounds": float(rounds), "sampling/kept_groups": float((~flat).sum()),
+                    "frac_reward_zero_std": float(1.0 - informative.mean())}
+        return ScoredRollout(exp, texts=texts, prompts=prompts, reward_time=reward_time, sampling=sampling,
+                             solutions=[self.dataset.solution[int(i)] for i in exp.prompt_index],
+                             policy_version=np.full(len(exp), self.step, np.int64))
+
+    def _with_advantages(self, everything: Experience) -> Experience:
+        everything.advantages = self._estimate(everything.rewards)
+        return everything
+
+    def _estimate(self, rewards: np.ndarray) -> np.ndarray:
+        """Advantages of a global batch of rewards (groups of G consecutive rows), float32."""
+        estimator = get_advantage_estimator(self.cfg.advantage_estimator)
+        return np.asarray(estimator(rewards, self.cfg.algorithm.num_generations), np.float32)
+
+    # -- update ---------------------------------------------------------------------------------
+    def train_on(self, exp: Experience) -> Dict[str, float]:
+        """num_iterations × mini-batches of optimizer steps on this step's experience."""
+        a = self.cfg.algorithm
+        zeros = np.zeros_like(exp.completion_mask)
+        old = exp.old_logp if exp.old_logp is not None else zeros
+        ref = exp.ref_logp if exp.ref_logp is not None else zeros
+        # The schedule advances once per GRPO step (warmup_steps counts steps, not updates).
+        lr = self.learning_rate()
+        self.updater.set_lr(lr)
+        results = []
+        for _ in range(a.num_iterations):
+            for k in range(self.cfg.mini_batches_per_step):
+                mb = self.mini_batch(exp, k, self.cfg.mini_batches_per_step)
+                micro = mb.micro(advantages=exp.advantages, old_logp=old, ref_logp=ref, sampler_logp=exp.sampler_logp)
+                res = self.updater.step(micro, (mb.num_tokens, mb.num_seqs))
+                res["learning_rate"] = lr
+                self.count_nonfinite(res)
+                results.append(res)
+        # Means over the step's updates; the sampling gap's extremes are extremes over them too.
+        reduce = {"max": np.max, "min": np.min}
+        out = {k: float(reduce.get(k.rsplit("/", 1)[-1], np.mean)([r[k] for r in results])) for k in results[0]}
+        # TRL's extremes of the clip fractions (over its processes); here over the step's updates, each a
+        # global mean, so they do not depend on how rows are split over ranks and micro-batches.
+        out["clip_ratio/low_min"] = float(np.min([r["clip_ratio/low_mean"] for r in results]))
+        out["clip_ratio/high_max"] = float(np.max([r["clip_ratio/high_mean"] for r in results]))
+        return out
+
+    # -- sync -----------------------------------------------------------------------------------
+    def sync_reference(self) -> None:
+        """ref ← α·policy + (1−α)·ref (α = 1 copies)."""
+        alpha = self.cfg.algorithm.ref_model_mixup_alpha
+        ref_params = dict(self.ref_model.parameters_and_names())
+        for name, p in self.policy.parameters_and_names():
+            target = ref_params[name]
+            value = p.value().astype(target.dtype)
+            # In place: set_data would leave the compiled reference forward reading old weights.
+            target.copy_(value if alpha == 1.0 else alpha * value + (1 - alpha) * target.value())
+        self.ref_synced = True
+
+    # -- checkpoint hooks (trainer.base) ----------------------------------------------------------
+    def stage_state(self) -> Dict[str, object]:
+        return {**super().stage_state(), "ref_synced": self.ref_synced}
+
+    def load_stage_state(self, state) -> None:
+        super().load_stage_state(state)
+        self.ref_synced = bool(state.get("ref_synced"))
+
+    def extra_tensors(self) -> Dict[str, Dict[str, ms.Parameter]]:
+        return {"ref": dict(self.ref_model.parameters_and_names())} if self.ref_synced else {}
+
+    def load_extra_tensors(self, path: Path, state) -> None:
+        if state.get("ref_synced"):
+            self.load_tensors(dict(self.ref_model.parameters_and_names()), path / "ref.ckpt")
+
+    # -- metrics --------------------------------------------------------------------------------
+    def _warn_if_nothing_to_learn(self, step: int, exp: Experience) -> None:
+        """One warning line for a step whose every advantage is 0 (no group's rewards differ, or none was
+        scored): its policy-gradient term trained nothing, which would otherwise pass without a word."""
+        signal = (exp.advantages != 0) & (exp.completion_mask.sum(1) > 0)
+        if self._sum_replicas(np.array([signal.sum()]))[0] > 0:
+            return
+        rewards = self._gather_rows(exp.rewards)  # a collective: every rank takes part
+        if not comm.is_main():
+            return
+        scored = np.isfinite(rewards)
+        why = ("no completion got a reward (every reward function scored None or failed)" if not scored.any() else
+               f"no group's rewards differ (rewards {np.nanmin(rewards):.4g}..{np.nanmax(rewards):.4g})")
+        log.warning("step %d: %s, so every advantage is 0 and the policy-gradient term trained nothing; check the "
+                    "reward functions (rewards/<name>/mean in metrics.jsonl), or sample more per prompt "
+                    "(num_generations, temperature, dynamic_sampling)", step, why)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def train_one_step(self) -> Dict[str, float]:
+        """Run GRPO step ``self.step + 1``; returns its metrics."""
+        cfg, a = self.cfg, self.cfg.algorithm
+        step, timer = self.step + 1, PhaseTimer()
+        scored = self.collect(step, timer)
+        exp = scored.exp
+        with timer("time/ref"):
+            if cfg.uses_reference:
+                exp.ref_logp = self.completion_forward(self.ref_runner, exp)
+        with timer("time/old_logp"):
+            if self.off_policy:
+                exp.old_logp = self.completion_forward(self.updater.runner, exp)
+        with timer("time/train"):
+            train_metrics = self.train_on(exp)
+        with timer("time/sync"):
+            self.sync_generator()
+            if a.sync_ref_model and step % a.ref_model_sync_steps == 0:
+                self.sync_reference()
+        self.step = step
+        self._warn_if_nothing_to_learn(step, exp)
+        return self._finish_metrics(step, self._step_metrics(scored, train_metrics), timer, scored)
+
+    def _step_metrics(self, scored: ScoredRollout, train_metrics: Dict[str, float]) -> Dict[str, float]:
+        """The step's reward, sampling and update metrics (KL only with a reference; the updater's skip and
+        overflow flags are counted by ``update_metrics`` instead)."""
+        metrics = self._reward_metrics(scored.exp)
+        metrics.update(scored.sampling)  # dynamic sampling: its counts, and the unfiltered zero-std share
+        metrics.update(train_metrics)
+        if not self.cfg.uses_reference:
+            metrics.pop("kl", None)
+        metrics.pop("skipped", None)
+        metrics.pop("overflow", None)
+        metrics.update(self.update_metrics())
+        return metrics
+
+
+# -- the builder ----------------------------------------------------------------------------------
 def resolve_model_path(cfg: GRPOConfig) -> str:
     """The policy weights (``load_sft_checkpoint_train PATH`` or ``sft_path_train``); the embedded
     SmolLM2 default when none is given."""
@@ -47,9 +370,6 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
     bf16/fp16 the policy's float32 master weights are read from the file (nothing rounded before
     training starts) and its compute copy is cast from them.
     """
-    from mindrlhf.models import CausalLM
-    from mindrlhf.trainer.grpo_trainer import GRPOTrainer
-
     m = cfg.model
     layout = layout or init_run_layout(ParallelLayout(dp=comm.world_size()), ParallelLayout(dp=comm.world_size()),
                                        comm.rank(), comm.world_size())

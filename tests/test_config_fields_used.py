@@ -26,12 +26,15 @@ def _read(name: str, code: str) -> bool:
 
 
 def _derived_properties(config_cls) -> dict:
-    """A config's derived properties and methods (``model_weights``), by name: their source."""
+    """A config's derived properties and methods (``model_weights``) and its groups' (``ModelConfig.weight_fields``),
+    by name: their source. A group's ``check`` is validation, not a read: it is left out."""
     found = {}
-    for klass in reversed(config_cls.__mro__):  # the config's own and those of the shared TrainingConfig
-        found.update({name: inspect.getsource(obj.fget if isinstance(obj, property) else obj)
-                      for name, obj in vars(klass).items()
-                      if isinstance(obj, property) or (inspect.isfunction(obj) and not name.startswith("__"))})
+    for cls in [config_cls] + [group for _, group in config_cls.groups()]:
+        for klass in reversed(cls.__mro__):  # the class's own and those of its bases (the shared TrainingConfig)
+            found.update({name: inspect.getsource(obj.fget if isinstance(obj, property) else obj)
+                          for name, obj in vars(klass).items()
+                          if (isinstance(obj, property) or (inspect.isfunction(obj) and not name.startswith("__")))
+                          and not (cls is not config_cls and name == "check")})
     return found
 
 

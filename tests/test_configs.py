@@ -573,3 +573,43 @@ def test_overlong_buffer_checks():
     with pytest.raises(MindRLHFError, match="reward_funcs names a function 'overlong'"):
         parse_args(["--overlong_buffer_length", "16", "--reward_funcs", "accuracy", "overlong"])
     assert parse_args(["--overlong_buffer_length", "16"]).algorithm.overlong_penalty == 1.0
+
+
+@pytest.mark.parametrize("group, values, needle", [
+    (grpo_configs.AlgorithmConfig, dict(sync_ref_model=True), "sync_ref_model = true with beta = 0"),
+    (grpo_configs.AlgorithmConfig, dict(reward_funcs=[]), "reward_funcs is empty"),
+    (grpo_configs.AlgorithmConfig, dict(loss_type="dapo", loss_agg_mode="seq-mean-token-sum-norm"),
+     "loss_type = 'dapo' (TRL's name) means loss_agg_mode = 'token-mean'"),
+    (grpo_configs.GenerationConfig, dict(min_new_tokens=200), "min_new_tokens = 200 > max_completion_length = 160"),
+    (grpo_configs.ModelConfig, dict(ref_path="ref", load_ref_checkpoint=False),
+     "ref_path = 'ref' is ignored with load_ref_checkpoint"),
+    (grpo_configs.ModelConfig, dict(vocab_path="vocab.json"), "vocab_path = 'vocab.json' and merges_file_path = ''"),
+    (grpo_configs.ParallelConfig, dict(use_parallel=True, train_dp=2), "= 2 != infer world size"),
+])
+def test_each_group_checks_its_own_fields(group, values, needle):
+    """Issue 42: a rule among one group's fields is that group's ``check`` (GRPOConfig keeps only the rules across
+    groups), so a stage that reuses the group (PPO: generation, parallel) gets the rule with it."""
+    errors = []
+    group(**values).check(errors)
+    assert len(errors) == 1 and needle in errors[0], errors
+    errors = []
+    group().check(errors)
+    assert errors == []
+
+
+def test_ppo_gets_the_generation_and_layout_rules_of_the_groups_it_shares():
+    """PPO's config had its own copies of the min_new_tokens and world-size rules with blunter messages; the shared
+    groups now check them, with the same words as GRPO's (the fix, the factors of each world size)."""
+    from mindrlhf.configs.ppo import PPOConfig
+
+    for cls in (GRPOConfig, PPOConfig):
+        cfg = cls.from_dict(dict(min_new_tokens=200), validate=False)
+        with pytest.raises(MindRLHFError) as err:
+            cfg.validate()
+        assert "min_new_tokens = 200 > max_completion_length = 160; lower min_new_tokens" in str(err.value)
+        assert str(err.value).count("min_new_tokens = 200") == 1
+        cfg = cls.from_dict(dict(use_parallel=True, train_dp=2), validate=False)
+        with pytest.raises(MindRLHFError) as err:
+            cfg.validate()
+        assert "train world size train_dp*train_tp*train_pp = 2*1*1 = 2 != infer world size infer_dp*infer_tp = " \
+               "1*1 = 1" in str(err.value), str(err.value)

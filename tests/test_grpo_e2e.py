@@ -95,7 +95,7 @@ def test_a_new_run_never_overwrites_or_resumes_another(grpo_assets, tmp_path, ca
     other_data = tmp_path / "same_rows_elsewhere.mindrecord"
     convert_to_mindrecord(str(grpo_assets["data"].parent / "gsm8k16.jsonl"), str(other_data),
                           Tokenizer.from_dir(grpo_assets["model"]), max_prompt_length=256, show_progress=False)
-    with caplog.at_level(logging.WARNING, logger="mindrlhf.trainer.grpo_trainer"):
+    with caplog.at_level(logging.WARNING, logger="mindrlhf"):
         changed = dict(short, max_steps=2, seed=8, lr=2e-3, mind_dataset_dir=other_data)
         assert _run_inprocess(_args(grpo_assets, out, **changed, resume="latest")) == 0
     warned = [r.getMessage() for r in caplog.records if "different config" in r.getMessage()]

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from mindrlhf.errors import MindRLHFError
+from mindrlhf.grpo import GRPO_CURVES
 from mindrlhf.trainer.metrics import (
     MetricsLogger,
     TensorBoardWriter,
@@ -86,11 +87,11 @@ def test_rolling_mean_and_curves(tmp_path):
     assert math.isnan(rolling_mean([float("nan")], 3)[0])
     rows = [{"step": i, "reward": 0.1 * i, "rewards/accuracy/mean": 0.05 * i} for i in range(1, 8)]
     rows.append({"step": 8, "reward": "nan"})  # non-finite values are logged as strings; plotted as gaps
-    written = write_curves(rows, tmp_path)
+    written = write_curves(rows, tmp_path, GRPO_CURVES)
     assert [p.name for p in written] == ["reward.png", "accuracy.png"]
     for p in written:
         img = imread(p)
         assert img.shape[:2] == (400, 640) and (img[..., :3] < 0.9).any()
     # No accuracy column: only the reward curve.
-    assert [p.name for p in write_curves([{"step": 1, "reward": 0.5}], tmp_path / "b")] == ["reward.png"]
+    assert [p.name for p in write_curves([{"step": 1, "reward": 0.5}], tmp_path / "b", GRPO_CURVES)] == ["reward.png"]
     assert not list(tmp_path.glob(".*.tmp"))  # atomic writes leave no temporary files

@@ -85,9 +85,9 @@ def test_float16_update_agrees_with_float32(replayed_runs):
 
 
 def _updater(model_dir, dtype: str, **kw):
+    from mindrlhf.grpo import GRPOObjective, LossSettings
     from mindrlhf.models import load_model
     from mindrlhf.models.heads import LogProbHead
-    from mindrlhf.trainer.grpo_loss import GRPOObjective, LossSettings
     from mindrlhf.trainer.update import Updater
 
     model = load_model(model_dir, dtype=dtype)

@@ -164,7 +164,7 @@ def test_an_infinite_reward_stops_the_run_or_is_skipped_and_a_step_with_no_signa
     (row,) = _metrics(skip)
     assert row["rewards/one_infinite_reward/failures"] == 1.0 and row["grad_norm"] > 0
     # All-None rewards: a warning line per step says nothing was trained.
-    with caplog.at_level(logging.WARNING, logger="mindrlhf.trainer.grpo_trainer"):
+    with caplog.at_level(logging.WARNING, logger="mindrlhf"):
         assert _run(_args(grpo_assets, tmp_path / "none", max_steps=2, max_completion_length=4,
                           reward_funcs=["e2e_rewards:no_score"])) == 0
     said = [r.getMessage() for r in caplog.records if "trained nothing" in r.getMessage()]

@@ -24,9 +24,9 @@ def _experience(width: int, seed: int = 0) -> Experience:
 
 
 def _update(model_dir, exp: Experience, loss_agg_mode: str):
+    from mindrlhf.grpo import GRPOObjective, LossSettings
     from mindrlhf.models import get_weights, load_model
     from mindrlhf.models.heads import LogProbHead
-    from mindrlhf.trainer.grpo_loss import GRPOObjective, LossSettings
     from mindrlhf.trainer.update import Updater
 
     model = load_model(model_dir)
@@ -64,9 +64,9 @@ def test_extra_completion_padding_does_not_change_the_update(tiny_qwen2_dir, los
 def test_importance_sampling_correction_weights_the_update(tiny_qwen2_dir, mode):
     """On-policy (ratio 1), grpo's per-token loss is -A; the correction weights it by the mode's ratio of the
     trainer's to the sampler's log-probs, computed here in numpy from the trainer's own log-probs."""
+    from mindrlhf.grpo import GRPOObjective, LossSettings
     from mindrlhf.models import load_model
     from mindrlhf.models.heads import LogProbHead
-    from mindrlhf.trainer.grpo_loss import GRPOObjective, LossSettings
     from mindrlhf.trainer.update import Updater
 
     exp = _experience(9)

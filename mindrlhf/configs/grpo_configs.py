@@ -193,6 +193,27 @@ class AlgorithmConfig:
         "all by keyword, and return one number or None per completion.",
         choices=REWARD_ERRORS)
 
+    def check(self, errors: List[str]) -> None:
+        """The algorithm's own cross-field rules: the reward terms, the loss's names, the reference's sync."""
+        if self.overlong_buffer_length and "overlong" in map(reward_spec_name, self.reward_funcs):
+            errors.append("reward_funcs names a function 'overlong', the name of the overlong_buffer_length term; "
+                          "rename it")
+        if self.advantage_estimator != "grpo" and self.scale_rewards != "group":
+            errors.append(f"scale_rewards = {self.scale_rewards!r} applies to advantage_estimator grpo only, not "
+                          f"{self.advantage_estimator!r}; leave scale_rewards at group")
+        # TRL loss names carry their aggregation; a different explicit one is a contradiction.
+        default_agg = AlgorithmConfig.__dataclass_fields__["loss_agg_mode"].default
+        if self.loss_type in TRL_LOSS_TYPES and self.loss_agg_mode not in (default_agg, TRL_LOSS_TYPES[self.loss_type]):
+            errors.append(f"loss_type = {self.loss_type!r} (TRL's name) means loss_agg_mode = "
+                          f"{TRL_LOSS_TYPES[self.loss_type]!r}, but loss_agg_mode = {self.loss_agg_mode!r}; drop one "
+                          "of them")
+        if not self.reward_funcs:
+            errors.append("reward_funcs is empty; give at least one reward function (e.g. accuracy)")
+        check_reward_funcs(self.reward_funcs, self.reward_weights, errors)
+        if self.sync_ref_model and self.beta == 0:
+            errors.append("sync_ref_model = true with beta = 0: the reference model is never used; "
+                          "set beta > 0 or sync_ref_model false")
+
 
 def check_reward_funcs(funcs: List[str], weights: Optional[List[float]], errors: List[str]) -> None:
     """The rule rewards' fields as GRPO and PPO read them (``reward_funcs``, ``reward_weights``): each function
@@ -259,6 +280,11 @@ class GenerationConfig:
         "package) instead of the built-in KV-cache sampler. Not wired in yet: the job refuses true (MindRLHF's "
         "--use_vllm 1), and on CPU it does not apply at all.")
 
+    def check(self, errors: List[str]) -> None:
+        if self.min_new_tokens > self.max_completion_length:
+            errors.append(f"min_new_tokens = {self.min_new_tokens} > max_completion_length = "
+                          f"{self.max_completion_length}; lower min_new_tokens")
+
 
 @dataclass
 class ModelConfig(ModelBaseConfig):
@@ -297,6 +323,45 @@ class ModelConfig(ModelBaseConfig):
         "that checkpoint (full, HF, or rank_{r} shards for the train layout; ref_path must then be '' or the "
         "same path); false (or '') = the reference starts as a copy of the initial policy (no second load); "
         "then ref_path must be ''.")
+
+    def weight_fields(self, role: str) -> Tuple[str, "bool | str"]:
+        """(path field, load field) values of ``role``: train, infer or ref."""
+        return {"train": (self.sft_path_train, self.load_sft_checkpoint_train),
+                "infer": (self.sft_path_infer, self.load_sft_checkpoint_infer),
+                "ref": (self.ref_path, self.load_ref_checkpoint)}[role]
+
+    def model_yaml(self, role: str) -> str:
+        """The MindFormers model YAML given as ``sft_path_train`` / ``sft_path_infer``, or ''."""
+        path = self.weight_fields(role)[0]
+        return path if is_model_yaml(path) else ""
+
+    def check(self, errors: List[str]) -> None:
+        """The tokenizer's rules, then the weights': a load_* path and a different weights path for the same model,
+        a model YAML with nothing to load, a path that loading switched off ignores."""
+        super().check(errors)
+        for role in ("train", "infer", "ref"):
+            path, load = self.weight_fields(role)
+            path_field = "ref_path" if role == "ref" else f"sft_path_{role}"
+            load_field = "load_ref_checkpoint" if role == "ref" else f"load_sft_checkpoint_{role}"
+            if isinstance(load, str) and path and not is_model_yaml(path) and path != load:
+                errors.append(f"{load_field} = {load!r} and {path_field} = {path!r} name two different checkpoints; "
+                              f"give the weights once ({path_field} may be a MindFormers model YAML instead)")
+            if role == "ref" and is_model_yaml(path):
+                errors.append(f"ref_path = {path!r} is a model YAML; ref_path names weights (the reference uses the "
+                              "train layout): give a checkpoint, or use load_ref_checkpoint PATH")
+        if self.model_yaml("train") and self.load_sft_checkpoint_train is True:
+            errors.append(f"sft_path_train = {self.sft_path_train!r} is a model YAML, which holds no weights; give the "
+                          "checkpoint with load_sft_checkpoint_train PATH")
+        if self.model_yaml("train") and self.load_sft_checkpoint_train is False:
+            errors.append(f"sft_path_train = {self.sft_path_train!r} (a model YAML) with load_sft_checkpoint_train = "
+                          "false: the architecture is read from a checkpoint here; give it with "
+                          "load_sft_checkpoint_train PATH")
+        if self.ref_path and not self.load_ref_checkpoint:
+            errors.append(f"ref_path = {self.ref_path!r} is ignored with load_ref_checkpoint = false; "
+                          "set load_ref_checkpoint true or ref_path ''")
+        if self.sft_path_infer and not self.load_sft_checkpoint_infer and not self.model_yaml("infer"):
+            errors.append(f"sft_path_infer = {self.sft_path_infer!r} is ignored with load_sft_checkpoint_infer = "
+                          "false; set load_sft_checkpoint_infer true or sft_path_infer ''")
 
 
 @dataclass
@@ -343,6 +408,14 @@ class ParallelConfig(TrainLayoutConfig):
 
     def layout_sizes(self) -> dict:
         return {**super().layout_sizes(), "infer_dp": self.infer_dp, "infer_tp": self.infer_tp}
+
+    def check(self, errors: List[str]) -> None:
+        super().check(errors)
+        train_world, infer_world = self.train_dp * self.train_tp * self.train_pp, self.infer_dp * self.infer_tp
+        if train_world != infer_world:
+            errors.append(f"train world size train_dp*train_tp*train_pp = {self.train_dp}*{self.train_tp}*"
+                          f"{self.train_pp} = {train_world} != infer world size infer_dp*infer_tp = {self.infer_dp}*"
+                          f"{self.infer_tp} = {infer_world}; the same processes train and generate")
 
 
 @dataclass
@@ -491,26 +564,18 @@ class GRPOConfig(TrainingConfig):
         return _GRPO_SCALINGS[a.scale_rewards] if a.advantage_estimator == "grpo" else a.advantage_estimator
 
     # ---------------------------------------------------------------- weights and MindFormers model YAMLs
-    def _weight_fields(self, role: str) -> Tuple[str, "bool | str"]:
-        """(path field, load field) values of ``role``: train, infer or ref."""
-        m = self.model
-        return {"train": (m.sft_path_train, m.load_sft_checkpoint_train),
-                "infer": (m.sft_path_infer, m.load_sft_checkpoint_infer),
-                "ref": (m.ref_path, m.load_ref_checkpoint)}[role]
-
     def model_weights(self, role: str) -> str:
         """The checkpoint to load for ``role`` (train / infer / ref), or '' when there is none to load:
         the ``load_*`` path if one is given, else the role's path field unless it is a model YAML or
         loading is off. ('' for train = the packaged default model; for infer / ref = from the policy.)"""
-        path, load = self._weight_fields(role)
+        path, load = self.model.weight_fields(role)
         if isinstance(load, str):
             return load
         return path if load and not is_model_yaml(path) else ""
 
     def model_yaml(self, role: str) -> str:
         """The MindFormers model YAML given as ``sft_path_train`` / ``sft_path_infer``, or ''."""
-        path = self._weight_fields(role)[0]
-        return path if is_model_yaml(path) else ""
+        return self.model.model_yaml(role)
 
     def resolve(self, source: str) -> None:
         """Take the train / infer layouts from MindFormers model YAMLs given as sft_path_train /
@@ -527,90 +592,31 @@ class GRPOConfig(TrainingConfig):
                                         f"(sft_path_{side}); drop {name} or change the YAML")
                 setattr(self.parallel, name, value)
 
-    def _check_weights(self, errors: List[str]) -> None:
-        """A load_* path and a different weights path for the same model, or a model YAML with nothing to load."""
-        m = self.model
-        for role in ("train", "infer", "ref"):
-            path, load = self._weight_fields(role)
-            path_field = "ref_path" if role == "ref" else f"sft_path_{role}"
-            load_field = "load_ref_checkpoint" if role == "ref" else f"load_sft_checkpoint_{role}"
-            if isinstance(load, str) and path and not is_model_yaml(path) and path != load:
-                errors.append(f"{load_field} = {load!r} and {path_field} = {path!r} name two different checkpoints; "
-                              f"give the weights once ({path_field} may be a MindFormers model YAML instead)")
-            if role == "ref" and is_model_yaml(path):
-                errors.append(f"ref_path = {path!r} is a model YAML; ref_path names weights (the reference uses the "
-                              "train layout): give a checkpoint, or use load_ref_checkpoint PATH")
-        if self.model_yaml("train") and m.load_sft_checkpoint_train is True:
-            errors.append(f"sft_path_train = {m.sft_path_train!r} is a model YAML, which holds no weights; give the "
-                          "checkpoint with load_sft_checkpoint_train PATH")
-        if self.model_yaml("train") and m.load_sft_checkpoint_train is False:
-            errors.append(f"sft_path_train = {m.sft_path_train!r} (a model YAML) with load_sft_checkpoint_train = "
-                          "false: the architecture is read from a checkpoint here; give it with "
-                          "load_sft_checkpoint_train PATH")
-
     def _check_combinations(self, errors: List[str]) -> None:
-        super()._check_combinations(errors)  # each group's own rules
+        super()._check_combinations(errors)  # each group's own rules (its ``check``)
+        # The rules across groups.
         a, g, o, m, p, t = self.algorithm, self.generation, self.optimizer, self.model, self.parallel, self.train
-        self._check_weights(errors)
         if a.overlong_buffer_length >= g.max_completion_length:
             errors.append(f"overlong_buffer_length = {a.overlong_buffer_length} must be below max_completion_length = "
                           f"{g.max_completion_length} (the punishment starts that many tokens before the limit)")
-        if a.overlong_buffer_length and "overlong" in map(reward_spec_name, a.reward_funcs):
-            errors.append("reward_funcs names a function 'overlong', the name of the overlong_buffer_length term; "
-                          "rename it")
-        if a.advantage_estimator != "grpo" and a.scale_rewards != "group":
-            errors.append(f"scale_rewards = {a.scale_rewards!r} applies to advantage_estimator grpo only, not "
-                          f"{a.advantage_estimator!r}; leave scale_rewards at group")
-
-        # TRL loss names carry their aggregation; a different explicit one is a contradiction.
-        default_agg = AlgorithmConfig.__dataclass_fields__["loss_agg_mode"].default
-        if a.loss_type in TRL_LOSS_TYPES and a.loss_agg_mode not in (default_agg, TRL_LOSS_TYPES[a.loss_type]):
-            errors.append(f"loss_type = {a.loss_type!r} (TRL's name) means loss_agg_mode = "
-                          f"{TRL_LOSS_TYPES[a.loss_type]!r}, but loss_agg_mode = {a.loss_agg_mode!r}; drop one of them")
-
-        # Rewards.
-        if not a.reward_funcs:
-            errors.append("reward_funcs is empty; give at least one reward function (e.g. accuracy)")
-        check_reward_funcs(a.reward_funcs, a.reward_weights, errors)
-
-        # Reference model.
-        if a.sync_ref_model and a.beta == 0:
-            errors.append("sync_ref_model = true with beta = 0: the reference model is never used; "
-                          "set beta > 0 or sync_ref_model false")
         if a.beta > 0 and not m.load_ref_checkpoint and not m.load_sft_checkpoint_train:
             errors.append(f"beta = {a.beta} with load_ref_checkpoint = false and load_sft_checkpoint_train = false: "
                           "the reference would be a random model; load a checkpoint or set beta 0")
-        if m.ref_path and not m.load_ref_checkpoint:
-            errors.append(f"ref_path = {m.ref_path!r} is ignored with load_ref_checkpoint = false; "
-                          "set load_ref_checkpoint true or ref_path ''")
-        if m.sft_path_infer and not m.load_sft_checkpoint_infer and not self.model_yaml("infer"):
-            errors.append(f"sft_path_infer = {m.sft_path_infer!r} is ignored with load_sft_checkpoint_infer = false; "
-                          "set load_sft_checkpoint_infer true or sft_path_infer ''")
-
-        # Generation.
-        if g.min_new_tokens > g.max_completion_length:
-            errors.append(f"min_new_tokens = {g.min_new_tokens} > max_completion_length = "
-                          f"{g.max_completion_length}; lower min_new_tokens")
         if g.use_vllm and importlib.util.find_spec("vllm_mindspore") is None:
             errors.append("use_vllm = true but the vllm_mindspore package is not installed (it runs on Ascend "
                           "only); install vllm-mindspore or set use_vllm false for the built-in sampler")
         elif g.use_vllm and p.device_target != "Ascend":
             errors.append(f"use_vllm = true needs device_target Ascend (got {p.device_target!r}); "
                           "set use_vllm false for the built-in sampler")
-
-        # Optimizer / schedule.
         if o.warmup_steps > t.max_steps and not (t.grpo_epochs and "max_steps" not in self.explicitly_set()):
             errors.append(f"warmup_steps = {o.warmup_steps} > max_steps = {t.max_steps}; "
                           "the learning rate would never reach lr")
+        self._check_batch_geometry(errors)
 
-        # Parallel layout.
-        infer_world = p.infer_dp * p.infer_tp
-        if self.world_size != infer_world:
-            errors.append(f"train world size train_dp*train_tp*train_pp = {p.train_dp}*{p.train_tp}*{p.train_pp} = "
-                          f"{self.world_size} != infer world size infer_dp*infer_tp = {p.infer_dp}*{p.infer_tp} = "
-                          f"{infer_world}; the same processes train and generate")
-
-        # Batch geometry.
+    def _check_batch_geometry(self, errors: List[str]) -> None:
+        """Prompts per generator replica, and completions per step → mini-batch → rank → micro-batch → pipeline
+        micro-batch: each must divide the one before (the first that does not is the one error)."""
+        a, p = self.algorithm, self.parallel
         if a.chunk_size % p.infer_dp:
             errors.append(f"chunk_size = {a.chunk_size} is not divisible by infer_dp = {p.infer_dp} "
                           "(each generator replica samples chunk_size / infer_dp prompts)")
@@ -634,7 +640,6 @@ class GRPOConfig(TrainingConfig):
         if micro % p.train_micro_batches:
             errors.append(f"micro_batch_size = {micro} is not divisible by train_micro_batches = "
                           f"{p.train_micro_batches} (pipeline micro-batches)")
-
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> GRPOConfig:

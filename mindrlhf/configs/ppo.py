@@ -246,13 +246,8 @@ class PPOConfig(TrainingConfig):
         if a.critic_lr and self.optimizer.min_lr > a.critic_lr:
             errors.append(f"min_lr = {self.optimizer.min_lr} > critic_lr = {a.critic_lr}; the critic's decay "
                           "would rise")
-        if g.min_new_tokens > g.max_completion_length:
-            errors.append(f"min_new_tokens = {g.min_new_tokens} > max_completion_length = {g.max_completion_length}")
         if g.use_vllm:
             errors.append("use_vllm = true: the vLLM-MindSpore backend is not wired in; set use_vllm false")
-        if self.world_size != p.infer_dp * p.infer_tp:
-            errors.append(f"train world size train_dp*train_tp*train_pp = {self.world_size} != infer world size "
-                          f"infer_dp*infer_tp = {p.infer_dp * p.infer_tp}; the same processes train and generate")
         if a.batch_size % p.infer_dp:
             errors.append(f"batch_size = {a.batch_size} is not divisible by infer_dp = {p.infer_dp} (each generator "
                           "replica samples batch_size / infer_dp prompts)")

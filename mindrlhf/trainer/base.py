@@ -9,6 +9,7 @@ and always hold full tensors, so a run resumes under any layout.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -59,7 +60,7 @@ class Trainer:
     stage = "train"
     #: Config groups whose fields change what resumed steps compute (compared on resume).
     math_groups: Tuple[str, ...] = ("optimizer", "data")
-    #: Further (group, field) pairs that change the math: the seed, the schedule's length, the dtype.
+    #: Further (group, field) pairs that change the math: the seed, the run length (``run_config``), the dtype.
     math_fields: Tuple[Tuple[str, str], ...] = (("train", "seed"), ("train", "max_steps"), ("model", "dtype"))
     #: The metric shown beside the progress bar.
     headline = "loss"
@@ -122,9 +123,18 @@ class Trainer:
     def after_load(self) -> None:
         """Called after a resume loaded the weights (e.g. to push them to a generator)."""
 
+    def run_config(self):
+        """The config as this run runs it: ``self.cfg`` (left as the user gave it) with ``train.max_steps`` the
+        resolved run length (``total_steps``: max_steps, or the epochs' steps when an epochs field sets it). Saved
+        as config.yaml in output_dir and every checkpoint, so running that file again gives the same length, and
+        compared on resume (a checkpoint written before this method saved the same)."""
+        cfg = copy.deepcopy(self.cfg)
+        cfg.train.max_steps = self.total_steps
+        return cfg
+
     def write_curves(self, logger: MetricsLogger) -> None:
         """Plots refreshed with each checkpoint (``curves``)."""
-        logger.write_curves(curves=self.curves)
+        logger.write_curves(self.curves)
 
     # -- shared pieces of a step --------------------------------------------------------------------
     def learning_rate(self) -> float:
@@ -198,7 +208,7 @@ class Trainer:
                      "skipped_updates": self.skipped_updates, "world_size": self.world,
                      "recompute": {stem: updater.recompute for stem, _, updater in self.trained()},
                      **self.stage_state(), **self.updater.loss_scale_state()}
-            self.ckpt.save(self.step, tensors, state, yaml.safe_dump(self.cfg.to_dict(), sort_keys=False),
+            self.ckpt.save(self.step, tensors, state, yaml.safe_dump(self.run_config().to_dict(), sort_keys=False),
                            files=self._model_files())
         # No rank starts the next step before the checkpoint is complete: msrun kills every worker of a
         # node when one dies, and rank 0 must not be taken down mid-write by a death in the next step.
@@ -257,7 +267,7 @@ class Trainer:
         saved_path = path / "config.yaml"
         if not saved_path.is_file():
             return
-        saved, now = yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {}, self.cfg.to_dict()
+        saved, now = yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {}, self.run_config().to_dict()
         keys = [(g, k) for g in self.math_groups for k in now.get(g, {})] + list(self.math_fields)
         changed = [f"{k} {saved[g][k]!r} -> {now[g][k]!r}" for g, k in keys
                    if k in saved.get(g, {}) and k in now.get(g, {}) and saved[g][k] != now[g][k]]

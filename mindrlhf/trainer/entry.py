@@ -175,7 +175,7 @@ def run_stage(spec: StageSpec, argv: Optional[Sequence[str]] = None) -> int:
             if t.overwrite_output_dir and start.checkpoint is None:
                 clear_previous_run(t.output_dir, cfg.checkpoint_dir)
             write_run_id(t.output_dir, trainer.run_id, spec.name)
-            cfg.save_yaml(Path(t.output_dir) / "config.yaml")
+            trainer.run_config().save_yaml(Path(t.output_dir) / "config.yaml")  # with the resolved run length
         history = trainer.train()
     except RuntimeError as err:
         op = comm.collective_failure(err) if comm.world_size() > 1 else None

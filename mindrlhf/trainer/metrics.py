@@ -54,9 +54,6 @@ Curve = Tuple[str, str, str, str]
 #: Held-out accuracy of the policy stages' evaluation while training (skipped when the run logged none).
 EVAL_CURVE: Curve = ("eval/accuracy", "eval_accuracy.png", "held-out GSM8K accuracy (evaluation while training)",
                      "accuracy")
-GRPO_CURVES: Tuple[Curve, ...] = (
-    ("reward", "reward.png", "GRPO mean training reward", "mean reward"),
-    ("rewards/accuracy/mean", "accuracy.png", "GRPO training accuracy", "accuracy reward"), EVAL_CURVE)
 
 
 class MetricsLogger:
@@ -97,11 +94,11 @@ class MetricsLogger:
         if self.tb is not None:
             self.tb.add_scalars(step, metrics)
 
-    def write_curves(self, window: int = 5, curves: Sequence[Curve] = GRPO_CURVES) -> None:
-        """The stage's plots (``curves``) beside metrics.jsonl, from every logged step."""
+    def write_curves(self, curves: Sequence[Curve], window: int = 5) -> None:
+        """The stage's plots (``curves``, its ``Trainer.curves``) beside metrics.jsonl, from every logged step."""
         if not self.enabled or not self.jsonl_path.exists():
             return
-        write_curves(read_metrics(self.jsonl_path), self.jsonl_path.parent, window, curves)
+        write_curves(read_metrics(self.jsonl_path), self.jsonl_path.parent, curves, window)
 
     def close(self) -> None:
         if self.tb is not None:
@@ -139,11 +136,9 @@ def rolling_mean(values: Sequence[float], window: int) -> List[float]:
     return out
 
 
-def write_curves(rows: Sequence[Mapping], out_dir: Path, window: int = 5,
-                 curves: Sequence[Curve] = GRPO_CURVES) -> List[Path]:
-    """Plot each of ``curves`` (metric key, file name, title, label) per step with its ``window``-step
-    trailing mean (GRPO's: mean training reward, accuracy reward); returns the files written. A metric no
-    row has is skipped."""
+def write_curves(rows: Sequence[Mapping], out_dir: Path, curves: Sequence[Curve], window: int = 5) -> List[Path]:
+    """Plot each of ``curves`` (metric key, file name, title, label: a stage's ``Trainer.curves``) per step with
+    its ``window``-step trailing mean; returns the files written. A metric no row has is skipped."""
     from mindrlhf.utils.plot import line_chart_png
 
     steps = [int(r["step"]) for r in rows]

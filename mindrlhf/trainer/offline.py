@@ -41,7 +41,6 @@ class OfflineTrainer(Trainer):
         self.micro_rows = cfg.micro_rows // p.train_micro_batches
         unit = f"{self.dataset.num_rows} rows, fewer than batch_size = {d.batch_size}"
         total = run_length(cfg, d.num_epochs, len(self.dataset), "num_epochs", unit)
-        cfg.train.max_steps = total  # config.yaml and a resume compare the resolved length
         super().__init__(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout, total_steps=total)
         self.data_reports = list(reports)
         self.num_tokens = 0  # TRL's num_tokens: every real token of the rows trained on so far (``prepare`` counts)

@@ -9,7 +9,7 @@ scores them (``_reward``: the stage's ``RewardManager``), and the stage gathers 
 (``_train_share``). Each later phase runs under ``with timer("time/<phase>")`` (``PhaseTimer``), and updates cut
 mini-batches with ``mini_batch``. Losses are normalised by global counts and gradients summed over ranks, so an
 update does not depend on the number of data-parallel workers. A stage subclasses it
-(``grpo_trainer.GRPOTrainer``, ``ppo.PPOTrainer``) and writes ``train_one_step`` as a list of named phases.
+(``grpo.GRPOTrainer``, ``ppo.PPOTrainer``) and writes ``train_one_step`` as a list of named phases.
 """
 from __future__ import annotations
 
