@@ -20,10 +20,9 @@ from mindspore import ops
 
 from mindrlhf.algorithms.supervised import dpo_logits, get_preference_loss
 from mindrlhf.configs.offline import DPOConfig, parse_dpo_args
-from mindrlhf.data.text_rows import read_pairs
-from mindrlhf.errors import MindRLHFError
+from mindrlhf.data.text_rows import read_pair_files, require_pair_file
 from mindrlhf.parallel import comm
-from mindrlhf.trainer.entry import StageSpec, load_tokenizer, resolve_weights, run_stage
+from mindrlhf.trainer.entry import StageSpec, model_source, run_stage
 from mindrlhf.trainer.metrics import EVAL_CURVE
 from mindrlhf.trainer.offline import PolicyOfflineTrainer, prompt_completion_micro_batches
 from mindrlhf.utils.cli import run_cli
@@ -218,22 +217,14 @@ def build_trainer(cfg: DPOConfig, layout=None):
     from mindrlhf.trainer.memory import MicroBatchExtent
     from mindrlhf.trainer.update import build_frozen_runner, build_updater
 
-    if not cfg.data.train_file:
-        raise MindRLHFError("--train_file is required: preference pairs as jsonl (README: preference data; "
-                            "mindrlhf-data --pairs builds GSM8K pairs)")
+    require_pair_file(cfg)
     m = cfg.model
-    path = resolve_weights(m.model_path)
-    tokenizer = load_tokenizer(m, path)
-    config = checkpoint_config(path)
-    require_causal_lm(config, path, "--model", "the policy DPO trains")
+    path, tokenizer, config = model_source(m, "the policy DPO trains")
     if m.ref_model_path:  # checked before any weights or rows are read
         require_causal_lm(checkpoint_config(m.ref_model_path), m.ref_model_path, "--ref_model", "DPO's reference",
                           "pass the policy's causal LM (e.g. the SFT checkpoint), or omit --ref_model to use the "
                           "initial policy")
-    main = comm.is_main()
-    train, train_report = read_pairs(cfg, cfg.data.train_file, tokenizer, "train_file", "truncate", main=main)
-    valid, valid_report = read_pairs(cfg, cfg.data.valid_file, tokenizer, "valid_file", "truncate", main=main) \
-        if cfg.data.valid_file else (None, None)
+    train, valid, reports = read_pair_files(cfg, tokenizer, "truncate", main=comm.is_main())
     policy, masters = load_policy(path, config, layout, m.dtype)
     ref = load_reference(m.ref_model_path, policy, layout, m.dtype)  # '': the initial policy, in the compute dtype
     share = layout.train.pp == 1  # the pair's two rows share their prompt: encode it once
@@ -243,7 +234,7 @@ def build_trainer(cfg: DPOConfig, layout=None):
     updater = build_updater(cfg, policy, objective, head=LogProbHead(), groups=layout.groups, masters=masters,
                             share_prompts=share, extent=extent)
     return DPOTrainer(cfg, model=policy, updater=updater, tokenizer=tokenizer, layout=layout, train_pairs=train,
-                      ref_runner=ref_runner, valid_pairs=valid, reports=[r for r in (train_report, valid_report) if r])
+                      ref_runner=ref_runner, valid_pairs=valid, reports=reports)
 
 
 DPO = StageSpec("dpo", parse=parse_dpo_args, build=build_trainer,

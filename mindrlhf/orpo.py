@@ -26,9 +26,8 @@ from mindspore import Tensor, ops
 
 from mindrlhf.algorithms.supervised import log_sigmoid, odds_ratio_loss, orpo_log_odds, sft_loss
 from mindrlhf.configs.offline import ORPOConfig, parse_orpo_args
-from mindrlhf.data.text_rows import read_pairs
-from mindrlhf.errors import MindRLHFError
-from mindrlhf.trainer.entry import StageSpec, load_tokenizer, resolve_weights, run_stage
+from mindrlhf.data.text_rows import read_pair_files, require_pair_file
+from mindrlhf.trainer.entry import StageSpec, model_source, run_stage
 from mindrlhf.trainer.metrics import EVAL_CURVE
 from mindrlhf.trainer.offline import PolicyOfflineTrainer, prompt_completion_micro_batches
 from mindrlhf.utils.cli import run_cli
@@ -164,32 +163,21 @@ class ORPOTrainer(PolicyOfflineTrainer):
 
 def build_trainer(cfg: ORPOConfig, layout=None):
     """Load the policy, the tokenizer and the pairs as the config says; return a ready trainer."""
-    from mindrlhf.models import require_causal_lm
     from mindrlhf.models.heads import LogProbHead
     from mindrlhf.parallel import comm
-    from mindrlhf.parallel.resharding import checkpoint_config
     from mindrlhf.trainer.entry import load_policy
     from mindrlhf.trainer.memory import MicroBatchExtent
     from mindrlhf.trainer.update import build_updater
 
-    if not cfg.data.train_file:
-        raise MindRLHFError("--train_file is required: preference pairs as jsonl (README: preference data; "
-                            "mindrlhf-data --pairs builds GSM8K pairs)")
-    m = cfg.model
-    path = resolve_weights(m.model_path)
-    tokenizer = load_tokenizer(m, path)
-    config = checkpoint_config(path)
-    require_causal_lm(config, path, "--model", "the policy ORPO trains")
-    main = comm.is_main()
-    train, train_report = read_pairs(cfg, cfg.data.train_file, tokenizer, "train_file", "truncate", main=main)
-    valid, valid_report = read_pairs(cfg, cfg.data.valid_file, tokenizer, "valid_file", "truncate", main=main) \
-        if cfg.data.valid_file else (None, None)
-    policy, masters = load_policy(path, config, layout, m.dtype)
+    require_pair_file(cfg)
+    path, tokenizer, config = model_source(cfg.model, "the policy ORPO trains")
+    train, valid, reports = read_pair_files(cfg, tokenizer, "truncate", main=comm.is_main())
+    policy, masters = load_policy(path, config, layout, cfg.model.dtype)
     extent = MicroBatchExtent.padded(2 * cfg.micro_rows, cfg.data.max_length)  # two rows a pair
     updater = build_updater(cfg, policy, ORPOObjective(cfg.loss.beta), head=LogProbHead(), groups=layout.groups,
                             masters=masters, extent=extent)
     return ORPOTrainer(cfg, model=policy, updater=updater, tokenizer=tokenizer, layout=layout, train_pairs=train,
-                       valid_pairs=valid, reports=[r for r in (train_report, valid_report) if r])
+                       valid_pairs=valid, reports=reports)
 
 
 ORPO = StageSpec("orpo", parse=parse_orpo_args, build=build_trainer,

@@ -20,10 +20,9 @@ from mindspore import ops
 
 from mindrlhf.algorithms.supervised import reward_model_loss
 from mindrlhf.configs.offline import RMConfig, parse_rm_args
-from mindrlhf.data.text_rows import read_pairs
-from mindrlhf.errors import MindRLHFError
+from mindrlhf.data.text_rows import read_pair_files, require_pair_file
 from mindrlhf.parallel import comm
-from mindrlhf.trainer.entry import StageSpec, load_tokenizer, resolve_weights, run_stage
+from mindrlhf.trainer.entry import StageSpec, model_source, run_stage
 from mindrlhf.trainer.offline import OfflineTrainer, pad_rows
 from mindrlhf.utils.cli import run_cli
 
@@ -123,32 +122,24 @@ def _pair_columns(pairs) -> Dict[str, list]:
 def build_trainer(cfg: RMConfig, layout=None):
     """Load the model (with a score head), tokenizer and pairs as the config says; return a ready trainer."""
     from mindrlhf.models.heads import ScoreHead
-    from mindrlhf.parallel.resharding import checkpoint_config
     from mindrlhf.trainer.entry import load_policy
     from mindrlhf.trainer.memory import MicroBatchExtent
     from mindrlhf.trainer.update import build_updater
 
-    if not cfg.data.train_file:
-        raise MindRLHFError("--train_file is required: preference pairs as jsonl (README: preference data; "
-                            "mindrlhf-data --pairs builds GSM8K pairs)")
-    path = resolve_weights(cfg.model.model_path)
-    tokenizer = load_tokenizer(cfg.model, path)
-    config = checkpoint_config(path)
+    require_pair_file(cfg)
+    path, tokenizer, config = model_source(cfg.model)  # any decoder: it gets a new score head
     if config.pad_token_id is None and tokenizer.pad_token_id is not None:
         # transformers' *ForSequenceClassification finds each row's last token through pad_token_id: an exported
         # reward model needs it (TRL sets it from the tokenizer too).
         config = replace(config, pad_token_id=tokenizer.pad_token_id)
-    main = comm.is_main()
-    train, train_report = read_pairs(cfg, cfg.data.train_file, tokenizer, "train_file", "drop", main=main)
-    valid, valid_report = read_pairs(cfg, cfg.data.valid_file, tokenizer, "valid_file", "drop", main=main) \
-        if cfg.data.valid_file else (None, None)
+    train, valid, reports = read_pair_files(cfg, tokenizer, "drop", main=comm.is_main())
     model, masters = load_policy(path, config, layout, cfg.model.dtype, num_labels=1, seed=cfg.train.seed)
     # Each pair is two rows (chosen, rejected); a score head forms no vocabulary logits.
     extent = MicroBatchExtent.padded(2 * cfg.micro_rows, cfg.data.max_length, logit_rows=0)
     updater = build_updater(cfg, model, RMObjective(cfg.loss.center_rewards_coefficient), head=ScoreHead(1),
                             groups=layout.groups, masters=masters, extent=extent, what="reward model")
     return RMTrainer(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout, train_pairs=train,
-                     valid_pairs=valid, reports=[r for r in (train_report, valid_report) if r])
+                     valid_pairs=valid, reports=reports)
 
 
 RM = StageSpec("rm", parse=parse_rm_args, build=build_trainer, models=lambda cfg: {"--model": cfg.model.model_path})

@@ -23,7 +23,7 @@ from mindrlhf.configs.offline import SFTConfig, parse_sft_args
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.parallel import comm
 from mindrlhf.trainer.base import log_data_report
-from mindrlhf.trainer.entry import StageSpec, load_tokenizer, resolve_weights, run_stage
+from mindrlhf.trainer.entry import StageSpec, model_source, run_stage
 from mindrlhf.trainer.metrics import EVAL_CURVE
 from mindrlhf.trainer.offline import PolicyOfflineTrainer, pack_rows, prompt_completion_micro_batches
 from mindrlhf.utils.cli import run_cli
@@ -150,17 +150,12 @@ def read_rows(cfg: SFTConfig, path: str, tokenizer, what: str):
 
 def build_trainer(cfg: SFTConfig, layout=None):
     """Load the model, tokenizer and rows as the config says; return a ready SFT trainer."""
-    from mindrlhf.models.config import require_causal_lm
     from mindrlhf.models.heads import LogProbHead
-    from mindrlhf.parallel.resharding import checkpoint_config
     from mindrlhf.trainer.entry import load_policy
     from mindrlhf.trainer.memory import MicroBatchExtent
     from mindrlhf.trainer.update import build_updater
 
-    path = resolve_weights(cfg.model.model_path)
-    tokenizer = load_tokenizer(cfg.model, path)
-    config = checkpoint_config(path)
-    require_causal_lm(config, path, "--model", "the model SFT trains")
+    path, tokenizer, config = model_source(cfg.model, "the model SFT trains")
     train, train_report = read_rows(cfg, cfg.data.train_file or default_train_file(cfg), tokenizer, "train_file")
     valid, valid_report = read_rows(cfg, cfg.data.valid_file, tokenizer, "valid_file") if cfg.data.valid_file \
         else (None, None)

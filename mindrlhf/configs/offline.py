@@ -315,25 +315,17 @@ log-prob. There is no reference model: `--ref_model` is not an option of this st
     train: PolicyTrainConfig = dataclasses.field(default_factory=lambda: PolicyTrainConfig(output_dir="output/orpo"))
 
 
-def parse_sft_args(argv: Optional[Sequence[str]] = None) -> SFTConfig:
-    """Build an ``SFTConfig`` from ``--config PATH`` and ``--<field>`` flags, validated."""
-    return SFTConfig.parse_args(argv, description=f"Supervised fine-tuning for MindSpore (see "
-                                f"{SFTConfig.REFERENCE_FILE})")
+def _stage_parser(cls, title: str):
+    """The ``parse_*_args`` of a stage: its config class built from ``--config PATH`` and ``--<field>`` flags,
+    validated; ``title`` heads the ``--help``."""
+    def parse(argv: Optional[Sequence[str]] = None):
+        return cls.parse_args(argv, description=f"{title} for MindSpore (see {cls.REFERENCE_FILE})")
+
+    parse.__doc__ = f"Build a ``{cls.__name__}`` from ``--config PATH`` and ``--<field>`` flags, validated."
+    return parse
 
 
-def parse_rm_args(argv: Optional[Sequence[str]] = None) -> RMConfig:
-    """Build an ``RMConfig`` from ``--config PATH`` and ``--<field>`` flags, validated."""
-    return RMConfig.parse_args(argv, description=f"Reward-model training for MindSpore (see "
-                               f"{RMConfig.REFERENCE_FILE})")
-
-
-def parse_dpo_args(argv: Optional[Sequence[str]] = None) -> DPOConfig:
-    """Build a ``DPOConfig`` from ``--config PATH`` and ``--<field>`` flags, validated."""
-    return DPOConfig.parse_args(argv, description=f"Direct preference optimisation for MindSpore (see "
-                                f"{DPOConfig.REFERENCE_FILE})")
-
-
-def parse_orpo_args(argv: Optional[Sequence[str]] = None) -> ORPOConfig:
-    """Build an ``ORPOConfig`` from ``--config PATH`` and ``--<field>`` flags, validated."""
-    return ORPOConfig.parse_args(argv, description=f"Odds-ratio preference optimisation for MindSpore (see "
-                                 f"{ORPOConfig.REFERENCE_FILE})")
+parse_sft_args = _stage_parser(SFTConfig, "Supervised fine-tuning")
+parse_rm_args = _stage_parser(RMConfig, "Reward-model training")
+parse_dpo_args = _stage_parser(DPOConfig, "Direct preference optimisation")
+parse_orpo_args = _stage_parser(ORPOConfig, "Odds-ratio preference optimisation")

@@ -551,6 +551,24 @@ def read_pairs(cfg, path: PathLike, tokenizer: "Tokenizer", what: str, overlong:
         log_report(report, what, cfg.train.output_dir)
     return pairs, report
 
+def require_pair_file(cfg) -> None:
+    """A pair stage's first check, before any model is looked at: it has a ``train_file``."""
+    if not cfg.data.train_file:
+        raise MindRLHFError("--train_file is required: preference pairs as jsonl (README: preference data; "
+                            "mindrlhf-data --pairs builds GSM8K pairs)")
+
+
+def read_pair_files(cfg, tokenizer: "Tokenizer", overlong: str, *, main: bool = True
+                    ) -> Tuple[PairRows, Optional[PairRows], List[ConversionReport]]:
+    """A pair stage's ``train_file`` and optional ``valid_file`` through ``read_pairs``: the train pairs, the
+    validation pairs (None without a file) and the reports of what was read."""
+    require_pair_file(cfg)
+    train, train_report = read_pairs(cfg, cfg.data.train_file, tokenizer, "train_file", overlong, main=main)
+    if not cfg.data.valid_file:
+        return train, None, [train_report]
+    valid, valid_report = read_pairs(cfg, cfg.data.valid_file, tokenizer, "valid_file", overlong, main=main)
+    return train, valid, [train_report, valid_report]
+
 # ---------------------------------------------------------------------------------------------- prompts
 #: Keys of a prompt row that reward functions do not get as dataset columns, as in TRL's GRPOTrainer (the
 #: prompt reaches them as ``prompts``; a completion's text and ids are the sampled ones).

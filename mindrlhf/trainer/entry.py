@@ -88,6 +88,21 @@ def load_tokenizer(model_cfg, model_path: str):
     return resolve_tokenizer(model_path, m.tokenizer_dir or None, m.vocab_path or None, m.merges_file_path or None)
 
 
+def model_source(model_cfg, role: Optional[str] = None):
+    """``(path, tokenizer, config)`` of the model a stage trains (``model_cfg.model_path``, resolved as
+    ``resolve_weights`` does), read before any weights; with ``role`` (e.g. "the policy DPO trains") it must be
+    a causal LM (one line naming ``--model`` otherwise)."""
+    from mindrlhf.models.config import require_causal_lm
+    from mindrlhf.parallel.resharding import checkpoint_config
+
+    path = resolve_weights(model_cfg.model_path)
+    tokenizer = load_tokenizer(model_cfg, path)
+    config = checkpoint_config(path)
+    if role:
+        require_causal_lm(config, path, "--model", role)
+    return path, tokenizer, config
+
+
 def load_policy(path: str, config, layout: RunLayout, dtype: str, *, load: bool = True,
                 num_labels: Optional[int] = None, seed: int = 0):
     """This rank's trainable shard (train layout) of the model at ``path`` and, under bf16/fp16, its float32
