@@ -153,8 +153,9 @@ EVAL_AS_STEP = {"sft": ("mean_token_accuracy",), "rm": ("accuracy", "margin", "m
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,extra", [("sft", {"packing": "true"}), ("rm", {"center_rewards_coefficient": 0.01}),
-                                         ("dpo", {}), ("dpo", {"loss_type": "ipo", "precompute_ref_log_probs": "true"})])
+@pytest.mark.parametrize("stage,extra", [
+    ("sft", {"packing": "true"}), ("rm", {"center_rewards_coefficient": 0.01}), ("dpo", {}),
+    ("dpo", {"loss_type": "ipo", "precompute_ref_log_probs": "true"})])
 def test_evaluation_is_the_training_objective(stage_assets, tmp_path, stage, extra):
     """Evaluation applies the stage's training objective: on a valid file equal to the train file, with one step
     covering every row, eval/loss and each eval/<metric> before the step equal that step's loss and metrics (both
