@@ -4,9 +4,10 @@ The recipe, top to bottom: pair rows (``data.text_rows.read_pair_rows``, tokenis
 prompt's tokens, then each completion with its EOS; each sequence cut to ``max_length``) → each pair as
 two rows, prompt + chosen and prompt + rejected, sharing the prompt (with ``share_prompts`` the prompt
 is encoded once for both, ``models.packing``) → sequence log-probs (sum over completion tokens; token
-mean for IPO) of the policy and of the frozen reference (run each step, or once before training with
-``precompute_ref_log_probs``) → the registered DPO loss (``algorithms.supervised``) over the step's pairs
-→ the shared update, loop, checkpoints and CLI. Metrics carry TRL's ``DPOTrainer`` names.
+mean for a length-normalised loss such as IPO) of the policy and of the frozen reference (run each step,
+or once before training with ``precompute_ref_log_probs``) → the registered DPO loss
+(``algorithms.supervised``) over the step's pairs → the shared update, loop, checkpoints and CLI; the
+same objective on the validation pairs is the evaluation. Metrics carry TRL's ``DPOTrainer`` names.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 from mindspore import ops
 
-from mindrlhf.algorithms.supervised import dpo_logits, get_preference_loss
+from mindrlhf.algorithms.supervised import dpo_logits, get_preference_loss, is_length_normalized
 from mindrlhf.configs.offline import DPOConfig, parse_dpo_args
 from mindrlhf.data.text_rows import read_pair_files, require_pair_file
 from mindrlhf.parallel import comm
@@ -42,7 +43,8 @@ class DPOObjective:
 
     def __init__(self, loss_type: str, beta: float, label_smoothing: float):
         self.loss_fn = get_preference_loss(loss_type)
-        self.token_mean = loss_type == "ipo"  # IPO compares per-token log-likelihoods (TRL: length-normalised)
+        # A length-normalised loss (IPO) compares per-token log-likelihoods: token means, not sums.
+        self.token_mean = is_length_normalized(self.loss_fn)
         self.beta, self.label_smoothing = float(beta), float(label_smoothing)
 
     def loss(self, logp, completion_mask, ref_logp, num_pairs):
@@ -86,16 +88,6 @@ def pair_logp_micro_batches(prompts: Sequence[np.ndarray], chosen: Sequence[np.n
     return prompt_completion_micro_batches(rows_p, rows_c, 2 * pairs, pad_id, bucket=bucket)
 
 
-def sequence_logps(micro: Sequence[Dict[str, np.ndarray]], logps: Sequence[np.ndarray], token_mean: bool) -> np.ndarray:
-    """Per-row sequence log-probs (float64) from per-token ones: sums over completion tokens (or token means)."""
-    out = []
-    for mb, lp in zip(micro, logps):
-        m = mb["completion_mask"].astype(np.float64)
-        seq = (lp.astype(np.float64) * m).sum(-1)
-        out.append(seq / np.maximum(m.sum(-1), 1.0) if token_mean else seq)
-    return np.concatenate(out)
-
-
 class DPOTrainer(PolicyOfflineTrainer):
     """DPO on the shared loop: one optimizer step per ``batch_size`` pairs."""
 
@@ -106,42 +98,42 @@ class DPOTrainer(PolicyOfflineTrainer):
     math_groups = ("optimizer", "data", "loss")
     headline = "rewards/accuracies"
 
+    step_metrics = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                    "logps/rejected")
+    eval_metrics = ("rewards/accuracies", "rewards/margins")
+
     def __init__(self, cfg: DPOConfig, *, model, updater, tokenizer, layout, train_pairs, ref_runner,
                  valid_pairs=None, reports=()):
-        columns = {"prompt": train_pairs.prompt_ids, "chosen": train_pairs.chosen_ids,
-                   "rejected": train_pairs.rejected_ids}
-        super().__init__(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout, columns=columns,
-                         source=train_pairs.source, reports=reports)
-        self.valid = valid_pairs
+        super().__init__(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout,
+                         columns=train_pairs.columns(), source=train_pairs.source, reports=reports,
+                         valid=valid_pairs.columns() if valid_pairs is not None else None)
         self.ref_runner = ref_runner
-        self.token_mean = cfg.loss.loss_type == "ipo"
         # Reference per-token log-probs of each completion (2 per pair), when precomputed.
-        self.ref_train: Optional[List[np.ndarray]] = None
-        self.ref_valid: Optional[List[np.ndarray]] = None
+        self.ref_logps: Dict[str, List[np.ndarray]] = {}
         if cfg.loss.precompute_ref_log_probs:
-            self.ref_train = self._reference_all(train_pairs)
-            self.ref_valid = self._reference_all(valid_pairs) if valid_pairs is not None else None
+            self.ref_logps["train"] = self._reference_all(self.dataset.columns)
+            if self.valid is not None:
+                self.ref_logps["valid"] = self._reference_all(self.valid)
             self.ref_runner = None  # the reference model is no longer referenced: its memory goes
             gc.collect()
             if comm.is_main():
                 log.info("precompute_ref_log_probs: the reference ran over %d training pairs and was released",
-                         len(self.ref_train) // 2)
+                         len(self.ref_logps["train"]) // 2)
 
     # -- the reference ---------------------------------------------------------------------------
     def _micro(self, prompts, chosen, rejected) -> List[Dict[str, np.ndarray]]:
         return pair_logp_micro_batches(prompts, chosen, rejected, self.micro_rows, self.pad_id)
 
-    def _reference_all(self, pairs) -> List[np.ndarray]:
+    def _reference_all(self, columns) -> List[np.ndarray]:
         """The reference's per-token log-probs of every pair's two completions (a flat list, chosen then
         rejected per pair): each replica runs its share, then one sum over the world."""
-        n = len(pairs.prompt_ids)
-        lengths = [len(c) for pair in zip(pairs.chosen_ids, pairs.rejected_ids) for c in pair]
+        n = len(columns["prompt"])
+        lengths = [len(c) for pair in zip(columns["chosen"], columns["rejected"]) for c in pair]
         flat = np.zeros(sum(lengths))
         starts = np.r_[0, np.cumsum(lengths)]
         mine = np.arange(n)[self.layout.groups.dp_rank::self.cfg.parallel.train_dp]
         if len(mine):
-            micro = self._micro(*[[col[i] for i in mine] for col in (pairs.prompt_ids, pairs.chosen_ids,
-                                                                     pairs.rejected_ids)])
+            micro = self._micro(*[[columns[k][i] for i in mine] for k in ("prompt", "chosen", "rejected")])
             rows = [row for mb, lp in zip(micro, self.ref_runner.forward(micro))
                     for row, m in zip(lp, mb["completion_mask"]) for row in [row[m > 0]]]
             for k, row in zip([2 * i + j for i in mine for j in (0, 1)], rows):
@@ -160,52 +152,21 @@ class DPOTrainer(PolicyOfflineTrainer):
             mb["ref_logp"] = ref
 
     # -- the step ---------------------------------------------------------------------------------
-    def prepare(self, batch, rows):
-        columns = self.dataset.columns
-        self.num_tokens += sum(2 * len(columns["prompt"][i]) + len(columns["chosen"][i]) + len(columns["rejected"][i])
-                               for i in rows)
+    def micro_batches(self, batch, split):
+        """The pairs' micro-batches with the reference's per-token log-probs as ``ref_logp`` (precomputed, or
+        run now)."""
         micro = self._micro(batch["prompt"], batch["chosen"], batch["rejected"])
-        if self.ref_train is not None:
-            self._place(micro, [self.ref_train[2 * i + j] for i in batch["index"] for j in (0, 1)])
+        if split in self.ref_logps:
+            ref = self.ref_logps[split]
+            self._place(micro, [ref[2 * i + j] for i in batch["index"] for j in (0, 1)])
         else:
             for mb, lp in zip(micro, self.ref_runner.forward(micro)):
                 mb["ref_logp"] = lp
-        return micro, (float(len(rows)),)
+        return micro
 
-    def stage_metrics(self, res, rows):
-        keys = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-                "logps/rejected")
-        return {k: res[k] for k in keys}
-
-    @property
-    def has_validation(self) -> bool:
-        return self.valid is not None
-
-    def evaluate(self) -> Dict[str, float]:
-        """eval/loss, eval/rewards/accuracies and eval/rewards/margins over every validation pair."""
-        import mindspore as ms
-
-        v, loss = self.valid, self.cfg.loss
-        mine = np.arange(len(v.prompt_ids))[self.layout.groups.dp_rank::self.cfg.parallel.train_dp]
-        sums = np.zeros(4)
-        if len(mine):
-            micro = self._micro(*[[col[i] for i in mine] for col in (v.prompt_ids, v.chosen_ids, v.rejected_ids)])
-            policy = sequence_logps(micro, self.updater.forward(micro), self.token_mean).reshape(-1, 2)
-            if self.ref_valid is not None:
-                self._place(micro, [self.ref_valid[2 * i + j] for i in mine for j in (0, 1)])
-                ref_lp = [mb["ref_logp"] for mb in micro]
-            else:
-                ref_lp = self.ref_runner.forward(micro)
-            ref = sequence_logps(micro, ref_lp, self.token_mean).reshape(-1, 2)
-            logits = (policy[:, 0] - policy[:, 1]) - (ref[:, 0] - ref[:, 1])
-            per = self.updater.objective.loss_fn(ms.Tensor(logits.astype(np.float32)), loss.beta,
-                                                 loss.label_smoothing).asnumpy()
-            rc, rr = loss.beta * (policy[:, 0] - ref[:, 0]), loss.beta * (policy[:, 1] - ref[:, 1])
-            sums += [per.sum(), (rc > rr).sum(), (rc - rr).sum(), len(mine)]
-        total, correct, margin, pairs = self.replica_sum(sums)
-        pairs = max(pairs, 1.0)
-        return {"eval/loss": total / pairs, "eval/rewards/accuracies": correct / pairs,
-                "eval/rewards/margins": margin / pairs}
+    def row_tokens(self, columns, i):
+        # The prompt is read twice (once with each completion).
+        return 2 * len(columns["prompt"][i]) + len(columns["chosen"][i]) + len(columns["rejected"][i])
 
 
 def build_trainer(cfg: DPOConfig, layout=None):

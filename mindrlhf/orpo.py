@@ -22,7 +22,7 @@ from functools import partial
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
-from mindspore import Tensor, ops
+from mindspore import ops
 
 from mindrlhf.algorithms.supervised import log_sigmoid, odds_ratio_loss, orpo_log_odds, sft_loss
 from mindrlhf.configs.offline import ORPOConfig, parse_orpo_args
@@ -118,47 +118,26 @@ class ORPOTrainer(PolicyOfflineTrainer):
     math_groups = ("optimizer", "data", "loss")
     headline = "rewards/accuracies"
 
+    step_metrics = METRICS
+    eval_metrics = METRICS
+
     def __init__(self, cfg: ORPOConfig, *, model, updater, tokenizer, layout, train_pairs, valid_pairs=None,
                  reports=()):
-        columns = {"prompt": train_pairs.prompt_ids, "chosen": train_pairs.chosen_ids,
-                   "rejected": train_pairs.rejected_ids}
-        super().__init__(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout, columns=columns,
-                         source=train_pairs.source, reports=reports)
-        self.valid = valid_pairs
+        super().__init__(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout,
+                         columns=train_pairs.columns(), source=train_pairs.source, reports=reports,
+                         valid=valid_pairs.columns() if valid_pairs is not None else None)
 
-    def _micro(self, prompts, chosen, rejected) -> List[Dict[str, np.ndarray]]:
-        return orpo_micro_batches(prompts, chosen, rejected, self.micro_rows, self.pad_id)
+    def micro_batches(self, batch, split):
+        return orpo_micro_batches(batch["prompt"], batch["chosen"], batch["rejected"], self.micro_rows, self.pad_id)
 
-    def prepare(self, batch, rows):
-        columns = self.dataset.columns
-        self.num_tokens += sum(2 * len(columns["prompt"][i]) + len(columns["chosen"][i]) + len(columns["rejected"][i])
-                               for i in rows)
-        nll_tokens = nll_token_count([columns["prompt"][i] for i in rows], [columns["chosen"][i] for i in rows])
-        return self._micro(batch["prompt"], batch["chosen"], batch["rejected"]), (float(len(rows)), float(nll_tokens))
+    def counts(self, columns, rows):
+        """The step's pairs and the tokens of its chosen rows' NLL (both global)."""
+        return float(len(rows)), float(nll_token_count([columns["prompt"][i] for i in rows],
+                                                       [columns["chosen"][i] for i in rows]))
 
-    def stage_metrics(self, res, rows):
-        return {k: res[k] for k in METRICS}
-
-    @property
-    def has_validation(self) -> bool:
-        return self.valid is not None
-
-    def evaluate(self) -> Dict[str, float]:
-        """``eval/loss`` (the objective's loss over every validation pair, as one batch) and ``eval/<metric>``
-        of each of TRL's metrics: the objective applied to the policy's forward outputs."""
-        v, objective = self.valid, self.updater.objective
-        scalars = (Tensor(np.float32(len(v.prompt_ids))), Tensor(np.float32(nll_token_count(v.prompt_ids,
-                                                                                             v.chosen_ids))))
-        mine = self.replica_share(range(len(v.prompt_ids)))
-        sums = np.zeros(1 + len(objective.aux))
-        if mine:
-            micro = self._micro(*[[col[i] for i in mine] for col in (v.prompt_ids, v.chosen_ids, v.rejected_ids)])
-            for mb, lp in zip(micro, self.updater.forward(micro)):
-                loss, aux = objective.loss(Tensor(lp), *[Tensor(mb[k]) for k in objective.inputs], *scalars)
-                sums += [float(loss.asnumpy()), *[float(a.asnumpy()) for a in aux]]
-        sums = self.replica_sum(sums)
-        metrics = objective.metrics({name: s for (name, _), s in zip(objective.aux, sums[1:])})
-        return {"eval/loss": float(sums[0]), **{f"eval/{k}": metrics[k] for k in METRICS}}
+    def row_tokens(self, columns, i):
+        # Each pair is two full rows: the prompt is read twice.
+        return 2 * len(columns["prompt"][i]) + len(columns["chosen"][i]) + len(columns["rejected"][i])
 
 
 def build_trainer(cfg: ORPOConfig, layout=None):

@@ -77,40 +77,20 @@ class RMTrainer(OfflineTrainer):
     next_command = ("use it as PPO's reward model: mindrlhf-ppo --reward_model {checkpoint}, or export it: "
                     "mindrlhf-convert-weight --reverse --input_path {checkpoint}/policy.ckpt --output_path DIR")
 
+    step_metrics = ("accuracy", "margin", "min_reward", "mean_reward", "max_reward")
+    eval_metrics = ("accuracy", "margin", "mean_reward")
+
     def __init__(self, cfg: RMConfig, *, model, updater, tokenizer, layout, train_pairs, valid_pairs=None,
                  reports=()):
         super().__init__(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout,
-                         columns=_pair_columns(train_pairs), source=train_pairs.source, reports=reports)
-        self.valid = _pair_columns(valid_pairs) if valid_pairs is not None else None
-        self.center = cfg.loss.center_rewards_coefficient
+                         columns=_pair_columns(train_pairs), source=train_pairs.source, reports=reports,
+                         valid=_pair_columns(valid_pairs) if valid_pairs is not None else None)
 
-    def prepare(self, batch, rows):
-        columns = self.dataset.columns
-        self.num_tokens += sum(len(columns["chosen"][i]) + len(columns["rejected"][i]) for i in rows)
-        return pair_micro_batches(batch["chosen"], batch["rejected"], self.micro_rows, self.pad_id), (float(len(rows)),)
+    def micro_batches(self, batch, split):
+        return pair_micro_batches(batch["chosen"], batch["rejected"], self.micro_rows, self.pad_id)
 
-    def stage_metrics(self, res, rows):
-        return {k: res[k] for k in ("accuracy", "margin", "min_reward", "mean_reward", "max_reward")}
-
-    @property
-    def has_validation(self) -> bool:
-        return self.valid is not None
-
-    def evaluate(self) -> Dict[str, float]:
-        """eval/loss, eval/accuracy (pairwise), eval/margin and eval/mean_reward over every validation pair."""
-        chosen, rejected = self.replica_share(self.valid["chosen"]), self.replica_share(self.valid["rejected"])
-        sums = np.zeros(5)
-        if chosen:
-            micro = pair_micro_batches(chosen, rejected, self.micro_rows, self.pad_id)
-            for scores in self.updater.forward(micro):
-                c, r = scores[0::2, 0].astype(np.float64), scores[1::2, 0].astype(np.float64)
-                d = c - r
-                loss = np.logaddexp(0.0, -d).sum() + self.center * ((c + r) ** 2).sum()
-                sums += [loss, (d > 0).sum(), d.sum(), c.sum() + r.sum(), len(d)]
-        loss, correct, margin, reward, pairs = self.replica_sum(sums)
-        pairs = max(pairs, 1.0)
-        return {"eval/loss": loss / pairs, "eval/accuracy": correct / pairs, "eval/margin": margin / pairs,
-                "eval/mean_reward": reward / (2 * pairs)}
+    def row_tokens(self, columns, i):
+        return len(columns["chosen"][i]) + len(columns["rejected"][i])
 
 
 def _pair_columns(pairs) -> Dict[str, list]:

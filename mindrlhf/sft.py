@@ -53,46 +53,31 @@ class SFTTrainer(PolicyOfflineTrainer):
     stage = "sft"
     curves = (("loss", "loss.png", "SFT: training loss", "loss"), EVAL_CURVE)
 
+    step_metrics = ("mean_token_accuracy", "entropy")
+    eval_metrics = ("mean_token_accuracy",)
+
     def __init__(self, cfg: SFTConfig, *, model, updater, tokenizer, layout, train_rows, valid_rows=None,
                  reports=()):
         capacity = cfg.data.max_length if cfg.data.packing else 0  # 0: one row per sequence
         train = sequences(train_rows, capacity)
         super().__init__(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout, columns=train,
-                         source=train_rows.source, reports=reports)
+                         source=train_rows.source, reports=reports,
+                         valid=sequences(valid_rows, capacity) if valid_rows is not None else None)
         if capacity and comm.is_main():
             log.info("packing: %d rows in %d sequences of up to %d tokens", len(train_rows),
                      len(train["input_ids"]), capacity)
-        self.valid = sequences(valid_rows, capacity) if valid_rows is not None else None
 
-    def micro_batches(self, columns):
+    def micro_batches(self, batch, split):
         """Padded micro-batches of sequences (``sft_micro_batches``)."""
-        return sft_micro_batches(columns["input_ids"], columns["trained"], self.micro_rows, self.pad_id,
-                                 segments=columns.get("segments"))
+        return sft_micro_batches(batch["input_ids"], batch["trained"], self.micro_rows, self.pad_id,
+                                 segments=batch.get("segments"))
 
-    def prepare(self, batch, rows):
-        columns = self.dataset.columns
-        self.num_tokens += sum(len(columns["input_ids"][i]) for i in rows)
-        trained = sum(float(columns["trained"][i].sum()) for i in rows)  # a row's first token is never trained
-        return self.micro_batches(batch), (trained,)
+    def counts(self, columns, rows):
+        # The trained tokens: the loss is their mean over the step (a row's first token is never trained).
+        return (sum(float(columns["trained"][i].sum()) for i in rows),)
 
-    def stage_metrics(self, res, rows):
-        return {"mean_token_accuracy": res["mean_token_accuracy"], "entropy": res["entropy"]}
-
-    @property
-    def has_validation(self) -> bool:
-        return self.valid is not None
-
-    def evaluate(self) -> Dict[str, float]:
-        """eval/loss (token-mean NLL) and eval/mean_token_accuracy over every validation row."""
-        share = {k: self.replica_share(v) for k, v in self.valid.items()}
-        sums = np.zeros(3)
-        if share["input_ids"]:
-            micro = self.micro_batches(share)
-            for mb, (logp, _, correct) in zip(micro, self.updater.forward(micro)):
-                m = mb["completion_mask"]
-                sums += [-(logp * m).sum(), (correct * m).sum(), m.sum()]
-        nll, correct, tokens = self.replica_sum(sums)
-        return {"eval/loss": nll / max(tokens, 1.0), "eval/mean_token_accuracy": correct / max(tokens, 1.0)}
+    def row_tokens(self, columns, i):
+        return len(columns["input_ids"][i])
 
 
 def sft_micro_batches(input_ids: Sequence[np.ndarray], trained: Sequence[np.ndarray], size: int, pad_id: int,

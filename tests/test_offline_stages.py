@@ -151,6 +151,38 @@ def test_stage_runs_and_resumes_exactly_after_sigkill(stage_assets, tmp_path, st
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
+#: The metrics each stage's evaluation reports, as the step's metric of the same name.
+EVAL_AS_STEP = {"sft": ("mean_token_accuracy",), "rm": ("accuracy", "margin", "mean_reward"),
+                "dpo": ("rewards/accuracies", "rewards/margins")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,extra", [
+    ("sft", {"packing": "true"}), ("rm", {"center_rewards_coefficient": 0.01}), ("dpo", {}),
+    ("dpo", {"loss_type": "ipo", "precompute_ref_log_probs": "true"})])
+def test_evaluation_is_the_training_objective(stage_assets, tmp_path, stage, extra):
+    """Evaluation applies the stage's training objective: on a valid file equal to the train file, with one step
+    covering every row, eval/loss and each eval/<metric> before the step equal that step's loss and metrics (both
+    are computed on the same weights), to float32 rounding (the step sums in another row order)."""
+    import importlib
+
+    from mindrlhf.registry import STAGES
+    from mindrlhf.trainer.entry import setup_runtime
+
+    name = "sft_train.jsonl" if stage == "sft" else "pairs_train.jsonl"
+    rows = tmp_path / name
+    rows.write_text("".join(stage_assets[name].read_text().splitlines(keepends=True)[:4]))
+    spec = getattr(importlib.import_module(STAGES[stage].module), stage.upper())  # the recipe's StageSpec
+    cfg = spec.parse(_argv(stage, stage_assets, tmp_path / "out", train_file=rows, valid_file=rows, batch_size=4,
+                           max_steps=1, eval_steps=0, **extra) + _PIN)
+    trainer = spec.build(cfg, setup_runtime(cfg))
+    evaluated = trainer.evaluate()
+    assert set(evaluated) == {"eval/loss"} | {f"eval/{k}" for k in EVAL_AS_STEP[stage]} == EVAL_KEYS[stage]
+    step = trainer.train_one_step()
+    for key in ("loss",) + EVAL_AS_STEP[stage]:
+        assert evaluated[f"eval/{key}"] == pytest.approx(step[key], rel=1e-5, abs=1e-6), (stage, key)
+
+
 def test_stage_commands_refuse_bad_inputs_in_one_line(stage_assets, tmp_path, capsys):
     """A missing --train_file (rm, dpo), a reward model given to SFT, a bad loss type: one-line errors, exit 2."""
     from mindrlhf import dpo, rm, sft

@@ -93,3 +93,37 @@ def test_sft_loss_is_the_step_token_mean():
     mask = np.array([[0, 1, 1], [1, 0, 0]], np.float32)
     got = float(sft_loss(ms.Tensor(logp), ms.Tensor(mask), ms.Tensor(np.float32(10))).asnumpy())
     assert got == pytest.approx((2.0 + 3.0 + 0.5) / 10)
+
+
+def test_length_normalisation_is_a_property_of_the_registered_loss():
+    """A loss registered ``length_normalized=True`` (IPO; a new one, SimPO-like) makes DPO's objective compare the
+    completions' token-mean log-probs, a plain one their sums: the stage reads it from the registry, no name test."""
+    import mindspore as ms
+
+    from mindrlhf.algorithms.supervised import get_preference_loss, is_length_normalized, register_preference_loss
+    from mindrlhf.dpo import DPOObjective
+    from mindrlhf.registry import PREFERENCE_LOSSES
+
+    assert [n for n in PREFERENCE_LOSSES.names() if is_length_normalized(get_preference_loss(n))] == ["ipo"]
+
+    @register_preference_loss("test_mean_margin", length_normalized=True)
+    def mean_margin(logits, beta, label_smoothing):
+        return -beta * logits
+
+    try:
+        # Two pairs (rows chosen, rejected, chosen, rejected) of 1-3 completion tokens; reference log-probs 0.
+        logp = np.array([[-1.0, -2.0, -3.0], [-4.0, 0.0, 0.0], [-0.5, -0.5, 0.0], [-1.0, -2.0, -3.0]], np.float32)
+        mask = np.array([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]], np.float32)
+        sums, means = (logp * mask).sum(-1), (logp * mask).sum(-1) / mask.sum(-1)
+        for name, seq in (("test_mean_margin", means), ("sigmoid", sums)):
+            objective = DPOObjective(name, 0.5, 0.0)
+            assert objective.token_mean == (name == "test_mean_margin")
+            loss, aux = objective.loss(ms.Tensor(logp), ms.Tensor(mask), ms.Tensor(np.zeros_like(logp)),
+                                       ms.Tensor(np.float32(2.0)))
+            logits = (seq[0::2] - seq[1::2]).astype(np.float64)
+            want = (-0.5 * logits).sum() / 2 if name == "test_mean_margin" else \
+                -np.log(1 / (1 + np.exp(-0.5 * logits))).sum() / 2
+            assert float(loss.asnumpy()) == pytest.approx(want, rel=1e-6)
+            assert float(aux[4].asnumpy()) == pytest.approx(seq[0::2].sum(), rel=1e-6)  # logps/chosen's sum
+    finally:
+        PREFERENCE_LOSSES.unregister("test_mean_margin")

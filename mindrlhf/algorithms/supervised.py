@@ -7,8 +7,12 @@ so a step's loss is the same whatever its split into micro-batches and ranks.
 
 DPO's loss types are registered (``registry.PREFERENCE_LOSSES``): ``fn(logits, beta, label_smoothing)
 -> per-pair loss`` of ``logits = (logp_c − logp_r) − (ref_c − ref_r)``, the formulas of TRL's
-``DPOTrainer.dpo_loss`` (each cites its paper). ORPO's odds-ratio term (``orpo_log_odds``,
-``odds_ratio_loss``) is reference-free and reads token-mean log-probs, so it is not one of them.
+``DPOTrainer.dpo_loss`` (each cites its paper). Whether a loss compares sums of the completions'
+log-probs or their token means (length normalisation: IPO; SimPO's and ORPO's average log-probs) is a
+property of the registered loss (``register_preference_loss(name, length_normalized=True)``), which the
+stage reads (``is_length_normalized``), so a new length-normalised loss needs no stage change.
+ORPO's odds-ratio term (``orpo_log_odds``, ``odds_ratio_loss``) is reference-free and reads token-mean
+log-probs, so it is not one of them.
 """
 from __future__ import annotations
 
@@ -21,8 +25,23 @@ from mindrlhf.registry import PREFERENCE_LOSSES
 
 #: ``fn(logits (P,), beta, label_smoothing) -> loss (P,)`` of a pair's implicit-reward margin.
 PreferenceLoss = Callable[[Tensor, float, float], Tensor]
-#: Decorator: register a DPO loss type under a name (``--loss_type``).
-register_preference_loss = PREFERENCE_LOSSES.register
+
+
+def register_preference_loss(name: str, *, length_normalized: bool = False) -> Callable[[PreferenceLoss],
+                                                                                       PreferenceLoss]:
+    """Decorator: register a preference loss under ``name`` (``--loss_type``). ``length_normalized``: its
+    sequence log-probs are token means over the completion, not sums (``is_length_normalized``)."""
+    def wrap(fn: PreferenceLoss) -> PreferenceLoss:
+        PREFERENCE_LOSSES.register(name)(fn)
+        fn.length_normalized = bool(length_normalized)
+        return fn
+
+    return wrap
+
+
+def is_length_normalized(loss: PreferenceLoss) -> bool:
+    """Whether the registered preference loss ``loss`` compares token-mean log-probs (else sums)."""
+    return bool(getattr(loss, "length_normalized", False))
 
 
 def log_sigmoid(x: Tensor) -> Tensor:
@@ -82,10 +101,10 @@ def hinge_loss(logits: Tensor, beta: float, label_smoothing: float) -> Tensor:
     return ops.relu(1.0 - beta * logits)
 
 
-@register_preference_loss("ipo")
+@register_preference_loss("ipo", length_normalized=True)
 def ipo_loss(logits: Tensor, beta: float, label_smoothing: float) -> Tensor:
     """IPO (Azar et al. 2023, eq. 17): ``(logits − 1/(2β))²``, β being the paper's τ. Its log-probs are
-    token means, not sums (the caller averages them, as TRL does for ``loss_type="ipo"``)."""
+    token means, not sums (length-normalised, as TRL does for ``loss_type="ipo"``)."""
     return ops.square(logits - 1.0 / (2.0 * beta))
 
 

@@ -157,7 +157,7 @@ def write_sft_rows(gsm8k_jsonl, out, *, limit: int = 0, offset: int = 0, style: 
     import json
     from pathlib import Path
 
-    from mindrlhf.data.report import ConversionReport
+    from mindrlhf.data.report import converter_report
     from mindrlhf.data.rlhf_data import read_records
     from mindrlhf.errors import MindRLHFError
     from mindrlhf.utils.fs import write_text_atomic
@@ -167,12 +167,10 @@ def write_sft_rows(gsm8k_jsonl, out, *, limit: int = 0, offset: int = 0, style: 
         raise MindRLHFError(f"input file not found: {source}; pass GSM8K question/answer rows (JSONL, parquet or a "
                             "datasets save_to_disk folder) with --data_path")
     records, skipped, read = read_records(source, "gsm8k", "question", "answer")
-    report = ConversionReport(str(source), None, rows_read=read, skipped=skipped)
-    if strict and skipped:
+    report, write = converter_report(source, read, skipped, len(records), strict=strict,
+                                     fix="pass a GSM8K jsonl with question and answer ('... #### N') fields")
+    if not write:
         return report
-    if not records:
-        raise MindRLHFError(f"no usable rows in {source} ({report.summary()}); pass a GSM8K jsonl with question "
-                            "and answer ('... #### N') fields")
     rows = records[offset:offset + limit] if limit else records[offset:]
     if not rows:
         raise MindRLHFError(f"{source} has no rows after offset {offset} ({len(records)} usable rows); "

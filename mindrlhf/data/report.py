@@ -12,7 +12,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from mindrlhf.utils.fs import write_text_atomic
 
@@ -107,6 +107,21 @@ class ConversionReport:
         for warning, rows in self.warnings.items():
             line += f"; {rows} rows: {warning}"
         return line
+
+
+def converter_report(source: Union[str, Path], rows_read: int, skipped: Sequence[SkippedRow], kept: int, *,
+                     strict: bool, fix: str) -> Tuple[ConversionReport, bool]:
+    """A converter's report of what it read and skipped, and whether it goes on to write: not under ``strict``
+    when any row was skipped (it returns the report, which names them). Nothing usable at all is a one-line error
+    naming the file, the counts and ``fix``."""
+    from mindrlhf.errors import MindRLHFError
+
+    report = ConversionReport(str(source), None, rows_read=rows_read, skipped=list(skipped))
+    if strict and skipped:
+        return report, False
+    if not kept:
+        raise MindRLHFError(f"no usable rows in {source} ({report.summary()}); {fix}")
+    return report, True
 
 
 def write_skipped_rows(path: Union[str, Path], reports: Iterable[ConversionReport]) -> int:

@@ -28,7 +28,7 @@ from mindrlhf.data.gsm8k import (
     final_answer,
     style_system_prompt,
 )
-from mindrlhf.data.report import ConversionReport, SkippedRow
+from mindrlhf.data.report import ConversionReport, SkippedRow, converter_report
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.tokenizer import Tokenizer, resolve_tokenizer
 from mindrlhf.utils.cli import run_cli
@@ -177,12 +177,10 @@ def convert_to_mindrecord(
                     kept.append(row)
             bar.update(len(chunk))
     skipped.sort(key=lambda row: row.line)
-    report = ConversionReport(str(source), None, rows_read=read, skipped=skipped)
-    if strict and skipped:
+    report, write = converter_report(source, read, skipped, len(kept), strict=strict,
+                                     fix="check --dataset_type and the field names")
+    if not write:
         return report
-    if not kept:
-        raise MindRLHFError(f"no usable rows in {source} ({report.summary()}); "
-                            "check --dataset_type and the field names")
 
     prompt_ids = np.full((len(kept), max_prompt_length), pad_id, dtype=np.int32)
     for i, ids in enumerate(kept_ids):

@@ -42,7 +42,7 @@ import json
 import logging
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -80,35 +80,39 @@ _PAIR_FORMATS: Dict[str, Tuple[str, ...]] = {
 
 
 @dataclass
-class SFTRows:
-    """One entry per kept row: ``input_ids`` (int32, prompt + completion, at most ``max_length``) and
-    ``completion_mask`` (uint8, 1 on the trained tokens, never on the first); ``lines`` are the rows'
-    1-based line numbers in ``source``."""
+class _Rows:
+    """What a reader kept, one entry per kept row in each column (the subclass's fields, first the one whose length
+    is the row count), with ``source`` (the file) and ``lines`` (each row's 1-based line in it), given by name."""
 
-    input_ids: List[np.ndarray]
-    completion_mask: List[np.ndarray]
-    source: str
-    lines: List[int] = field(default_factory=list)
+    source: str = field(kw_only=True)
+    lines: List[int] = field(default_factory=list, kw_only=True)
 
     def __len__(self) -> int:
-        return len(self.input_ids)
+        return len(getattr(self, next(f.name for f in fields(self) if not f.kw_only)))
 
 
 @dataclass
-class PairRows:
-    """One entry per kept pair: ``prompt_ids`` and the completions ``chosen_ids`` / ``rejected_ids``
-    (int32; a completion includes its EOS or the chat template's end of turn unless truncated);
-    ``prompt_ids + chosen_ids`` is the whole chosen sequence. ``lines``: each pair's line in ``source``
-    (a ReaL row gives one pair per index)."""
+class SFTRows(_Rows):
+    """``input_ids`` (int32, prompt + completion, at most ``max_length``) and ``completion_mask`` (uint8, 1 on the
+    trained tokens, never on the first)."""
+
+    input_ids: List[np.ndarray]
+    completion_mask: List[np.ndarray]
+
+
+@dataclass
+class PairRows(_Rows):
+    """``prompt_ids`` and the completions ``chosen_ids`` / ``rejected_ids`` (int32; a completion includes its EOS
+    or the chat template's end of turn unless truncated); ``prompt_ids + chosen_ids`` is the whole chosen
+    sequence. A ReaL row gives one pair per index (each with the row's line)."""
 
     prompt_ids: List[np.ndarray]
     chosen_ids: List[np.ndarray]
     rejected_ids: List[np.ndarray]
-    source: str
-    lines: List[int] = field(default_factory=list)
 
-    def __len__(self) -> int:
-        return len(self.prompt_ids)
+    def columns(self) -> Dict[str, List[np.ndarray]]:
+        """The pairs by column, as a pair stage trains on them: ``prompt``, ``chosen`` and ``rejected`` ids."""
+        return {"prompt": self.prompt_ids, "chosen": self.chosen_ids, "rejected": self.rejected_ids}
 
 
 class _Bad(Exception):
@@ -432,7 +436,7 @@ def read_sft_rows(path: PathLike, tokenizer: "Tokenizer", *, max_length: int, co
     report = reader.read(_parse_sft)
     if not input_ids:
         raise reader.no_rows()
-    return SFTRows(input_ids, masks, str(reader.path), lines), report
+    return SFTRows(input_ids, masks, source=str(reader.path), lines=lines), report
 
 
 # ---------------------------------------------------------------------------------------------- pairs
@@ -534,7 +538,7 @@ def read_pair_rows(path: PathLike, tokenizer: "Tokenizer", *, max_length: int, m
     if not prompts:
         raise reader.no_rows()
     report.examples = f"{len(prompts)} pairs"
-    return PairRows(prompts, chosen, rejected, str(reader.path), lines), report
+    return PairRows(prompts, chosen, rejected, source=str(reader.path), lines=lines), report
 
 
 
@@ -582,7 +586,7 @@ NO_SOLUTION_WARNING = ("no reward_model.ground_truth, 'solution' or 'answer' col
 
 
 @dataclass
-class PromptRows:
+class PromptRows(_Rows):
     """One entry per kept prompt row: ``prompt_ids`` (int32, the prompt as the policy sees it), ``solutions``
     (the reference answer the built-in ``accuracy`` reward reads: the row's ``solution``, else the final answer of
     its ``answer``, else None), ``columns`` (the reward functions' other dataset columns: every key of the file's
@@ -592,11 +596,6 @@ class PromptRows:
     prompt_ids: List[np.ndarray]
     solutions: List[Any]
     columns: Dict[str, List[Any]]
-    source: str
-    lines: List[int] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.prompt_ids)
 
 
 class _PromptReader(_Reader):
@@ -699,4 +698,4 @@ def read_prompt_rows(path: PathLike, tokenizer: "Tokenizer", *, max_prompt_lengt
     missing = sum(solution is None for solution in solutions)
     if missing:
         report.warnings[NO_SOLUTION_WARNING] = missing
-    return PromptRows(prompt_ids, solutions, columns, str(reader.path), lines), report
+    return PromptRows(prompt_ids, solutions, columns, source=str(reader.path), lines=lines), report

@@ -49,29 +49,36 @@ def _divide(size: int, tp: int, what: str) -> int:
 # ---------------------------------------------------------------------------------------------
 # region boundaries (custom backward)
 # ---------------------------------------------------------------------------------------------
-class CopyToTP(nn.Cell):
+class _TPRegion(nn.Cell):
+    """A tp region boundary: the tp group's AllReduce-sum (``_sum``; identity at tp 1) and its checks."""
+
+    def __init__(self, tp: int = 1, group: Optional[str] = None):
+        super().__init__()
+        _check_group(tp, group, type(self).__name__)
+        self.tp = tp
+        self.all_reduce = ops.AllReduce(group=group) if tp > 1 else None
+
+    def _sum(self, x: Tensor) -> Tensor:
+        if self.tp == 1:
+            return x
+        return self.all_reduce(x)
+
+
+class CopyToTP(_TPRegion):
     """Identity forward; AllReduce-sum of the gradient over the tp group backward.
 
     Put in front of column-parallel work: a replicated activation feeds every rank's slice, so its
     gradient is the sum of the ranks' partial gradients.
     """
 
-    def __init__(self, tp: int = 1, group: Optional[str] = None):
-        super().__init__()
-        _check_group(tp, group, "CopyToTP")
-        self.tp = tp
-        self.all_reduce = ops.AllReduce(group=group) if tp > 1 else None
-
     def construct(self, x: Tensor) -> Tensor:
         return x
 
     def bprop(self, x, out, dout):
-        if self.tp == 1:
-            return (dout,)
-        return (self.all_reduce(dout),)
+        return (self._sum(dout),)
 
 
-class ReduceFromTP(nn.Cell):
+class ReduceFromTP(_TPRegion):
     """AllReduce-sum over the tp group forward; identity backward.
 
     Ends a row-parallel region (partial sums → the replicated total). Every rank then computes the
@@ -79,16 +86,8 @@ class ReduceFromTP(nn.Cell):
     unchanged into each partial sum.
     """
 
-    def __init__(self, tp: int = 1, group: Optional[str] = None):
-        super().__init__()
-        _check_group(tp, group, "ReduceFromTP")
-        self.tp = tp
-        self.all_reduce = ops.AllReduce(group=group) if tp > 1 else None
-
     def construct(self, x: Tensor) -> Tensor:
-        if self.tp == 1:
-            return x
-        return self.all_reduce(x)
+        return self._sum(x)
 
     def bprop(self, x, out, dout):
         return (dout,)
@@ -108,14 +107,12 @@ def _gather_last(x: Tensor, tp: int, tp_rank: int, all_reduce) -> Tensor:
     return all_reduce(ops.concat(parts, axis=-1))
 
 
-class GatherFromTP(nn.Cell):
+class GatherFromTP(_TPRegion):
     """Concatenate per-rank slices along the last axis (forward); keep this rank's slice of the gradient."""
 
     def __init__(self, tp: int = 1, tp_rank: int = 0, group: Optional[str] = None):
-        super().__init__()
-        _check_group(tp, group, "GatherFromTP")
-        self.tp, self.tp_rank = tp, tp_rank
-        self.all_reduce = ops.AllReduce(group=group) if tp > 1 else None
+        super().__init__(tp, group)
+        self.tp_rank = tp_rank
 
     def construct(self, x: Tensor) -> Tensor:
         return _gather_last(x, self.tp, self.tp_rank, self.all_reduce)
@@ -184,7 +181,40 @@ class RowParallelLinear(nn.Cell):
         return y.reshape(lead + (self.out_features,))
 
 
-class VocabParallelEmbedding(nn.Cell):
+class _VocabSlice(nn.Cell):
+    """This rank's rows ``[vocab_start, vocab_start + V/tp)`` of the vocabulary: which ids it holds
+    (``_local_ids``), a logit of each target id (``_target``) and the max over all ranks' slices
+    (``_global_max``)."""
+
+    def __init__(self, vocab_size: int, tp: int = 1, tp_rank: int = 0, *, group: Optional[str] = None):
+        super().__init__()
+        _check_group(tp, group, type(self).__name__)
+        self.tp, self.tp_rank = tp, tp_rank
+        self.vocab_local = _divide(vocab_size, tp, "vocab_size")
+        self.vocab_start = tp_rank * self.vocab_local
+        self.gather_all = ops.AllReduce(group=group) if tp > 1 else None
+
+    def _local_ids(self, ids: Tensor) -> Tuple[Tensor, Tensor]:
+        """Each id's row in this slice (0 for an id another rank holds) and whether this rank holds it."""
+        local = ids.astype(ms.int32) - self.vocab_start
+        inside = ops.logical_and(local >= 0, local < self.vocab_local)
+        return ops.select(inside, local, ops.zeros_like(local)), inside
+
+    def _target(self, x: Tensor, target: Tensor) -> Tensor:
+        """``x`` (B, T, V/tp) at each target id this rank holds, 0 where another rank holds it: (B, T)."""
+        local, inside = self._local_ids(target)
+        picked = ops.gather_elements(x, -1, local.expand_dims(-1)).squeeze(-1)
+        return picked * inside.astype(picked.dtype)
+
+    def _global_max(self, x: Tensor) -> Tensor:
+        """The max of ``x`` (B, T, V/tp) over every rank's slice: (B, T, 1)."""
+        m = x.max(axis=-1, keepdims=True)
+        if self.tp > 1:
+            m = _gather_last(m, self.tp, self.tp_rank, self.gather_all).max(axis=-1, keepdims=True)
+        return m
+
+
+class VocabParallelEmbedding(_VocabSlice):
     """Token embedding holding rows ``[tp_rank*V/tp, (tp_rank+1)*V/tp)`` of the ``(V, H)`` table.
 
     Ids outside this rank's range look up row 0 and are zeroed; the partial embeddings are
@@ -193,19 +223,15 @@ class VocabParallelEmbedding(nn.Cell):
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: int = 1, tp_rank: int = 0, *,
                  group: Optional[str] = None, dtype: ms.Type = ms.float32):
-        super().__init__()
-        self.vocab_local = _divide(vocab_size, tp, "vocab_size")
-        self.vocab_start = tp_rank * self.vocab_local
-        self.tp = tp
+        super().__init__(vocab_size, tp, tp_rank, group=group)
         self.weight = Parameter(initializer(Normal(0.02), (self.vocab_local, hidden_size), dtype), name="weight")
         self.reduce = ReduceFromTP(tp, group) if tp > 1 else None
 
     def construct(self, ids: Tensor) -> Tensor:
         if self.tp == 1:
             return ops.gather(self.weight, ids, 0)
-        local = ids.astype(ms.int32) - self.vocab_start
-        inside = ops.logical_and(local >= 0, local < self.vocab_local)
-        rows = ops.gather(self.weight, ops.select(inside, local, ops.zeros_like(local)), 0)
+        local, inside = self._local_ids(ids)
+        rows = ops.gather(self.weight, local, 0)
         rows = rows * inside.astype(rows.dtype).expand_dims(-1)
         return self.reduce(rows)
 
@@ -213,7 +239,7 @@ class VocabParallelEmbedding(nn.Cell):
 # ---------------------------------------------------------------------------------------------
 # vocab-parallel log-softmax at target ids
 # ---------------------------------------------------------------------------------------------
-class VocabParallelLogProb(nn.Cell):
+class VocabParallelLogProb(_VocabSlice):
     """``log softmax(logits)[target]`` from per-rank vocabulary slices, exact and differentiable.
 
     ``logits`` (B, T, V/tp) float32 hold this rank's columns ``[vocab_start, vocab_start + V/tp)``.
@@ -225,32 +251,17 @@ class VocabParallelLogProb(nn.Cell):
     """
 
     def __init__(self, vocab_size: int, tp: int = 1, tp_rank: int = 0, *, group: Optional[str] = None):
-        super().__init__()
-        _check_group(tp, group, "VocabParallelLogProb")
-        self.tp, self.tp_rank = tp, tp_rank
-        self.vocab_local = _divide(vocab_size, tp, "vocab_size")
-        self.vocab_start = tp_rank * self.vocab_local
+        super().__init__(vocab_size, tp, tp_rank, group=group)
         self.reduce = ReduceFromTP(tp, group)
-        self.gather_all = ops.AllReduce(group=group) if tp > 1 else None
 
     def construct(self, logits: Tensor, target: Tensor) -> Tensor:
         logits = logits.astype(ms.float32)
-        local_max = ops.stop_gradient(logits.max(axis=-1, keepdims=True))  # (B, T, 1)
-        if self.tp > 1:
-            shift = ops.stop_gradient(_gather_last(local_max, self.tp, self.tp_rank, self.gather_all)
-                                      .max(axis=-1, keepdims=True))
-        else:
-            shift = local_max
-        shifted = logits - shift
+        shifted = logits - ops.stop_gradient(self._global_max(ops.stop_gradient(logits)))
         sum_exp = self.reduce(ops.exp(shifted).sum(axis=-1))  # (B, T)
-        local = target.astype(ms.int32) - self.vocab_start
-        inside = ops.logical_and(local >= 0, local < self.vocab_local)
-        picked = ops.gather_elements(shifted, 2, ops.select(inside, local, ops.zeros_like(local)).expand_dims(-1))
-        picked = self.reduce(picked.squeeze(-1) * inside.astype(ms.float32))
-        return picked - ops.log(sum_exp)
+        return self.reduce(self._target(shifted, target)) - ops.log(sum_exp)
 
 
-class VocabParallelTokenStats(nn.Cell):
+class VocabParallelTokenStats(_VocabSlice):
     """Entropy of ``softmax(logits)`` and whether ``target`` is its argmax, from per-rank vocabulary
     slices (forward only: metrics, never differentiated).
 
@@ -260,26 +271,15 @@ class VocabParallelTokenStats(nn.Cell):
     """
 
     def __init__(self, vocab_size: int, tp: int = 1, tp_rank: int = 0, *, group: Optional[str] = None):
-        super().__init__()
-        _check_group(tp, group, "VocabParallelTokenStats")
-        self.tp, self.tp_rank = tp, tp_rank
-        self.vocab_local = _divide(vocab_size, tp, "vocab_size")
-        self.vocab_start = tp_rank * self.vocab_local
+        super().__init__(vocab_size, tp, tp_rank, group=group)
         self.sum = ops.AllReduce(group=group) if tp > 1 else None
-        self.gather_all = ops.AllReduce(group=group) if tp > 1 else None
 
     def construct(self, logits: Tensor, target: Tensor) -> Tuple[Tensor, Tensor]:
         logits = ops.stop_gradient(logits.astype(ms.float32))
-        shift = logits.max(axis=-1, keepdims=True)
-        if self.tp > 1:
-            shift = _gather_last(shift, self.tp, self.tp_rank, self.gather_all).max(axis=-1, keepdims=True)
-        shifted = logits - shift
+        shifted = logits - self._global_max(logits)
         e = ops.exp(shifted)
         z, s = e.sum(axis=-1), (e * shifted).sum(axis=-1)
-        local = target.astype(ms.int32) - self.vocab_start
-        inside = ops.logical_and(local >= 0, local < self.vocab_local)
-        picked = ops.gather_elements(shifted, -1, ops.select(inside, local, ops.zeros_like(local)).expand_dims(-1))
-        picked = picked.squeeze(-1) * inside.astype(ms.float32)
+        picked = self._target(shifted, target)
         if self.sum is not None:
             z, s, picked = self.sum(z), self.sum(s), self.sum(picked)
         return ops.log(z) - s / z, (picked >= 0).astype(ms.float32)

@@ -2,11 +2,14 @@
 
 One optimizer step per ``batch_size`` rows of a ``data.ShardedDataset`` in its deterministic order (the
 position is the step, so resuming needs no data state), the learning-rate schedule, the non-finite
-policy, evaluation every ``eval_steps`` steps and after the last. A stage says how a batch becomes
-micro-batches and the step's global counts (``prepare``), which of the objective's metrics it logs
-(``stage_metrics``) and how it evaluates (``evaluate``). A stage that trains a policy (SFT, DPO) is a
-``PolicyOfflineTrainer``, which also evaluates by generation (``eval_generation``: ``trainer.policy_eval``).
-The reports of a stage's data readers (``reports``) name the rows they skipped: ``trainer.base``.
+policy, evaluation every ``eval_steps`` steps and after the last. A stage says how rows become
+micro-batches (``micro_batches``), the global counts that normalise its loss (``counts``), the tokens a
+row holds (``row_tokens``) and which of its objective's metrics it logs each step (``step_metrics``) and
+at evaluation (``eval_metrics``). Evaluation is generic: the stage's objective on the validation rows'
+forward outputs (``trainer.update.Updater.evaluate``), so ``eval/loss`` is the training loss on other rows.
+A stage that trains a policy (SFT, DPO) is a ``PolicyOfflineTrainer``, which also evaluates by generation
+(``eval_generation``: ``trainer.policy_eval``). The reports of a stage's data readers (``reports``) name the
+rows they skipped: ``trainer.base``.
 """
 from __future__ import annotations
 
@@ -30,8 +33,9 @@ class OfflineTrainer(Trainer):
     math_groups = ("optimizer", "data")
 
     def __init__(self, cfg, *, model, updater, tokenizer, layout, columns: Mapping[str, Sequence], source: str,
-                 reports: Sequence[ConversionReport] = ()):
-        """``reports``: the data readers' reports (train and valid file), whose skipped rows ``train`` lists in
+                 valid: Optional[Mapping[str, Sequence]] = None, reports: Sequence[ConversionReport] = ()):
+        """``valid``: the validation rows by name (the same columns as ``columns``; None: no evaluation).
+        ``reports``: the data readers' reports (train and valid file), whose skipped rows ``train`` lists in
         ``output_dir/skipped_rows.jsonl``."""
         d, p = cfg.data, cfg.parallel
         self.dataset = ShardedDataset(columns, batch_size=d.batch_size, seed=cfg.train.seed,
@@ -42,27 +46,55 @@ class OfflineTrainer(Trainer):
         unit = f"{self.dataset.num_rows} rows, fewer than batch_size = {d.batch_size}"
         total = run_length(cfg, d.num_epochs, len(self.dataset), "num_epochs", unit)
         super().__init__(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout, total_steps=total)
+        self.valid = valid
         self.data_reports = list(reports)
         self.num_tokens = 0  # TRL's num_tokens: every real token of the rows trained on so far (``prepare`` counts)
 
     # -- what a stage writes ------------------------------------------------------------------------
-    def prepare(self, batch: Dict[str, Any], rows: np.ndarray) -> Tuple[List[Dict[str, np.ndarray]], Tuple[float, ...]]:
-        """This rank's micro-batches of ``batch`` and the step's scalars (global counts, computed from the
-        global row ids ``rows``: the same on every rank, no collective needed); adds the rows' real tokens
-        to ``num_tokens``."""
+    #: The objective's metrics (``objective.metrics``) logged each step, after loss, grad_norm and learning_rate.
+    step_metrics: Tuple[str, ...] = ()
+    #: The objective's metrics evaluation reports, as ``eval/<name>`` after ``eval/loss``.
+    eval_metrics: Tuple[str, ...] = ()
+
+    def micro_batches(self, batch: Dict[str, Any], split: str) -> List[Dict[str, np.ndarray]]:
+        """This rank's micro-batches of ``batch`` (columns of rows of ``split``, ``"train"`` or ``"valid"``, and
+        ``index``: the rows' ids in that split), with every array the objective reads."""
         raise NotImplementedError
 
-    def stage_metrics(self, res: Dict[str, float], rows: np.ndarray) -> Dict[str, float]:
-        """The stage's metrics of a step from the updater's result (after loss, grad_norm, learning_rate)."""
-        return {}
+    def counts(self, columns: Mapping[str, Sequence], rows: np.ndarray) -> Tuple[float, ...]:
+        """The scalars the objective's loss is normalised by for rows ``rows`` of ``columns``: global counts,
+        the same on every rank, no collective needed. Default: the number of rows (pairs for pair data)."""
+        return (float(len(rows)),)
 
-    def evaluate(self) -> Dict[str, float]:
-        """``eval/*`` metrics over the validation rows ({} when the stage has none)."""
-        return {}
+    def row_tokens(self, columns: Mapping[str, Sequence], i: int) -> int:
+        """The real tokens of row ``i`` of ``columns`` that one training pass reads (TRL's ``num_tokens``)."""
+        raise NotImplementedError
+
+    def prepare(self, batch: Dict[str, Any], rows: np.ndarray) -> Tuple[List[Dict[str, np.ndarray]], Tuple[float, ...]]:
+        """This rank's micro-batches of ``batch`` and the step's scalars (``counts`` of the global row ids
+        ``rows``); adds the rows' real tokens to ``num_tokens``."""
+        columns = self.dataset.columns
+        self.num_tokens += sum(self.row_tokens(columns, i) for i in rows)
+        return self.micro_batches(batch, "train"), self.counts(columns, rows)
+
+    def stage_metrics(self, res: Dict[str, float], rows: np.ndarray) -> Dict[str, float]:
+        """The stage's metrics of a step from the updater's result (``step_metrics``)."""
+        return {k: res[k] for k in self.step_metrics}
 
     @property
     def has_validation(self) -> bool:
-        return False
+        return self.valid is not None
+
+    def evaluate(self) -> Dict[str, float]:
+        """``eval/loss`` and ``eval/<name>`` of ``eval_metrics``: the objective over every validation row
+        (``Updater.evaluate``; each replica runs every dp-th row, normalised by the global ``counts``)."""
+        rows = np.arange(len(next(iter(self.valid.values()))))
+        mine = np.asarray(self.replica_share(rows), np.int64)
+        batch: Dict[str, Any] = {k: [v[i] for i in mine] for k, v in self.valid.items()}
+        batch["index"] = mine
+        micro = self.micro_batches(batch, "valid") if len(mine) else []
+        res = self.updater.evaluate(micro, self.counts(self.valid, rows))
+        return {"eval/loss": res["loss"], **{f"eval/{k}": res[k] for k in self.eval_metrics}}
 
     #: Whether the stage evaluates its policy by generation (``PolicyOfflineTrainer``'s ``eval_generation``).
     evaluates_policy = False

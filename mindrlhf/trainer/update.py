@@ -8,6 +8,8 @@ reduced by name over micro-batches and ranks as ``aux`` declares (``sum``, ``max
 ``objective.metrics(reduced)`` turns those into the step's metrics. Aux values after the declared
 scalars that are tensors with rows (a per-row output of the loss, e.g. the values PPO's critic computes
 on its way) are not reduced: ``step(..., outputs=[])`` hands them back, one array per micro-batch.
+``evaluate`` runs the same objective on the forward pass alone (no gradients, no update): a stage's
+evaluation is its training loss and metrics on other rows, with the same global-count normalisation.
 
 Mixed precision: the forward and backward run in the model's dtype; gradients are accumulated,
 reduced and clipped in float32 and applied to float32 master weights (``AdamW``). Under float16
@@ -154,6 +156,22 @@ class Updater:
         """The head's output of each micro-batch without gradients (the same on every rank of a replica)."""
         return self.runner.forward(micro_batches)
 
+    def evaluate(self, micro_batches: Sequence[Dict[str, np.ndarray]], scalars: Sequence[float] = ()
+                 ) -> Dict[str, float]:
+        """The objective on this rank's ``micro_batches`` without gradients: ``{"loss": ..., **metrics}``, the loss
+        and aux values reduced over micro-batches and ranks exactly as ``step`` reduces them (``scalars``: the
+        global counts that normalise the loss, as in ``step``). Every rank calls it (the reduction is a
+        collective); a rank may pass no micro-batches (a replica without rows of its own)."""
+        extra = [Tensor(np.float32(s)) for s in scalars]
+        loss_sum, rows = 0.0, []
+        for mb, out in zip(micro_batches, self.forward(micro_batches)):
+            head_out = tuple(Tensor(o) for o in out) if isinstance(out, tuple) else Tensor(out)
+            loss, aux = self.objective.loss(head_out, *[Tensor(mb[k]) for k in self.objective.inputs], *extra)
+            loss_sum += float(loss.asnumpy())
+            rows.append(np.array([float(v.asnumpy()) for v in aux if v.ndim == 0], np.float64))
+        loss_sum, reduced = self._reduce(loss_sum, np.stack(rows) if rows else None)
+        return {"loss": loss_sum, **self.objective.metrics(reduced)}
+
     def step(self, micro_batches: Sequence[Dict[str, np.ndarray]], scalars: Sequence[float] = (),
              outputs: Optional[List[np.ndarray]] = None) -> Dict[str, float]:
         """One optimizer step over this rank's micro-batches.
@@ -188,14 +206,15 @@ class Updater:
         return out
 
     def _reduce(self, loss_sum: float, aux: Optional[np.ndarray]) -> Tuple[float, Dict[str, float]]:
-        """The loss and each aux value over micro-batches and ranks (each dp replica counted once)."""
+        """The loss and each aux value over micro-batches and ranks (each dp replica counted once; ``aux`` None:
+        this rank computed no loss)."""
         names = self.objective.aux
         sums = [i for i, (_, how) in enumerate(names) if how == "sum"]
         extremes = [i for i, (_, how) in enumerate(names) if how != "sum"]
         sign = np.array([1.0 if names[i][1] == "max" else -1.0 for i in extremes], np.float32)
         mine = np.zeros(1 + len(sums), np.float32)
         top = np.full((1, len(extremes)), -np.inf, np.float32)
-        if self.reports_loss:
+        if self.reports_loss and aux is not None:
             mine[0], mine[1:] = loss_sum, aux[:, sums].sum(axis=0)
             top = (aux[:, extremes] * sign).max(axis=0, keepdims=True).astype(np.float32)
         total = comm.all_sum(mine).astype(np.float64)
