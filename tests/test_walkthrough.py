@@ -9,7 +9,8 @@ README's, run as a user runs it, and ``walkthrough_summary.json`` there collects
 What it shows: SFT on GSM8K train lowers ``eval/loss`` on GSM8K test; a reward model trained on pairs of
 (reference solution, the SFT model's own wrong answer) ranks held-out pairs (other questions, from the test
 split) above chance by more than 3 standard errors; DPO on the same pairs raises ``rewards/accuracies``;
-GSM8K accuracy and format rate (greedy, the first 64 test questions) before and after SFT and DPO. Then PPO
+GSM8K accuracy and format rate (greedy, the first 64 test questions) before and after SFT and DPO; ORPO from
+the SFT model on the same pairs (no reference) moves its log odds ratio up, with its GSM8K row. Then PPO
 from the SFT model with that reward model plus the ``gsm8k_format`` rule reward raises its mean score over 40
 steps by more than 3 standard errors (first 10 vs last 10 steps, ``mindrlhf-reward-trend``), and GRPO from the
 same start runs beside it, each with its GSM8K row (the two tests share the folder; the PPO test trains the
@@ -40,7 +41,7 @@ def _save(summary: dict) -> None:
     (WORK / "walkthrough_summary.json").write_text(json.dumps(summary, indent=1))
 
 
-SFT_STEPS, RM_STEPS, DPO_STEPS, RL_STEPS = 16, 12, 12, 40
+SFT_STEPS, RM_STEPS, DPO_STEPS, ORPO_STEPS, RL_STEPS = 16, 12, 12, 12, 40
 EVAL_ARGS = ("--limit", "64", "--batch_size", "8", "--overwrite", "--no_progress")
 
 
@@ -105,13 +106,12 @@ def _summary(w: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def _sft_and_rm(summary: dict, w: Path) -> tuple:
-    """Steps 0-3 of the README: base eval, SFT, its eval, the pairs and the reward model. Returns the SFT and
-    reward-model checkpoints (commands already done in a kept folder are not repeated)."""
+def _sft_and_pairs(summary: dict, w: Path) -> Path:
+    """Steps 0-2 of the README: base eval, SFT, its eval and the pairs. Returns the SFT checkpoint (commands
+    already done in a kept folder are not repeated)."""
     from mindrlhf.resources import GSM8K_TEST_SAMPLE
 
     sft_ckpt = w / "sft" / "checkpoints" / f"step_{SFT_STEPS:08d}"
-    rm_ckpt = w / "rm" / "checkpoints" / f"step_{RM_STEPS:08d}"
     pairs, pairs_valid, sft_valid = w / "pairs.jsonl", w / "pairs_valid.jsonl", w / "sft_valid.jsonl"
     base_eval, sft_eval = w / "eval_base.jsonl", w / "eval_sft.jsonl"
 
@@ -137,6 +137,15 @@ def _sft_and_rm(summary: dict, w: Path) -> tuple:
     _run(summary, "pairs_valid", pairs_valid, "mindrlhf-data", "--pairs", "--model", str(sft_ckpt), "--data_path",
          str(GSM8K_TEST_SAMPLE), "--offset", "128", "--limit", "64", "--k", "1", "--output", str(pairs_valid),
          "--overwrite", "--no_progress")
+    return sft_ckpt
+
+
+def _sft_and_rm(summary: dict, w: Path) -> tuple:
+    """Steps 0-3 of the README: ``_sft_and_pairs``, then the reward model. Returns the SFT and reward-model
+    checkpoints."""
+    sft_ckpt = _sft_and_pairs(summary, w)
+    rm_ckpt = w / "rm" / "checkpoints" / f"step_{RM_STEPS:08d}"
+    pairs, pairs_valid = w / "pairs.jsonl", w / "pairs_valid.jsonl"
     # 3. the reward model from the SFT checkpoint
     _run(summary, "rm", rm_ckpt, "mindrlhf-rm", "--model", str(sft_ckpt), "--train_file", str(pairs),
          "--valid_file", str(pairs_valid), "--output_dir", str(w / "rm"), "--max_steps", str(RM_STEPS),
@@ -189,6 +198,36 @@ def test_sft_rm_dpo_walkthrough_on_smollm2(work):
     # DPO's rewards/accuracies rises (step 1 is exactly 0: the reference is the policy)
     q = max(1, DPO_STEPS // 4)
     assert sum(summary["dpo_rewards_accuracies"][-q:]) / q > sum(summary["dpo_rewards_accuracies"][:q]) / q
+
+
+def test_orpo_from_sft_on_smollm2(work):
+    """ORPO from the SFT model on the walkthrough's pairs (no reference model), then its GSM8K row: its
+    ``rewards/accuracies`` (chosen above rejected in token-mean log-prob) and held-out pairwise accuracy."""
+    w = work
+    summary = _summary(w)
+    sft_ckpt = _sft_and_pairs(summary, w)
+    orpo_ckpt = w / "orpo" / "checkpoints" / f"step_{ORPO_STEPS:08d}"
+    pairs, pairs_valid, eval_orpo = w / "pairs.jsonl", w / "pairs_valid.jsonl", w / "eval_orpo.jsonl"
+    _run(summary, "orpo", orpo_ckpt, "mindrlhf-orpo", "--model", str(sft_ckpt), "--train_file", str(pairs),
+         "--valid_file", str(pairs_valid), "--output_dir", str(w / "orpo"), "--max_steps", str(ORPO_STEPS),
+         "--batch_size", "8", "--micro_batch_size", "4", "--lr", "5e-6", "--beta", "0.1", "--max_length", "512",
+         "--eval_steps", "4", "--save_steps", str(ORPO_STEPS), "--overwrite_output_dir", "--progress_bar", "false")
+    _run(summary, "eval_orpo", eval_orpo, "mindrlhf-eval", "--model", str(orpo_ckpt), "--output", str(eval_orpo),
+         *EVAL_ARGS)
+    orpo = _metrics(w / "orpo")
+    summary.update({
+        "gsm8k": {**summary.get("gsm8k", {}), "orpo": _gsm8k(eval_orpo)},
+        "orpo_rewards_accuracies": [m["rewards/accuracies"] for m in orpo],
+        "orpo_nll_loss": [m["nll_loss"] for m in orpo],
+        "orpo_log_odds_chosen": [m["log_odds_chosen"] for m in orpo],
+        "orpo_eval": [(m["step"], m["eval/rewards/accuracies"], m["eval/log_odds_chosen"], m["eval/nll_loss"])
+                      for m in orpo if "eval/rewards/accuracies" in m],
+    })
+    _save(summary)
+    print(json.dumps(summary, indent=1))
+    # the odds ratio moves the chosen answers above the rejected ones on the training pairs
+    q = max(1, ORPO_STEPS // 4)
+    assert sum(summary["orpo_log_odds_chosen"][-q:]) / q > sum(summary["orpo_log_odds_chosen"][:q]) / q
 
 
 def test_ppo_and_grpo_from_sft_on_smollm2(work):
