@@ -103,10 +103,11 @@ def _policy_rows(tmp_path: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["sft", "dpo", "orpo"])
+@pytest.mark.parametrize("stage", ["sft", "dpo"])
 def test_sft_and_dpo_eval_generation_rows_equal_mindrlhf_eval(grpo_assets, tmp_path, stage):
     """eval_generation on a 4-step run with eval_steps 2: eval rows at steps 2 and 4 only, equal to mindrlhf-eval on
-    those checkpoints (accuracy, format rate, length, truncation, the built-in rewards), and the curve."""
+    those checkpoints (accuracy, format rate, length, truncation, the built-in rewards), and the curve. (ORPO's
+    trainer is a ``PolicyOfflineTrainer`` like DPO's, the same evaluation code; left out for CI time.)"""
     import os
     import subprocess
     import sys
