@@ -192,6 +192,20 @@ def padded_batch(vocab: int, seed: int = 0):
     return ids, mask
 
 
+def random_pairs(vocab: int, lengths, seed: int = 0):
+    """``(prompts, chosen, rejected)``: seeded random int32 ids (from 3 up: no special tokens) of the given
+    ``(prompt, chosen, rejected)`` lengths, one triple a pair; the pair stages' tests build their cases on them."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    prompts, chosen, rejected = [], [], []
+    for lp, lc, lr in lengths:
+        prompts.append(rng.integers(3, vocab, lp).astype(np.int32))
+        chosen.append(rng.integers(3, vocab, lc).astype(np.int32))
+        rejected.append(rng.integers(3, vocab, lr).astype(np.int32))
+    return prompts, chosen, rejected
+
+
 def hf_logits(hf_dir: os.PathLike, ids, mask):
     """transformers' float32 logits of ``ids`` under ``mask``, positions counting real tokens (as ours do)."""
     import numpy as np

@@ -16,13 +16,10 @@ def policy_and_ref(tmp_path_factory):
 
 
 def _pairs(vocab: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    prompts, chosen, rejected = [], [], []
-    for lp, lc, lr in ((5, 6, 9), (2, 4, 4), (8, 11, 3), (3, 7, 8)):
-        prompts.append(rng.integers(3, vocab, lp).astype(np.int32))
-        chosen.append(rng.integers(3, vocab, lc).astype(np.int32))
-        rejected.append(rng.integers(3, vocab, lr).astype(np.int32))
-    return prompts, chosen, rejected
+    """Four pairs of random ids."""
+    from mindrlhf.testing import random_pairs
+
+    return random_pairs(vocab, ((5, 6, 9), (2, 4, 4), (8, 11, 3), (3, 7, 8)), seed)
 
 
 def _torch_logps(model, prompts, completions, token_mean):

@@ -21,13 +21,9 @@ def policy_dir(tmp_path_factory):
 
 def _pairs(vocab: int, seed: int = 0):
     """Four pairs of random ids, the second with an empty prompt."""
-    rng = np.random.default_rng(seed)
-    prompts, chosen, rejected = [], [], []
-    for lp, lc, lr in ((5, 6, 9), (0, 4, 5), (8, 11, 3), (3, 7, 8)):
-        prompts.append(rng.integers(3, vocab, lp).astype(np.int32))
-        chosen.append(rng.integers(3, vocab, lc).astype(np.int32))
-        rejected.append(rng.integers(3, vocab, lr).astype(np.int32))
-    return prompts, chosen, rejected
+    from mindrlhf.testing import random_pairs
+
+    return random_pairs(vocab, ((5, 6, 9), (0, 4, 5), (8, 11, 3), (3, 7, 8)), seed)
 
 
 def _hand_reference(policy_dir, pairs, beta):
