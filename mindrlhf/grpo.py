@@ -156,7 +156,7 @@ class GRPOTrainer(RolloutTrainer):
     on the shared loop, update and checkpoints (``trainer.base``)."""
 
     stage = "grpo"
-    math_groups = ("algorithm", "generation", "optimizer", "data")
+    math_groups = ("algorithm", "reward", "generation", "optimizer", "data")
     headline = "reward"
     curves = GRPO_CURVES
 
@@ -179,12 +179,13 @@ class GRPOTrainer(RolloutTrainer):
         # max_steps / grpo_epochs: the run and the LR decay. Kept as total_steps (the config stays as given);
         # run_config() records it as max_steps, so the saved config.yaml reruns (and a resume compares) that length.
         total = run_steps(cfg, len(dataset))
-        funcs, weights = list(a.reward_funcs), a.reward_weights
-        if a.overlong_buffer_length:  # DAPO's overlong punishment: one more reward term, weight 1
-            funcs.append(overlong_reward(g.max_completion_length, a.overlong_buffer_length, a.overlong_penalty))
+        r = cfg.reward
+        funcs, weights = list(r.reward_funcs), r.reward_weights
+        if r.overlong_buffer_length:  # DAPO's overlong punishment: one more reward term, weight 1
+            funcs.append(overlong_reward(g.max_completion_length, r.overlong_buffer_length, r.overlong_penalty))
             weights = None if weights is None else list(weights) + [1.0]
         super().__init__(cfg, policy=policy, updater=updater, tokenizer=tokenizer, dataset=dataset, sampler=sampler,
-                         rewards=RewardManager(funcs, weights, a.reward_errors), layout=layout, total_steps=total,
+                         rewards=RewardManager(funcs, weights, r.reward_errors), layout=layout, total_steps=total,
                          num_generations=a.num_generations, rollouts_per_step=a.num_rollouts,
                          mask_truncated=a.mask_truncated_completions)
         self.ref_model = ref_model
@@ -439,7 +440,7 @@ def check_model_yamls(cfg: GRPOConfig, config, weights: str) -> None:
 
 def precheck(cfg: GRPOConfig) -> None:
     """What must fail before any model loads: a typo in a dotted reward path, an unavailable backend."""
-    for name in cfg.algorithm.reward_funcs:
+    for name in cfg.reward.reward_funcs:
         get_reward_fn(name)
     check_sampler_config(cfg)
 

@@ -147,7 +147,7 @@ class PPOTrainer(RolloutTrainer):
     are the checkpoint's policy.ckpt / optimizer.ckpt); the critic is a second ``Updater`` saved beside it."""
 
     stage = "ppo"
-    math_groups = ("algorithm", "generation", "optimizer", "data")
+    math_groups = ("algorithm", "reward", "generation", "optimizer", "data")
     headline = "objective/scores"
     curves = PPO_CURVES
 
@@ -166,7 +166,8 @@ class PPOTrainer(RolloutTrainer):
         updater = build_updater(cfg, actor, ActorObjective(a.cliprange), head=LogProbHead(temperature), groups=groups,
                                 masters=actor_masters, share_prompts=p.share_prompts, extent=rollout_extent(cfg),
                                 what="actor")
-        rewards = RewardManager(list(a.reward_funcs), a.reward_weights, a.reward_errors) if a.reward_funcs else None
+        r = cfg.reward
+        rewards = RewardManager(list(r.reward_funcs), r.reward_weights, r.reward_errors) if r.reward_funcs else None
         super().__init__(cfg, policy=actor, updater=updater, tokenizer=tokenizer, dataset=dataset, sampler=sampler,
                          rewards=rewards, layout=layout, total_steps=cfg.train.max_steps,
                          num_generations=a.num_generations)
@@ -195,11 +196,11 @@ class PPOTrainer(RolloutTrainer):
     def scores(self, exp: Experience, rm_scores: Optional[np.ndarray]) -> np.ndarray:
         """Each completion's score (B,): the reward model's (scaled, biased) plus the rule rewards' weighted sum
         (a completion no rule scored adds 0), clipped; a truncated completion's replaced by truncated_penalty."""
-        a = self.cfg.algorithm
-        total = np.zeros(len(exp)) if rm_scores is None else rm_scores * a.reward_output_scaling + a.reward_output_bias
+        r = self.cfg.reward
+        total = np.zeros(len(exp)) if rm_scores is None else rm_scores * r.reward_output_scaling + r.reward_output_bias
         total = total + np.nan_to_num(exp.rewards.astype(np.float64), nan=0.0)
-        return ppo_math.shape_scores(total, clip=a.max_reward_clip, truncated=exp.truncated,
-                                     truncated_penalty=a.truncated_penalty)
+        return ppo_math.shape_scores(total, clip=r.max_reward_clip, truncated=exp.truncated,
+                                     truncated_penalty=r.truncated_penalty)
 
     # -- the step -----------------------------------------------------------------------------------
     def train_one_step(self) -> Dict[str, float]:
@@ -468,7 +469,7 @@ def precheck(cfg: PPOConfig) -> None:
     from mindrlhf.generation.factory import check_sampler_config
     from mindrlhf.rewards import get_reward_fn
 
-    for name in cfg.algorithm.reward_funcs:
+    for name in cfg.reward.reward_funcs:
         get_reward_fn(name)
     check_sampler_config(cfg)
 

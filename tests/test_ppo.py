@@ -269,19 +269,18 @@ def test_ppo_checks_its_reward_funcs_as_grpo_does(funcs, weights, message):
 
     for cls in (GRPOConfig, PPOConfig):
         cfg = cls()
-        cfg.algorithm.reward_funcs, cfg.algorithm.reward_weights = funcs, weights
+        cfg.reward.reward_funcs, cfg.reward.reward_weights = funcs, weights
         with pytest.raises(MindRLHFError, match=re.escape(message)):
             cfg.validate()
 
 def test_score_is_scaled_model_score_plus_rules_clipped_and_penalised():
     """The score by hand: reward model × scaling + bias, plus the rule rewards (a row no rule scored adds 0),
     clipped to ±max_reward_clip, a truncated completion's replaced by truncated_penalty."""
-    from mindrlhf.configs.ppo import PPOAlgorithmConfig
+    from mindrlhf.configs.ppo import PPORewardConfig
     from mindrlhf.ppo import PPOTrainer
 
-    a = PPOAlgorithmConfig(reward_output_scaling=2.0, reward_output_bias=-1.0, max_reward_clip=4.0,
-                           truncated_penalty=-3.0)
-    host = SimpleNamespace(cfg=SimpleNamespace(algorithm=a))
+    r = PPORewardConfig(reward_output_scaling=2.0, reward_output_bias=-1.0, max_reward_clip=4.0, truncated_penalty=-3.0)
+    host = SimpleNamespace(cfg=SimpleNamespace(reward=r))
 
     class Rows:  # the two columns scores() reads
         rewards = np.array([1.0, np.nan, 0.5, 1.0], np.float32)

@@ -395,7 +395,7 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         exp = scored.exp
         if self.rewards is not None:
             metrics["reward_fn_failures"] = float(sum(self.rewards.failures.values()))
-            if self.cfg.algorithm.reward_errors == "skip":
+            if self.cfg.reward.reward_errors == "skip":
                 metrics.update({f"rewards/{name}/failures": float(n) for name, n in self.rewards.failures.items()})
         metrics.update(timer.times)
         metrics["step_time"] = time.perf_counter() - timer.start
@@ -535,4 +535,4 @@ def check_reward_style(cfg, tokenizer, dataset) -> None:
 
     style = prompt_style_of(tokenizer, dataset)
     if style is not None:
-        check_format_reward(style, cfg.algorithm.reward_funcs, dataset.path)
+        check_format_reward(style, cfg.reward.reward_funcs, dataset.path)
