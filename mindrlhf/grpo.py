@@ -32,7 +32,7 @@ from mindrlhf.configs import GRPOConfig, parse_args
 from mindrlhf.data import PromptDataset
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.generation import Sampler
-from mindrlhf.generation.factory import build_sampler, check_sampler_config
+from mindrlhf.generation.factory import build_sampler
 from mindrlhf.models import CausalLM
 from mindrlhf.models.config import require_causal_lm
 from mindrlhf.models.heads import LogProbHead
@@ -40,7 +40,7 @@ from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import RunLayout, init_run_layout
 from mindrlhf.parallel.layout import ParallelLayout
 from mindrlhf.parallel.resharding import checkpoint_config, load_shard
-from mindrlhf.rewards import RewardManager, get_reward_fn, overlong_reward
+from mindrlhf.rewards import RewardManager, overlong_reward
 from mindrlhf.trainer.entry import (
     StageSpec,
     load_policy,
@@ -52,7 +52,7 @@ from mindrlhf.trainer.entry import (
 from mindrlhf.trainer.experience import Experience, concat_experiences
 from mindrlhf.trainer.memory import rollout_extent
 from mindrlhf.trainer.metrics import EVAL_CURVE, Curve
-from mindrlhf.trainer.rollout import PhaseTimer, RolloutTrainer, ScoredRollout, load_prompt_dataset
+from mindrlhf.trainer.rollout import PhaseTimer, RolloutTrainer, ScoredRollout, load_prompt_dataset, rollout_precheck
 from mindrlhf.trainer.schedule import run_steps
 from mindrlhf.trainer.update import build_frozen_runner, build_updater
 from mindrlhf.utils.cli import run_cli
@@ -438,14 +438,7 @@ def check_model_yamls(cfg: GRPOConfig, config, weights: str) -> None:
                      "ignored (no meaning here): %s", path, side, side, ", ".join(ignored))
 
 
-def precheck(cfg: GRPOConfig) -> None:
-    """What must fail before any model loads: a typo in a dotted reward path, an unavailable backend."""
-    for name in cfg.reward.reward_funcs:
-        get_reward_fn(name)
-    check_sampler_config(cfg)
-
-
-GRPO = StageSpec("grpo", parse=parse_args, build=build_trainer, precheck=precheck, models=lambda cfg: {
+GRPO = StageSpec("grpo", parse=parse_args, build=build_trainer, precheck=rollout_precheck, models=lambda cfg: {
     "--sft_path_train": cfg.model_weights("train"), "--sft_path_infer": cfg.model_weights("infer"),
     "--ref_path": cfg.model_weights("ref")})
 

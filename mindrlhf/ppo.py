@@ -31,7 +31,7 @@ from mindrlhf.errors import MindRLHFError
 from mindrlhf.trainer.entry import StageSpec, load_policy, load_reference, load_tokenizer, resolve_weights, run_stage
 from mindrlhf.trainer.experience import Experience
 from mindrlhf.trainer.metrics import EVAL_CURVE
-from mindrlhf.trainer.rollout import MiniBatch, PhaseTimer, RolloutTrainer, load_prompt_dataset
+from mindrlhf.trainer.rollout import MiniBatch, PhaseTimer, RolloutTrainer, load_prompt_dataset, rollout_precheck
 from mindrlhf.trainer.schedule import lr_at
 from mindrlhf.utils.cli import run_cli
 
@@ -464,17 +464,7 @@ def check_scorer(scorer, actor, path: str, flag: str) -> None:
                             f"{actor.vocab_size}: it must use the actor's tokenizer")
 
 
-def precheck(cfg: PPOConfig) -> None:
-    """What must fail before any model loads: a typo in a dotted reward path, an unavailable backend."""
-    from mindrlhf.generation.factory import check_sampler_config
-    from mindrlhf.rewards import get_reward_fn
-
-    for name in cfg.reward.reward_funcs:
-        get_reward_fn(name)
-    check_sampler_config(cfg)
-
-
-PPO = StageSpec("ppo", parse=parse_ppo_args, build=build_trainer, precheck=precheck, models=lambda cfg: {
+PPO = StageSpec("ppo", parse=parse_ppo_args, build=build_trainer, precheck=rollout_precheck, models=lambda cfg: {
     "--model": cfg.model.model_path, "--ref_model": cfg.model.ref_model_path,
     "--reward_model": cfg.model.reward_model_path, "--critic_model": cfg.model.critic_model_path})
 

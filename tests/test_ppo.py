@@ -333,3 +333,15 @@ def test_reward_model_scores_from_packed_values_equal_the_padded_last_token_scor
     runner = PipelineRunner(model, data_parallel_groups(0, 1), head=ValueHead(), share_prompts=True)
     got = reward_model_scores(runner, exp, micro_size=4)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_reward_path_typo_is_reported_before_any_model_loads(ppo_assets, tmp_path, capsys):
+    """GRPO and PPO share one precheck (trainer.rollout.rollout_precheck): a typo in a reward function's dotted path
+    is the one error, even when the model path does not exist either (the model would load after it)."""
+    from mindrlhf.ppo import main
+
+    missing = tmp_path / "no_such_model"
+    argv = _argv(ppo_assets, tmp_path / "out", model=missing, reward_funcs="e2e_rewardz:length_reward")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "cannot import module 'e2e_rewardz'" in err[-1] and err[-1].startswith("error: "), err

@@ -536,3 +536,14 @@ def check_reward_style(cfg, tokenizer, dataset) -> None:
     style = prompt_style_of(tokenizer, dataset)
     if style is not None:
         check_format_reward(style, cfg.reward.reward_funcs, dataset.path)
+
+
+def rollout_precheck(cfg) -> None:
+    """What must fail before any model of a stage that samples (GRPO, PPO) loads: a typo in a reward function's
+    dotted path, an unavailable generation backend."""
+    from mindrlhf.generation.factory import check_sampler_config
+    from mindrlhf.rewards import get_reward_fn
+
+    for name in cfg.reward.reward_funcs:
+        get_reward_fn(name)
+    check_sampler_config(cfg)
