@@ -32,7 +32,7 @@ from mindrlhf.configs import GRPOConfig, parse_args
 from mindrlhf.data import PromptDataset
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.generation import Sampler
-from mindrlhf.generation.factory import build_sampler, check_sampler_config
+from mindrlhf.generation.factory import build_sampler
 from mindrlhf.models import CausalLM
 from mindrlhf.models.config import require_causal_lm
 from mindrlhf.models.heads import LogProbHead
@@ -40,7 +40,7 @@ from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import RunLayout, init_run_layout
 from mindrlhf.parallel.layout import ParallelLayout
 from mindrlhf.parallel.resharding import checkpoint_config, load_shard
-from mindrlhf.rewards import RewardManager, get_reward_fn, overlong_reward
+from mindrlhf.rewards import RewardManager, overlong_reward
 from mindrlhf.trainer.entry import (
     StageSpec,
     load_policy,
@@ -52,7 +52,7 @@ from mindrlhf.trainer.entry import (
 from mindrlhf.trainer.experience import Experience, concat_experiences
 from mindrlhf.trainer.memory import rollout_extent
 from mindrlhf.trainer.metrics import EVAL_CURVE, Curve
-from mindrlhf.trainer.rollout import PhaseTimer, RolloutTrainer, ScoredRollout, load_prompt_dataset
+from mindrlhf.trainer.rollout import PhaseTimer, RolloutTrainer, ScoredRollout, load_prompt_dataset, rollout_precheck
 from mindrlhf.trainer.schedule import run_steps
 from mindrlhf.trainer.update import build_frozen_runner, build_updater
 from mindrlhf.utils.cli import run_cli
@@ -156,7 +156,7 @@ class GRPOTrainer(RolloutTrainer):
     on the shared loop, update and checkpoints (``trainer.base``)."""
 
     stage = "grpo"
-    math_groups = ("algorithm", "generation", "optimizer", "data")
+    math_groups = ("algorithm", "reward", "generation", "optimizer", "data")
     headline = "reward"
     curves = GRPO_CURVES
 
@@ -179,12 +179,13 @@ class GRPOTrainer(RolloutTrainer):
         # max_steps / grpo_epochs: the run and the LR decay. Kept as total_steps (the config stays as given);
         # run_config() records it as max_steps, so the saved config.yaml reruns (and a resume compares) that length.
         total = run_steps(cfg, len(dataset))
-        funcs, weights = list(a.reward_funcs), a.reward_weights
-        if a.overlong_buffer_length:  # DAPO's overlong punishment: one more reward term, weight 1
-            funcs.append(overlong_reward(g.max_completion_length, a.overlong_buffer_length, a.overlong_penalty))
+        r = cfg.reward
+        funcs, weights = list(r.reward_funcs), r.reward_weights
+        if r.overlong_buffer_length:  # DAPO's overlong punishment: one more reward term, weight 1
+            funcs.append(overlong_reward(g.max_completion_length, r.overlong_buffer_length, r.overlong_penalty))
             weights = None if weights is None else list(weights) + [1.0]
         super().__init__(cfg, policy=policy, updater=updater, tokenizer=tokenizer, dataset=dataset, sampler=sampler,
-                         rewards=RewardManager(funcs, weights, a.reward_errors), layout=layout, total_steps=total,
+                         rewards=RewardManager(funcs, weights, r.reward_errors), layout=layout, total_steps=total,
                          num_generations=a.num_generations, rollouts_per_step=a.num_rollouts,
                          mask_truncated=a.mask_truncated_completions)
         self.ref_model = ref_model
@@ -437,14 +438,7 @@ def check_model_yamls(cfg: GRPOConfig, config, weights: str) -> None:
                      "ignored (no meaning here): %s", path, side, side, ", ".join(ignored))
 
 
-def precheck(cfg: GRPOConfig) -> None:
-    """What must fail before any model loads: a typo in a dotted reward path, an unavailable backend."""
-    for name in cfg.algorithm.reward_funcs:
-        get_reward_fn(name)
-    check_sampler_config(cfg)
-
-
-GRPO = StageSpec("grpo", parse=parse_args, build=build_trainer, precheck=precheck, models=lambda cfg: {
+GRPO = StageSpec("grpo", parse=parse_args, build=build_trainer, precheck=rollout_precheck, models=lambda cfg: {
     "--sft_path_train": cfg.model_weights("train"), "--sft_path_infer": cfg.model_weights("infer"),
     "--ref_path": cfg.model_weights("ref")})
 

@@ -31,7 +31,7 @@ from mindrlhf.errors import MindRLHFError
 from mindrlhf.trainer.entry import StageSpec, load_policy, load_reference, load_tokenizer, resolve_weights, run_stage
 from mindrlhf.trainer.experience import Experience
 from mindrlhf.trainer.metrics import EVAL_CURVE
-from mindrlhf.trainer.rollout import MiniBatch, PhaseTimer, RolloutTrainer, load_prompt_dataset
+from mindrlhf.trainer.rollout import MiniBatch, PhaseTimer, RolloutTrainer, load_prompt_dataset, rollout_precheck
 from mindrlhf.trainer.schedule import lr_at
 from mindrlhf.utils.cli import run_cli
 
@@ -147,7 +147,7 @@ class PPOTrainer(RolloutTrainer):
     are the checkpoint's policy.ckpt / optimizer.ckpt); the critic is a second ``Updater`` saved beside it."""
 
     stage = "ppo"
-    math_groups = ("algorithm", "generation", "optimizer", "data")
+    math_groups = ("algorithm", "reward", "generation", "optimizer", "data")
     headline = "objective/scores"
     curves = PPO_CURVES
 
@@ -166,7 +166,8 @@ class PPOTrainer(RolloutTrainer):
         updater = build_updater(cfg, actor, ActorObjective(a.cliprange), head=LogProbHead(temperature), groups=groups,
                                 masters=actor_masters, share_prompts=p.share_prompts, extent=rollout_extent(cfg),
                                 what="actor")
-        rewards = RewardManager(list(a.reward_funcs), a.reward_weights, a.reward_errors) if a.reward_funcs else None
+        r = cfg.reward
+        rewards = RewardManager(list(r.reward_funcs), r.reward_weights, r.reward_errors) if r.reward_funcs else None
         super().__init__(cfg, policy=actor, updater=updater, tokenizer=tokenizer, dataset=dataset, sampler=sampler,
                          rewards=rewards, layout=layout, total_steps=cfg.train.max_steps,
                          num_generations=a.num_generations)
@@ -195,11 +196,11 @@ class PPOTrainer(RolloutTrainer):
     def scores(self, exp: Experience, rm_scores: Optional[np.ndarray]) -> np.ndarray:
         """Each completion's score (B,): the reward model's (scaled, biased) plus the rule rewards' weighted sum
         (a completion no rule scored adds 0), clipped; a truncated completion's replaced by truncated_penalty."""
-        a = self.cfg.algorithm
-        total = np.zeros(len(exp)) if rm_scores is None else rm_scores * a.reward_output_scaling + a.reward_output_bias
+        r = self.cfg.reward
+        total = np.zeros(len(exp)) if rm_scores is None else rm_scores * r.reward_output_scaling + r.reward_output_bias
         total = total + np.nan_to_num(exp.rewards.astype(np.float64), nan=0.0)
-        return ppo_math.shape_scores(total, clip=a.max_reward_clip, truncated=exp.truncated,
-                                     truncated_penalty=a.truncated_penalty)
+        return ppo_math.shape_scores(total, clip=r.max_reward_clip, truncated=exp.truncated,
+                                     truncated_penalty=r.truncated_penalty)
 
     # -- the step -----------------------------------------------------------------------------------
     def train_one_step(self) -> Dict[str, float]:
@@ -463,17 +464,7 @@ def check_scorer(scorer, actor, path: str, flag: str) -> None:
                             f"{actor.vocab_size}: it must use the actor's tokenizer")
 
 
-def precheck(cfg: PPOConfig) -> None:
-    """What must fail before any model loads: a typo in a dotted reward path, an unavailable backend."""
-    from mindrlhf.generation.factory import check_sampler_config
-    from mindrlhf.rewards import get_reward_fn
-
-    for name in cfg.algorithm.reward_funcs:
-        get_reward_fn(name)
-    check_sampler_config(cfg)
-
-
-PPO = StageSpec("ppo", parse=parse_ppo_args, build=build_trainer, precheck=precheck, models=lambda cfg: {
+PPO = StageSpec("ppo", parse=parse_ppo_args, build=build_trainer, precheck=rollout_precheck, models=lambda cfg: {
     "--model": cfg.model.model_path, "--ref_model": cfg.model.ref_model_path,
     "--reward_model": cfg.model.reward_model_path, "--critic_model": cfg.model.critic_model_path})
 

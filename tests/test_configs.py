@@ -7,9 +7,12 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from mindrlhf.configs import REFERENCES, GRPOConfig, config_reference_markdown, grpo_configs, parse_args
 from mindrlhf.configs.base import coerce_value
+from mindrlhf.configs.common import RewardConfig
+from mindrlhf.configs.ppo import PPOConfig
 from mindrlhf.errors import MindRLHFError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +44,7 @@ def test_defaults_validate():
     assert cfg.algorithm.num_generations == 4 and cfg.algorithm.chunk_size == 2
     assert cfg.algorithm.beta == 0.0 and cfg.algorithm.kl_estimator == "k3"
     assert cfg.algorithm.loss_agg_mode == "seq-mean-token-mean"
-    assert cfg.algorithm.reward_funcs == ["accuracy", "gsm8k_format"] and cfg.algorithm.reward_weights is None
+    assert cfg.reward.reward_funcs == ["accuracy", "gsm8k_format"] and cfg.reward.reward_weights is None
     assert cfg.optimizer.lr == 2e-5 and cfg.parallel.device_target == "CPU" and cfg.train.max_steps == 12
 
 
@@ -63,8 +66,8 @@ def test_every_field_has_help_default_and_unique_name():
 
 def test_list_defaults_are_not_shared():
     a, b = GRPOConfig(), GRPOConfig()
-    a.algorithm.reward_funcs.append("boxed")
-    assert b.algorithm.reward_funcs == ["accuracy", "gsm8k_format"]
+    a.reward.reward_funcs.append("boxed")
+    assert b.reward.reward_funcs == ["accuracy", "gsm8k_format"]
 
 
 def test_derived_sizes():
@@ -185,7 +188,7 @@ def test_yaml_type_coercions(tmp_path):
         tmp_path, "use_vllm: 'false'\njit: False\nreward_weights: null\nnum_rollouts: '3'\ndtype: bf16\n"
                   "resume: auto\nreward_funcs: [accuracy]\n"))
     assert cfg.generation.use_vllm is False and cfg.parallel.jit is False
-    assert cfg.algorithm.reward_weights is None and cfg.algorithm.num_rollouts == 3
+    assert cfg.reward.reward_weights is None and cfg.algorithm.num_rollouts == 3
     assert cfg.model.dtype == "bfloat16" and cfg.train.resume == "latest"
 
 
@@ -224,16 +227,16 @@ def test_cli_bools():
 def test_cli_lists():
     cfg = parse_args(["--reward_funcs", "accuracy", "format", "boxed", "--reward_weights", "1", "0.5", "-0.25",
                       "--stop_token_ids", "151643", "151645"])
-    assert cfg.algorithm.reward_funcs == ["accuracy", "format", "boxed"]
-    assert cfg.algorithm.reward_weights == [1.0, 0.5, -0.25]
+    assert cfg.reward.reward_funcs == ["accuracy", "format", "boxed"]
+    assert cfg.reward.reward_weights == [1.0, 0.5, -0.25]
     assert cfg.generation.stop_token_ids == [151643, 151645]
     assert parse_args(["--stop_token_ids"]).generation.stop_token_ids == []
 
 
 def test_cli_optional_list_reset_to_none(tmp_path):
     path = write(tmp_path, "reward_weights: [1.0, 2.0]\n")
-    assert GRPOConfig.from_yaml(path).algorithm.reward_weights == [1.0, 2.0]
-    assert parse_args(["--config", str(path), "--reward_weights", "none"]).algorithm.reward_weights is None
+    assert GRPOConfig.from_yaml(path).reward.reward_weights == [1.0, 2.0]
+    assert parse_args(["--config", str(path), "--reward_weights", "none"]).reward.reward_weights is None
 
 
 def test_cli_resume():
@@ -572,12 +575,16 @@ def test_overlong_buffer_checks():
         parse_args(["--overlong_buffer_length", "160"])
     with pytest.raises(MindRLHFError, match="reward_funcs names a function 'overlong'"):
         parse_args(["--overlong_buffer_length", "16", "--reward_funcs", "accuracy", "overlong"])
-    assert parse_args(["--overlong_buffer_length", "16"]).algorithm.overlong_penalty == 1.0
+    assert parse_args(["--overlong_buffer_length", "16"]).reward.overlong_penalty == 1.0
 
 
 @pytest.mark.parametrize("group, values, needle", [
     (grpo_configs.AlgorithmConfig, dict(sync_ref_model=True), "sync_ref_model = true with beta = 0"),
-    (grpo_configs.AlgorithmConfig, dict(reward_funcs=[]), "reward_funcs is empty"),
+    (grpo_configs.GRPORewardConfig, dict(reward_funcs=[]), "reward_funcs is empty"),
+    (grpo_configs.GRPORewardConfig, dict(overlong_buffer_length=4, reward_funcs=["my.rewards:overlong"]),
+     "reward_funcs names a function 'overlong'"),
+    (RewardConfig, dict(reward_funcs=["accuracy"], reward_weights=[1.0, 2.0]),
+     "reward_weights has 2 values [1.0, 2.0] but reward_funcs has 1"),
     (grpo_configs.AlgorithmConfig, dict(loss_type="dapo", loss_agg_mode="seq-mean-token-sum-norm"),
      "loss_type = 'dapo' (TRL's name) means loss_agg_mode = 'token-mean'"),
     (grpo_configs.GenerationConfig, dict(min_new_tokens=200), "min_new_tokens = 200 > max_completion_length = 160"),
@@ -600,8 +607,6 @@ def test_each_group_checks_its_own_fields(group, values, needle):
 def test_ppo_gets_the_generation_and_layout_rules_of_the_groups_it_shares():
     """PPO's config had its own copies of the min_new_tokens and world-size rules with blunter messages; the shared
     groups now check them, with the same words as GRPO's (the fix, the factors of each world size)."""
-    from mindrlhf.configs.ppo import PPOConfig
-
     for cls in (GRPOConfig, PPOConfig):
         cfg = cls.from_dict(dict(min_new_tokens=200), validate=False)
         with pytest.raises(MindRLHFError) as err:
@@ -613,3 +618,107 @@ def test_ppo_gets_the_generation_and_layout_rules_of_the_groups_it_shares():
             cfg.validate()
         assert "train world size train_dp*train_tp*train_pp = 2*1*1 = 2 != infer world size infer_dp*infer_tp = " \
                "1*1 = 1" in str(err.value), str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------- the reward group
+#: The reward fields as a YAML of the layout before the reward group (issue 42) writes them, and the same config now.
+OLD_REWARD_LAYOUT = {
+    GRPOConfig: ("algorithm:\n  beta: 0.0\n  reward_funcs: [accuracy, format]\n  reward_weights: [1.0, 0.5]\n"
+                 "  reward_errors: skip\n  overlong_buffer_length: 8\n  overlong_penalty: 0.5\n",
+                 "algorithm:\n  beta: 0.0\nreward:\n  reward_funcs: [accuracy, format]\n  reward_weights: [1.0, 0.5]\n"
+                 "  reward_errors: skip\n  overlong_buffer_length: 8\n  overlong_penalty: 0.5\n"),
+    PPOConfig: ("algorithm:\n  kl_coef: 0.1\n  reward_funcs: [gsm8k_format]\n  reward_errors: skip\n"
+                "  reward_output_scaling: 2.0\n  reward_output_bias: -1.0\n  max_reward_clip: 5.0\n"
+                "  truncated_penalty: -2.0\n",
+                "algorithm:\n  kl_coef: 0.1\nreward:\n  reward_funcs: [gsm8k_format]\n  reward_errors: skip\n"
+                "  reward_output_scaling: 2.0\n  reward_output_bias: -1.0\n  max_reward_clip: 5.0\n"
+                "  truncated_penalty: -2.0\n"),
+}
+
+
+@pytest.mark.parametrize("cls", [GRPOConfig, PPOConfig], ids=["grpo", "ppo"])
+def test_reward_fields_written_under_algorithm_still_load(cls, tmp_path, caplog, monkeypatch):
+    """Issue 42: the reward fields moved from the algorithm group to one reward group shared by GRPO and PPO. A YAML
+    of the old layout (a user's file, a run's recorded config.yaml) loads to the same config, with one warning
+    naming the new place, once per process; the flags keep their names."""
+    import mindrlhf.configs.base as base
+
+    monkeypatch.setattr(base, "_WARNED_MOVED", set())
+    old_text, new_text = OLD_REWARD_LAYOUT[cls]
+    new = cls.from_yaml(write(tmp_path, new_text, "new.yaml"))
+    with caplog.at_level("WARNING", logger="mindrlhf.configs.base"):
+        old = cls.from_yaml(write(tmp_path, old_text, "old.yaml"))
+        assert cls.from_yaml(tmp_path / "old.yaml") == old
+    assert old == new and old.reward.reward_errors == "skip"
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1, warnings
+    assert "algorithm.reward_funcs" in warnings[0] and "moved to the 'reward' group" in warnings[0]
+    assert "write 'reward: {reward_funcs: ...}'" in warnings[0]
+    flags = ["--reward_funcs", "accuracy", "--reward_errors", "skip"]
+    parse = cls.parse_args
+    assert parse(flags).reward.reward_funcs == ["accuracy"] and parse(flags).reward.reward_errors == "skip"
+    # Only the old group is accepted besides the new one: anywhere else is still the wrong group.
+    with pytest.raises(MindRLHFError, match=r"'generation.reward_funcs': field 'reward_funcs' belongs to group "
+                                            r"'reward'"):
+        cls.from_yaml(write(tmp_path, "generation:\n  reward_funcs: [accuracy]\n", "wrong.yaml"))
+    with pytest.raises(MindRLHFError, match=r"'reward_funcs' is set twice"):
+        cls.from_yaml(write(tmp_path, "algorithm:\n  reward_funcs: [accuracy]\nreward:\n  reward_funcs: [accuracy]\n",
+                            "twice.yaml"))
+
+
+@pytest.mark.parametrize("cls", [GRPOConfig, PPOConfig], ids=["grpo", "ppo"])
+def test_an_old_recorded_config_regroups_to_the_current_one(cls, tmp_path):
+    """What a resume compares: a config.yaml recorded before the reward group (its reward fields under algorithm),
+    regrouped, equals this version's to_dict of the same config, field for field."""
+    old_text, new_text = OLD_REWARD_LAYOUT[cls]
+    now = cls.from_yaml(write(tmp_path, new_text)).to_dict()
+    recorded = {g: dict(v) for g, v in now.items() if g != "reward"}
+    recorded["algorithm"].update(now["reward"])  # the old layout: the reward fields among the algorithm's
+    assert cls.regroup(recorded) == now
+    assert cls.regroup(now) == now
+    assert "reward" not in yaml.safe_load(old_text) and cls.MOVED_FIELDS["reward_funcs"] == "algorithm"
+
+
+def test_grpo_and_ppo_share_one_reward_group():
+    """One RewardConfig holds the rule rewards' fields and their check; each stage extends it with its own terms."""
+    from mindrlhf.configs.ppo import PPORewardConfig
+
+    shared = {f.name for f in dataclasses.fields(RewardConfig)}
+    assert shared == {"reward_funcs", "reward_weights", "reward_errors"}
+    for cls, group in ((GRPOConfig, grpo_configs.GRPORewardConfig), (PPOConfig, PPORewardConfig)):
+        assert dict(cls.groups())["reward"] is group and issubclass(group, RewardConfig)
+        assert {n for n, i in cls.field_index().items() if i.group == "algorithm"}.isdisjoint(shared)
+        assert {n: cls.field_index()[n].field.metadata["help"] for n in shared} == {
+            f.name: f.metadata["help"] for f in dataclasses.fields(RewardConfig)}
+
+
+@pytest.mark.parametrize("stage", ["grpo", "ppo"])
+def test_resume_compares_an_old_layout_checkpoint_config_field_by_field(stage, tmp_path, caplog):
+    """A checkpoint's config.yaml written before the reward group (reward fields under algorithm) is compared with
+    the resumed run's config field by field: the same values say nothing, a changed reward weight is named (it was
+    silently skipped while the saved file had no reward group)."""
+    import importlib
+
+    trainer_cls = {"grpo": "GRPOTrainer", "ppo": "PPOTrainer"}[stage]
+    trainer_cls = getattr(importlib.import_module(f"mindrlhf.{stage}"), trainer_cls)
+    cfg_cls = REFERENCES[stage][0]
+    cfg = cfg_cls.from_dict(dict(reward_funcs=["accuracy", "gsm8k_format"], reward_weights=[1.0, 0.5]))
+    host = type("Host", (), {"cfg": cfg, "math_groups": trainer_cls.math_groups, "math_fields": trainer_cls.math_fields,
+                             "run_config": lambda self: cfg})()
+
+    def old_layout(weights):
+        saved = cfg.to_dict()
+        reward = saved.pop("reward")
+        saved["algorithm"].update(reward, reward_weights=weights)
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False), encoding="utf-8")
+
+    assert "reward" in trainer_cls.math_groups
+    old_layout([1.0, 0.5])
+    with caplog.at_level("WARNING"):
+        trainer_cls.warn_config_changes(host, tmp_path)
+    assert not [r for r in caplog.records if "different config" in r.getMessage()]
+    old_layout([1.0, 2.0])
+    with caplog.at_level("WARNING"):
+        trainer_cls.warn_config_changes(host, tmp_path)
+    changed = [r.getMessage() for r in caplog.records if "different config" in r.getMessage()]
+    assert len(changed) == 1 and "reward_weights [1.0, 2.0] -> [1.0, 0.5]" in changed[0], changed

@@ -269,19 +269,18 @@ def test_ppo_checks_its_reward_funcs_as_grpo_does(funcs, weights, message):
 
     for cls in (GRPOConfig, PPOConfig):
         cfg = cls()
-        cfg.algorithm.reward_funcs, cfg.algorithm.reward_weights = funcs, weights
+        cfg.reward.reward_funcs, cfg.reward.reward_weights = funcs, weights
         with pytest.raises(MindRLHFError, match=re.escape(message)):
             cfg.validate()
 
 def test_score_is_scaled_model_score_plus_rules_clipped_and_penalised():
     """The score by hand: reward model × scaling + bias, plus the rule rewards (a row no rule scored adds 0),
     clipped to ±max_reward_clip, a truncated completion's replaced by truncated_penalty."""
-    from mindrlhf.configs.ppo import PPOAlgorithmConfig
+    from mindrlhf.configs.ppo import PPORewardConfig
     from mindrlhf.ppo import PPOTrainer
 
-    a = PPOAlgorithmConfig(reward_output_scaling=2.0, reward_output_bias=-1.0, max_reward_clip=4.0,
-                           truncated_penalty=-3.0)
-    host = SimpleNamespace(cfg=SimpleNamespace(algorithm=a))
+    r = PPORewardConfig(reward_output_scaling=2.0, reward_output_bias=-1.0, max_reward_clip=4.0, truncated_penalty=-3.0)
+    host = SimpleNamespace(cfg=SimpleNamespace(reward=r))
 
     class Rows:  # the two columns scores() reads
         rewards = np.array([1.0, np.nan, 0.5, 1.0], np.float32)
@@ -334,3 +333,15 @@ def test_reward_model_scores_from_packed_values_equal_the_padded_last_token_scor
     runner = PipelineRunner(model, data_parallel_groups(0, 1), head=ValueHead(), share_prompts=True)
     got = reward_model_scores(runner, exp, micro_size=4)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_reward_path_typo_is_reported_before_any_model_loads(ppo_assets, tmp_path, capsys):
+    """GRPO and PPO share one precheck (trainer.rollout.rollout_precheck): a typo in a reward function's dotted path
+    is the one error, even when the model path does not exist either (the model would load after it)."""
+    from mindrlhf.ppo import main
+
+    missing = tmp_path / "no_such_model"
+    argv = _argv(ppo_assets, tmp_path / "out", model=missing, reward_funcs="e2e_rewardz:length_reward")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "cannot import module 'e2e_rewardz'" in err[-1] and err[-1].startswith("error: "), err

@@ -62,8 +62,8 @@ def test_preset_names_the_format_reward_of_its_data_style(path, packaged_data_st
     # names a mindrecord expects rlhf_data.py's default style (the README's workflow).
     style = packaged_data_style if not cfg.data.mind_dataset_dir else DEFAULT_PROMPT_STYLE
     assert packaged_data_style == DEFAULT_PROMPT_STYLE
-    assert style_format_reward(style) in cfg.algorithm.reward_funcs
-    check_format_reward(style, cfg.algorithm.reward_funcs, str(path))
+    assert style_format_reward(style) in cfg.reward.reward_funcs
+    check_format_reward(style, cfg.reward.reward_funcs, str(path))
 
 
 @pytest.mark.parametrize("style", sorted(PROMPT_STYLES))

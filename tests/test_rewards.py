@@ -428,5 +428,5 @@ def test_config_refuses_two_reward_funcs_of_one_name_before_anything_loads():
         parse_args(["--reward_funcs", "accuracy", "my.rewards:accuracy"])
     with pytest.raises(MindRLHFError, match="reward_funcs names a function 'overlong'"):
         parse_args(["--overlong_buffer_length", "16", "--reward_funcs", "accuracy", "my.rewards:overlong"])
-    assert parse_args(["--reward_funcs", "accuracy", "my.rewards:length_parity"]).algorithm.reward_funcs == [
+    assert parse_args(["--reward_funcs", "accuracy", "my.rewards:length_parity"]).reward.reward_funcs == [
         "accuracy", "my.rewards:length_parity"]

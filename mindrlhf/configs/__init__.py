@@ -7,6 +7,7 @@ stage table, ``mindrlhf.registry.STAGES``); ``config_reference_markdown(stage)``
 from pathlib import Path
 from typing import Dict, Tuple
 
+from mindrlhf.configs.common import RewardConfig
 from mindrlhf.configs.grpo_configs import (
     AlgorithmConfig,
     DataConfig,
@@ -45,6 +46,7 @@ __all__ = [
     "DPOConfig",
     "PPOConfig",
     "RMConfig",
+    "RewardConfig",
     "SFTConfig",
     "write_config_references",
     "DataConfig",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import logging
 import math
 import os
 import types
@@ -29,6 +30,9 @@ from mindrlhf.errors import MindRLHFError
 from mindrlhf.utils.fs import write_text_atomic
 
 _MISSING = dataclasses.MISSING
+log = logging.getLogger(__name__)
+#: Moved fields already warned about in this process (one warning each, however often a config is read).
+_WARNED_MOVED: set = set()
 
 
 def config_field(
@@ -248,6 +252,9 @@ class GroupedConfig:
     # The generated reference of this config (a stage's: ``registry.STAGES[name].reference``), named by errors
     # about unknown keys.
     REFERENCE_FILE: ClassVar[str] = "docs/config_reference.md"
+    # Fields that moved to another group: {field: the group it was written under before}. A YAML (or a run's
+    # recorded config.yaml) that still writes them there loads, with one warning naming the new place.
+    MOVED_FIELDS: ClassVar[Dict[str, str]] = {}
 
     # ---------------------------------------------------------------- introspection
     @classmethod
@@ -332,6 +339,7 @@ class GroupedConfig:
         aliases = cls.key_alias_index()
         group_names = [g for g, _ in cls.groups()]
         out: Dict[str, Tuple[Any, str]] = {}
+        moved: List[Tuple[str, str]] = []  # (key as written, the group it belongs to now)
 
         def put(name: str, value: Any, written: str) -> None:
             if name in out:
@@ -357,7 +365,9 @@ class GroupedConfig:
                         hint = _suggest(sub_s, group_fields) or _suggest(sub_s, list(index))
                         raise MindRLHFError(f"{source}: unknown config key '{key_s}.{sub_s}'{hint}; "
                                             f"see {cls.REFERENCE_FILE}")
-                    if info.group != key_s:
+                    if info.group != key_s and cls.MOVED_FIELDS.get(info.name) == key_s:
+                        moved.append((f"{key_s}.{sub_s}", info.group))
+                    elif info.group != key_s:
                         raise MindRLHFError(f"{source}: '{key_s}.{sub_s}': field '{info.name}' belongs to group "
                                             f"'{info.group}'; write '{info.group}: {{{sub_s}: ...}}' or '{sub_s}: ...' "
                                             "at the top level")
@@ -367,6 +377,18 @@ class GroupedConfig:
             else:
                 hint = _suggest(key_s, list(index) + group_names)
                 raise MindRLHFError(f"{source}: unknown config key '{key_s}'{hint}; see {cls.REFERENCE_FILE}")
+        _warn_moved(moved, source)
+        return out
+
+    @classmethod
+    def regroup(cls, data: Dict[str, Any]) -> Dict[str, Any]:
+        """A grouped mapping (``to_dict``'s form, e.g. an older run's config.yaml) with each of ``MOVED_FIELDS``
+        written under its old group put under its group now, so it compares with this version's ``to_dict``."""
+        out = {g: dict(v) if isinstance(v, dict) else v for g, v in data.items()}
+        index = cls.field_index()
+        for name, old in cls.MOVED_FIELDS.items():
+            if isinstance(out.get(old), dict) and name in out[old]:
+                out.setdefault(index[name].group, {})[name] = out[old].pop(name)
         return out
 
     @classmethod
@@ -586,6 +608,19 @@ class GroupedConfig:
                 lines.append("| " + " | ".join(c.replace("|", "\\|") for c in text_cells) + " |")
             lines.append("")
         return "\n".join(lines)
+
+
+def _warn_moved(moved: List[Tuple[str, str]], source: str) -> None:
+    """One warning per process for the moved fields a config still writes under their old group."""
+    by_group: Dict[str, List[str]] = {}
+    for key, group in moved:
+        if key not in _WARNED_MOVED:
+            _WARNED_MOVED.add(key)
+            by_group.setdefault(group, []).append(key)
+    for group, keys in by_group.items():
+        field = keys[0].split(".")[-1]
+        log.warning("%s: %s moved to the '%s' group; read from the old place this time, write '%s: {%s: ...}' (or "
+                    "the keys at the top level) from now on", source, ", ".join(keys), group, group, field)
 
 
 def _md_text(text: str) -> str:

@@ -1,5 +1,6 @@
 """Config groups every training stage shares: the optimizer and its schedule, the model's dtype and
-tokenizer, the train layout and the training loop. A stage's config (``GRPOConfig``; SFT, DPO, ...)
+tokenizer, the train layout and the training loop; and the rule rewards of the stages that sample (GRPO, PPO:
+``RewardConfig``, their ``reward`` group). A stage's config (``GRPOConfig``; SFT, DPO, ...)
 holds these groups, extends them with its own fields (``ParallelConfig(TrainLayoutConfig)`` adds the
 generator's layout) and adds its own groups. Each group checks its own rules (``check``);
 ``TrainingConfig`` checks the rules between them.
@@ -9,10 +10,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 from mindrlhf.configs.base import GroupedConfig, config_field
 from mindrlhf.models.dtypes import DTYPE_ALIASES, DTYPES  # the one dtype table
+from mindrlhf.rewards.manager import REWARD_ERRORS, reward_spec_name
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
 DEVICE_TARGETS = ("CPU", "Ascend", "GPU")
@@ -268,6 +270,50 @@ class PolicyEvalTrainConfig(TrainLoopConfig):
         if self.eval_file and not Path(self.eval_file).exists():  # found now, not after the first evaluation
             errors.append(f"eval_file = {self.eval_file!r} does not exist; give GSM8K-style question/answer rows "
                           "(JSONL, parquet or a datasets folder), or '' for the packaged GSM8K test sample")
+
+
+@dataclass
+class RewardConfig:
+    """The rule rewards of a stage that samples (GRPO, PPO): the reward functions, their weights and what a
+    failing one does. Each stage extends it with its own reward terms."""
+
+    reward_funcs: List[str] = config_field(
+        ["accuracy", "gsm8k_format"], "Reward functions, by registry name (accuracy: the GSM8K answer matches; "
+        "gsm8k_format: the answer ends with its only '#### <number>' line, the default prompt style's format; format: "
+        "<think>...</think><answer>...</answer>, the 'tags' prompt style's; boxed: a \\boxed{} answer matches) or by "
+        "dotted path 'package.module:function' for user functions. The step reward is their weighted sum "
+        "(reward_weights; PPO adds it to the reward model's score); each is logged as rewards/<name>/mean, as TRL "
+        "names it: a built-in's name, else the function's __name__ (my_rewards:length_parity logs "
+        "rewards/length_parity/mean). Names must be unique. Use the format reward of the prompt style the data was "
+        "built with (rlhf_data.py --prompt_style). GRPO needs at least one; PPO: [] = the reward model alone (then "
+        "reward_model_path is required).")
+    reward_weights: Optional[List[float]] = config_field(
+        None, "Weight of each reward function, in reward_funcs order; null = 1.0 for all. Length must equal "
+        "len(reward_funcs). Negative weights turn a reward into a penalty.")
+    reward_errors: str = config_field(
+        "raise", "What a reward function that raises, or returns a value that is not a number (a string; numbers are "
+        "float, int, bool, as in TRL), not finite (inf, NaN) or beyond float32's range, does: raise = stop the run "
+        "with one error naming the function and its exception or value; skip = score those completions None and train "
+        "on, counting failed calls per function (metric rewards/<name>/failures): GRPO gives them no advantage, PPO "
+        "scores them by the reward model alone (0 without one). Reward functions are called as TRL calls them: "
+        "fn(prompts=, completions=, completion_ids=, solution=, question=), all by keyword, and return one number or "
+        "None per completion.",
+        choices=REWARD_ERRORS)
+
+    def check(self, errors: List[str]) -> None:
+        """Each function once, each logged under its own name (``rewards/<name>/mean``), one weight per function."""
+        funcs, weights = self.reward_funcs, self.reward_weights
+        duplicates = sorted({f for f in funcs if funcs.count(f) > 1})
+        if duplicates:
+            errors.append(f"reward_funcs lists {duplicates} more than once; each function once (use reward_weights)")
+        names = [reward_spec_name(f) for f in funcs]
+        for name in sorted({n for n in names if names.count(n) > 1} - set(duplicates)):
+            same = [f for f in funcs if reward_spec_name(f) == name]
+            errors.append(f"reward_funcs {same} are all named {name!r} (logged as rewards/{name}/mean, TRL's name: "
+                          "the function's __name__); rename one of the functions")
+        if weights is not None and len(weights) != len(funcs):
+            errors.append(f"reward_weights has {len(weights)} values {weights} but reward_funcs has "
+                          f"{len(funcs)} {funcs}; give one weight per function or null")
 
 
 class TrainingConfig(GroupedConfig):

@@ -15,13 +15,14 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import ClassVar, List, Optional, Sequence, Tuple, Union
 
 from mindrlhf.configs.base import config_field
 from mindrlhf.configs.common import (
     ModelBaseConfig,
     OptimizerConfig,
     PolicyEvalTrainConfig,
+    RewardConfig,
     TrainingConfig,
     TrainLayoutConfig,
 )
@@ -37,7 +38,7 @@ from mindrlhf.registry import (
     SCALE_REWARDS,
     STAGES,
 )
-from mindrlhf.rewards.manager import REWARD_ERRORS, reward_spec_name
+from mindrlhf.rewards.manager import reward_spec_name
 
 #: TRL's loss_type names that are an aggregation of our token-level "grpo" loss (TRL's own "grpo" is ours).
 TRL_LOSS_TYPES = {"bnpo": "token-mean", "dapo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
@@ -49,7 +50,7 @@ _GRPO_SCALINGS = {"group": "grpo", "batch": "batch_std", "none": "dr_grpo"}
 
 @dataclass
 class AlgorithmConfig:
-    """GRPO algorithm: group size, batch geometry, loss, KL, clipping, rewards, reference model."""
+    """GRPO algorithm: group size, batch geometry, loss, KL, clipping, advantages, reference model."""
 
     num_generations: int = config_field(
         4, "G: completions sampled per prompt; advantages are normalised within each group of G. "
@@ -129,15 +130,6 @@ class AlgorithmConfig:
     mask_truncated_completions: bool = config_field(
         False, "Exclude completions that hit max_completion_length without a stop token from the loss "
         "(DAPO's overlong filtering); they still count in the reward metrics.")
-    overlong_buffer_length: int = config_field(
-        0, "DAPO's soft overlong punishment: a completion longer than max_completion_length - "
-        "overlong_buffer_length tokens gets an extra reward term falling linearly from 0 to -overlong_penalty at "
-        "max_completion_length (logged as rewards/overlong/mean). 0 = off; DAPO used 4096 of 20480. Range "
-        "[0, max_completion_length).",
-        ge=0)
-    overlong_penalty: float = config_field(
-        1.0, "Largest overlong punishment (the term's value at max_completion_length). Range >= 0.",
-        ge=0.0)
     dynamic_sampling: bool = config_field(
         False, "DAPO's dynamic sampling: a group whose G rewards are all equal has advantage 0 and carries no "
         "gradient, so the step keeps only groups whose rewards differ and generates from further prompts (reading "
@@ -173,31 +165,9 @@ class AlgorithmConfig:
         1.0, "Reference update when sync_ref_model is true: ref = alpha * policy + (1 - alpha) * ref. "
         "1.0 copies the policy. Range (0, 1].",
         gt=0.0, le=1.0)
-    reward_funcs: List[str] = config_field(
-        ["accuracy", "gsm8k_format"], "Reward functions, by registry name (accuracy: the GSM8K answer matches; "
-        "gsm8k_format: the answer ends with its only '#### <number>' line, the default prompt style's format; format: "
-        "<think>...</think><answer>...</answer>, the 'tags' prompt style's; boxed: a \\boxed{} answer matches) or by "
-        "dotted path 'package.module:function' for user functions. The step reward is their weighted sum "
-        "(reward_weights); each is logged as rewards/<name>/mean, as TRL names it: a built-in's name, else the "
-        "function's __name__ (my_rewards:length_parity logs rewards/length_parity/mean). Names must be unique. Use "
-        "the format reward of the prompt style the data was built with (rlhf_data.py --prompt_style).")
-    reward_weights: Optional[List[float]] = config_field(
-        None, "Weight of each reward function, in reward_funcs order; null = 1.0 for all. Length must equal "
-        "len(reward_funcs). Negative weights turn a reward into a penalty.")
-    reward_errors: str = config_field(
-        "raise", "What a reward function that raises, or returns a value that is not a number (a string; numbers are "
-        "float, int, bool, as in TRL), not finite (inf, NaN) or beyond float32's range, does: raise = stop the run "
-        "with one error naming the function and its exception or value; skip = score those completions None (they get "
-        "no advantage) and train on, counting failed calls per function (metric rewards/<name>/failures). Reward "
-        "functions are called as TRL calls them: fn(prompts=, completions=, completion_ids=, solution=, question=), "
-        "all by keyword, and return one number or None per completion.",
-        choices=REWARD_ERRORS)
 
     def check(self, errors: List[str]) -> None:
-        """The algorithm's own cross-field rules: the reward terms, the loss's names, the reference's sync."""
-        if self.overlong_buffer_length and "overlong" in map(reward_spec_name, self.reward_funcs):
-            errors.append("reward_funcs names a function 'overlong', the name of the overlong_buffer_length term; "
-                          "rename it")
+        """The algorithm's own cross-field rules: the loss's names, the reference's sync."""
         if self.advantage_estimator != "grpo" and self.scale_rewards != "group":
             errors.append(f"scale_rewards = {self.scale_rewards!r} applies to advantage_estimator grpo only, not "
                           f"{self.advantage_estimator!r}; leave scale_rewards at group")
@@ -207,28 +177,33 @@ class AlgorithmConfig:
             errors.append(f"loss_type = {self.loss_type!r} (TRL's name) means loss_agg_mode = "
                           f"{TRL_LOSS_TYPES[self.loss_type]!r}, but loss_agg_mode = {self.loss_agg_mode!r}; drop one "
                           "of them")
-        if not self.reward_funcs:
-            errors.append("reward_funcs is empty; give at least one reward function (e.g. accuracy)")
-        check_reward_funcs(self.reward_funcs, self.reward_weights, errors)
         if self.sync_ref_model and self.beta == 0:
             errors.append("sync_ref_model = true with beta = 0: the reference model is never used; "
                           "set beta > 0 or sync_ref_model false")
 
 
-def check_reward_funcs(funcs: List[str], weights: Optional[List[float]], errors: List[str]) -> None:
-    """The rule rewards' fields as GRPO and PPO read them (``reward_funcs``, ``reward_weights``): each function
-    once, each logged under its own name (``rewards/<name>/mean``), one weight per function."""
-    duplicates = sorted({f for f in funcs if funcs.count(f) > 1})
-    if duplicates:
-        errors.append(f"reward_funcs lists {duplicates} more than once; each function once (use reward_weights)")
-    names = [reward_spec_name(f) for f in funcs]
-    for name in sorted({n for n in names if names.count(n) > 1} - set(duplicates)):
-        same = [f for f in funcs if reward_spec_name(f) == name]
-        errors.append(f"reward_funcs {same} are all named {name!r} (logged as rewards/{name}/mean, TRL's name: "
-                      "the function's __name__); rename one of the functions")
-    if weights is not None and len(weights) != len(funcs):
-        errors.append(f"reward_weights has {len(weights)} values {weights} but reward_funcs has "
-                      f"{len(funcs)} {funcs}; give one weight per function or null")
+@dataclass
+class GRPORewardConfig(RewardConfig):
+    """GRPO's reward: the rule reward functions (shared with PPO) and DAPO's overlong punishment."""
+
+    overlong_buffer_length: int = config_field(
+        0, "DAPO's soft overlong punishment: a completion longer than max_completion_length - "
+        "overlong_buffer_length tokens gets an extra reward term falling linearly from 0 to -overlong_penalty at "
+        "max_completion_length (logged as rewards/overlong/mean). 0 = off; DAPO used 4096 of 20480. Range "
+        "[0, max_completion_length).",
+        ge=0)
+    overlong_penalty: float = config_field(
+        1.0, "Largest overlong punishment (the term's value at max_completion_length). Range >= 0.",
+        ge=0.0)
+
+    def check(self, errors: List[str]) -> None:
+        """The shared rules, at least one function, and no function named like the overlong term."""
+        super().check(errors)
+        if not self.reward_funcs:
+            errors.append("reward_funcs is empty; give at least one reward function (e.g. accuracy)")
+        if self.overlong_buffer_length and "overlong" in map(reward_spec_name, self.reward_funcs):
+            errors.append("reward_funcs names a function 'overlong', the name of the overlong_buffer_length term; "
+                          "rename it")
 
 
 @dataclass
@@ -486,14 +461,73 @@ of `micro_batch_size`, each cut into `train_micro_batches` pipeline micro-batche
 """
 
 
+class RolloutConfig(TrainingConfig):
+    """What the configs of the stages that sample (GRPO, PPO) share: the batch geometry from one generation call's
+    prompts down to a pipeline micro-batch, and its divisibility rules. A stage names the algorithm field of a
+    call's prompts (``PROMPTS_FIELD``) and gives ``completions_per_step``, ``mini_batch_completions`` and the rule of
+    its mini-batch count (``_mini_batch_error``)."""
+
+    #: The algorithm field holding one generation call's prompts (each generator replica samples its share).
+    PROMPTS_FIELD: ClassVar[str] = ""
+
+    @property
+    def prompts_per_infer_rank(self) -> int:
+        """Prompts each generator replica samples per generation call."""
+        return getattr(self.algorithm, self.PROMPTS_FIELD) // self.parallel.infer_dp
+
+    @property
+    def micro_batch_completions(self) -> int:
+        """Completions per forward/backward on one train rank; ``micro_batch_size`` with 0 resolved."""
+        return self.algorithm.micro_batch_size or self.mini_batch_completions // self.parallel.train_dp
+
+    def _mini_batch_error(self) -> Optional[str]:
+        """Why the step's completions do not cut into the stage's mini-batches, or None."""
+        raise NotImplementedError
+
+    def _mini_batch_text(self) -> str:
+        """The mini-batch as the stage's fields set it, for the errors below."""
+        raise NotImplementedError
+
+    def _check_batch_geometry(self, errors: List[str]) -> None:
+        """Prompts per generator replica, and completions per step → mini-batch → rank → micro-batch → pipeline
+        micro-batch: each must divide the one before (the first that does not is the one error)."""
+        p, name = self.parallel, self.PROMPTS_FIELD
+        prompts = getattr(self.algorithm, name)
+        if prompts % p.infer_dp:
+            errors.append(f"{name} = {prompts} is not divisible by infer_dp = {p.infer_dp} "
+                          f"(each generator replica samples {name} / infer_dp prompts)")
+        wrong = self._mini_batch_error()
+        if wrong:
+            errors.append(wrong)
+            return
+        mini = self.mini_batch_completions
+        if mini % p.train_dp:
+            errors.append(f"{self._mini_batch_text()} is not divisible by train_dp = {p.train_dp} "
+                          "(completions per rank)")
+            return
+        per_rank = mini // p.train_dp
+        micro = self.micro_batch_completions
+        if per_rank % micro:
+            errors.append(f"micro_batch_size = {micro} does not divide the completions per rank per mini-batch, "
+                          f"mini-batch / train_dp = {mini} / {p.train_dp} = {per_rank}")
+            return
+        if micro % p.train_micro_batches:
+            errors.append(f"micro_batch_size = {micro} is not divisible by train_micro_batches = "
+                          f"{p.train_micro_batches} (pipeline micro-batches)")
+
+
 @dataclass
-class GRPOConfig(TrainingConfig):
+class GRPOConfig(RolloutConfig):
     """All GRPO settings, one attribute per group: ``cfg.algorithm.beta``, ``cfg.train.max_steps``."""
 
     REFERENCE_PREAMBLE = _PREAMBLE
     REFERENCE_FILE = STAGES["grpo"].reference
+    PROMPTS_FIELD = "chunk_size"
+    # The reward fields were in the algorithm group before the reward group existed (issue 42).
+    MOVED_FIELDS = {f.name: "algorithm" for f in dataclasses.fields(GRPORewardConfig)}
 
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    reward: GRPORewardConfig = dataclasses.field(default_factory=GRPORewardConfig)
     generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -511,11 +545,6 @@ class GRPOConfig(TrainingConfig):
         return self.prompts_per_step * self.algorithm.num_generations
 
     @property
-    def prompts_per_infer_rank(self) -> int:
-        """Prompts each generator replica samples per generation call."""
-        return self.algorithm.chunk_size // self.parallel.infer_dp
-
-    @property
     def mini_batch_completions(self) -> int:
         """Completions per optimizer update (global); ``mini_batch_size`` with 0 resolved."""
         return self.algorithm.mini_batch_size or self.completions_per_step
@@ -528,11 +557,6 @@ class GRPOConfig(TrainingConfig):
     def optimizer_steps_per_step(self) -> int:
         """Optimizer updates per training step."""
         return self.algorithm.num_iterations * self.mini_batches_per_step
-
-    @property
-    def micro_batch_completions(self) -> int:
-        """Completions per forward/backward on one train rank; ``micro_batch_size`` with 0 resolved."""
-        return self.algorithm.micro_batch_size or self.mini_batch_completions // self.parallel.train_dp
 
     @property
     def grad_accum_steps(self) -> int:
@@ -596,8 +620,9 @@ class GRPOConfig(TrainingConfig):
         super()._check_combinations(errors)  # each group's own rules (its ``check``)
         # The rules across groups.
         a, g, o, m, p, t = self.algorithm, self.generation, self.optimizer, self.model, self.parallel, self.train
-        if a.overlong_buffer_length >= g.max_completion_length:
-            errors.append(f"overlong_buffer_length = {a.overlong_buffer_length} must be below max_completion_length = "
+        if self.reward.overlong_buffer_length >= g.max_completion_length:
+            errors.append(f"overlong_buffer_length = {self.reward.overlong_buffer_length} must be below "
+                          f"max_completion_length = "
                           f"{g.max_completion_length} (the punishment starts that many tokens before the limit)")
         if a.beta > 0 and not m.load_ref_checkpoint and not m.load_sft_checkpoint_train:
             errors.append(f"beta = {a.beta} with load_ref_checkpoint = false and load_sft_checkpoint_train = false: "
@@ -613,33 +638,17 @@ class GRPOConfig(TrainingConfig):
                           "the learning rate would never reach lr")
         self._check_batch_geometry(errors)
 
-    def _check_batch_geometry(self, errors: List[str]) -> None:
-        """Prompts per generator replica, and completions per step → mini-batch → rank → micro-batch → pipeline
-        micro-batch: each must divide the one before (the first that does not is the one error)."""
-        a, p = self.algorithm, self.parallel
-        if a.chunk_size % p.infer_dp:
-            errors.append(f"chunk_size = {a.chunk_size} is not divisible by infer_dp = {p.infer_dp} "
-                          "(each generator replica samples chunk_size / infer_dp prompts)")
-        n = self.completions_per_step
-        mini = self.mini_batch_completions
-        geometry = (f"chunk_size*num_rollouts*num_generations = {a.chunk_size}*{a.num_rollouts}*"
-                    f"{a.num_generations} = {n}")
-        if n % mini:
-            errors.append(f"mini_batch_size = {mini} does not divide the completions per step, {geometry}")
-            return
-        if mini % p.train_dp:
-            errors.append(f"mini_batch_size = {mini}{' (= all completions)' if not a.mini_batch_size else ''} "
-                          f"is not divisible by train_dp = {p.train_dp} (completions per rank)")
-            return
-        per_rank = mini // p.train_dp
-        micro = self.micro_batch_completions
-        if per_rank % micro:
-            errors.append(f"micro_batch_size = {micro} does not divide the completions per rank per mini-batch, "
-                          f"mini_batch_size / train_dp = {mini} / {p.train_dp} = {per_rank}")
-            return
-        if micro % p.train_micro_batches:
-            errors.append(f"micro_batch_size = {micro} is not divisible by train_micro_batches = "
-                          f"{p.train_micro_batches} (pipeline micro-batches)")
+    def _mini_batch_error(self) -> Optional[str]:
+        a, n = self.algorithm, self.completions_per_step
+        if n % self.mini_batch_completions:
+            return (f"mini_batch_size = {self.mini_batch_completions} does not divide the completions per step, "
+                    f"chunk_size*num_rollouts*num_generations = {a.chunk_size}*{a.num_rollouts}*{a.num_generations} "
+                    f"= {n}")
+        return None
+
+    def _mini_batch_text(self) -> str:
+        all_of_them = " (= all completions)" if not self.algorithm.mini_batch_size else ""
+        return f"mini_batch_size = {self.mini_batch_completions}{all_of_them}"
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> GRPOConfig:

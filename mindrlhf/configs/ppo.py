@@ -13,16 +13,15 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from mindrlhf.configs.base import config_field
-from mindrlhf.configs.common import ModelBaseConfig, OptimizerConfig, TrainingConfig
+from mindrlhf.configs.common import ModelBaseConfig, OptimizerConfig, RewardConfig
 from mindrlhf.configs.grpo_configs import (
     DataConfig,
     GenerationConfig,
     ParallelConfig,
+    RolloutConfig,
     RolloutTrainConfig,
-    check_reward_funcs,
 )
 from mindrlhf.registry import KL_ESTIMATOR_FORMULAS, KL_ESTIMATORS, STAGES
-from mindrlhf.rewards.manager import REWARD_ERRORS
 
 
 @dataclass
@@ -62,7 +61,7 @@ class PPOModelConfig(ModelBaseConfig):
 
 @dataclass
 class PPOAlgorithmConfig:
-    """PPO: batch geometry, the KL-shaped reward, GAE, the clipped losses and the rewards."""
+    """PPO: batch geometry, the KL-shaped reward, GAE and the clipped losses."""
 
     batch_size: int = config_field(
         4, "Prompts per step, over all ranks: each of the infer_dp generator replicas samples batch_size / "
@@ -129,6 +128,13 @@ class PPOAlgorithmConfig:
     value_norm_beta: float = config_field(
         0.99995, "Decay of value_norm's moving averages (ReaL's default). Range (0, 1).",
         gt=0.0, lt=1.0)
+
+
+@dataclass
+class PPORewardConfig(RewardConfig):
+    """PPO's reward: the rule reward functions (shared with GRPO) and how the reward model's score is shaped (ReaL's
+    scaling, bias and clip, the fixed truncation penalty)."""
+
     reward_output_scaling: float = config_field(
         1.0, "The reward model's score is multiplied by this (ReaL's reward_output_scaling).")
     reward_output_bias: float = config_field(
@@ -141,17 +147,6 @@ class PPOAlgorithmConfig:
         None, "The score of a completion cut at max_completion_length without a stop token: this value instead "
         "of its reward model and reward_funcs score (the fixed penalty of ReaL; TRL's missing_eos_penalty "
         "subtracts instead). null = scored like the others.")
-    reward_funcs: List[str] = config_field(
-        ["accuracy", "gsm8k_format"], "Rule rewards, as GRPO's reward_funcs (registry names or "
-        "'package.module:function'), added to the reward model's score with reward_weights. [] = the reward "
-        "model alone (then reward_model_path is required).")
-    reward_weights: Optional[List[float]] = config_field(
-        None, "Weight of each reward function, in reward_funcs order; null = 1.0 for all.")
-    reward_errors: str = config_field(
-        "raise", "A reward function that raises, or returns a value that is not a finite number (a string, inf, NaN; "
-        "as GRPO's reward_errors): raise = stop the run; skip = score those completions None (a completion then gets "
-        "the reward model's score alone, or 0 without one) and count it.",
-        choices=REWARD_ERRORS)
 
 
 @dataclass
@@ -194,13 +189,18 @@ micro-batches.
 
 
 @dataclass
-class PPOConfig(TrainingConfig):
-    """All PPO settings, one attribute per group: ``cfg.algorithm.kl_coef``, ``cfg.model.critic_model_path``."""
+class PPOConfig(RolloutConfig):
+    """All PPO settings, one attribute per group: ``cfg.algorithm.kl_coef``, ``cfg.reward.reward_funcs``,
+    ``cfg.model.critic_model_path``."""
 
     REFERENCE_PREAMBLE = _PREAMBLE
     REFERENCE_FILE = STAGES["ppo"].reference
+    PROMPTS_FIELD = "batch_size"
+    # The reward fields were in the algorithm group before the reward group existed (issue 42).
+    MOVED_FIELDS = {f.name: "algorithm" for f in dataclasses.fields(PPORewardConfig)}
 
     algorithm: PPOAlgorithmConfig = dataclasses.field(default_factory=PPOAlgorithmConfig)
+    reward: PPORewardConfig = dataclasses.field(default_factory=PPORewardConfig)
     generation: PPOGenerationConfig = dataclasses.field(default_factory=PPOGenerationConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     model: PPOModelConfig = dataclasses.field(default_factory=PPOModelConfig)
@@ -222,11 +222,6 @@ class PPOConfig(TrainingConfig):
         return self.completions_per_step // self.algorithm.num_mini_batches
 
     @property
-    def micro_batch_completions(self) -> int:
-        """Completions per forward/backward on one train rank; ``micro_batch_size`` with 0 resolved."""
-        return self.algorithm.micro_batch_size or self.mini_batch_completions // self.parallel.train_dp
-
-    @property
     def uses_reference(self) -> bool:
         """Whether the reference model is built: only for a KL penalty (kl_coef > 0)."""
         return self.algorithm.kl_coef > 0
@@ -238,35 +233,27 @@ class PPOConfig(TrainingConfig):
 
     def _check_combinations(self, errors: List[str]) -> None:
         super()._check_combinations(errors)
-        a, g, p, m = self.algorithm, self.generation, self.parallel, self.model
-        if not a.reward_funcs and not m.reward_model_path:
+        a, g, m = self.algorithm, self.generation, self.model
+        if not self.reward.reward_funcs and not m.reward_model_path:
             errors.append("no reward: reward_funcs is empty and reward_model_path is ''; give a reward model "
                           "(--reward_model DIR), reward functions (--reward_funcs accuracy), or both")
-        check_reward_funcs(a.reward_funcs, a.reward_weights, errors)
         if a.critic_lr and self.optimizer.min_lr > a.critic_lr:
             errors.append(f"min_lr = {self.optimizer.min_lr} > critic_lr = {a.critic_lr}; the critic's decay "
                           "would rise")
         if g.use_vllm:
             errors.append("use_vllm = true: the vLLM-MindSpore backend is not wired in; set use_vllm false")
-        if a.batch_size % p.infer_dp:
-            errors.append(f"batch_size = {a.batch_size} is not divisible by infer_dp = {p.infer_dp} (each generator "
-                          "replica samples batch_size / infer_dp prompts)")
-        n = self.completions_per_step
+        self._check_batch_geometry(errors)
+
+    def _mini_batch_error(self) -> Optional[str]:
+        a, n = self.algorithm, self.completions_per_step
         if n % a.num_mini_batches:
-            errors.append(f"num_mini_batches = {a.num_mini_batches} does not divide the completions per step, "
-                          f"batch_size*num_generations = {n}")
-            return
-        mini = self.mini_batch_completions
-        if mini % p.train_dp:
-            errors.append(f"a mini-batch of {mini} completions is not divisible by train_dp = {p.train_dp}")
-            return
-        per_rank = mini // p.train_dp
-        if per_rank % self.micro_batch_completions:
-            errors.append(f"micro_batch_size = {self.micro_batch_completions} does not divide the completions per "
-                          f"rank per mini-batch, {per_rank}")
-        elif self.micro_batch_completions % p.train_micro_batches:
-            errors.append(f"micro_batch_size = {self.micro_batch_completions} is not divisible by "
-                          f"train_micro_batches = {p.train_micro_batches}")
+            return (f"num_mini_batches = {a.num_mini_batches} does not divide the completions per step, "
+                    f"batch_size*num_generations = {a.batch_size}*{a.num_generations} = {n}")
+        return None
+
+    def _mini_batch_text(self) -> str:
+        return f"a mini-batch of {self.mini_batch_completions} completions (num_mini_batches = " \
+               f"{self.algorithm.num_mini_batches})"
 
 
 def parse_ppo_args(argv: Optional[Sequence[str]] = None) -> PPOConfig:

@@ -267,7 +267,9 @@ class Trainer:
         saved_path = path / "config.yaml"
         if not saved_path.is_file():
             return
-        saved, now = yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {}, self.run_config().to_dict()
+        # regroup: a checkpoint written before a field moved group (the reward group) compares field by field.
+        saved = type(self.cfg).regroup(yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {})
+        now = self.run_config().to_dict()
         keys = [(g, k) for g in self.math_groups for k in now.get(g, {})] + list(self.math_fields)
         changed = [f"{k} {saved[g][k]!r} -> {now[g][k]!r}" for g, k in keys
                    if k in saved.get(g, {}) and k in now.get(g, {}) and saved[g][k] != now[g][k]]

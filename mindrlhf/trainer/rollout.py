@@ -395,7 +395,7 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         exp = scored.exp
         if self.rewards is not None:
             metrics["reward_fn_failures"] = float(sum(self.rewards.failures.values()))
-            if self.cfg.algorithm.reward_errors == "skip":
+            if self.cfg.reward.reward_errors == "skip":
                 metrics.update({f"rewards/{name}/failures": float(n) for name, n in self.rewards.failures.items()})
         metrics.update(timer.times)
         metrics["step_time"] = time.perf_counter() - timer.start
@@ -535,4 +535,15 @@ def check_reward_style(cfg, tokenizer, dataset) -> None:
 
     style = prompt_style_of(tokenizer, dataset)
     if style is not None:
-        check_format_reward(style, cfg.algorithm.reward_funcs, dataset.path)
+        check_format_reward(style, cfg.reward.reward_funcs, dataset.path)
+
+
+def rollout_precheck(cfg) -> None:
+    """What must fail before any model of a stage that samples (GRPO, PPO) loads: a typo in a reward function's
+    dotted path, an unavailable generation backend."""
+    from mindrlhf.generation.factory import check_sampler_config
+    from mindrlhf.rewards import get_reward_fn
+
+    for name in cfg.reward.reward_funcs:
+        get_reward_fn(name)
+    check_sampler_config(cfg)
