@@ -248,6 +248,9 @@ class PPOConfig(TrainingConfig):
                           "would rise")
         if g.use_vllm:
             errors.append("use_vllm = true: the vLLM-MindSpore backend is not wired in; set use_vllm false")
+        if p.gen_workers:
+            errors.append(f"gen_workers = {p.gen_workers}: disaggregated rollout is built for GRPO only so far; "
+                          "set gen_workers 0 for PPO")
         if a.batch_size % p.infer_dp:
             errors.append(f"batch_size = {a.batch_size} is not divisible by infer_dp = {p.infer_dp} (each generator "
                           "replica samples batch_size / infer_dp prompts)")
