@@ -373,7 +373,8 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         """Push the policy's new weights to the sampler: this rank's arrays in its layout (nothing to do
         when it generates with the policy itself)."""
         if self.link is not None:  # the generator ranks' copy, by broadcast (``disaggregated.RolloutLink``)
-            self.link.push_weights(self.policy, self.step)
+            # Called at the end of step self.step + 1, after its update: the weights of that many steps.
+            self.link.push_weights(self.policy, self.step + 1)
             return
         if self.sampler.holds(self.policy):
             return
@@ -414,7 +415,7 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
             weights = self.step > 0 or not own_start_weights(self.cfg)
             self.link.start(self.step, self.batches_drawn, self.total_steps, weights)
             if weights:
-                self.sync_generator()
+                self.link.push_weights(self.policy, self.step)
         return super().train()
 
     # -- metrics and dumps ----------------------------------------------------------------------
