@@ -183,6 +183,10 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         (and their order) a colocated job's ``_global_rows`` gathers."""
         batches = [batch for _, batch in self._prompt_batches()]
         completions, versions = self.link.receive()
+        bound = self.cfg.parallel.max_staleness
+        if (self.step - versions > bound).any():  # the schedule's promise: no row older than max_staleness trains
+            raise MindRLHFError(f"step {self.step + 1} received rows sampled by policy version {int(versions.min())}, "
+                                f"more than max_staleness {bound} updates old; this is a bug: report it")
         out = Rollout(completions=completions, versions=[int(v) for v in versions])
         K = self.layout.infer.dp
         for j in range(K):
