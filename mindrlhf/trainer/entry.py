@@ -80,6 +80,10 @@ def _disaggregated_runtime(cfg) -> RunLayout:
         p.train_dp = train.dp
         cfg.validate(source=f"train_dp = {train.dp} from the world of {comm.world_size()} minus gen_workers "
                             f"{p.gen_workers}")
+    if comm.is_main():
+        world = comm.world_size()
+        log.info("disaggregated rollout: ranks 0..%d train (%s), ranks %d..%d only generate (%s), max_staleness %d",
+                 train.world_size - 1, train, train.world_size, world - 1, infer, p.max_staleness)
     return init_disaggregated_layout(train, infer, comm.rank())
 
 
