@@ -41,6 +41,7 @@ from mindrlhf.parallel.groups import RunLayout, init_run_layout
 from mindrlhf.parallel.layout import ParallelLayout
 from mindrlhf.parallel.resharding import checkpoint_config, load_shard
 from mindrlhf.rewards import RewardManager, overlong_reward
+from mindrlhf.trainer.disaggregated import build_generator
 from mindrlhf.trainer.entry import (
     StageSpec,
     load_policy,
@@ -160,7 +161,7 @@ class GRPOTrainer(RolloutTrainer):
     headline = "reward"
     curves = GRPO_CURVES
 
-    def __init__(self, cfg, *, policy: CausalLM, tokenizer, dataset: PromptDataset, sampler: Sampler,
+    def __init__(self, cfg, *, policy: CausalLM, tokenizer, dataset: PromptDataset, sampler: Optional[Sampler],
                  ref_model: Optional[CausalLM] = None, layout: Optional[RunLayout] = None,
                  policy_masters: Optional[Sequence[ms.Parameter]] = None):
         """``sampler``: the rollout backend (``generation.build_sampler``); the policy's weights reach it
@@ -203,6 +204,7 @@ class GRPOTrainer(RolloutTrainer):
             return self._generate_dynamic(step)
         scored = self._round(step, 0)
         scored.exp = self._train_share(self._with_advantages(self._global_rows(scored.exp)))
+        self._share_lists(scored)
         return scored
 
     def _generate_dynamic(self, step: int) -> ScoredRollout:
@@ -379,10 +381,15 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
     config = checkpoint_config(train_path)
     check_model_yamls(cfg, config, train_path)
     check_causal_lms(cfg, config, train_path)
+    if layout.generator:  # a generator rank of a disaggregated job: the sampler and its prompts only
+        return build_generator(cfg, layout, tokenizer, config, num_generations=cfg.algorithm.num_generations,
+                               rollouts_per_step=cfg.algorithm.num_rollouts, batch_size=cfg.algorithm.chunk_size)
     policy, masters = load_policy(train_path, config, layout, m.dtype, load=m.load_sft_checkpoint_train)
     infer_path = cfg.model_weights("infer")  # '' = the generator starts from the policy
     sampler_model = None
-    if infer_path and infer_path != train_path:
+    if layout.disaggregated:
+        pass  # the generator ranks sample; the policy's weights reach them when training starts
+    elif infer_path and infer_path != train_path:
         sampler_model = load_shard(infer_path, layout.infer, layout.rank, dtype=m.dtype,
                                    tp_group=layout.infer_shard().tp_group)
     elif not layout.shared_generator:  # weights come from the policy, resharded (sync_generator)
@@ -392,7 +399,8 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
         ref_path = (cfg.model_weights("ref") or train_path) if m.load_ref_checkpoint else ""  # '': the initial policy
         ref_model = load_reference(ref_path, policy, layout, m.dtype)
     dataset = load_prompt_dataset(cfg, layout, tokenizer, policy.config, cfg.algorithm.chunk_size)
-    sampler = build_sampler(cfg, sampler_model if sampler_model is not None else policy)
+    sampler = None if layout.disaggregated else build_sampler(cfg, sampler_model if sampler_model is not None
+                                                              else policy)
     trainer = GRPOTrainer(cfg, policy=policy, tokenizer=tokenizer, dataset=dataset, sampler=sampler,
                           ref_model=ref_model, layout=layout,
                           policy_masters=masters)

@@ -322,9 +322,10 @@ class TrainingConfig(GroupedConfig):
 
     @property
     def world_size(self) -> int:
-        """Processes of the job: train_dp * train_tp * train_pp."""
+        """Processes of the job: train_dp * train_tp * train_pp, plus the generator ranks of a disaggregated
+        rollout (``gen_workers``, a rollout stage's)."""
         p = self.parallel
-        return p.train_dp * p.train_tp * p.train_pp
+        return p.train_dp * p.train_tp * p.train_pp + getattr(p, "gen_workers", 0)
 
     @property
     def checkpoint_dir(self) -> str:

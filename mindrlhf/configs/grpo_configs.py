@@ -362,13 +362,28 @@ class ParallelConfig(TrainLayoutConfig):
     """Device and parallel layouts of training (policy, reference) and generation."""
 
     infer_dp: int = config_field(
-        1, "Generation data parallel: generator replicas, each sampling chunk_size / infer_dp prompts. "
-        "Range >= 1.",
+        1, "Generation data parallel: generator replicas, each sampling chunk_size / infer_dp prompts. With "
+        "gen_workers > 0 it defaults to gen_workers. Range >= 1.",
         ge=1)
     infer_tp: int = config_field(
         1, "Generation tensor parallel. infer_dp * infer_tp must equal the training world size "
-        "train_dp * train_tp * train_pp (the same processes train and generate). Range >= 1.",
+        "train_dp * train_tp * train_pp (the same processes train and generate), or gen_workers when that is "
+        "set (the generator ranks). Range >= 1.",
         ge=1)
+    gen_workers: int = config_field(
+        0, "Disaggregated rollout: this many ranks of the msrun world only sample (the generator, infer_dp x infer_tp "
+        "over them: ranks world - gen_workers .. world - 1) and the others only train (train_dp x train_tp x train_pp "
+        "over ranks 0 .. world - gen_workers - 1; they also score the rewards and run the reference). Rollouts go "
+        "generators -> trainers as one padded all-gather per step and the updated weights trainers -> generators as "
+        "a broadcast. 0 = colocated: every rank generates, then trains (the default). With gen_workers > 0, infer_dp "
+        "defaults to gen_workers and train_dp to the rest of the world. GRPO only so far, with train_tp = train_pp = "
+        "infer_tp = 1, without dynamic_sampling, eval_steps or replay_data_file. Range >= 0.",
+        ge=0)
+    max_staleness: int = config_field(
+        0, "Disaggregated rollout's schedule (gen_workers > 0): the most policy updates a trained row may lag "
+        "the policy that trains on it. 0 = synchronous: the generators wait for each update's weights, so every "
+        "row is sampled by the current policy (the same numbers as colocated). Only 0 is built so far. Range >= 0.",
+        ge=0)
     jit: bool = config_field(
         True, "Compile the decode step with mindspore.jit (decoding is dominated by per-kernel overhead, which "
         "jit removes); false = pynative, for debugging. The reference's and reward model's forward passes run "
@@ -387,10 +402,33 @@ class ParallelConfig(TrainLayoutConfig):
     def check(self, errors: List[str]) -> None:
         super().check(errors)
         train_world, infer_world = self.train_dp * self.train_tp * self.train_pp, self.infer_dp * self.infer_tp
-        if train_world != infer_world:
+        if self.max_staleness:
+            errors.append(f"max_staleness {self.max_staleness}: only 0 (synchronous) is built so far; set "
+                          "max_staleness 0")
+        if self.gen_workers:
+            check_gen_workers(self, errors)
+        elif train_world != infer_world:
             errors.append(f"train world size train_dp*train_tp*train_pp = {self.train_dp}*{self.train_tp}*"
                           f"{self.train_pp} = {train_world} != infer world size infer_dp*infer_tp = {self.infer_dp}*"
                           f"{self.infer_tp} = {infer_world}; the same processes train and generate")
+
+
+def check_gen_workers(p: "ParallelConfig", errors: List[str]) -> None:
+    """The layout rules of a disaggregated rollout (``gen_workers`` > 0): the generators' layout fills the
+    gen_workers ranks, and the layouts not built yet are named."""
+    unbuilt = [f"{k} = {v}" for k, v in (("train_tp", p.train_tp), ("train_pp", p.train_pp),
+                                         ("infer_tp", p.infer_tp)) if v > 1]
+    if unbuilt:
+        errors.append(f"gen_workers = {p.gen_workers} with {', '.join(unbuilt)}: disaggregated rollout is built for "
+                      "data parallelism only so far (train_dp trainers, infer_dp generators); set them to 1 or "
+                      "gen_workers 0")
+    elif p.infer_dp != p.gen_workers:
+        errors.append(f"gen_workers = {p.gen_workers} generator ranks but infer_dp*infer_tp = {p.infer_dp}*"
+                      f"{p.infer_tp} = {p.infer_dp * p.infer_tp}; the generators' layout must fill them (leave "
+                      f"infer_dp unset or set it to {p.gen_workers})")
+    if not p.use_parallel:
+        errors.append(f"gen_workers = {p.gen_workers} needs use_parallel true and msrun: the generators are "
+                      "ranks of their own; set use_parallel true or gen_workers 0")
 
 
 @dataclass
@@ -615,6 +653,9 @@ class GRPOConfig(RolloutConfig):
                     raise MindRLHFError(f"{source}: {name} = {current} conflicts with {key}: {value} in {path} "
                                         f"(sft_path_{side}); drop {name} or change the YAML")
                 setattr(self.parallel, name, value)
+        p = self.parallel
+        if p.gen_workers and "infer_dp" not in explicit and not self.model_yaml("infer"):
+            p.infer_dp = p.gen_workers  # the generators' layout follows gen_workers (data parallel)
 
     def _check_combinations(self, errors: List[str]) -> None:
         super()._check_combinations(errors)  # each group's own rules (its ``check``)
@@ -636,6 +677,13 @@ class GRPOConfig(RolloutConfig):
         if o.warmup_steps > t.max_steps and not (t.grpo_epochs and "max_steps" not in self.explicitly_set()):
             errors.append(f"warmup_steps = {o.warmup_steps} > max_steps = {t.max_steps}; "
                           "the learning rate would never reach lr")
+        if p.gen_workers:
+            unbuilt = [f"{name} = {value}" for name, value in (
+                ("dynamic_sampling", a.dynamic_sampling and "true"), ("eval_steps", t.eval_steps),
+                ("replay_data_file", t.replay_data_file and repr(t.replay_data_file))) if value]
+            if unbuilt:
+                errors.append(f"gen_workers = {p.gen_workers} with {', '.join(unbuilt)}: not built for disaggregated "
+                              "rollout yet; drop them or set gen_workers 0")
         self._check_batch_geometry(errors)
 
     def _mini_batch_error(self) -> Optional[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from mindrlhf.errors import MindRLHFError
 from mindrlhf.parallel.layout import ModelShard, ParallelLayout
 
 
@@ -106,9 +107,13 @@ def data_parallel_groups(rank: int = 0, world_size: int = 1) -> ParallelGroups:
 class RunLayout:
     """The train and generation layouts of one job, and this rank's place in both.
 
-    Training runs on ``train`` (dp × tp × pp, groups ``groups``); generation on ``infer``
-    (dp × tp, no pipeline) over the same processes. A dp replica's tp/pp ranks hold the same rows,
+    Colocated (``gen_workers`` 0): training runs on ``train`` (dp × tp × pp, groups ``groups``) and generation
+    on ``infer`` (dp × tp, no pipeline) over the same processes. A dp replica's tp/pp ranks hold the same rows,
     so per-row data crosses ranks only through a *representative* of each replica.
+
+    Disaggregated (``gen_workers`` K > 0, ``disaggregated_layouts``): ranks ``[0, N)`` train on ``train`` and ranks
+    ``[N, N + K)`` only generate on ``infer``; ``generator`` says which this rank is and ``rank`` is its place in
+    its own side's layout (a trainer's equals its global rank).
     """
 
     train: ParallelLayout
@@ -116,6 +121,21 @@ class RunLayout:
     groups: ParallelGroups
     infer_tp_group: Optional[str]
     rank: int
+    gen_workers: int = 0
+    generator: bool = False
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether generation has ranks of its own (``gen_workers`` > 0)."""
+        return self.gen_workers > 0
+
+    @property
+    def data_shard(self) -> Tuple[int, int]:
+        """``(shard, shards)`` of the prompt dataset this rank reads: its generator replica's share of every
+        batch; a trainer of a disaggregated job reads whole batches (it scores the rows of every generator)."""
+        if self.disaggregated and not self.generator:
+            return 0, 1
+        return self.infer_dp_rank, self.infer.dp
 
     @property
     def pure_dp(self) -> bool:
@@ -170,3 +190,49 @@ def init_run_layout(train: ParallelLayout, infer: ParallelLayout, rank: int, wor
             infer_group = group_name("infer_tp", members)
             create_group(infer_group, list(members))
     return RunLayout(train=train, infer=infer, groups=groups, infer_tp_group=infer_group, rank=rank)
+
+
+def disaggregated_layouts(world: int, gen_workers: int, train: ParallelLayout, infer: ParallelLayout,
+                          train_dp_given: bool = True) -> Tuple[ParallelLayout, ParallelLayout]:
+    """The train and infer layouts of a job whose last ``gen_workers`` of ``world`` ranks only generate.
+
+    The ``world - gen_workers`` trainers take ``train`` (its dp derived from them unless ``train_dp_given``);
+    the generators take ``infer``, which must fill them. Impossible numbers are one-line errors naming them.
+    """
+    trainers = world - gen_workers
+    if gen_workers < 1 or trainers < 1:
+        raise MindRLHFError(f"gen_workers = {gen_workers} of a world of {world} workers leaves {trainers} to train; "
+                            f"launch more workers (msrun --worker_num > {gen_workers}) or lower gen_workers")
+    per_replica = train.tp * train.pp
+    if not train_dp_given:
+        if trainers % per_replica:
+            raise MindRLHFError(f"the {trainers} trainer ranks (world {world} - gen_workers {gen_workers}) are not a "
+                                f"multiple of train_tp*train_pp = {train.tp}*{train.pp}; change gen_workers or the "
+                                "train layout")
+        train = ParallelLayout(dp=trainers // per_replica, tp=train.tp, pp=train.pp, micro_batches=train.micro_batches)
+    if train.world_size != trainers:
+        raise MindRLHFError(f"train_dp*train_tp*train_pp = {train.dp}*{train.tp}*{train.pp} = {train.world_size} but "
+                            f"world {world} - gen_workers {gen_workers} leaves {trainers} trainer ranks; set train_dp "
+                            f"{trainers // per_replica if trainers % per_replica == 0 else '?'} (or leave it unset) or "
+                            f"launch {train.world_size + gen_workers} workers")
+    if infer.world_size != gen_workers:
+        raise MindRLHFError(f"infer_dp*infer_tp = {infer.dp}*{infer.tp} = {infer.world_size} does not fill the "
+                            f"gen_workers = {gen_workers} generator ranks; set infer_dp {gen_workers // infer.tp or 1}")
+    return train, infer
+
+
+def init_disaggregated_layout(train: ParallelLayout, infer: ParallelLayout, rank: int) -> RunLayout:
+    """This rank's side of a disaggregated job (``disaggregated_layouts`` gave both layouts): ranks
+    ``[0, train.world_size)`` train, the rest generate. Makes this process's collectives those of its side
+    (``comm.enter_scope``): the trainers then run the colocated training code as a job of their own, and only
+    ``comm.job_*`` collectives span both sides. Pure data parallelism on both sides (``check_gen_workers``)."""
+    from mindrlhf.parallel import comm
+
+    trainers = train.world_size
+    generator = rank >= trainers
+    side = list(range(trainers, trainers + infer.world_size)) if generator else list(range(trainers))
+    comm.enter_scope(side, "gen" if generator else "train")
+    local = rank - side[0]
+    groups = data_parallel_groups(local, len(side))
+    return RunLayout(train=train, infer=infer, groups=groups, infer_tp_group=None, rank=local,
+                     gen_workers=infer.world_size, generator=generator)

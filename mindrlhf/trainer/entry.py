@@ -47,8 +47,11 @@ def setup_runtime(cfg) -> RunLayout:
     if p.enable_compile_cache:
         ms.set_context(enable_compile_cache=True,
                        compile_cache_path=str(Path(cfg.train.output_dir) / "compile_cache"))
+    gen_workers = getattr(p, "gen_workers", 0)  # a rollout stage's disaggregated generators
     if p.use_parallel:
         comm.init_distributed(p.collective_timeout, p.device_target)
+        if gen_workers:
+            return _disaggregated_runtime(cfg)
         if comm.world_size() != cfg.world_size:
             raise MindRLHFError(f"msrun started {comm.world_size()} workers but the config's layout needs "
                                 f"train_dp*train_tp*train_pp = {cfg.world_size}; set --worker_num={cfg.world_size} "
@@ -59,6 +62,29 @@ def setup_runtime(cfg) -> RunLayout:
     infer = ParallelLayout(dp=p.infer_dp, tp=p.infer_tp) if hasattr(p, "infer_dp") else \
         ParallelLayout(dp=comm.world_size())
     return init_run_layout(train, infer, comm.rank(), comm.world_size())
+
+
+def _disaggregated_runtime(cfg) -> RunLayout:
+    """The rest of ``setup_runtime`` for a job whose last ``gen_workers`` ranks only generate: both layouts from
+    the world size (train_dp, unless given, is what the generators leave; the config is checked again with it),
+    then this rank's side (``groups.init_disaggregated_layout``)."""
+    from mindrlhf.parallel.groups import disaggregated_layouts, init_disaggregated_layout
+
+    p = cfg.parallel
+    ms.set_seed(cfg.train.seed)
+    train = ParallelLayout(dp=p.train_dp, tp=p.train_tp, pp=p.train_pp, micro_batches=p.train_micro_batches)
+    train, infer = disaggregated_layouts(comm.world_size(), p.gen_workers, train,
+                                         ParallelLayout(dp=p.infer_dp, tp=p.infer_tp),
+                                         train_dp_given="train_dp" in cfg.explicitly_set())
+    if train.dp != p.train_dp:
+        p.train_dp = train.dp
+        cfg.validate(source=f"train_dp = {train.dp} from the world of {comm.world_size()} minus gen_workers "
+                            f"{p.gen_workers}")
+    if comm.is_main():
+        world = comm.world_size()
+        log.info("disaggregated rollout: ranks 0..%d train (%s), ranks %d..%d only generate (%s), max_staleness %d",
+                 train.world_size - 1, train, train.world_size, world - 1, infer, p.max_staleness)
+    return init_disaggregated_layout(train, infer, comm.rank())
 
 
 def resolve_weights(path: str) -> str:
@@ -75,7 +101,7 @@ def resolve_weights(path: str) -> str:
     # so the others find it done instead of converting again.
     if comm.is_main():
         prepare_smollm2()
-    comm.barrier()
+    comm.job_barrier()
     return str(prepare_smollm2())
 
 
@@ -160,7 +186,7 @@ def worker_lost(cfg, op: str, err: RuntimeError) -> WorkerLostError:
     found = CheckpointManager(cfg.checkpoint_dir).latest_complete()
     resume = (f"the newest complete checkpoint here is step {found[0]}: rerun the same command with --resume"
               if found else "no complete checkpoint here yet: rerun the same command")
-    return WorkerLostError(f"worker rank {comm.rank()} of {comm.world_size()}: {op} got no answer from the other "
+    return WorkerLostError(f"worker rank {comm.rank()} of {comm.job_size()}: {op} got no answer from the other "
                            f"workers within {comm.collective_timeout_text()}, so another "
                            f"worker of this job died or hangs (msrun's --log_dir has each worker's log); {resume}")
 
@@ -193,7 +219,7 @@ def run_stage(spec: StageSpec, argv: Optional[Sequence[str]] = None) -> int:
             trainer.run_config().save_yaml(Path(t.output_dir) / "config.yaml")  # with the resolved run length
         history = trainer.train()
     except RuntimeError as err:
-        op = comm.collective_failure(err) if comm.world_size() > 1 else None
+        op = comm.collective_failure(err) if comm.job_size() > 1 else None
         if op is None:
             raise
         raise worker_lost(cfg, op, err) from None

@@ -64,6 +64,9 @@ class Rollout:
     columns: Dict[str, list] = field(default_factory=dict)  # the reward functions' dataset columns, by name
     index: List[int] = field(default_factory=list)
     completions: List[Completion] = field(default_factory=list)
+    #: Each completion's policy version (``ScoredRollout.policy_version``) when a generator rank sampled it
+    #: (disaggregated rollout); None: this rank's sampler, synced after the last step.
+    versions: Optional[List[int]] = None
 
 
 @dataclass
@@ -121,7 +124,7 @@ class MiniBatch:
 class RolloutTrainer(PolicyEvaluation, Trainer):
     """The rollout half of an RL stage on the shared loop (see the module docstring)."""
 
-    def __init__(self, cfg, *, policy: CausalLM, updater, tokenizer, dataset: PromptDataset, sampler: Sampler,
+    def __init__(self, cfg, *, policy: CausalLM, updater, tokenizer, dataset: PromptDataset, sampler: Optional[Sampler],
                  rewards: Optional[RewardManager], layout, total_steps: int, num_generations: int,
                  rollouts_per_step: int = 1, mask_truncated: bool = False):
         """``sampler``: the rollout backend (``generation.build_sampler``); the policy's weights reach it
@@ -138,6 +141,15 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         g = cfg.generation
         self.stop_ids = list(g.stop_token_ids) or list(tokenizer.stop_token_ids)
         self.batches_drawn = 0  # dataset batches consumed so far (all epochs): where the next step reads
+        #: A disaggregated job's trainer (``gen_workers`` > 0): its link to the generator ranks, which sample
+        #: every row (``sampler`` is then None); None colocated.
+        self.link = None
+        if layout is not None and layout.disaggregated:
+            from mindrlhf.trainer.disaggregated import RolloutLink
+
+            self.link = RolloutLink(layout, rows_per_generator=dataset.batch_size // layout.infer.dp
+                                    * self.rollouts_per_step * self.num_generations,
+                                    width=cfg.generation.max_completion_length)
         #: The prompt style the training prompts were built with (eval_steps asks its questions the same way; a
         #: custom system prompt: the default style's; trainer.policy_eval).
         self.prompt_style = prompt_style_of(tokenizer, dataset)
@@ -146,15 +158,8 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
 
     # -- rollout ----------------------------------------------------------------------------------
     def _sampling_params(self, step: int, rollout: int) -> SamplingParams:
-        g = self.cfg.generation
-        # A seed derived from (run seed, step, rollout, rank) makes every step reproducible on its
-        # own, which is what lets a resumed run regenerate exactly what the original would have.
-        # All tp ranks of a generator replica must draw the same tokens: the seed follows the replica.
-        seed = (self.cfg.train.seed * 1_000_003 + step * 1009 + rollout * 101 + self.layout.infer_dp_rank) % (2 ** 31)
-        return SamplingParams(n=self.num_generations, temperature=g.temperature, top_p=g.top_p,
-                              top_k=g.top_k, min_p=g.min_p, repetition_penalty=g.repetition_penalty,
-                              max_tokens=g.max_completion_length, min_tokens=g.min_new_tokens,
-                              stop_token_ids=self.stop_ids, seed=seed, entropy=True)
+        return sampling_params(self.cfg, step, rollout, self.layout.infer_dp_rank, self.num_generations,
+                               self.stop_ids)
 
     def _prompt_batches(self):
         """The next ``rollouts_per_step`` dataset batches (this rank's share), in order; advances the cursor."""
@@ -163,18 +168,36 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
             self.batches_drawn += 1
 
     def _rollout(self, step: int, round_index: int) -> Rollout:
-        """Sample G completions for each prompt of this replica's share of the step's next batches."""
-        out = Rollout()
+        """Sample G completions for each prompt of this replica's share of the step's next batches (a trainer of
+        a disaggregated job: receive every generator's, ``_received_rollout``)."""
+        if self.link is not None:
+            return self._received_rollout()
         faults.point("generate", comm.rank())
-        for r, batch in self._prompt_batches():
-            local = [list(map(int, ids[:n])) for ids, n in zip(batch["prompt_ids"], batch["prompt_length"])]
-            params = self._sampling_params(step, round_index * self.rollouts_per_step + r)
-            out.completions += self.sampler.generate(local, params)
-            out.prompts += local
-            out.solutions += list(batch["solution"])
-            for name, key in self.dataset.reward_columns.items():
-                out.columns.setdefault(name, []).extend(batch[key])
-            out.index += [int(i) for i in batch["index"]]
+        return sample_batches(self.sampler, self.dataset, self._prompt_batches(),
+                              lambda r: self._sampling_params(step, round_index * self.rollouts_per_step + r))
+
+    def _received_rollout(self) -> Rollout:
+        """Disaggregated rollout: the step's completions from every generator replica (``RolloutLink.receive``),
+        beside the prompts, answers and columns they were sampled for, read from this rank's whole batches and
+        cut as the generators' shards are (``ShardedDataset.batch``), in generator-replica order: the rows
+        (and their order) a colocated job's ``_global_rows`` gathers."""
+        batches = [batch for _, batch in self._prompt_batches()]
+        completions, versions = self.link.receive()
+        bound = self.cfg.parallel.max_staleness
+        if (self.step - versions > bound).any():  # the schedule's promise: no row older than max_staleness trains
+            raise MindRLHFError(f"step {self.step + 1} received rows sampled by policy version {int(versions.min())}, "
+                                f"more than max_staleness {bound} updates old; this is a bug: report it")
+        out = Rollout(completions=completions, versions=[int(v) for v in versions])
+        K = self.layout.infer.dp
+        for j in range(K):
+            for batch in batches:
+                n = len(batch["index"])
+                rows = range(j * n // K, (j + 1) * n // K)
+                out.prompts += [list(map(int, batch["prompt_ids"][i][:batch["prompt_length"][i]])) for i in rows]
+                out.solutions += [batch["solution"][i] for i in rows]
+                for name, key in self.dataset.reward_columns.items():
+                    out.columns.setdefault(name, []).extend(batch[key][i] for i in rows)
+                out.index += [int(batch["index"][i]) for i in rows]
         return out
 
     def _round(self, step: int, round_index: int) -> ScoredRollout:
@@ -213,8 +236,10 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
             extras={"completion_present": present,
                     "sampler_entropy": right_pad([c.entropies for c in completions], C, 0.0, np.float32)})
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        version = (np.full(N, self.step, np.int64) if rollout.versions is None
+                   else np.asarray(rollout.versions, np.int64))
         return ScoredRollout(exp, texts=texts, prompts=rep(prompts), solutions=rep(rollout.solutions),
-                             policy_version=np.full(N, self.step, np.int64))
+                             policy_version=version)
 
     def _reward(self, scored: ScoredRollout, rollout: Rollout) -> None:
         """The reward step: every completion's rewards (total and per function) into ``scored.exp``, and the time
@@ -256,7 +281,10 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
 
     # -- rows across replicas ---------------------------------------------------------------------
     def _global_rows(self, exp: Experience) -> Experience:
-        """Every generator replica's rows of ``exp``, on every rank, in infer-replica order."""
+        """Every generator replica's rows of ``exp``, on every rank, in infer-replica order (a disaggregated job's
+        trainers received them all: ``exp`` as it is)."""
+        if self.link is not None:
+            return exp
         P = int(comm.all_gather(np.array([exp.prompt_ids.shape[1]], np.int64)).max())
         if exp.prompt_ids.shape[1] < P:  # one prompt width for the gather
             extra = P - exp.prompt_ids.shape[1]
@@ -267,9 +295,24 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
 
     def _train_share(self, everything: Experience) -> Experience:
         """This train replica's rows of a global batch (contiguous: replica d holds the d-th block)."""
+        return everything.rows(self._share_rows(len(everything)))
+
+    def _share_rows(self, n: int) -> np.ndarray:
+        """This train replica's row numbers of a global batch of ``n`` rows."""
         dp, d = self.layout.train.dp, self.layout.train_dp_rank
-        n = len(everything) // dp
-        return everything.rows(np.arange(d * n, (d + 1) * n))
+        return np.arange(d * n // dp, (d + 1) * n // dp)
+
+    def _share_lists(self, scored: ScoredRollout) -> None:
+        """Disaggregated rollout: a trainer scored every row, so cut the per-row lists of ``scored`` (texts,
+        prompts, answers, versions) to the rows of its ``exp`` (``_train_share``). Colocated they are already the
+        rows its generator replica sampled."""
+        if self.link is None or scored.texts is None:
+            return
+        rows = self._share_rows(len(scored.texts))
+        scored.texts = [scored.texts[i] for i in rows]
+        scored.prompts = [scored.prompts[i] for i in rows]
+        scored.solutions = [scored.solutions[i] for i in rows]
+        scored.policy_version = scored.policy_version[rows]
 
     def _gather_rows(self, x: np.ndarray) -> np.ndarray:
         """Every train replica's rows of ``x`` once, in replica order."""
@@ -333,6 +376,10 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
     def sync_generator(self) -> None:
         """Push the policy's new weights to the sampler: this rank's arrays in its layout (nothing to do
         when it generates with the policy itself)."""
+        if self.link is not None:  # the generator ranks' copy, by broadcast (``disaggregated.RolloutLink``)
+            # Called at the end of step self.step + 1, after its update: the weights of that many steps.
+            self.link.push_weights(self.policy, self.step + 1)
+            return
         if self.sampler.holds(self.policy):
             return
         if self.layout.pure_dp:
@@ -359,7 +406,21 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
             self.rewards.failures.update(state.get("reward_failures", {}))
 
     def after_load(self) -> None:
-        self.sync_generator()
+        if self.link is None:  # a disaggregated job's generators get the weights when training starts (``train``)
+            self.sync_generator()
+
+    def train(self) -> List[Dict[str, float]]:
+        """The shared loop (``trainer.base``); a disaggregated job's trainers first tell the generator ranks where
+        the run starts and send them the policy's weights (``disaggregated.GenerationWorker.train``)."""
+        if self.link is not None:
+            from mindrlhf.trainer.disaggregated import own_start_weights
+
+            # A fresh start whose generators load sft_path_infer samples step 1 with it, as colocated.
+            weights = self.step > 0 or not own_start_weights(self.cfg)
+            self.link.start(self.step, self.batches_drawn, self.total_steps, weights)
+            if weights:
+                self.link.push_weights(self.policy, self.step)
+        return super().train()
 
     # -- metrics and dumps ----------------------------------------------------------------------
     def _reward_metrics(self, exp: Experience) -> Dict[str, float]:
@@ -398,6 +459,10 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
             if self.cfg.reward.reward_errors == "skip":
                 metrics.update({f"rewards/{name}/failures": float(n) for name, n in self.rewards.failures.items()})
         metrics.update(timer.times)
+        if self.link is not None and scored.policy_version is not None:
+            # Updates between the policy that sampled a row and the one it trained (step - 1 before the update).
+            lag = (step - 1 - scored.policy_version).astype(np.float64)
+            metrics.update({"staleness/mean": float(lag.mean()), "staleness/max": float(lag.max())})
         metrics["step_time"] = time.perf_counter() - timer.start
         tokens = float(self._sum_replicas(np.array([exp.extras["completion_present"].sum()]))[0])
         metrics["tokens_per_second"] = tokens / max(metrics["step_time"], 1e-9)
@@ -441,6 +506,36 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         return {"advantage": float(exp.advantages[i])}
 
 
+# -- sampling (a colocated rank's and a generator rank's) -------------------------------------------------
+def sampling_params(cfg, step: int, rollout: int, replica: int, num_generations: int,
+                    stop_ids: List[int]) -> SamplingParams:
+    """The sampling settings of rollout ``rollout`` of step ``step`` on generator replica ``replica``."""
+    g = cfg.generation
+    # A seed derived from (run seed, step, rollout, rank) makes every step reproducible on its
+    # own, which is what lets a resumed run regenerate exactly what the original would have.
+    # All tp ranks of a generator replica must draw the same tokens: the seed follows the replica.
+    seed = (cfg.train.seed * 1_000_003 + step * 1009 + rollout * 101 + replica) % (2 ** 31)
+    return SamplingParams(n=num_generations, temperature=g.temperature, top_p=g.top_p,
+                          top_k=g.top_k, min_p=g.min_p, repetition_penalty=g.repetition_penalty,
+                          max_tokens=g.max_completion_length, min_tokens=g.min_new_tokens,
+                          stop_token_ids=stop_ids, seed=seed, entropy=True)
+
+
+def sample_batches(sampler: Sampler, dataset: PromptDataset, batches, params_of) -> Rollout:
+    """G completions for each prompt of ``batches`` (``(r, batch)`` pairs of this replica's share), sampled with
+    ``params_of(r)``, with the prompts' answers, columns and row ids, in order."""
+    out = Rollout()
+    for r, batch in batches:
+        local = [list(map(int, ids[:n])) for ids, n in zip(batch["prompt_ids"], batch["prompt_length"])]
+        out.completions += sampler.generate(local, params_of(r))
+        out.prompts += local
+        out.solutions += list(batch["solution"])
+        for name, key in dataset.reward_columns.items():
+            out.columns.setdefault(name, []).extend(batch[key])
+        out.index += [int(i) for i in batch["index"]]
+    return out
+
+
 # -- the prompts ------------------------------------------------------------------------------------
 def prompt_file_format(path: str) -> str:
     """How a prompt file is read: ``"mindrecord"`` (the converter's output: ``PromptDataset``), or the rows format
@@ -467,7 +562,7 @@ def resolve_dataset(cfg, tokenizer) -> str:
         report = convert_to_mindrecord(str(GSM8K_TRAIN_SAMPLE), str(out), tokenizer,
                                        max_prompt_length=cfg.generation.max_prompt_length, show_progress=False)
         log.info("default data: %s", report.summary())
-    comm.barrier()  # the other ranks wait for the file
+    comm.job_barrier()  # the other ranks (a disaggregated job's generators too) wait for the file
     return str(out)
 
 
@@ -485,8 +580,8 @@ def read_prompt_jsonl(path: str, cfg, tokenizer, layout, batch_size: int) -> Pro
         raise MindRLHFError(f"the tokenizer from {tokenizer.source} has neither pad_token nor eos_token; "
                             "fix tokenizer_config.json")
     return PromptDataset.from_rows(rows, max_prompt_length=max_len, pad_id=tokenizer.pad_token_id,
-                                   batch_size=batch_size, seed=cfg.train.seed, shard_id=layout.infer_dp_rank,
-                                   num_shards=layout.infer.dp, report=report)
+                                   batch_size=batch_size, seed=cfg.train.seed, shard_id=layout.data_shard[0],
+                                   num_shards=layout.data_shard[1], report=report)
 
 
 def load_prompt_dataset(cfg, layout, tokenizer, model_config, batch_size: int) -> PromptDataset:
@@ -498,8 +593,9 @@ def load_prompt_dataset(cfg, layout, tokenizer, model_config, batch_size: int) -
         dataset = read_prompt_jsonl(data_path, cfg, tokenizer, layout, batch_size)
     else:
         # Generator replica j samples its share of every global batch (its tp ranks: the same prompts).
-        dataset = PromptDataset(data_path, batch_size=batch_size, seed=cfg.train.seed,
-                                shard_id=layout.infer_dp_rank, num_shards=layout.infer.dp)
+        shard, shards = layout.data_shard
+        dataset = PromptDataset(data_path, batch_size=batch_size, seed=cfg.train.seed, shard_id=shard,
+                                num_shards=shards)
     if dataset.max_prompt_length > cfg.generation.max_prompt_length:
         raise MindRLHFError(f"{data_path} was built with max_prompt_length={dataset.max_prompt_length} but the config "
                             f"has max_prompt_length={cfg.generation.max_prompt_length}; rebuild the data or raise it")

@@ -1,0 +1,190 @@
+"""Disaggregated rollout (``gen_workers`` K > 0): the last K ranks of the msrun world only sample, the first N only
+train; what crosses between them, and the generator ranks' loop.
+
+Every collective here spans the whole job (``comm.job_*``); everything else each side does runs in its own scope
+(``comm.enter_scope``), so the trainers run the colocated training code as an N-process job. Only AllGather and
+Broadcast are used, which every backend has (CPU's mccl has no Send/Receive). One step at ``max_staleness`` 0::
+
+    generators  | sample step s (weights v = s-1) | gather ->|          idle           |<- broadcast v = s |
+    trainers    |          idle (wait)            | gather ->| reward, ref, train step s|-> broadcast v = s |
+
+* ``RolloutLink.start``: a Broadcast from rank 0 of where the run starts (step, batches drawn, run length), so a
+  resumed job's generators continue at the trainers' data position; then the weights.
+* ``RolloutLink.send`` / ``receive``: the step's completions as one fixed-shape padded AllGather (each generator's
+  block of ``rows_per_generator`` rows: token ids, sampler log-probs and entropies padded to ``width``, the length,
+  whether it was cut at the limit, and the policy version it was sampled with); the trainers' blocks are zeros.
+* ``RolloutLink.push_weights`` / ``pull_weights``: the policy version, then each weight (HF names, model order) as a
+  Broadcast from rank 0, cut to the generator's infer shard (``sharding.shard_tensor``) and written by the
+  sampler's ``load_weights``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import List, Tuple
+
+import numpy as np
+
+from mindrlhf.errors import MindRLHFError
+from mindrlhf.generation import Completion, Sampler
+from mindrlhf.models.weights import get_weights
+from mindrlhf.parallel import comm
+from mindrlhf.parallel.groups import RunLayout
+from mindrlhf.parallel.resharding import model_names
+from mindrlhf.parallel.sharding import param_shape, shard_tensor
+from mindrlhf.utils import faults
+
+log = logging.getLogger(__name__)
+
+#: Columns of a completion row after the three padded per-token fields: its length, cut at the limit, version.
+_TAIL = 3
+
+
+def pack_completions(completions: List[Completion], versions: List[int], rows: int, width: int) -> np.ndarray:
+    """One generator's completions as a ``(rows, 3 * width + 3)`` float32 block (token ids are exact in float32
+    below 2**24): ids | log-probs | entropies, each padded to ``width``, then length, truncated, version."""
+    if len(completions) != rows:
+        raise MindRLHFError(f"a generator sampled {len(completions)} completions where the step needs {rows}")
+    block = np.zeros((rows, 3 * width + _TAIL), np.float32)
+    for i, (c, v) in enumerate(zip(completions, versions)):
+        n = len(c.token_ids)
+        if n > width:
+            raise MindRLHFError(f"a completion of {n} tokens exceeds max_completion_length {width}")
+        block[i, :n] = c.token_ids
+        block[i, width:width + n] = c.logprobs
+        block[i, 2 * width:2 * width + len(c.entropies)] = c.entropies
+        block[i, 3 * width:] = (n, c.finish_reason == "length", v)
+    return block
+
+
+def unpack_completions(block: np.ndarray, width: int, first_index: int = 0) -> Tuple[List[Completion], np.ndarray]:
+    """The completions of a ``pack_completions`` block (``prompt_index`` counted from ``first_index``, as the
+    sampler's are not needed here) and their versions."""
+    out = []
+    for i, row in enumerate(block):
+        n = int(row[3 * width])
+        out.append(Completion(prompt_index=first_index + i, token_ids=[int(t) for t in row[:n]],
+                              logprobs=[float(x) for x in row[width:width + n]],
+                              finish_reason="length" if row[3 * width + 1] else "stop",
+                              entropies=[float(x) for x in row[2 * width:2 * width + n]]))
+    return out, block[:, 3 * width + 2].astype(np.int64)
+
+
+class RolloutLink:
+    """Both sides' end of the rollout and weight traffic of a disaggregated job (see the module docstring); the
+    trainers and the generators call the matching methods in the same order."""
+
+    def __init__(self, layout: RunLayout, rows_per_generator: int, width: int):
+        self.layout, self.rows, self.width = layout, int(rows_per_generator), int(width)
+        self.trainers = layout.train.world_size
+
+    # -- where the run starts ----------------------------------------------------------------------------
+    def start(self, step: int = 0, batches_drawn: int = 0, total_steps: int = 0,
+              weights: bool = True) -> Tuple[int, int, int, bool]:
+        """Rank 0's ``(step, batches_drawn, total_steps, weights)`` on every rank (the others' arguments are
+        ignored); ``weights``: the policy's weights follow (``push_weights``), else the generators start from
+        their own checkpoint (sft_path_infer)."""
+        got = comm.job_broadcast(np.array([step, batches_drawn, total_steps, weights], np.float32))
+        return int(got[0]), int(got[1]), int(got[2]), bool(got[3])
+
+    # -- rollouts: generators -> trainers ---------------------------------------------------------------------
+    def _exchange(self, block: np.ndarray) -> np.ndarray:
+        """Every generator's block, in generator order (one AllGather over the job)."""
+        return comm.job_all_gather(block)[self.trainers:].reshape(-1, block.shape[1])
+
+    def send(self, completions: List[Completion], version: int) -> None:
+        """A generator's completions of the step, all sampled with policy ``version``."""
+        self._exchange(pack_completions(completions, [version] * len(completions), self.rows, self.width))
+
+    def receive(self) -> Tuple[List[Completion], np.ndarray]:
+        """A trainer's: every generator's completions of the step (generator-replica order) and their versions."""
+        block = self._exchange(np.zeros((self.rows, 3 * self.width + _TAIL), np.float32))
+        return unpack_completions(block, self.width)
+
+    # -- weights: trainers -> generators ---------------------------------------------------------------------
+    def push_weights(self, policy, version: int) -> None:
+        """The trainers' side: rank 0's policy weights (train_tp = train_pp = 1: full tensors) and its version."""
+        comm.job_broadcast(np.array([version], np.float32))
+        weights = get_weights(policy) if comm.rank() == 0 else {}
+        for name in model_names(policy.config):
+            comm.job_broadcast(weights[name] if name in weights else
+                               np.zeros(param_shape(name, policy.config), np.float32))
+
+    def pull_weights(self, sampler: Sampler, config) -> int:
+        """The generators' side: the new weights, cut to this rank's infer shard, into ``sampler``; returns
+        their policy version (the trainer steps they have taken)."""
+        version = int(comm.job_broadcast(np.zeros(1, np.float32))[0])
+        tp_rank = self.layout.infer.coords(self.layout.rank).tp
+
+        def arrays():
+            for name in model_names(config):
+                full = comm.job_broadcast(np.zeros(param_shape(name, config), np.float32))
+                yield name, np.ascontiguousarray(shard_tensor(name, full, config, self.layout.infer, tp_rank))
+
+        sampler.load_weights(arrays())
+        return version
+
+
+class GenerationWorker:
+    """A generator rank of a disaggregated job: it holds the sampler (its weights only: no optimizer, no
+    reference, no rewards) and its replica's share of the prompts, and loops: sample the step's prompts with the
+    step's seeds (``rollout.sample_batches``, as a colocated rank would), send them, wait for the new weights.
+    ``run_stage`` drives it like a trainer: ``resume`` is a no-op (the trainers broadcast where the run starts)
+    and ``train`` returns no metrics (rank 0, a trainer, logs them)."""
+
+    def __init__(self, cfg, *, sampler: Sampler, dataset, layout: RunLayout, config, num_generations: int,
+                 rollouts_per_step: int, stop_ids: List[int]):
+        self.cfg, self.sampler, self.dataset, self.layout, self.config = cfg, sampler, dataset, layout, config
+        self.num_generations, self.rollouts_per_step, self.stop_ids = num_generations, rollouts_per_step, stop_ids
+        self.link = RolloutLink(layout, rows_per_generator=dataset.batch_size // layout.infer.dp * rollouts_per_step
+                                * num_generations, width=cfg.generation.max_completion_length)
+
+    def resume(self, path) -> None:
+        """Nothing to load: the trainers resume and broadcast the step, data position and weights."""
+
+    def train(self) -> list:
+        """Sample every step of the run for the trainers; returns ``[]`` (no metrics here)."""
+        from mindrlhf.trainer.rollout import sample_batches, sampling_params
+
+        step, drawn, total, weights = self.link.start()
+        version = self.link.pull_weights(self.sampler, self.config) if weights else step
+        replica = self.layout.infer_dp_rank
+        while step < total:
+            step += 1
+            faults.enter_step(step)
+            faults.point("generate", comm.rank())
+            batches = [(r, self.dataset.nth_batch(drawn + r)) for r in range(self.rollouts_per_step)]
+            drawn += self.rollouts_per_step
+            rollout = sample_batches(self.sampler, self.dataset, batches, lambda r, s=step: sampling_params(
+                self.cfg, s, r, replica, self.num_generations, self.stop_ids))
+            self.link.send(rollout.completions, version)
+            version = self.link.pull_weights(self.sampler, self.config)
+        return []
+
+
+def build_generator(cfg, layout: RunLayout, tokenizer, config, *, num_generations: int, rollouts_per_step: int,
+                    batch_size: int) -> GenerationWorker:
+    """A generator rank's worker: its infer shard of the model (``sft_path_infer``'s weights when that names
+    another checkpoint, else the policy's, which the trainers broadcast before the first step), the sampler the
+    config asks for, and its replica's share of the prompts (``batch_size`` per global batch)."""
+    from mindrlhf.generation.factory import build_sampler
+    from mindrlhf.models import CausalLM
+    from mindrlhf.parallel.resharding import load_shard
+    from mindrlhf.trainer.rollout import load_prompt_dataset
+
+    infer_path, dtype = cfg.model_weights("infer"), cfg.model.dtype
+    if own_start_weights(cfg):
+        model = load_shard(infer_path, layout.infer, layout.rank, dtype=dtype, tp_group=layout.infer_tp_group)
+    else:
+        model = CausalLM(config, dtype, layout.infer_shard())
+    dataset = load_prompt_dataset(cfg, layout, tokenizer, config, batch_size)
+    stop_ids = list(cfg.generation.stop_token_ids) or list(tokenizer.stop_token_ids)
+    return GenerationWorker(cfg, sampler=build_sampler(cfg, model), dataset=dataset, layout=layout, config=config,
+                            num_generations=num_generations, rollouts_per_step=rollouts_per_step, stop_ids=stop_ids)
+
+
+def own_start_weights(cfg) -> bool:
+    """Whether the generators start from a checkpoint of their own (``sft_path_infer`` naming another one than the
+    policy's), as a colocated job's generator does; else the trainers send them the policy's first."""
+    infer_path = cfg.model_weights("infer")
+    # The paths as given (no collective here; two names of one checkpoint hold the same weights anyway).
+    return bool(infer_path) and infer_path != cfg.model_weights("train")

@@ -1,0 +1,144 @@
+"""Disaggregated rollout (``gen_workers``, issue #43's first increment): the config's rules and errors, the layout
+arithmetic of the two sides, the rollout rows' wire format, and (msrun) one generator + one trainer at max_staleness 0
+giving the colocated one-process run's metrics and weights."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from grpo_runs import grpo_args as _args
+from grpo_runs import is_timing as _timing
+from grpo_runs import msrun as _msrun
+from grpo_runs import read_rows as _metrics
+from grpo_runs import run_inprocess as _run_inprocess
+from mindrlhf.configs import PPOConfig, parse_args
+from mindrlhf.errors import MindRLHFError
+from mindrlhf.generation import Completion
+from mindrlhf.parallel.groups import RunLayout, data_parallel_groups, disaggregated_layouts
+from mindrlhf.parallel.layout import ParallelLayout
+from mindrlhf.trainer.disaggregated import pack_completions, unpack_completions
+
+
+def _error(argv) -> str:
+    with pytest.raises(MindRLHFError) as err:
+        parse_args(argv)
+    text = str(err.value)
+    assert "\n" not in text
+    return text
+
+
+# -- config ---------------------------------------------------------------------------------------------
+def test_gen_workers_sets_the_generator_layout_and_the_world():
+    cfg = parse_args(["--use_parallel", "true", "--gen_workers", "2", "--chunk_size", "4", "--train_dp", "2"])
+    p = cfg.parallel
+    assert (p.gen_workers, p.infer_dp, p.max_staleness) == (2, 2, 0)
+    assert cfg.world_size == 4  # two trainers + two generators
+    colocated = parse_args([])
+    assert (colocated.parallel.gen_workers, colocated.world_size) == (0, 1)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--use_parallel", "true", "--gen_workers", "1", "--max_staleness", "1"],
+     "max_staleness 1: only 0 (synchronous) is built so far"),
+    (["--use_parallel", "true", "--gen_workers", "1", "--train_tp", "2"],
+     "gen_workers = 1 with train_tp = 2: disaggregated rollout is built for data parallelism only"),
+    (["--use_parallel", "true", "--gen_workers", "2", "--infer_dp", "1"],
+     "gen_workers = 2 generator ranks but infer_dp*infer_tp = 1*1 = 1"),
+    (["--gen_workers", "1"], "gen_workers = 1 needs use_parallel true"),
+    (["--use_parallel", "true", "--gen_workers", "1", "--dynamic_sampling", "true", "--eval_steps", "2"],
+     "gen_workers = 1 with dynamic_sampling = true, eval_steps = 2: not built for disaggregated rollout yet"),
+    (["--use_parallel", "true", "--gen_workers", "2", "--chunk_size", "3"],
+     "chunk_size = 3 is not divisible by infer_dp = 2"),
+    # Colocated, the old rule stands: the same processes train and generate.
+    (["--use_parallel", "true", "--train_dp", "2"], "train world size train_dp*train_tp*train_pp = 2*1*1 = 2 != infer"),
+])
+def test_impossible_settings_are_one_line_errors(argv, words):
+    assert words in _error(argv)
+
+
+def test_ppo_refuses_gen_workers():
+    with pytest.raises(MindRLHFError, match="gen_workers = 1: disaggregated rollout is built for GRPO only"):
+        PPOConfig.parse_args(["--use_parallel", "true", "--gen_workers", "1", "--infer_dp", "1"])
+
+
+# -- layouts --------------------------------------------------------------------------------------------
+def test_layouts_follow_the_world_and_gen_workers():
+    one = ParallelLayout()
+    train, infer = disaggregated_layouts(2, 1, one, one)
+    assert (train.dp, infer.dp) == (1, 1)
+    # train_dp not given: the trainers are what the generators leave
+    train, infer = disaggregated_layouts(6, 2, one, ParallelLayout(dp=2), train_dp_given=False)
+    assert (train.dp, train.world_size, infer.dp) == (4, 4, 2)
+    with pytest.raises(MindRLHFError, match=r"gen_workers = 2 of a world of 2 workers leaves 0 to train"):
+        disaggregated_layouts(2, 2, one, ParallelLayout(dp=2))
+    with pytest.raises(MindRLHFError, match=r"train_dp\*train_tp\*train_pp = 1\*1\*1 = 1 but world 4 - gen_workers 1 "
+                                            r"leaves 3 trainer ranks; set train_dp 3"):
+        disaggregated_layouts(4, 1, one, one)
+    with pytest.raises(MindRLHFError, match=r"3 trainer ranks \(world 4 - gen_workers 1\) are not a multiple of "
+                                            r"train_tp\*train_pp = 2\*1"):
+        disaggregated_layouts(4, 1, ParallelLayout(tp=2), one, train_dp_given=False)
+    with pytest.raises(MindRLHFError, match=r"infer_dp\*infer_tp = 1\*1 = 1 does not fill the gen_workers = 2"):
+        disaggregated_layouts(4, 2, ParallelLayout(dp=2), one)
+
+
+def test_a_trainer_reads_whole_batches_and_a_generator_its_share():
+    train, infer = ParallelLayout(dp=2), ParallelLayout(dp=3)
+    trainer = RunLayout(train, infer, data_parallel_groups(1, 2), None, rank=1, gen_workers=3)
+    generator = RunLayout(train, infer, data_parallel_groups(2, 3), None, rank=2, gen_workers=3, generator=True)
+    colocated = RunLayout(infer, infer, data_parallel_groups(2, 3), None, rank=2)
+    assert (trainer.data_shard, generator.data_shard, colocated.data_shard) == ((0, 1), (2, 3), (2, 3))
+    assert trainer.disaggregated and not colocated.disaggregated
+
+
+# -- the rollout rows on the wire -----------------------------------------------------------------------
+def test_completions_cross_exactly():
+    rng = np.random.default_rng(0)
+    sent = [Completion(prompt_index=i, token_ids=rng.integers(0, 151_936, n).tolist(),
+                       logprobs=rng.normal(size=n).astype(np.float32).tolist(), finish_reason=reason,
+                       entropies=rng.random(n).astype(np.float32).tolist())
+            for i, (n, reason) in enumerate([(5, "length"), (0, "stop"), (3, "stop")])]
+    block = pack_completions(sent, [7, 7, 7], rows=3, width=5)
+    got, versions = unpack_completions(block, width=5)
+    assert versions.tolist() == [7, 7, 7]
+    for a, b in zip(sent, got):
+        assert (a.token_ids, a.logprobs, a.finish_reason, a.entropies) == \
+            (b.token_ids, b.logprobs, b.finish_reason, b.entropies)
+    with pytest.raises(MindRLHFError, match="sampled 3 completions where the step needs 4"):
+        pack_completions(sent, [0, 0, 0], rows=4, width=5)
+
+
+# -- the job ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.msrun
+def test_one_generator_one_trainer_equals_the_colocated_run(grpo_assets, tmp_path):
+    """msrun world 2 with gen_workers 1 (rank 1 samples, rank 0 scores, runs the reference and trains) at
+    max_staleness 0: every metric and the final weights equal the colocated one-process run's (float32, 1e-6),
+    with two prompt batches per step, the KL term and two updates per step (old log-probs); every row was sampled
+    by the policy of the step before (staleness 0)."""
+    import mindspore as ms
+
+    base = dict(max_steps=2, num_rollouts=2, beta=0.04, mini_batch_size=8, lr=1e-3, tensorboard="false",
+                reward_funcs=["accuracy", "e2e_rewards:length_reward"])
+    one, two = tmp_path / "colocated", tmp_path / "disaggregated"
+    assert _run_inprocess(_args(grpo_assets, one, **base)) == 0
+    _msrun(2, _args(grpo_assets, two, use_parallel="true", gen_workers=1, **base), tmp_path / "log", 8161)
+    m1, m2 = _metrics(one), _metrics(two)
+    assert [r["step"] for r in m2] == [1, 2]
+    assert all(r["grad_norm"] > 1e-3 and r["reward_std"] > 0 for r in m1)  # not a vacuous comparison
+    for a, b in zip(m1, m2):
+        assert set(b) - set(a) == {"staleness/mean", "staleness/max"}
+        assert b["staleness/mean"] == b["staleness/max"] == 0.0
+        for key, value in a.items():
+            if not _timing(key) and not (isinstance(value, float) and math.isnan(value)):
+                assert b[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (a["step"], key, b[key], value)
+    w1 = ms.load_checkpoint(str(one / "checkpoints" / "step_00000002" / "policy.ckpt"))
+    w2 = ms.load_checkpoint(str(two / "checkpoints" / "step_00000002" / "policy.ckpt"))
+    assert set(w1) == set(w2)
+    for name in w1:
+        np.testing.assert_allclose(w2[name].asnumpy(), w1[name].asnumpy(), rtol=1e-6, atol=1e-9, err_msg=name)
+    # The generator rank wrote nothing: rank 0 alone logs, dumps and checkpoints.
+    assert sorted(p.name for p in two.glob("completions_step_*.jsonl")) == ["completions_step_1.jsonl",
+                                                                         "completions_step_2.jsonl"]
+    assert (one / "completions_step_2.jsonl").read_text() == (two / "completions_step_2.jsonl").read_text()
