@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from mindrlhf.algorithms import ppo
+from mindrlhf.errors import MindRLHFError
 
 MASK = np.array([[1, 1, 1], [1, 1, 0]])
 
@@ -103,6 +104,20 @@ def test_masked_whiten_and_score_shaping():
                          truncated=np.array([False, False, True]), truncated_penalty=-1.0)
     np.testing.assert_allclose(s, [2.5, -5.0, -1.0])
     np.testing.assert_array_equal(ppo.last_token_index(np.array([[1, 1, 0], [0, 0, 0], [1, 1, 1]])), [1, -1, 2])
+
+
+@pytest.mark.parametrize("scores, kw, what", [
+    ([1.0, float("nan")], {}, "completion 1's score nan is not finite"),
+    ([float("inf"), 1.0], {"clip": 5.0}, "completion 0's score inf is not finite"),  # no clip hides a broken RM
+    ([1.0, 3e38], {"scaling": 2.0}, "completion 1's score 6e+38 is beyond float32's range"),
+])
+def test_a_score_float32_cannot_keep_is_a_one_line_error(scores, kw, what):
+    # Reward model x reward_output_scaling + rule rewards used to go on as inf / NaN scores into the step.
+    with pytest.raises(MindRLHFError, match=what.replace("+", r"\+")) as err:
+        ppo.shape_scores(np.array(scores), **kw)
+    assert "\n" not in str(err.value) and "reward_output_scaling" in str(err.value)
+    # a finite score beyond float32 that the clip brings back is fine
+    np.testing.assert_allclose(ppo.shape_scores(np.array([1.0, 3e38]), scaling=2.0, clip=5.0), [2.0, 5.0])
 
 
 def test_running_value_norm_is_a_debiased_ema_and_round_trips():

@@ -41,13 +41,29 @@ def shape_scores(scores: np.ndarray, *, scaling: float = 1.0, bias: float = 0.0,
     """Sequence scores as the reward uses them: ``clip(score·scaling + bias, ±clip)`` (ReaL's
     ``reward_output_scaling`` / ``reward_output_bias`` / ``max_reward_clip``; clip 0 = none); a completion
     cut at the token limit (``truncated``) gets ``truncated_penalty`` instead when it is set (TRL's
-    ``missing_eos_penalty`` subtracts; a fixed value is ReaL's choice and does not depend on the score)."""
+    ``missing_eos_penalty`` subtracts; a fixed value is ReaL's choice and does not depend on the score).
+
+    A score that is not finite (a reward model that produced inf or NaN), or that stays beyond float32's range
+    after the clip (the rewards and metrics the step keeps are float32, as the reward functions' are), is an
+    error naming the completion: it would otherwise train as inf or vanish from the metrics."""
     s = np.asarray(scores, np.float64) * scaling + bias
+    _check_scores(s, "is not finite", ~np.isfinite(s))
     if clip:
         s = np.clip(s, -clip, clip)
     if truncated is not None and truncated_penalty is not None:
         s = np.where(np.asarray(truncated, bool), float(truncated_penalty), s)
+    _check_scores(s, "is beyond float32's range", np.abs(s) > np.finfo(np.float32).max)
     return s
+
+
+def _check_scores(s: np.ndarray, what: str, bad: np.ndarray) -> None:
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise MindRLHFError(
+            f"completion {i}'s score {s[i]!r} {what} ({int(bad.sum())} of {len(s)} this step; the score is the "
+            "reward model's times reward_output_scaling plus reward_output_bias, plus the reward functions' "
+            "weighted sum); check the reward model's output, lower reward_output_scaling, or bound scores with "
+            "max_reward_clip")
 
 
 def kl_shaped_rewards(logp: np.ndarray, ref_logp: np.ndarray, mask: np.ndarray, scores: np.ndarray,
