@@ -286,3 +286,28 @@ def test_load_questions_accepts_a_utf8_bom(tmp_path):
     path.write_bytes(b"\xef\xbb\xbf" + "\n".join(rows).encode("utf-8"))
     questions, skipped = load_questions(path)
     assert skipped == 0 and [q.question for q in questions] == ["q0?", "q1?"]
+
+
+def test_replicas_share_the_questions_and_sum_to_the_whole_evaluation(eval_assets):
+    """``shard`` / ``reduce`` (data-parallel evaluation while training): replica i of n evaluates batches i, i + n, ...
+    and the summed counts give the one-process summary exactly (same batches, same seeds, same completions), on
+    sampling (maj@3) over 3 batches shared 2 / 1."""
+    from mindrlhf.generation import NativeSampler
+    from mindrlhf.models import load_model
+    from mindrlhf.tokenizer import Tokenizer
+
+    sampler, tok = NativeSampler(load_model(eval_assets["model"])), Tokenizer.from_dir(eval_assets["model"])
+    kw = dict(data_path=eval_assets["data"], batch_size=2, max_new_tokens=6, mode="maj", k=3, temperature=1.0,
+              seed=7, progress=False)
+    whole = evaluate(sampler, tok, **kw)
+    counts = {}
+    second = evaluate(sampler, tok, shard=(1, 2), reduce=lambda v: counts.setdefault("1", v), **kw)
+    assert counts["1"][3] == 3 * 2  # replica 1 sampled batch 1 only: 2 questions x 3 completions
+    first = evaluate(sampler, tok, shard=(0, 2), reduce=lambda v: v + counts["1"], **kw)
+    assert second["num_completions"] == 6 and first["num_completions"] == whole["num_completions"] == 15
+    for key in ("correct", "num_questions", "accuracy", "sample_accuracy", "format_rate", "mean_completion_tokens",
+                "truncated_rate"):
+        assert first[key] == whole[key], key
+    assert first["rewards"] == pytest.approx(whole["rewards"], rel=1e-12)
+    with pytest.raises(MindRLHFError, match="shard 2 of 2 does not exist"):
+        evaluate(sampler, tok, shard=(2, 2), **kw)

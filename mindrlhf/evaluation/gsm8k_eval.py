@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -276,6 +276,8 @@ def evaluate(
     stop_token_ids: Optional[Sequence[int]] = None,
     jit: bool = True,
     rewards: Optional[RewardManager] = None,
+    shard: Tuple[int, int] = (0, 1),
+    reduce: Optional[Callable[[np.ndarray], np.ndarray]] = None,
 ) -> Dict[str, Any]:
     """Evaluate a model on GSM8K; return the summary as a dict.
 
@@ -290,6 +292,12 @@ def evaluate(
     ``rewards``: the reward functions to average (a ``RewardManager``, called as training calls it, with the
     question and its solution as columns); default: the built-in ``accuracy`` and the prompt style's format
     reward, as the training defaults.
+
+    ``shard`` ``(i, n)`` and ``reduce``: data-parallel evaluation. Replica ``i`` of ``n`` evaluates batches ``i``,
+    ``i + n``, ... (a batch, its seed and its padding are the unsharded run's, so each question gets the same
+    completions), and ``reduce`` sums the replicas' counts (a float64 vector of correct answers, completions,
+    tokens, ... and each reward function's sum and count) before the rates are formed: the summary is the
+    unsharded one's on every replica. ``output`` needs ``n`` = 1.
 
     ``model``: an HF dir / MindSpore checkpoint path (None = the embedded SmolLM2), a ``CausalLM``
     or a ``Sampler``. ``tokenizer``: a ``Tokenizer``, else from ``tokenizer_dir``/``vocab_path`` or the
@@ -318,6 +326,12 @@ def evaluate(
         raise MindRLHFError(f"--top_p {top_p!r} is invalid: use a value in (0, 1] (1 = off)")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise MindRLHFError(f"--seed {seed!r} is invalid: use an integer")
+    replica, replicas = shard
+    if not 0 <= replica < replicas:
+        raise MindRLHFError(f"evaluation shard {replica} of {replicas} does not exist: use 0 <= shard < shards")
+    if replicas > 1 and output is not None:
+        raise MindRLHFError("a per-question output file needs the whole evaluation in one process; evaluate with one "
+                            "replica (shard (0, 1)) to write --output")
     n = k if mode == "maj" else 1
     data = Path(data_path) if data_path is not None else DEFAULT_DATA
     questions, skipped = load_questions(data, limit=limit, offset=offset)
@@ -349,9 +363,11 @@ def evaluate(
     sink = open(tmp, "w", encoding="utf-8") if tmp is not None else None
     t0 = time.perf_counter()
     try:
-        with tqdm(total=len(questions), desc=progress_label or f"gsm8k {mode}", unit="q", disable=not progress,
-                  file=sys.stderr) as bar:
-            for start in range(0, len(questions), batch_size):
+        starts = range(replica * batch_size, len(questions), replicas * batch_size)
+        with tqdm(total=sum(min(batch_size, len(questions) - s) for s in starts), desc=progress_label or
+                  f"gsm8k {mode}", unit="q", disable=not progress, file=sys.stderr) as bar:
+            seen = 0
+            for start in starts:
                 batch = questions[start:start + batch_size]
                 params = SamplingParams(
                     n=n, temperature=0.0 if mode == "greedy" else float(temperature),
@@ -384,8 +400,9 @@ def evaluate(
                         }, ensure_ascii=False) + "\n")
                 if sink is not None:
                     sink.flush()
+                seen += len(batch)
                 bar.update(len(batch))
-                bar.set_postfix(acc=f"{correct / (start + len(batch)):.3f}")
+                bar.set_postfix(acc=f"{correct / seen:.3f}")
     except BaseException:
         if sink is not None:
             sink.close()
@@ -395,6 +412,14 @@ def evaluate(
         os.replace(tmp, out_path)
     wall = time.perf_counter() - t0
 
+    names = list(reward_sums)
+    counts = np.array([correct, sample_correct, format_ok, completions_total, tokens_total, truncated,
+                       *[x for name in names for x in reward_sums[name]]], np.float64)
+    if reduce is not None:
+        counts = np.asarray(reduce(counts), np.float64)
+    correct, sample_correct, format_ok, completions_total, tokens_total, truncated = (int(round(c))
+                                                                                     for c in counts[:6])
+    reward_sums = {name: (float(counts[6 + 2 * i]), int(round(counts[7 + 2 * i]))) for i, name in enumerate(names)}
     total = len(questions)
     acc = correct / total
     return {

@@ -171,6 +171,10 @@ class PolicyOfflineTrainer(PolicyEvaluation, OfflineTrainer):
             self._sampler = native_sampler(self.model)
         return self._sampler
 
+    def eval_replicas(self) -> Tuple[int, int, bool]:
+        """The training replicas (train dp; the sampler runs on the trained policy's tp shard) share the questions."""
+        return self.layout.train_dp_rank, self.layout.train.dp, self.layout.train_representative
+
     def eval_generation_settings(self) -> Dict[str, Any]:
         """``eval_max_new_tokens``; mindrlhf-eval's defaults for the rest (temperature 0.7, top_p 1, the
         tokenizer's stop tokens)."""

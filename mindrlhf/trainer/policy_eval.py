@@ -11,9 +11,12 @@ evaluation must not keep a second set of decode caches alive through training.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
 
 from mindrlhf.generation import Sampler
+from mindrlhf.parallel import comm
 from mindrlhf.rewards import RewardManager
 
 #: ``evaluate``'s summary keys logged as ``eval/*`` metrics.
@@ -42,11 +45,16 @@ class PolicyEvaluation:
         and the prompt style's format reward)."""
         return None
 
+    def eval_replicas(self) -> Tuple[int, int, bool]:
+        """``(replica, replicas, representative)``: this rank's data-parallel replica of the sampler, how many there
+        are, and whether this rank speaks for its replica's counts (tp rank 0). One process: ``(0, 1, True)``."""
+        return 0, 1, True
+
     def evaluate_policy(self) -> Dict[str, float]:
         """``eval/*`` of the policy as it is now: ``eval/accuracy``, ``eval/format_rate``, ``eval/mean_length``,
-        ``eval/truncated_rate``, ``eval/reward/<fn>`` and ``time/eval``. Every rank runs it (a generator's tp ranks
-        decode together; dp replicas compute the same answers), so it costs what a ``mindrlhf-eval`` of the
-        checkpoint costs, without loading it."""
+        ``eval/truncated_rate``, ``eval/reward/<fn>`` and ``time/eval``. The data-parallel replicas share the
+        questions (``evaluate``'s ``shard``: a replica's tp ranks decode its batches together) and sum their counts,
+        so every rank logs the numbers a ``mindrlhf-eval`` of the checkpoint gives, in 1/dp of its time."""
         from mindrlhf.data.gsm8k import DEFAULT_PROMPT_STYLE
         from mindrlhf.evaluation.gsm8k_eval import evaluate
 
@@ -54,11 +62,16 @@ class PolicyEvaluation:
         t = self.cfg.train
         k = t.eval_num_generations
         sampler = self.eval_sampler()
+        replica, replicas, representative = self.eval_replicas()
+        reduce = None
+        if replicas > 1:  # one count per replica: its tp ranks hold the same ones
+            reduce = lambda v: comm.all_sum(v if representative else np.zeros_like(v))  # noqa: E731
         try:
             summary = evaluate(sampler, self.tokenizer, data_path=t.eval_file or None, limit=t.eval_limit,
                                mode="greedy" if k == 1 else "maj", k=k, seed=t.seed,
                                prompt_style=self.prompt_style or DEFAULT_PROMPT_STYLE, rewards=self.eval_rewards(),
-                               progress=False, **self.eval_generation_settings())
+                               progress=False, shard=(replica, replicas), reduce=reduce,
+                               **self.eval_generation_settings())
         finally:
             sampler.release()
         out = {key: float(summary[name]) for key, name in EVAL_METRICS.items()}

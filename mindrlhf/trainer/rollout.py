@@ -21,7 +21,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -479,6 +479,10 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
     def eval_sampler(self) -> Sampler:
         """The rollout sampler itself (after the step's weight sync, so it holds the policy's weights)."""
         return self.sampler
+
+    def eval_replicas(self) -> Tuple[int, int, bool]:
+        """The generator replicas (infer dp) share the evaluation's questions."""
+        return self.layout.infer_dp_rank, self.layout.infer.dp, self.layout.infer_representative
 
     def eval_generation_settings(self) -> Dict[str, object]:
         """The rollout's completion length, temperature / top_p (maj@k) and stop tokens."""
