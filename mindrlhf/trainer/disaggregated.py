@@ -20,6 +20,7 @@ Broadcast are used, which every backend has (CPU's mccl has no Send/Receive). On
 from __future__ import annotations
 
 import logging
+import time
 from typing import List, Tuple
 
 import numpy as np
@@ -76,6 +77,13 @@ class RolloutLink:
     def __init__(self, layout: RunLayout, rows_per_generator: int, width: int):
         self.layout, self.rows, self.width = layout, int(rows_per_generator), int(width)
         self.trainers = layout.train.world_size
+        #: The job's clock origin (rank 0's wall clock when the run started, ``start``): every rank reports its
+        #: busy intervals as seconds since it, so the two sides' intervals compare (float32 keeps 1e-4 s there).
+        self.origin = time.time()
+
+    def now(self) -> float:
+        """Seconds since the job's clock origin (``start``), on this rank's wall clock."""
+        return time.time() - self.origin
 
     # -- where the run starts ----------------------------------------------------------------------------
     def start(self, step: int = 0, batches_drawn: int = 0, total_steps: int = 0,
@@ -83,7 +91,10 @@ class RolloutLink:
         """Rank 0's ``(step, batches_drawn, total_steps, weights)`` on every rank (the others' arguments are
         ignored); ``weights``: the policy's weights follow (``push_weights``), else the generators start from
         their own checkpoint (sft_path_infer)."""
-        got = comm.job_broadcast(np.array([step, batches_drawn, total_steps, weights], np.float32))
+        # The clock origin rounded to a float32 (to 128 s, which does not matter: it is only a common zero).
+        origin = float(np.float32(time.time() - 256.0))
+        got = comm.job_broadcast(np.array([step, batches_drawn, total_steps, weights, origin], np.float32))
+        self.origin = float(got[4])
         return int(got[0]), int(got[1]), int(got[2]), bool(got[3])
 
     # -- rollouts: generators -> trainers ---------------------------------------------------------------------
@@ -91,23 +102,34 @@ class RolloutLink:
         """Every generator's block, in generator order (one AllGather over the job)."""
         return comm.job_all_gather(block)[self.trainers:].reshape(-1, block.shape[1])
 
-    def send(self, completions: List[Completion], version: int) -> None:
-        """A generator's completions of the step, all sampled with policy ``version``."""
+    def send(self, completions: List[Completion], version: int, busy: Tuple[float, float, float] = (0, 0, 0)) -> None:
+        """A generator's completions of the step, all sampled with policy ``version``, then ``busy``: when its
+        sampling started and ended (``now``) and how long it waited before it (``GenerationWorker.train``)."""
         self._exchange(pack_completions(completions, [version] * len(completions), self.rows, self.width))
+        comm.job_all_gather(np.array(busy, np.float32))
 
-    def receive(self) -> Tuple[List[Completion], np.ndarray]:
-        """A trainer's: every generator's completions of the step (generator-replica order) and their versions."""
+    def receive(self) -> Tuple[List[Completion], np.ndarray, np.ndarray]:
+        """A trainer's: every generator's completions of the step (generator-replica order), their versions and
+        each generator's ``(busy start, busy end, idle seconds)`` of them (``send``)."""
         block = self._exchange(np.zeros((self.rows, 3 * self.width + _TAIL), np.float32))
-        return unpack_completions(block, self.width)
+        completions, versions = unpack_completions(block, self.width)
+        busy = comm.job_all_gather(np.zeros(3, np.float32))[self.trainers:]
+        return completions, versions, busy
 
     # -- weights: trainers -> generators ---------------------------------------------------------------------
-    def push_weights(self, policy, version: int) -> None:
-        """The trainers' side: rank 0's policy weights (train_tp = train_pp = 1: full tensors) and its version."""
+    def push_weights(self, policy, version: int, weights=None) -> dict:
+        """The trainers' side: rank 0's policy weights (train_tp = train_pp = 1: full tensors), or ``weights``
+        (rank 0's, by HF name: a resumed run's weights in flight), and their version; returns what rank 0 sent
+        (a copy: the policy trains on in place), ``{}`` on the other ranks."""
         comm.job_broadcast(np.array([version], np.float32))
-        weights = get_weights(policy) if comm.rank() == 0 else {}
+        if comm.rank() != 0:
+            weights = {}
+        elif weights is None:
+            weights = {name: np.array(value) for name, value in get_weights(policy).items()}
         for name in model_names(policy.config):
             comm.job_broadcast(weights[name] if name in weights else
                                np.zeros(param_shape(name, policy.config), np.float32))
+        return weights
 
     def pull_weights(self, sampler: Sampler, config) -> int:
         """The generators' side: the new weights, cut to this rank's infer shard, into ``sampler``; returns
@@ -148,16 +170,26 @@ class GenerationWorker:
         step, drawn, total, weights = self.link.start()
         version = self.link.pull_weights(self.sampler, self.config) if weights else step
         replica = self.layout.infer_dp_rank
+        one_step_off = self.cfg.parallel.max_staleness > 0
+        last_end = self.link.now()
         while step < total:
             step += 1
             faults.enter_step(step)
             faults.point("generate", comm.rank())
             batches = [(r, self.dataset.nth_batch(drawn + r)) for r in range(self.rollouts_per_step)]
             drawn += self.rollouts_per_step
+            start = self.link.now()
             rollout = sample_batches(self.sampler, self.dataset, batches, lambda r, s=step: sampling_params(
                 self.cfg, s, r, replica, self.num_generations, self.stop_ids))
-            self.link.send(rollout.completions, version)
-            version = self.link.pull_weights(self.sampler, self.config)
+            end = self.link.now()
+            # Idle: since the last sampling ended (sending those rows, waiting for weights).
+            self.link.send(rollout.completions, version, (start, end, start - last_end))
+            last_end = end
+            # One step off: step 1's rows go out before any update, so the generators sample step 2's at once with
+            # the same weights; from then on the trainers push update s - 1 once they hold step s's rows, which
+            # arrives here after step s + 1's rows went out (the trainers' side: RolloutTrainer._received_rollout).
+            if not (one_step_off and step == 1):
+                version = self.link.pull_weights(self.sampler, self.config)
         return []
 
 
