@@ -8,11 +8,20 @@ Broadcast are used, which every backend has (CPU's mccl has no Send/Receive). On
     generators  | sample step s (weights v = s-1) | gather ->|          idle           |<- broadcast v = s |
     trainers    |          idle (wait)            | gather ->| reward, ref, train step s|-> broadcast v = s |
 
-* ``RolloutLink.start``: a Broadcast from rank 0 of where the run starts (step, batches drawn, run length), so a
-  resumed job's generators continue at the trainers' data position; then the weights.
+At ``max_staleness`` >= 1 (one step off) the generators send step 1's rows and sample step 2's at once with the
+same weights; from then on the trainers broadcast update s - 1 as soon as they hold step s's rows, and train step s
+while the generators sample step s + 1 with it (the same collectives in the same order on both sides)::
+
+    generators  | sample s+1 (v = s-1)       | gather s+1 ->|<- broadcast v = s | sample s+2 (v = s)      | ...
+    trainers    | reward, ref, train step s  | gather s+1 ->|-> broadcast v = s | reward, ref, train s+1 | ...
+
+* ``RolloutLink.start``: a Broadcast from rank 0 of where the run starts (step, batches drawn, run length) and of
+  the job's clock origin, so a resumed job's generators continue at the trainers' data position; then the weights
+  (one step off and resumed: the checkpoint's weights in flight, so the next step's rows are sampled again).
 * ``RolloutLink.send`` / ``receive``: the step's completions as one fixed-shape padded AllGather (each generator's
   block of ``rows_per_generator`` rows: token ids, sampler log-probs and entropies padded to ``width``, the length,
   whether it was cut at the limit, and the policy version it was sampled with); the trainers' blocks are zeros.
+  Then each generator's busy interval and idle seconds (one small AllGather; the ``time/generator_*`` metrics).
 * ``RolloutLink.push_weights`` / ``pull_weights``: the policy version, then each weight (HF names, model order) as a
   Broadcast from rank 0, cut to the generator's infer shard (``sharding.shard_tensor``) and written by the
   sampler's ``load_weights``.

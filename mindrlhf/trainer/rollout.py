@@ -80,8 +80,8 @@ class ScoredRollout:
     prompts: List[List[int]] = field(default_factory=list)      # each row's prompt token ids
     solutions: List[object] = field(default_factory=list)       # each row's reference answer
     #: (N,) int64: the trainer steps the policy each row was sampled with had taken (the sampler is synced after
-    #: every step, so step s samples with version s - 1); None for a replayed step. An asynchronous rollout will
-    #: hand older rows to the update.
+    #: every step, so step s samples with version s - 1); None for a replayed step. A one-step-off disaggregated
+    #: rollout (``max_staleness`` 1) hands rows one version older to the update from step 2 on.
     policy_version: Optional[np.ndarray] = None
     reward_time: float = 0.0                                    # seconds spent in the reward functions
     #: DAPO's dynamic sampling: ``sampling/rounds``, ``sampling/kept_groups`` and the unfiltered
