@@ -126,15 +126,17 @@ class RolloutLink:
         return completions, versions, busy
 
     # -- weights: trainers -> generators ---------------------------------------------------------------------
-    def push_weights(self, policy, version: int, weights=None) -> dict:
+    def push_weights(self, policy, version: int, weights=None, keep: bool = False) -> dict:
         """The trainers' side: rank 0's policy weights (train_tp = train_pp = 1: full tensors), or ``weights``
         (rank 0's, by HF name: a resumed run's weights in flight), and their version; returns what rank 0 sent
-        (a copy: the policy trains on in place), ``{}`` on the other ranks."""
+        (``keep``: a copy, as the policy trains on in place), ``{}`` on the other ranks."""
         comm.job_broadcast(np.array([version], np.float32))
         if comm.rank() != 0:
             weights = {}
         elif weights is None:
-            weights = {name: np.array(value) for name, value in get_weights(policy).items()}
+            weights = get_weights(policy)
+            if keep:
+                weights = {name: np.array(value) for name, value in weights.items()}
         for name in model_names(policy.config):
             comm.job_broadcast(weights[name] if name in weights else
                                np.zeros(param_shape(name, policy.config), np.float32))

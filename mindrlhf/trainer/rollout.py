@@ -204,7 +204,7 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         if self.one_step_off and self.step > 0:
             # One step off: the rows of step self.step + 1 are here, so update self.step goes to the generators
             # now, and they sample the next step's rows with it while this step trains (GenerationWorker.train).
-            self.in_flight = (self.step, self.link.push_weights(self.policy, self.step))
+            self.in_flight = (self.step, self.link.push_weights(self.policy, self.step, keep=True))
         bound = self.cfg.parallel.max_staleness
         if (self.step - versions > bound).any():  # the schedule's promise: no row older than max_staleness trains
             raise MindRLHFError(f"step {self.step + 1} received rows sampled by policy version {int(versions.min())}, "
@@ -475,7 +475,7 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
                 version, arrays = self.in_flight
                 self.in_flight = (version, self.link.push_weights(self.policy, version, arrays))
             elif weights:
-                sent = self.link.push_weights(self.policy, self.step)
+                sent = self.link.push_weights(self.policy, self.step, keep=self.one_step_off)
                 self.in_flight = (self.step, sent) if self.one_step_off else None
         return super().train()
 
