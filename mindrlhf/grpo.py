@@ -127,7 +127,8 @@ class GRPOObjective:
             loss_type=s.loss_type, epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high, beta=s.beta,
             kl_estimator=s.kl_estimator, loss_agg_mode=s.loss_agg_mode,
             max_completion_length=s.max_completion_length, global_num_tokens=num_tokens, global_num_seqs=num_seqs,
-            is_weights=weights if s.is_correction else None)
+            is_weights=weights if s.is_correction else None,
+            behav_logp=sampler_logp if s.loss_type == "decoupled" else None, behav_cap=s.is_cap)
         # Means are over this micro-batch; weighted by its token count, the step forms exact global means.
         tokens = mask.sum()
         metrics["sampling/sampling_logp_difference/mean"] = ops.abs(gap).sum() / ops.maximum(tokens, 1.0)
@@ -298,9 +299,11 @@ class GRPOTrainer(RolloutTrainer):
         self.ref_synced = bool(state.get("ref_synced"))
 
     def extra_tensors(self) -> Dict[str, Dict[str, ms.Parameter]]:
-        return {"ref": dict(self.ref_model.parameters_and_names())} if self.ref_synced else {}
+        ref = {"ref": dict(self.ref_model.parameters_and_names())} if self.ref_synced else {}
+        return {**super().extra_tensors(), **ref}
 
     def load_extra_tensors(self, path: Path, state) -> None:
+        super().load_extra_tensors(path, state)
         if state.get("ref_synced"):
             self.load_tensors(dict(self.ref_model.parameters_and_names()), path / "ref.ckpt")
 

@@ -115,7 +115,7 @@ def _where(fn: Callable) -> str:
 
 # --- the algorithm registries (functions in mindrlhf.algorithms, which imports MindSpore) --------
 POLICY_LOSSES: Registry = Registry(
-    "policy loss", module="mindrlhf.algorithms.losses", builtins=("grpo", "gspo", "gspo-token"),
+    "policy loss", module="mindrlhf.algorithms.losses", builtins=("grpo", "gspo", "gspo-token", "decoupled"),
     hints={"dapo": "DAPO is loss_type='grpo' with epsilon_high > epsilon_low and loss_agg_mode='token-mean'"})
 IS_MODES: Registry = Registry(
     "importance sampling mode", module="mindrlhf.algorithms.losses",

@@ -461,6 +461,34 @@ def test_importance_sampling_modes_hand_values_and_gradient():
     np.testing.assert_allclose(wgrad, kl_grad - np.array([[1.0], [-2.0]]) * w * mask / 5, atol=1e-6)
 
 
+def test_decoupled_loss_hand_values_and_gradient():
+    """AReaL's decoupled PPO (Fu et al. 2025, eq. 5): -w * min(u A, clip(u) A) with u = pi_theta / pi_prox and
+    w = pi_prox / pi_behav (0 above the cap), token-mean over 5 valid tokens; reference in float64 by hand."""
+    logp = np.array([[-1.0, -0.5, -2.0], [-0.3, -1.2, -0.7]])    # pi_theta
+    prox = np.array([[-1.1, -0.9, -2.0], [-0.3, -1.0, -0.9]])    # the trainer's before the update (old_logp)
+    behav = np.array([[-1.3, -0.8, -3.2], [-0.5, -1.0, -0.9]])   # the sampler's, some updates earlier
+    mask = np.array([[1, 1, 1], [1, 1, 0]], np.float64)
+    adv = np.array([1.0, -2.0])
+    e = np.exp
+    # Token by token: u = e(0.1), e(0.4) (clipped to 1.2: A > 0), e(0); w = e(0.2), e(-0.1), e(1.2) > 3 -> 0.
+    # Row 2 (A = -2): u = 1, e(-0.2) = 0.819 (inside the clip); w = e(0.2), 1; the third token is padding.
+    per_token = [-e(0.2) * e(0.1), -e(-0.1) * 1.2, 0.0, -e(0.2) * -2.0, -1.0 * (e(-0.2) * -2.0)]
+    want = sum(per_token) / 5
+    kw = dict(loss_type="decoupled", epsilon_low=0.2, epsilon_high=0.2, loss_agg_mode="token-mean",
+              behav_logp=t(behav), behav_cap=3.0)
+    loss, metrics, grad = ms_loss_grad(logp, prox, adv, mask, **kw)
+    assert loss == pytest.approx(want, rel=1e-6)
+    # d/dlogp of -w u A / 5 is -w u A / 5 where the min picks the unclipped term; 0 where clipped, capped, padded.
+    want_grad = np.array([[-e(0.2) * e(0.1), 0.0, 0.0], [e(0.2) * 2.0, e(-0.2) * 2.0, 0.0]]) / 5
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
+    assert metrics["clip_ratio/high_mean"] == pytest.approx(1 / 5)  # the clip is on the proximal ratio
+    # Behaviour == proximal (a synchronous row): weight 1, the grpo loss exactly.
+    same = ms_loss_grad(logp, prox, adv, mask, **dict(kw, behav_logp=t(prox)))[0]
+    grpo = ms_loss_grad(logp, prox, adv, mask, loss_type="grpo", loss_agg_mode="token-mean")[0]
+    assert same == pytest.approx(grpo, rel=1e-7)
+    assert loss != pytest.approx(grpo, rel=1e-3)
+
+
 def test_padding_garbage_does_not_leak():
     # Padded positions holding -inf/NaN log-probs must not turn the loss or gradient into NaN.
     logp = np.array([[-1.0, -np.inf, np.nan], [-0.5, -0.7, -np.inf]])
@@ -508,17 +536,19 @@ def test_policy_loss_in_jit_matches_pynative(batch, tmp_path, monkeypatch):
     def unknown_loss(lp):  # the registry look-up raises the one-line error inside a graph too
         return policy_loss(lp, old, adv, mask, loss_type="ppo")[0]
 
-    with pytest.raises(MindRLHFError, match="unknown policy loss 'ppo'; choose one of grpo, gspo, gspo-token"):
+    known = "unknown policy loss 'ppo'; choose one of decoupled, grpo, gspo, gspo-token"
+    with pytest.raises(MindRLHFError, match=known):
         ms.jit(unknown_loss)(t(b["logp"]))
 
 
 def test_policy_loss_argument_errors(batch):
     b = batch
     args = (t(b["logp"]), t(b["old"]), t(b["adv"]), t(b["mask"]))
-    assert set(POLICY_LOSSES) == {"grpo", "gspo", "gspo-token"}
+    assert set(POLICY_LOSSES) == {"grpo", "gspo", "gspo-token", "decoupled"}
     with pytest.raises(MindRLHFError, match="beta=0.1 > 0 needs ref_logp"):
         policy_loss(*args, beta=0.1)
-    with pytest.raises(MindRLHFError, match="unknown policy loss 'ppo'; choose one of grpo, gspo, gspo-token"):
+    known = "unknown policy loss 'ppo'; choose one of decoupled, grpo, gspo, gspo-token"
+    with pytest.raises(MindRLHFError, match=known):
         policy_loss(*args, loss_type="ppo")
     with pytest.raises(MindRLHFError, match="unknown KL estimator 'kl'"):
         policy_loss(*args, kl_estimator="kl")

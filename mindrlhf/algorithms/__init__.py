@@ -20,6 +20,7 @@ from mindrlhf.algorithms.kl import get_kl_estimator, kl_penalty, register_kl_est
 from mindrlhf.algorithms.losses import (
     LOG_RATIO_BOUND,
     aggregate_loss,
+    decoupled_loss,
     get_is_mode,
     get_policy_loss,
     grpo_loss,
@@ -49,6 +50,7 @@ __all__ = [
     "POLICY_LOSSES",
     "SCALE_REWARDS",
     "aggregate_loss",
+    "decoupled_loss",
     "batch_std_advantages",
     "dr_grpo_advantages",
     "get_advantage_estimator",

@@ -168,6 +168,27 @@ def gspo_token_loss(log_ratio, advantages, mask, epsilon_low, epsilon_high):
     return _clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high), ratio
 
 
+@register_policy_loss("decoupled")
+def decoupled_loss(log_ratio, advantages, mask, epsilon_low, epsilon_high, behav_log_ratio=None, behav_cap=None):
+    """AReaL's decoupled PPO objective (Fu et al. 2025, "AReaL: a large-scale asynchronous reinforcement learning
+    system for language reasoning", arXiv:2505.24298, eq. 5; their ``ppo_actor_loss_fn``), negated per token:
+
+        ℓ_t = −w_t · min(u_t·A_t, clip(u_t, 1−ε_low, 1+ε_high)·A_t),
+        u_t = π_θ(y_t) / π_prox(y_t),   w_t = π_prox(y_t) / π_behav(y_t)  (no gradient),
+
+    with ``log_ratio`` = log u_t (θ against the proximal policy: the trainer's log-probs before the update) and
+    ``behav_log_ratio`` = log w_t (proximal against the behaviour policy: the sampler's log-probs of the rows,
+    which an asynchronous rollout took some updates earlier). A token whose w_t exceeds ``behav_cap`` gets weight 0
+    (AReaL's ``behav_imp_weight_cap``). Without ``behav_log_ratio`` it is the "grpo" loss."""
+    per_token, ratio = grpo_loss(log_ratio, advantages, mask, epsilon_low, epsilon_high)
+    if behav_log_ratio is None:
+        return per_token, ratio
+    weight = ops.stop_gradient(ops.exp(ops.clamp(behav_log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)))
+    if behav_cap is not None:
+        weight = ops.where(weight > behav_cap, 0.0, weight)
+    return per_token * weight.astype(per_token.dtype), ratio
+
+
 # --- rollout/train mismatch: importance-sampling weights ----------------------------------------
 #: ``fn(log_ratio (B, T), mask (B, T), cap) -> weights``: per token (B, T) or per sequence (B, 1).
 ISWeights = Callable[[Tensor, Tensor, float], Tensor]
@@ -227,6 +248,8 @@ def policy_loss(
     global_num_tokens: Optional[Count] = None,
     global_num_seqs: Optional[Count] = None,
     is_weights: Optional[Tensor] = None,
+    behav_logp: Optional[Tensor] = None,
+    behav_cap: Optional[float] = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """Clipped policy-gradient loss plus an optional KL penalty, aggregated to a scalar.
 
@@ -237,9 +260,11 @@ def policy_loss(
     ``aggregate_loss(ℓ, mask, loss_agg_mode, ...)``. ``old_logp`` and ``ref_logp`` get no gradient.
     Both log-ratios are clamped to ±``LOG_RATIO_BOUND`` (no gradient beyond it). ``is_weights``
     (``IS_MODES``, (B, T) or (B, 1), no gradient) multiply the policy term before the KL is added:
-    the rollout/train mismatch correction.
+    the rollout/train mismatch correction. ``behav_logp`` / ``behav_cap``: the behaviour policy's (the sampler's)
+    log-probs and the cap of their weight, read by "decoupled" only (``old_logp`` is then the proximal policy's).
 
-    Loss types (``POLICY_LOSSES``): "grpo" (token ratio), "gspo" (sequence ratio), "gspo-token".
+    Loss types (``POLICY_LOSSES``): "grpo" (token ratio), "gspo" (sequence ratio), "gspo-token", "decoupled"
+    (AReaL's decoupled PPO: "grpo" on the proximal ratio times the proximal/behaviour weight).
     Recipes: DAPO = ``loss_type="grpo"``, ``epsilon_high > epsilon_low`` (clip-higher, e.g. 0.2/0.28)
     and ``loss_agg_mode="token-mean"``; there is no "dapo" loss type, because the rest of DAPO
     (dynamic sampling, overlong shaping) lives in the trainer and rewards, not in the loss.
@@ -262,7 +287,11 @@ def policy_loss(
     # Mask before exp: padding positions may hold garbage (even -inf) log-probs. Clamp: LOG_RATIO_BOUND.
     log_ratio = ops.clamp(ops.where(valid, logp - ops.stop_gradient(old_logp), 0.0), -LOG_RATIO_BOUND,
                           LOG_RATIO_BOUND)
-    per_token, ratio = loss_fn(log_ratio, advantages, mask, epsilon_low, epsilon_high)
+    if loss_type == "decoupled" and behav_logp is not None:
+        behav = ops.where(valid, ops.stop_gradient(old_logp) - ops.stop_gradient(behav_logp.astype(dtype)), 0.0)
+        per_token, ratio = loss_fn(log_ratio, advantages, mask, epsilon_low, epsilon_high, behav, behav_cap)
+    else:
+        per_token, ratio = loss_fn(log_ratio, advantages, mask, epsilon_low, epsilon_high)
     if is_weights is not None:
         per_token = per_token * ops.stop_gradient(is_weights.astype(dtype))
 

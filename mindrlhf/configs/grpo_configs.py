@@ -93,7 +93,10 @@ class AlgorithmConfig:
     loss_type: str = config_field(
         "grpo", "Policy loss: grpo = per-token clipped ratio exp(logp - logp_old) (PPO-style); gspo = "
         "sequence-level ratio exp(mean_t(logp - logp_old)) clipped with the sequence advantage (GSPO; use "
-        "much smaller epsilons, e.g. 3e-4 / 4e-4); gspo-token = GSPO's value with a per-token gradient. TRL's "
+        "much smaller epsilons, e.g. 3e-4 / 4e-4); gspo-token = GSPO's value with a per-token gradient; decoupled = "
+        "AReaL's decoupled PPO for stale rows (max_staleness > 0): grpo's clip on the ratio to the proximal policy "
+        "(the trainer's log-probs before the update) times the behaviour weight exp(logp_proximal - logp_sampler), "
+        "0 above importance_sampling_cap (not with importance_sampling_correction). TRL's "
         "names are accepted and mean loss grpo with an aggregation: bnpo = token-mean, dapo = token-mean, dr_grpo = "
         "seq-mean-token-sum-norm (TRL's grpo is ours with the default seq-mean-token-mean); loss_agg_mode must then "
         "be left at its default or equal that aggregation. Log-ratios are clamped to +-20 before exp (verl's "
@@ -153,7 +156,8 @@ class AlgorithmConfig:
         "completion, exp(sum of its tokens' log-ratios). TRL's names and default.",
         choices=IS_MODES.names())
     importance_sampling_cap: float = config_field(
-        3.0, "The cap C of importance_sampling_mode (TRL's vllm_importance_sampling_clip_max). Range >= 1.",
+        3.0, "The cap C of importance_sampling_mode (TRL's vllm_importance_sampling_clip_max), and of the behaviour "
+        "weight of loss_type decoupled (AReaL's behav_imp_weight_cap). Range >= 1.",
         ge=1.0)
     sync_ref_model: bool = config_field(
         False, "Update the reference model from the policy every ref_model_sync_steps steps (TR-DPO style), "
@@ -177,6 +181,9 @@ class AlgorithmConfig:
             errors.append(f"loss_type = {self.loss_type!r} (TRL's name) means loss_agg_mode = "
                           f"{TRL_LOSS_TYPES[self.loss_type]!r}, but loss_agg_mode = {self.loss_agg_mode!r}; drop one "
                           "of them")
+        if self.loss_type == "decoupled" and self.importance_sampling_correction:
+            errors.append("loss_type = 'decoupled' with importance_sampling_correction = true: the decoupled loss "
+                          "already weights each token by proximal/behaviour; set importance_sampling_correction false")
         if self.sync_ref_model and self.beta == 0:
             errors.append("sync_ref_model = true with beta = 0: the reference model is never used; "
                           "set beta > 0 or sync_ref_model false")
@@ -382,7 +389,12 @@ class ParallelConfig(TrainLayoutConfig):
     max_staleness: int = config_field(
         0, "Disaggregated rollout's schedule (gen_workers > 0): the most policy updates a trained row may lag "
         "the policy that trains on it. 0 = synchronous: the generators wait for each update's weights, so every "
-        "row is sampled by the current policy (the same numbers as colocated). Only 0 is built so far. Range >= 0.",
+        "row is sampled by the current policy (the same numbers as colocated). 1 = one step off (verl's "
+        "one-step-off-policy): the generators sample step t+1's rows with the weights of update t-1 while the "
+        "trainers train step t, so every row after step 1 is one update old (staleness/mean, staleness/max). "
+        "Values above 1 are accepted as a bound (a row older never trains); the schedule built is one step off. "
+        "Correct the lag with importance_sampling_correction or loss_type decoupled. Colocated runs "
+        "(gen_workers 0) take 0 only. Range >= 0.",
         ge=0)
     jit: bool = config_field(
         True, "Compile the decode step with mindspore.jit (decoding is dominated by per-kernel overhead, which "
@@ -402,9 +414,9 @@ class ParallelConfig(TrainLayoutConfig):
     def check(self, errors: List[str]) -> None:
         super().check(errors)
         train_world, infer_world = self.train_dp * self.train_tp * self.train_pp, self.infer_dp * self.infer_tp
-        if self.max_staleness:
-            errors.append(f"max_staleness {self.max_staleness}: only 0 (synchronous) is built so far; set "
-                          "max_staleness 0")
+        if self.max_staleness and not self.gen_workers:
+            errors.append(f"max_staleness {self.max_staleness} with gen_workers 0: a colocated run has no generation "
+                          "to overlap with training; set gen_workers > 0 or max_staleness 0")
         if self.gen_workers:
             check_gen_workers(self, errors)
         elif train_world != infer_world:

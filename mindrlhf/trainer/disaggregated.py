@@ -8,11 +8,20 @@ Broadcast are used, which every backend has (CPU's mccl has no Send/Receive). On
     generators  | sample step s (weights v = s-1) | gather ->|          idle           |<- broadcast v = s |
     trainers    |          idle (wait)            | gather ->| reward, ref, train step s|-> broadcast v = s |
 
-* ``RolloutLink.start``: a Broadcast from rank 0 of where the run starts (step, batches drawn, run length), so a
-  resumed job's generators continue at the trainers' data position; then the weights.
+At ``max_staleness`` >= 1 (one step off) the generators send step 1's rows and sample step 2's at once with the
+same weights; from then on the trainers broadcast update s - 1 as soon as they hold step s's rows, and train step s
+while the generators sample step s + 1 with it (the same collectives in the same order on both sides)::
+
+    generators  | sample s+1 (v = s-1)       | gather s+1 ->|<- broadcast v = s | sample s+2 (v = s)      | ...
+    trainers    | reward, ref, train step s  | gather s+1 ->|-> broadcast v = s | reward, ref, train s+1 | ...
+
+* ``RolloutLink.start``: a Broadcast from rank 0 of where the run starts (step, batches drawn, run length) and of
+  the job's clock origin, so a resumed job's generators continue at the trainers' data position; then the weights
+  (one step off and resumed: the checkpoint's weights in flight, so the next step's rows are sampled again).
 * ``RolloutLink.send`` / ``receive``: the step's completions as one fixed-shape padded AllGather (each generator's
   block of ``rows_per_generator`` rows: token ids, sampler log-probs and entropies padded to ``width``, the length,
   whether it was cut at the limit, and the policy version it was sampled with); the trainers' blocks are zeros.
+  Then each generator's busy interval and idle seconds (one small AllGather; the ``time/generator_*`` metrics).
 * ``RolloutLink.push_weights`` / ``pull_weights``: the policy version, then each weight (HF names, model order) as a
   Broadcast from rank 0, cut to the generator's infer shard (``sharding.shard_tensor``) and written by the
   sampler's ``load_weights``.
@@ -20,6 +29,7 @@ Broadcast are used, which every backend has (CPU's mccl has no Send/Receive). On
 from __future__ import annotations
 
 import logging
+import time
 from typing import List, Tuple
 
 import numpy as np
@@ -76,6 +86,13 @@ class RolloutLink:
     def __init__(self, layout: RunLayout, rows_per_generator: int, width: int):
         self.layout, self.rows, self.width = layout, int(rows_per_generator), int(width)
         self.trainers = layout.train.world_size
+        #: The job's clock origin (rank 0's wall clock when the run started, ``start``): every rank reports its
+        #: busy intervals as seconds since it, so the two sides' intervals compare (float32 keeps 1e-4 s there).
+        self.origin = time.time()
+
+    def now(self) -> float:
+        """Seconds since the job's clock origin (``start``), on this rank's wall clock."""
+        return time.time() - self.origin
 
     # -- where the run starts ----------------------------------------------------------------------------
     def start(self, step: int = 0, batches_drawn: int = 0, total_steps: int = 0,
@@ -83,7 +100,10 @@ class RolloutLink:
         """Rank 0's ``(step, batches_drawn, total_steps, weights)`` on every rank (the others' arguments are
         ignored); ``weights``: the policy's weights follow (``push_weights``), else the generators start from
         their own checkpoint (sft_path_infer)."""
-        got = comm.job_broadcast(np.array([step, batches_drawn, total_steps, weights], np.float32))
+        # The clock origin rounded to a float32 (to 128 s, which does not matter: it is only a common zero).
+        origin = float(np.float32(time.time() - 256.0))
+        got = comm.job_broadcast(np.array([step, batches_drawn, total_steps, weights, origin], np.float32))
+        self.origin = float(got[4])
         return int(got[0]), int(got[1]), int(got[2]), bool(got[3])
 
     # -- rollouts: generators -> trainers ---------------------------------------------------------------------
@@ -91,23 +111,36 @@ class RolloutLink:
         """Every generator's block, in generator order (one AllGather over the job)."""
         return comm.job_all_gather(block)[self.trainers:].reshape(-1, block.shape[1])
 
-    def send(self, completions: List[Completion], version: int) -> None:
-        """A generator's completions of the step, all sampled with policy ``version``."""
+    def send(self, completions: List[Completion], version: int, busy: Tuple[float, float, float] = (0, 0, 0)) -> None:
+        """A generator's completions of the step, all sampled with policy ``version``, then ``busy``: when its
+        sampling started and ended (``now``) and how long it waited before it (``GenerationWorker.train``)."""
         self._exchange(pack_completions(completions, [version] * len(completions), self.rows, self.width))
+        comm.job_all_gather(np.array(busy, np.float32))
 
-    def receive(self) -> Tuple[List[Completion], np.ndarray]:
-        """A trainer's: every generator's completions of the step (generator-replica order) and their versions."""
+    def receive(self) -> Tuple[List[Completion], np.ndarray, np.ndarray]:
+        """A trainer's: every generator's completions of the step (generator-replica order), their versions and
+        each generator's ``(busy start, busy end, idle seconds)`` of them (``send``)."""
         block = self._exchange(np.zeros((self.rows, 3 * self.width + _TAIL), np.float32))
-        return unpack_completions(block, self.width)
+        completions, versions = unpack_completions(block, self.width)
+        busy = comm.job_all_gather(np.zeros(3, np.float32))[self.trainers:]
+        return completions, versions, busy
 
     # -- weights: trainers -> generators ---------------------------------------------------------------------
-    def push_weights(self, policy, version: int) -> None:
-        """The trainers' side: rank 0's policy weights (train_tp = train_pp = 1: full tensors) and its version."""
+    def push_weights(self, policy, version: int, weights=None, keep: bool = False) -> dict:
+        """The trainers' side: rank 0's policy weights (train_tp = train_pp = 1: full tensors), or ``weights``
+        (rank 0's, by HF name: a resumed run's weights in flight), and their version; returns what rank 0 sent
+        (``keep``: a copy, as the policy trains on in place), ``{}`` on the other ranks."""
         comm.job_broadcast(np.array([version], np.float32))
-        weights = get_weights(policy) if comm.rank() == 0 else {}
+        if comm.rank() != 0:
+            weights = {}
+        elif weights is None:
+            weights = get_weights(policy)
+            if keep:
+                weights = {name: np.array(value) for name, value in weights.items()}
         for name in model_names(policy.config):
             comm.job_broadcast(weights[name] if name in weights else
                                np.zeros(param_shape(name, policy.config), np.float32))
+        return weights
 
     def pull_weights(self, sampler: Sampler, config) -> int:
         """The generators' side: the new weights, cut to this rank's infer shard, into ``sampler``; returns
@@ -148,16 +181,26 @@ class GenerationWorker:
         step, drawn, total, weights = self.link.start()
         version = self.link.pull_weights(self.sampler, self.config) if weights else step
         replica = self.layout.infer_dp_rank
+        one_step_off = self.cfg.parallel.max_staleness > 0
+        last_end = self.link.now()
         while step < total:
             step += 1
             faults.enter_step(step)
             faults.point("generate", comm.rank())
             batches = [(r, self.dataset.nth_batch(drawn + r)) for r in range(self.rollouts_per_step)]
             drawn += self.rollouts_per_step
+            start = self.link.now()
             rollout = sample_batches(self.sampler, self.dataset, batches, lambda r, s=step: sampling_params(
                 self.cfg, s, r, replica, self.num_generations, self.stop_ids))
-            self.link.send(rollout.completions, version)
-            version = self.link.pull_weights(self.sampler, self.config)
+            end = self.link.now()
+            # Idle: since the last sampling ended (sending those rows, waiting for weights).
+            self.link.send(rollout.completions, version, (start, end, start - last_end))
+            last_end = end
+            # One step off: step 1's rows go out before any update, so the generators sample step 2's at once with
+            # the same weights; from then on the trainers push update s - 1 once they hold step s's rows, which
+            # arrives here after step s + 1's rows went out (the trainers' side: RolloutTrainer._received_rollout).
+            if not (one_step_off and step == 1):
+                version = self.link.pull_weights(self.sampler, self.config)
         return []
 
 

@@ -80,8 +80,8 @@ class ScoredRollout:
     prompts: List[List[int]] = field(default_factory=list)      # each row's prompt token ids
     solutions: List[object] = field(default_factory=list)       # each row's reference answer
     #: (N,) int64: the trainer steps the policy each row was sampled with had taken (the sampler is synced after
-    #: every step, so step s samples with version s - 1); None for a replayed step. An asynchronous rollout will
-    #: hand older rows to the update.
+    #: every step, so step s samples with version s - 1); None for a replayed step. A one-step-off disaggregated
+    #: rollout (``max_staleness`` 1) hands rows one version older to the update from step 2 on.
     policy_version: Optional[np.ndarray] = None
     reward_time: float = 0.0                                    # seconds spent in the reward functions
     #: DAPO's dynamic sampling: ``sampling/rounds``, ``sampling/kept_groups`` and the unfiltered
@@ -144,6 +144,11 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         #: A disaggregated job's trainer (``gen_workers`` > 0): its link to the generator ranks, which sample
         #: every row (``sampler`` is then None); None colocated.
         self.link = None
+        #: The trainer's side of the link's timing of the step (``_received_rollout``, logged by ``_finish_metrics``).
+        self.link_times: Dict[str, float] = {}
+        #: One step off: the version and (rank 0) the weights the generators sample the next step's rows with,
+        #: checkpointed so that a resume samples that batch again identically (``train``, ``extra_tensors``).
+        self.in_flight: Optional[tuple] = None
         if layout is not None and layout.disaggregated:
             from mindrlhf.trainer.disaggregated import RolloutLink
 
@@ -155,6 +160,12 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         self.prompt_style = prompt_style_of(tokenizer, dataset)
         if dataset.report is not None:  # a prompt JSONL file: its skipped rows are listed in output_dir
             self.data_reports = [dataset.report]
+
+    @property
+    def one_step_off(self) -> bool:
+        """A disaggregated job at max_staleness >= 1: the weights of update s - 1 go to the generators once step
+        s's rows are here, not at the end of step s - 1 (``disaggregated.GenerationWorker.train``)."""
+        return self.link is not None and self.cfg.parallel.max_staleness > 0
 
     # -- rollout ----------------------------------------------------------------------------------
     def _sampling_params(self, step: int, rollout: int) -> SamplingParams:
@@ -182,7 +193,18 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         cut as the generators' shards are (``ShardedDataset.batch``), in generator-replica order: the rows
         (and their order) a colocated job's ``_global_rows`` gathers."""
         batches = [batch for _, batch in self._prompt_batches()]
-        completions, versions = self.link.receive()
+        t0 = self.link.now()
+        completions, versions, busy = self.link.receive()
+        # The trainers' idle time: waiting for the generators' rows.
+        self.link_times = {"time/trainer_idle": self.link.now() - t0, "time/trainer_busy_start": self.link.now(),
+                           "time/generator_busy": float((busy[:, 1] - busy[:, 0]).max()),
+                           "time/generator_idle": float(busy[:, 2].max()),
+                           "time/generator_busy_start": float(busy[:, 0].min()),
+                           "time/generator_busy_end": float(busy[:, 1].max())}
+        if self.one_step_off and self.step > 0:
+            # One step off: the rows of step self.step + 1 are here, so update self.step goes to the generators
+            # now, and they sample the next step's rows with it while this step trains (GenerationWorker.train).
+            self.in_flight = (self.step, self.link.push_weights(self.policy, self.step, keep=True))
         bound = self.cfg.parallel.max_staleness
         if (self.step - versions > bound).any():  # the schedule's promise: no row older than max_staleness trains
             raise MindRLHFError(f"step {self.step + 1} received rows sampled by policy version {int(versions.min())}, "
@@ -377,8 +399,10 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         """Push the policy's new weights to the sampler: this rank's arrays in its layout (nothing to do
         when it generates with the policy itself)."""
         if self.link is not None:  # the generator ranks' copy, by broadcast (``disaggregated.RolloutLink``)
-            # Called at the end of step self.step + 1, after its update: the weights of that many steps.
-            self.link.push_weights(self.policy, self.step + 1)
+            # Called at the end of step self.step + 1, after its update: the weights of that many steps. One step
+            # off, they go out when the next step's rows are here instead (``_received_rollout``).
+            if not self.one_step_off:
+                self.link.push_weights(self.policy, self.step + 1)
             return
         if self.sampler.holds(self.policy):
             return
@@ -397,7 +421,34 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
 
     def stage_state(self) -> Dict[str, object]:
         failures = dict(self.rewards.failures) if self.rewards is not None else {}
-        return {"batches_drawn": self.batches_drawn, "reward_failures": failures}
+        state = {"batches_drawn": self.batches_drawn, "reward_failures": failures}
+        if self.one_step_off and self.in_flight is not None:
+            state["in_flight_version"] = int(self.in_flight[0])
+        return state
+
+    def extra_tensors(self) -> Dict[str, Dict[str, object]]:
+        """One step off: the weights the generators were sampling the next step's rows with (``in_flight``)."""
+        if not (self.one_step_off and self.in_flight is not None and comm.is_main()):
+            return {}
+        import mindspore as ms
+
+        return {"in_flight": {name: ms.Tensor(value) for name, value in self.in_flight[1].items()}}
+
+    def load_extra_tensors(self, path: Path, state) -> None:
+        """A one-step-off checkpoint's weights in flight, for ``train`` to send again (rank 0's; a checkpoint
+        without them, e.g. of a synchronous run, resumes with the next step sampled by the current weights)."""
+        if not self.one_step_off:
+            return
+        if "in_flight_version" not in state:
+            log.warning("--resume %s: the checkpoint holds no weights in flight (a max_staleness 0 run's, or the "
+                        "generators started from sft_path_infer); step %d is sampled with the checkpoint's own "
+                        "weights (staleness 0), then one step off", path, int(state["step"]) + 1)
+            return
+        import mindspore as ms
+
+        arrays = ({n: p.asnumpy() for n, p in ms.load_checkpoint(str(path / "in_flight.ckpt")).items()}
+                  if comm.is_main() else {})
+        self.in_flight = (int(state["in_flight_version"]), arrays)
 
     def load_stage_state(self, state) -> None:
         # Checkpoints from before dynamic sampling: every step read rollouts_per_step batches.
@@ -418,8 +469,14 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
             # A fresh start whose generators load sft_path_infer samples step 1 with it, as colocated.
             weights = self.step > 0 or not own_start_weights(self.cfg)
             self.link.start(self.step, self.batches_drawn, self.total_steps, weights)
-            if weights:
-                self.link.push_weights(self.policy, self.step)
+            if weights and self.one_step_off and self.in_flight is not None:
+                # A resumed one-step-off run: the next step's rows were being sampled with the weights of the
+                # update before the checkpoint's; sample them again with those (the same rows, the same seeds).
+                version, arrays = self.in_flight
+                self.in_flight = (version, self.link.push_weights(self.policy, version, arrays))
+            elif weights:
+                sent = self.link.push_weights(self.policy, self.step, keep=self.one_step_off)
+                self.in_flight = (self.step, sent) if self.one_step_off else None
         return super().train()
 
     # -- metrics and dumps ----------------------------------------------------------------------
@@ -463,6 +520,13 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
             # Updates between the policy that sampled a row and the one it trained (step - 1 before the update).
             lag = (step - 1 - scored.policy_version).astype(np.float64)
             metrics.update({"staleness/mean": float(lag.mean()), "staleness/max": float(lag.max())})
+        if self.link is not None and self.link_times:
+            # Busy: the step's wall time but the wait for the rows; the intervals are seconds since the job's start.
+            end = self.link.now()
+            metrics.update(self.link_times)
+            metrics["time/trainer_busy_end"] = end
+            metrics["time/trainer_busy"] = (time.perf_counter() - timer.start) - self.link_times["time/trainer_idle"]
+            self.link_times = {}
         metrics["step_time"] = time.perf_counter() - timer.start
         tokens = float(self._sum_replicas(np.array([exp.extras["completion_present"].sum()]))[0])
         metrics["tokens_per_second"] = tokens / max(metrics["step_time"], 1e-9)
