@@ -293,3 +293,59 @@ def test_one_line_errors(tmp_path, tiny_qwen2_dir):
     (wrong / ADAPTER_CONFIG).write_text(json.dumps(dict(config, r=3)), encoding="utf-8")
     with pytest.raises(MindRLHFError, match="this model needs"):
         load_adapter(load_model(tiny_qwen2_dir), wrong)
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+def test_tp2_adapter_gradients_equal_single_process(tmp_path, tiny_qwen2_dir):
+    """tp=2 under msrun: the loss and every adapter gradient slice equal one process's (the replicated factor's
+    gradient is summed over the tp ranks: A of a column-parallel layer, B of a row-parallel one)."""
+    import sys
+
+    from mindrlhf.testing import padded_batch
+
+    spec = LoRASpec(r=4, alpha=8)
+    model = load_model(tiny_qwen2_dir)
+    apply_lora(model, spec)
+    full = _random_adapter(model)
+    set_adapter_weights(model, full)
+    ids, mask = padded_batch(model.config.vocab_size)
+    batch = {"input_ids": ids[:, :-1], "attention_mask": mask[:, :-1], "completion_ids": ids[:, -4:]}
+    params = model.trainable_params()
+    tensors = {k: Tensor(v) for k, v in batch.items()}
+
+    def loss_fn():
+        return -model.sequence_logprobs(tensors["input_ids"], tensors["attention_mask"],
+                                        tensors["completion_ids"]).sum()
+
+    loss, grads = ms.value_and_grad(loss_fn, None, params)()
+    want = {p.name: g.asnumpy() for p, g in zip(params, grads)}
+    np.savez(tmp_path / "adapter.npz", **full)
+    np.savez(tmp_path / "batch.npz", **batch)
+    log_dir = tmp_path / "log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    cmd = [str(Path(sys.executable).parent / "msrun"), "--worker_num=2", "--local_worker_num=2", "--master_port=8313",
+           "--join=True", f"--log_dir={log_dir}", str(REPO / "tests" / "lora_tp_worker.py"), "--tp", "2",
+           "--model", str(tiny_qwen2_dir), "--adapter", str(tmp_path / "adapter.npz"),
+           "--batch", str(tmp_path / "batch.npz"), "--r", "4", "--alpha", "8", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    logs = "\n".join(p.read_text()[-2000:] for p in sorted(log_dir.glob("*.log")))
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}\n{logs}"
+    ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
+    for res in ranks:
+        np.testing.assert_allclose(float(res["loss"]), float(loss.asnumpy()), rtol=1e-5)
+    for name, g in want.items():
+        got = [res["grad/" + name] for res in ranks]
+        split_b = ".lora_B." in name and any(f".{m}." in name for m in ("q_proj", "k_proj", "v_proj", "gate_proj",
+                                                                         "up_proj"))
+        split_a = ".lora_A." in name and any(f".{m}." in name for m in ("o_proj", "down_proj"))
+        if split_b:
+            got = np.concatenate(got, 0)
+        elif split_a:
+            got = np.concatenate(got, 1)
+        else:  # replicated: each rank holds the full gradient
+            np.testing.assert_allclose(got[1], got[0], rtol=1e-5, atol=1e-6, err_msg=name)
+            got = got[0]
+        np.testing.assert_allclose(got, g, rtol=1e-4, atol=1e-5 * np.abs(g).max(), err_msg=name)  # float32 sums
+        assert np.abs(g).max() > 0, name
