@@ -383,3 +383,22 @@ def test_readme_lora_example_runs_and_its_merged_export_equals_the_adapter(tmp_p
     spec, tensors = read_adapter(tmp_path / "copy")
     assert spec.r == 4 and spec.scaling == 2.0 and set(tensors) == set(full)
     assert all(np.array_equal(tensors[k], full[k]) for k in full)
+
+
+def test_adapted_model_compiles_with_jit_and_dropout_acts_only_in_training(tmp_path):
+    """Graph mode compiles the adapted linears (the stages' steps and the sampler are jit-compiled) to the
+    pynative logits; lora_dropout is off in eval mode and on in training mode."""
+    from mindrlhf.testing import make_tiny_qwen3, padded_batch
+
+    model = load_model(make_tiny_qwen3(tmp_path / "m"))
+    apply_lora(model, LoRASpec(r=4, alpha=8, dropout=0.1))
+    set_adapter_weights(model, _random_adapter(model))
+    ids, mask = padded_batch(model.config.vocab_size)
+    eager = model(Tensor(ids), Tensor(mask)).asnumpy()
+
+    def forward(i, m):
+        return model(i, m)
+
+    np.testing.assert_allclose(ms.jit(forward)(Tensor(ids), Tensor(mask)).asnumpy(), eager, rtol=0, atol=1e-5)
+    model.set_train(True)
+    assert np.abs(model(Tensor(ids), Tensor(mask)).asnumpy() - eager).max() > 1e-3
