@@ -275,6 +275,9 @@ def test_tp_shards_split_the_adapter_with_their_layer(tiny_qwen2_dir):
 
 def test_one_line_errors(tmp_path, tiny_qwen2_dir):
     model = load_model(tiny_qwen2_dir)
+    assert LoRASpec(target_modules="all-linear").target_modules == LoRASpec().target_modules
+    with pytest.raises(MindRLHFError, match="has no LoRA adapters to set"):
+        set_adapter_weights(model, {})
     with pytest.raises(MindRLHFError, match="match no decoder projection"):
         apply_lora(model, LoRASpec(target_modules=("qkv",)))
     with pytest.raises(MindRLHFError, match="must be a positive integer"):

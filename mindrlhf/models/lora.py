@@ -48,10 +48,10 @@ _LAYER_MODULE = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.(\w+)$")
 class LoRASpec:
     """What to adapt and how (PEFT's ``LoraConfig`` meaning of each field).
 
-    ``target_modules``: module names (a module matches when its name equals one or ends with ``.<one>``)
-    or one regex string matched against the whole module name (``re.fullmatch``), over the decoder
-    layers' projections, e.g. ``model.layers.0.self_attn.q_proj``. Scaling is ``alpha / r``
-    (``alpha / sqrt(r)`` with ``use_rslora``)."""
+    ``target_modules``: module names (a module matches when its name equals one or ends with ``.<one>``),
+    PEFT's ``"all-linear"`` (every projection), or one regex string matched against the whole module name
+    (``re.fullmatch``), over the decoder layers' projections, e.g. ``model.layers.0.self_attn.q_proj``.
+    Scaling is ``alpha / r`` (``alpha / sqrt(r)`` with ``use_rslora``)."""
 
     r: int = 8
     alpha: float = 8.0
@@ -66,6 +66,8 @@ class LoRASpec:
             raise MindRLHFError(f"LoRA rank r={self.r!r} must be a positive integer; use e.g. 8 or 16")
         if not 0.0 <= self.dropout < 1.0:
             raise MindRLHFError(f"LoRA dropout={self.dropout!r} must be in [0, 1)")
+        if self.target_modules == "all-linear":  # PEFT's shorthand: every linear but the output layer
+            object.__setattr__(self, "target_modules", PROJECTIONS)
         if not isinstance(self.target_modules, str):
             object.__setattr__(self, "target_modules", tuple(self.target_modules))
             if not self.target_modules:
@@ -174,7 +176,9 @@ def adapter_weights(model: nn.Cell) -> Dict[str, np.ndarray]:
 def set_adapter_weights(model: nn.Cell, tensors: Dict[str, np.ndarray], source: str = "adapter") -> None:
     """Copy full (unsharded) adapter arrays, by the model's names, into this shard's factors; every
     adapter must be given, with its full shape."""
-    spec = model.lora_spec
+    spec = getattr(model, "lora_spec", None)
+    if spec is None:
+        raise MindRLHFError(f"{source}: the model has no LoRA adapters to set; apply_lora or load_adapter first")
     tp, tp_rank = model.shard.tp, model.shard.tp_rank
     expected = set()
     for name, cell in lora_modules(model):
