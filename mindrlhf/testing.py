@@ -139,6 +139,32 @@ def make_numpy_qwen2(path: os.PathLike, *, seed: int, kind: str = "CausalLM", **
     return _save(model, path)
 
 
+def make_numpy_tiny(path: os.PathLike, family: str, *, seed: int, **overrides: Any) -> Path:
+    """Save the tiny ``family`` CausalLM (``make_tiny_<family>``'s config, ``overrides`` applied) with every
+    weight ``numpy_init``'s: identical files in any virtualenv (tests/make_peft_reference.py). Returns ``path``."""
+    import torch
+    import transformers
+
+    prefix = {"qwen2": "Qwen2", "llama": "Llama", "qwen3": "Qwen3"}[family]
+    config = getattr(transformers, prefix + "Config")(**dict(_TINY[family], **overrides))
+    model = getattr(transformers, prefix + "ForCausalLM")(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(torch.from_numpy(numpy_init(name, param.shape, seed)))
+    return _save(model, path)
+
+
+def lora_numpy_init(name: str, shape, seed: int):
+    """A random LoRA factor (both A and B non-zero, unlike PEFT's init, so an adapter changes the logits):
+    N(0, 1) / sqrt(fan_in) from numpy's ``default_rng((seed, crc32(name)))`` (name without PEFT's prefix)."""
+    import zlib
+
+    import numpy as np
+
+    x = np.random.default_rng([seed, zlib.crc32(name.encode())]).standard_normal(tuple(shape))
+    return (x / np.sqrt(shape[-1])).astype(np.float32)
+
+
 def weights_checksum(path: os.PathLike) -> Dict[str, Any]:
     """``{"tensors", "numel", "sum", "sum_sq", "sha256"}`` of the safetensors weights in folder ``path``
     (float64 sums; the digest covers each tensor's name, dtype, shape and bytes in name order)."""

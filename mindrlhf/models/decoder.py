@@ -405,6 +405,7 @@ class CausalLM(nn.Cell):
         self.num_layers = config.num_hidden_layers
         self._layer_graphs: Optional[LayerGraphs] = None  # built by the first ``compiled_layers``
         self._use_layer_graphs = False
+        self.lora_spec = None  # a ``models.lora.LoRASpec`` once ``models.lora.apply_lora`` attached adapters
 
     # -- shared pieces -------------------------------------------------------------------------
     def rope(self, position_ids: Tensor) -> Tuple[Tensor, Tensor]:
@@ -486,6 +487,9 @@ class CausalLM(nn.Cell):
         """Within this block (pynative only, never inside ``mindspore.jit``) the decoder layers run as
         two compiled graphs shared by all of them, recomputing each layer's forward in the backward
         (``models.layer_graphs``): faster than pynative layers and lighter than a compiled model."""
+        if self.lora_spec is not None:  # the graphs load and differentiate a layer's trainable parameters only
+            raise MindRLHFError("compiled layer graphs do not support LoRA adapters yet; "
+                                "run the model without compiled_layers (pynative or mindspore.jit)")
         if self._layer_graphs is None:
             self._layer_graphs = LayerGraphs(DecoderLayer(self.config, self.compute_dtype, self.shard))
         self._use_layer_graphs = True

@@ -127,7 +127,37 @@ class GatherFromTP(_TPRegion):
 # ---------------------------------------------------------------------------------------------
 # parallel linears and embedding (HF-shaped slices, parameters named weight / bias)
 # ---------------------------------------------------------------------------------------------
-class ColumnParallelLinear(nn.Cell):
+class _AdaptableLinear(nn.Cell):
+    """A linear that may carry a LoRA adapter (``models.lora.apply_lora`` attaches it; none by default).
+
+    The adapter's factors are sub-cells ``lora_A`` / ``lora_B`` holding ``weight`` (PEFT's names and
+    shapes: A (r, in), B (out, r)), so the layer's own ``construct`` is the only forward. Under tp one
+    factor is split with the layer and the other replicated; the replicated one passes through
+    ``lora_copy`` (a ``CopyToTP``: identity forward, gradient summed over the tp ranks backward),
+    since each rank's backward only sees its own slice's share of that factor's gradient.
+    """
+
+    def _no_adapter(self) -> None:
+        self.lora_A = None
+        self.lora_B = None
+        self.lora_dropout = None
+        self.lora_copy = None
+        self.lora_scaling = 0.0
+
+    def _lora_delta(self, x: Tensor, replicated_is_a: bool) -> Tensor:
+        """``scaling * B A dropout(x)`` for 2-D ``x`` (rows, in_local) → (rows, out_local)."""
+        if self.lora_dropout is not None:
+            x = self.lora_dropout(x)
+        a, b = self.lora_A.weight, self.lora_B.weight
+        if self.lora_copy is not None:
+            if replicated_is_a:
+                a = self.lora_copy(a)
+            else:
+                b = self.lora_copy(b)
+        return self.matmul(self.matmul(x, a), b) * self.lora_scaling
+
+
+class ColumnParallelLinear(_AdaptableLinear):
     """``y_t = x W_tᵀ + b_t`` with this rank's ``(out/tp, in)`` rows of the HF ``(out, in)`` weight.
 
     The output stays split (``out/tp`` features per rank). ``copy_input=False`` skips the
@@ -143,18 +173,22 @@ class ColumnParallelLinear(nn.Cell):
         self.bias = Parameter(initializer("zeros", (self.out_local,), dtype), name="bias") if bias else None
         self.copy = CopyToTP(tp, group) if copy_input and tp > 1 else None
         self.matmul = ops.MatMul(transpose_b=True)
+        self._no_adapter()
 
     def construct(self, x: Tensor) -> Tensor:
         if self.copy is not None:
             x = self.copy(x)
         lead = x.shape[:-1]
-        y = self.matmul(x.reshape(-1, x.shape[-1]), self.weight)
+        x = x.reshape(-1, x.shape[-1])
+        y = self.matmul(x, self.weight)
         if self.bias is not None:
             y = y + self.bias
+        if self.lora_A is not None:  # B is split with the output, A replicated
+            y = y + self._lora_delta(x, True)
         return y.reshape(lead + (self.out_local,))
 
 
-class RowParallelLinear(nn.Cell):
+class RowParallelLinear(_AdaptableLinear):
     """``y = Σ_t x_t W_tᵀ + b`` with this rank's ``(out, in/tp)`` columns of the HF weight.
 
     The input is already split (``in/tp`` features, the output of column-parallel work); the
@@ -170,10 +204,14 @@ class RowParallelLinear(nn.Cell):
         self.bias = Parameter(initializer("zeros", (out_features,), dtype), name="bias") if bias else None
         self.reduce = ReduceFromTP(tp, group) if tp > 1 else None
         self.matmul = ops.MatMul(transpose_b=True)
+        self._no_adapter()
 
     def construct(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
-        y = self.matmul(x.reshape(-1, x.shape[-1]), self.weight)
+        x = x.reshape(-1, x.shape[-1])
+        y = self.matmul(x, self.weight)
+        if self.lora_A is not None:  # A is split with the input, B replicated: a partial sum like x W_tᵀ
+            y = y + self._lora_delta(x, False)
         if self.reduce is not None:
             y = self.reduce(y)
         if self.bias is not None:

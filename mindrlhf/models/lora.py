@@ -1,0 +1,319 @@
+"""LoRA adapters on a frozen ``CausalLM``, and PEFT's adapter directory format.
+
+``apply_lora(model, LoRASpec(...))`` freezes every base parameter (``requires_grad=False``) and gives
+each targeted decoder projection (q/k/v/o, gate/up/down) two trainable factors, so the projection
+computes ``y = W x + b + (alpha / r) * B A dropout(x)`` in its own ``construct``
+(``models.tp_layers._AdaptableLinear``): the model keeps one forward. Names and shapes are PEFT's:
+``model.layers.0.self_attn.q_proj.lora_A.weight`` (r, in) and ``...lora_B.weight`` (out, r); PEFT's
+file prefixes them with ``base_model.model.``. The default init is PEFT's (A kaiming-uniform with
+a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)); B zero), drawn with numpy per tensor name and seed
+for the whole (unsharded) factor, then sliced, so every tp layout holds the same adapter.
+
+Under tp the factors follow their layer: a column-parallel layer splits B with its output rows
+(A replicated), a row-parallel layer splits A with its input columns (B replicated, its delta added
+to the partial sum before the layer's reduce); see ``tp_layers`` for the replicated factor's gradient.
+
+``save_adapter`` / ``load_adapter`` write and read ``adapter_config.json`` + ``adapter_model.safetensors``
+as ``peft`` does (tests/test_lora.py checks the logits against peft on transformers, both ways);
+``merged_weights`` gives the base weights with ``scaling * B A`` added, for a merged HF export.
+Wiring LoRA into the stages (frozen base without masters, reference = adapters off, the sampler,
+checkpoints) is the next step: see docs/design.md, "LoRA".
+"""
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn
+
+from mindrlhf.errors import MindRLHFError
+from mindrlhf.models.tp_layers import ColumnParallelLinear, CopyToTP, RowParallelLinear
+
+#: Every attention and MLP projection of a decoder layer (PEFT's module names), the default targets.
+PROJECTIONS: Tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: PEFT's prefix of the transformers model's names in ``adapter_model.safetensors``.
+PEFT_PREFIX = "base_model.model."
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_LAYER_MODULE = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.(\w+)$")
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    """What to adapt and how (PEFT's ``LoraConfig`` meaning of each field).
+
+    ``target_modules``: module names (a module matches when its name equals one or ends with ``.<one>``),
+    PEFT's ``"all-linear"`` (every projection), or one regex string matched against the whole module name
+    (``re.fullmatch``), over the decoder layers' projections, e.g. ``model.layers.0.self_attn.q_proj``.
+    Scaling is ``alpha / r`` (``alpha / sqrt(r)`` with ``use_rslora``)."""
+
+    r: int = 8
+    alpha: float = 8.0
+    dropout: float = 0.0
+    target_modules: Union[str, Tuple[str, ...]] = PROJECTIONS
+    use_rslora: bool = False
+    seed: int = 0
+    extra: Dict[str, Any] = field(default_factory=dict, compare=False)  # PEFT keys kept for writing back
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.r, int) or self.r <= 0:
+            raise MindRLHFError(f"LoRA rank r={self.r!r} must be a positive integer; use e.g. 8 or 16")
+        if not 0.0 <= self.dropout < 1.0:
+            raise MindRLHFError(f"LoRA dropout={self.dropout!r} must be in [0, 1)")
+        if self.target_modules == "all-linear":  # PEFT's shorthand: every linear but the output layer
+            object.__setattr__(self, "target_modules", PROJECTIONS)
+        if not isinstance(self.target_modules, str):
+            object.__setattr__(self, "target_modules", tuple(self.target_modules))
+            if not self.target_modules:
+                raise MindRLHFError("LoRA target_modules is empty; name modules (e.g. q_proj v_proj) or give a regex")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    def matches(self, module: str) -> bool:
+        """Whether the module named ``module`` (e.g. ``model.layers.0.mlp.up_proj``) gets an adapter."""
+        if isinstance(self.target_modules, str):
+            return re.fullmatch(self.target_modules, module) is not None
+        return any(module == t or module.endswith("." + t) for t in self.target_modules)
+
+
+def _adaptable(model: nn.Cell) -> List[Tuple[str, nn.Cell]]:
+    """The decoder layers' projections this shard holds, by HF module name."""
+    return [(name, cell) for name, cell in model.cells_and_names()
+            if isinstance(cell, (ColumnParallelLinear, RowParallelLinear)) and _LAYER_MODULE.fullmatch(name)]
+
+
+def lora_modules(model: nn.Cell) -> List[Tuple[str, nn.Cell]]:
+    """The projections carrying an adapter, by module name (empty for a model without LoRA)."""
+    return [(name, cell) for name, cell in _adaptable(model) if cell.lora_A is not None]
+
+
+def _init_array(name: str, shape: Tuple[int, int], seed: int) -> np.ndarray:
+    """PEFT's A init for the whole factor: kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+    bound = 1.0 / math.sqrt(shape[1])
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    return rng.uniform(-bound, bound, size=shape).astype(np.float32)
+
+
+def _full_shapes(cell: nn.Cell, r: int, tp: int) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    """The unsharded (A, B) shapes of ``cell``'s adapter."""
+    out_local, in_local = cell.weight.shape
+    if isinstance(cell, ColumnParallelLinear):
+        return (r, in_local), (out_local * tp, r)
+    return (r, in_local * tp), (out_local, r)
+
+
+def _local(cell: nn.Cell, a: np.ndarray, b: np.ndarray, tp: int, tp_rank: int) -> Tuple[np.ndarray, np.ndarray]:
+    """This tp rank's slices of full (A, B): B's rows for a column-parallel layer, A's columns for a row one."""
+    if tp == 1:
+        return a, b
+    if isinstance(cell, ColumnParallelLinear):
+        n = b.shape[0] // tp
+        return a, b[tp_rank * n:(tp_rank + 1) * n]
+    n = a.shape[1] // tp
+    return a[:, tp_rank * n:(tp_rank + 1) * n], b
+
+
+class _Factor(nn.Cell):
+    """One LoRA factor: a cell holding ``weight``, so its parameter is named ``...lora_A.weight`` as in PEFT."""
+
+    def __init__(self, array: np.ndarray, dtype: ms.Type, name: str):
+        super().__init__()
+        self.weight = Parameter(Tensor(array, dtype), name=name, requires_grad=True)
+
+
+def apply_lora(model: nn.Cell, spec: LoRASpec) -> List[str]:
+    """Freeze ``model`` (a ``CausalLM`` or a shard of one) and attach ``spec``'s adapters (PEFT's init);
+    returns the adapted module names. Only the adapters are trainable parameters afterwards."""
+    if getattr(model, "lora_spec", None) is not None:
+        raise MindRLHFError("apply_lora: the model already has LoRA adapters; apply them once (or load_adapter)")
+    tp, tp_rank = model.shard.tp, model.shard.tp_rank
+    targets = [(name, cell) for name, cell in _adaptable(model) if spec.matches(name)]
+    if not targets:
+        raise MindRLHFError(f"LoRA target_modules {spec.target_modules!r} match no decoder projection of this model; "
+                            f"use names among {', '.join(PROJECTIONS)} or a regex over e.g. "
+                            "'model.layers.0.self_attn.q_proj'")
+    for param in model.get_parameters():
+        param.requires_grad = False
+    for name, cell in targets:
+        a_shape, b_shape = _full_shapes(cell, spec.r, tp)
+        a, b = _local(cell, _init_array(f"{name}.lora_A.weight", a_shape, spec.seed),
+                      np.zeros(b_shape, np.float32), tp, tp_rank)
+        dtype = cell.weight.dtype
+        cell.lora_A = _Factor(a, dtype, f"{name}.lora_A.weight")
+        cell.lora_B = _Factor(b, dtype, f"{name}.lora_B.weight")
+        cell.lora_dropout = nn.Dropout(p=spec.dropout) if spec.dropout > 0 else None
+        cell.lora_copy = CopyToTP(tp, model.shard.tp_group) if tp > 1 else None
+        cell.lora_scaling = float(spec.scaling)
+        # Attaching a cell renames its parameters relative to the parent; give them the full model names.
+        cell.lora_A.weight.name, cell.lora_B.weight.name = f"{name}.lora_A.weight", f"{name}.lora_B.weight"
+    model.lora_spec = spec
+    return [name for name, _ in targets]
+
+
+def _require_whole(model: nn.Cell, what: str) -> None:
+    if model.shard.tp > 1 or model.shard.pp > 1:
+        raise MindRLHFError(f"{what}: this model is one tp/pp shard; gather the adapters of every shard first "
+                            "(not supported yet: use a single-process model)")
+
+
+def adapter_weights(model: nn.Cell) -> Dict[str, np.ndarray]:
+    """The adapters as float32 arrays under the model's names (``...q_proj.lora_A.weight``)."""
+    out = {}
+    for _, cell in lora_modules(model):
+        for factor in (cell.lora_A, cell.lora_B):
+            out[factor.weight.name] = factor.weight.value().astype(ms.float32).asnumpy()
+    return out
+
+
+def set_adapter_weights(model: nn.Cell, tensors: Dict[str, np.ndarray], source: str = "adapter") -> None:
+    """Copy full (unsharded) adapter arrays, by the model's names, into this shard's factors; every
+    adapter must be given, with its full shape."""
+    spec = getattr(model, "lora_spec", None)
+    if spec is None:
+        raise MindRLHFError(f"{source}: the model has no LoRA adapters to set; apply_lora or load_adapter first")
+    tp, tp_rank = model.shard.tp, model.shard.tp_rank
+    expected = set()
+    for name, cell in lora_modules(model):
+        a_shape, b_shape = _full_shapes(cell, spec.r, tp)
+        keys = (f"{name}.lora_A.weight", f"{name}.lora_B.weight")
+        expected.update(keys)
+        for key, shape in zip(keys, (a_shape, b_shape)):
+            if key not in tensors:
+                raise MindRLHFError(f"{source}: no tensor for {key!r}; the adapter does not match this model "
+                                    "(target_modules or architecture differ)")
+            if tuple(tensors[key].shape) != shape:
+                raise MindRLHFError(f"{source}: {key!r} has shape {tuple(tensors[key].shape)}, this model needs "
+                                    f"{shape}; the adapter was trained on another architecture or rank")
+        a, b = _local(cell, tensors[keys[0]], tensors[keys[1]], tp, tp_rank)
+        cell.lora_A.weight.copy_(Tensor(np.ascontiguousarray(a), cell.lora_A.weight.dtype))
+        cell.lora_B.weight.copy_(Tensor(np.ascontiguousarray(b), cell.lora_B.weight.dtype))
+    unknown = sorted(set(tensors) - expected)
+    if unknown:
+        raise MindRLHFError(f"{source}: {len(unknown)} tensors match no adapted module of this model "
+                            f"({', '.join(unknown[:3])}); the adapter is for another architecture")
+
+
+def merged_weights(model: nn.Cell) -> Dict[str, np.ndarray]:
+    """The base model's weights (HF names, float32) with every adapter merged: ``W + scaling * B A``
+    (a plain ``CausalLM`` of the same config loads them: a merged export)."""
+    _require_whole(model, "merged_weights")
+    adapters = {name: cell for name, cell in lora_modules(model)}
+    out = {}
+    for name, param in model.parameters_and_names():
+        if ".lora_A." in name or ".lora_B." in name:
+            continue
+        value = param.value().astype(ms.float32).asnumpy()
+        module = name[:-len(".weight")] if name.endswith(".weight") else None
+        if module in adapters:
+            cell = adapters[module]
+            a = cell.lora_A.weight.value().astype(ms.float32).asnumpy().astype(np.float64)
+            b = cell.lora_B.weight.value().astype(ms.float32).asnumpy().astype(np.float64)
+            value = (value + cell.lora_scaling * (b @ a)).astype(np.float32)
+        out[name] = value
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# PEFT's adapter directory
+# ---------------------------------------------------------------------------------------------
+#: PEFT LoraConfig keys whose non-default values this implementation cannot honour, with the default.
+_UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "modules_to_save": None,
+                "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
+                "exclude_modules": None, "target_parameters": None, "use_qalora": False, "lora_bias": False,
+                "trainable_token_indices": None, "megatron_config": None, "layer_replication": None,
+                "alora_invocation_tokens": None, "use_bdlora": None, "arrow_config": None, "kasa_config": None,
+                "monteclora_config": None, "velora_config": None}
+
+
+def peft_config(spec: LoRASpec, base_model_name_or_path: Optional[str] = None) -> Dict[str, Any]:
+    """``adapter_config.json`` contents for ``spec`` (PEFT's keys; peft fills any it does not find)."""
+    targets = spec.target_modules if isinstance(spec.target_modules, str) else sorted(spec.target_modules)
+    config = dict(spec.extra)
+    config.update({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
+        "r": spec.r, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "target_modules": targets,
+        "use_rslora": spec.use_rslora, "init_lora_weights": True, "inference_mode": True, "revision": None,
+        **_UNSUPPORTED})
+    return config
+
+
+def spec_from_peft(config: Dict[str, Any], source: str = ADAPTER_CONFIG) -> LoRASpec:
+    """The ``LoRASpec`` of a PEFT ``adapter_config.json``; settings this implementation lacks are refused."""
+    if config.get("peft_type") != "LORA":
+        raise MindRLHFError(f"{source}: peft_type {config.get('peft_type')!r} is not LORA; only LoRA adapters "
+                            "can be loaded")
+    for key, default in _UNSUPPORTED.items():
+        value = config.get(key, default)
+        if value != default and not (not default and not value):  # None, {}, [] and False all mean "off"
+            raise MindRLHFError(f"{source}: {key}={value!r} is not supported by mindrlhf's LoRA; train the adapter "
+                                f"with {key}={default!r}")
+    targets = config.get("target_modules")
+    if targets is None:
+        raise MindRLHFError(f"{source}: target_modules is missing; give the adapted module names")
+    try:
+        return LoRASpec(r=int(config["r"]), alpha=float(config.get("lora_alpha", 8)),
+                        dropout=float(config.get("lora_dropout", 0.0)),
+                        target_modules=targets if isinstance(targets, str) else tuple(targets),
+                        use_rslora=bool(config.get("use_rslora", False)),
+                        extra={k: v for k, v in config.items() if k not in _UNSUPPORTED})
+    except KeyError as err:
+        raise MindRLHFError(f"{source}: key {err} is missing; is this a PEFT adapter_config.json?") from None
+
+
+def save_adapter(model: nn.Cell, out_dir: Union[str, Path], base_model_name_or_path: Optional[str] = None) -> Path:
+    """Write ``model``'s adapters as a PEFT adapter directory (``peft.PeftModel.from_pretrained`` loads
+    it onto the transformers model); returns the directory."""
+    from mindrlhf.checkpoint.hf_io import _StreamingSafetensorsWriter, write_json_atomic
+
+    spec = getattr(model, "lora_spec", None)
+    if spec is None:
+        raise MindRLHFError("save_adapter: the model has no LoRA adapters; apply_lora or load_adapter first")
+    _require_whole(model, "save_adapter")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    writer = _StreamingSafetensorsWriter(out / ADAPTER_WEIGHTS, {"format": "pt"})
+    try:
+        for name, array in sorted(adapter_weights(model).items()):
+            writer.add(PEFT_PREFIX + name, np.ascontiguousarray(array, np.float32), "float32")
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    write_json_atomic(out / ADAPTER_CONFIG, peft_config(spec, base_model_name_or_path))
+    return out
+
+
+def read_adapter(adapter_dir: Union[str, Path]) -> Tuple[LoRASpec, Dict[str, np.ndarray]]:
+    """A PEFT adapter directory's spec and its tensors (float32, the model's names: the PEFT prefix removed)."""
+    from mindrlhf.checkpoint.hf_io import iter_safetensors, read_json
+
+    path = Path(adapter_dir)
+    if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_WEIGHTS).is_file():
+        raise MindRLHFError(f"{path}: not a PEFT adapter directory (needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}); "
+                            "save it with peft's save_pretrained or mindrlhf.models.lora.save_adapter")
+    spec = spec_from_peft(read_json(path / ADAPTER_CONFIG), str(path / ADAPTER_CONFIG))
+    tensors = {}
+    for name, array in iter_safetensors(path / ADAPTER_WEIGHTS):
+        if not name.startswith(PEFT_PREFIX):
+            raise MindRLHFError(f"{path / ADAPTER_WEIGHTS}: tensor {name!r} lacks PEFT's {PEFT_PREFIX!r} prefix; "
+                                "is it a PEFT adapter of a causal LM?")
+        tensors[name[len(PEFT_PREFIX):]] = np.asarray(array, np.float32)
+    return spec, tensors
+
+
+def load_adapter(model: nn.Cell, adapter_dir: Union[str, Path]) -> LoRASpec:
+    """Attach the adapters of a PEFT adapter directory to ``model`` (a base ``CausalLM`` or a shard of it)
+    and return their spec."""
+    spec, tensors = read_adapter(adapter_dir)
+    apply_lora(model, spec)
+    set_adapter_weights(model, tensors, str(Path(adapter_dir) / ADAPTER_WEIGHTS))
+    return spec
+
