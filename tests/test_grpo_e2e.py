@@ -462,7 +462,7 @@ def test_a_dead_worker_stops_the_job_and_resume_continues_exactly(grpo_assets, t
     A worker of a two-node job SIGKILLed during generation (rank 1, node 0) or at the gradient
     all-reduce (rank 2, node 1) of step 2: msrun kills the dead worker's node-mates, the other node's
     workers stop with the one-line error (exit code 3) within collective_timeout of the death, as their
-    own logs show, both launches exit non-zero, and --resume reproduces the uninterrupted run."""
+    own logs show, both launches exit non-zero, and --resume (after the second) reproduces the uninterrupted run."""
     timeout = 10
     base = dict(max_steps=2, chunk_size=4, lr=1e-3, tensorboard="false", train_dp=4, infer_dp=4,
                 collective_timeout=timeout, reward_funcs=["e2e_rewards:length_reward"])
@@ -494,6 +494,8 @@ def test_a_dead_worker_stops_the_job_and_resume_continues_exactly(grpo_assets, t
             stopped = _logged_at(log, rf"ERROR mindrlhf: rank {rank}: \w+ failed")
             assert 0 <= stopped - died <= timeout + 10, (point, rank, stopped - died)
         assert [r["step"] for r in _metrics(out)] == [1]
+        if point == "generate":  # one resume is enough here (CI time): exact resume after SIGKILL is also tested
+            continue             # on one node for every stage (test_resume_after_sigkill_reproduces_metrics, ...)
         _two_nodes(argv + ["--resume"], tmp_path / f"log_{point}_resume", port)
         port += 2
         resumed = {r["step"]: r for r in _metrics(out)}
