@@ -78,12 +78,18 @@ class ShardedDataset:
             raise MindRLHFError(f"(epoch {epoch}, step {step}) is out of range; steps per epoch are 0..{len(self) - 1}")
         return self.permutation(epoch)[step * self.batch_size:(step + 1) * self.batch_size]
 
+    @staticmethod
+    def shard_rows(size: int, shard: int, shards: int) -> range:
+        """Row positions ``shard`` of ``shards`` holds of a global batch of ``size`` rows (contiguous; sizes may
+        differ by one when ``shards`` does not divide ``size``)."""
+        return range(shard * size // shards, (shard + 1) * size // shards)
+
     def batch(self, epoch: int, step: int) -> Dict[str, Any]:
         """This shard's part of global batch ``step`` of ``epoch``: every column's rows (arrays indexed,
         lists as lists) and ``index`` (b,) int64, the row ids."""
         rows = self.global_indices(epoch, step)
-        size = len(rows)
-        index = rows[self.shard_id * size // self.num_shards:(self.shard_id + 1) * size // self.num_shards]
+        mine = self.shard_rows(len(rows), self.shard_id, self.num_shards)
+        index = rows[mine.start:mine.stop]
         out: Dict[str, Any] = {name: values[index] if isinstance(values, np.ndarray) else [values[i] for i in index]
                                for name, values in self.columns.items()}
         out["index"] = index.astype(np.int64)

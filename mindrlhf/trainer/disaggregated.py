@@ -94,6 +94,15 @@ class RolloutLink:
         """Seconds since the job's clock origin (``start``), on this rank's wall clock."""
         return time.time() - self.origin
 
+    @classmethod
+    def of_job(cls, cfg, layout: RunLayout, batch_size: int, rollouts_per_step: int,
+               num_generations: int) -> "RolloutLink":
+        """The link of a job whose global batch holds ``batch_size`` prompts: each generator replica sends its
+        ``batch_size / infer_dp`` prompts' ``num_generations`` completions of each of ``rollouts_per_step`` batches,
+        padded to ``max_completion_length``. The trainers and the generators build it alike."""
+        return cls(layout, rows_per_generator=batch_size // layout.infer.dp * rollouts_per_step * num_generations,
+                   width=cfg.generation.max_completion_length)
+
     # -- where the run starts ----------------------------------------------------------------------------
     def start(self, step: int = 0, batches_drawn: int = 0, total_steps: int = 0,
               weights: bool = True) -> Tuple[int, int, int, bool]:
@@ -168,8 +177,7 @@ class GenerationWorker:
                  rollouts_per_step: int, stop_ids: List[int]):
         self.cfg, self.sampler, self.dataset, self.layout, self.config = cfg, sampler, dataset, layout, config
         self.num_generations, self.rollouts_per_step, self.stop_ids = num_generations, rollouts_per_step, stop_ids
-        self.link = RolloutLink(layout, rows_per_generator=dataset.batch_size // layout.infer.dp * rollouts_per_step
-                                * num_generations, width=cfg.generation.max_completion_length)
+        self.link = RolloutLink.of_job(cfg, layout, dataset.batch_size, rollouts_per_step, num_generations)
 
     def resume(self, path) -> None:
         """Nothing to load: the trainers resume and broadcast the step, data position and weights."""

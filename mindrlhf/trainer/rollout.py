@@ -152,9 +152,8 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         if layout is not None and layout.disaggregated:
             from mindrlhf.trainer.disaggregated import RolloutLink
 
-            self.link = RolloutLink(layout, rows_per_generator=dataset.batch_size // layout.infer.dp
-                                    * self.rollouts_per_step * self.num_generations,
-                                    width=cfg.generation.max_completion_length)
+            self.link = RolloutLink.of_job(cfg, layout, dataset.batch_size, self.rollouts_per_step,
+                                           self.num_generations)
         #: The prompt style the training prompts were built with (eval_steps asks its questions the same way; a
         #: custom system prompt: the default style's; trainer.policy_eval).
         self.prompt_style = prompt_style_of(tokenizer, dataset)
@@ -213,8 +212,7 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         K = self.layout.infer.dp
         for j in range(K):
             for batch in batches:
-                n = len(batch["index"])
-                rows = range(j * n // K, (j + 1) * n // K)
+                rows = PromptDataset.shard_rows(len(batch["index"]), j, K)
                 out.prompts += [list(map(int, batch["prompt_ids"][i][:batch["prompt_length"][i]])) for i in rows]
                 out.solutions += [batch["solution"][i] for i in rows]
                 for name, key in self.dataset.reward_columns.items():
