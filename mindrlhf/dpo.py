@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 import logging
 from functools import partial
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mindspore import ops
@@ -25,7 +25,7 @@ from mindrlhf.data.text_rows import read_pair_files, require_pair_file
 from mindrlhf.parallel import comm
 from mindrlhf.trainer.entry import StageSpec, model_source, run_stage
 from mindrlhf.trainer.metrics import EVAL_CURVE
-from mindrlhf.trainer.offline import PolicyOfflineTrainer, prompt_completion_micro_batches
+from mindrlhf.trainer.offline import PolicyOfflineTrainer, prompt_completion_extent, prompt_completion_micro_batches
 from mindrlhf.utils.cli import run_cli
 
 log = logging.getLogger("mindrlhf")
@@ -77,15 +77,19 @@ def pair_logp_micro_batches(prompts: Sequence[np.ndarray], chosen: Sequence[np.n
     """Pairs cut into micro-batches of ``pairs`` pairs in the log-prob head's layout
     (``trainer.offline.prompt_completion_micro_batches``): rows ``chosen_i, rejected_i`` interleaved, so a
     pair's rows share their prompt and pack together."""
+    rows_p, rows_c = pair_rows(prompts, chosen, rejected)
+    return prompt_completion_micro_batches(rows_p, rows_c, 2 * pairs, pad_id, bucket=bucket)
+
+
+def pair_rows(prompts: Sequence[np.ndarray], chosen: Sequence[np.ndarray], rejected: Sequence[np.ndarray]
+              ) -> Tuple[List[np.ndarray], List[np.ndarray]]:
+    """``(prompts, completions)``: each pair as its two rows, ``chosen_i, rejected_i``. An empty prompt takes each
+    completion's first token (nothing predicts a first token without context)."""
     rows_p, rows_c = [], []
     for p, c, r in zip(prompts, chosen, rejected):
-        if not len(p):  # nothing predicts a first token without context: it joins the (empty) prompt
-            rows_p += [c[:1], r[:1]]
-            rows_c += [c[1:], r[1:]]
-        else:
-            rows_p += [p, p]
-            rows_c += [c, r]
-    return prompt_completion_micro_batches(rows_p, rows_c, 2 * pairs, pad_id, bucket=bucket)
+        rows_p += [p, p] if len(p) else [c[:1], r[:1]]
+        rows_c += [c, r] if len(p) else [c[1:], r[1:]]
+    return rows_p, rows_c
 
 
 class DPOTrainer(PolicyOfflineTrainer):
@@ -175,7 +179,6 @@ def build_trainer(cfg: DPOConfig, layout=None):
     from mindrlhf.models.heads import LogProbHead
     from mindrlhf.parallel.resharding import checkpoint_config
     from mindrlhf.trainer.entry import load_policy, load_reference
-    from mindrlhf.trainer.memory import MicroBatchExtent
     from mindrlhf.trainer.update import build_frozen_runner, build_updater
 
     require_pair_file(cfg)
@@ -191,7 +194,8 @@ def build_trainer(cfg: DPOConfig, layout=None):
     share = layout.train.pp == 1  # the pair's two rows share their prompt: encode it once
     ref_runner = build_frozen_runner(cfg, ref, layout.groups, LogProbHead(), share_prompts=share)
     objective = DPOObjective(cfg.loss.loss_type, cfg.loss.beta, cfg.loss.label_smoothing)
-    extent = MicroBatchExtent.padded(2 * cfg.micro_rows, cfg.data.max_length)  # two rows a pair
+    rows_p, rows_c = pair_rows(train.prompt_ids, train.chosen_ids, train.rejected_ids)
+    extent = prompt_completion_extent([len(p) for p in rows_p], [len(c) for c in rows_c], 2 * cfg.micro_rows)
     updater = build_updater(cfg, policy, objective, head=LogProbHead(), groups=layout.groups, masters=masters,
                             share_prompts=share, extent=extent)
     return DPOTrainer(cfg, model=policy, updater=updater, tokenizer=tokenizer, layout=layout, train_pairs=train,

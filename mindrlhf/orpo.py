@@ -29,7 +29,7 @@ from mindrlhf.configs.offline import ORPOConfig, parse_orpo_args
 from mindrlhf.data.text_rows import read_pair_files, require_pair_file
 from mindrlhf.trainer.entry import StageSpec, model_source, run_stage
 from mindrlhf.trainer.metrics import EVAL_CURVE
-from mindrlhf.trainer.offline import PolicyOfflineTrainer, prompt_completion_micro_batches
+from mindrlhf.trainer.offline import PolicyOfflineTrainer, prompt_completion_extent, prompt_completion_micro_batches
 from mindrlhf.utils.cli import run_cli
 
 #: TRL ORPOTrainer's metric names, each a mean over the step's pairs (``nll_loss``: over its chosen rows' tokens).
@@ -145,14 +145,16 @@ def build_trainer(cfg: ORPOConfig, layout=None):
     from mindrlhf.models.heads import LogProbHead
     from mindrlhf.parallel import comm
     from mindrlhf.trainer.entry import load_policy
-    from mindrlhf.trainer.memory import MicroBatchExtent
     from mindrlhf.trainer.update import build_updater
 
     require_pair_file(cfg)
     path, tokenizer, config = model_source(cfg.model, "the policy ORPO trains")
     train, valid, reports = read_pair_files(cfg, tokenizer, "truncate", main=comm.is_main())
     policy, masters = load_policy(path, config, layout, cfg.model.dtype)
-    extent = MicroBatchExtent.padded(2 * cfg.micro_rows, cfg.data.max_length)  # two rows a pair
+    # orpo_micro_batches' layout: each row's first token as the prompt, the rest scored
+    extent = prompt_completion_extent([1], [len(p) + max(len(c), len(r)) - 1 for p, c, r in
+                                            zip(train.prompt_ids, train.chosen_ids, train.rejected_ids)],
+                                      2 * cfg.micro_rows)
     updater = build_updater(cfg, policy, ORPOObjective(cfg.loss.beta), head=LogProbHead(), groups=layout.groups,
                             masters=masters, extent=extent)
     return ORPOTrainer(cfg, model=policy, updater=updater, tokenizer=tokenizer, layout=layout, train_pairs=train,

@@ -103,6 +103,7 @@ def build_trainer(cfg: RMConfig, layout=None):
     """Load the model (with a score head), tokenizer and pairs as the config says; return a ready trainer."""
     from mindrlhf.models.heads import ScoreHead
     from mindrlhf.trainer.entry import load_policy
+    from mindrlhf.trainer.experience import bucket
     from mindrlhf.trainer.memory import MicroBatchExtent
     from mindrlhf.trainer.update import build_updater
 
@@ -114,8 +115,10 @@ def build_trainer(cfg: RMConfig, layout=None):
         config = replace(config, pad_token_id=tokenizer.pad_token_id)
     train, valid, reports = read_pair_files(cfg, tokenizer, "drop", main=comm.is_main())
     model, masters = load_policy(path, config, layout, cfg.model.dtype, num_labels=1, seed=cfg.train.seed)
-    # Each pair is two rows (chosen, rejected); a score head forms no vocabulary logits.
-    extent = MicroBatchExtent.padded(2 * cfg.micro_rows, cfg.data.max_length, logit_rows=0)
+    # Each pair is two rows (chosen, rejected), padded as pad_rows pads them; a score head forms no vocabulary logits.
+    longest = max(len(p) + max(len(c), len(r)) for p, c, r in zip(train.prompt_ids, train.chosen_ids,
+                                                                   train.rejected_ids))
+    extent = MicroBatchExtent.padded(2 * cfg.micro_rows, bucket(longest, 32), logit_rows=0)
     updater = build_updater(cfg, model, RMObjective(cfg.loss.center_rewards_coefficient), head=ScoreHead(1),
                             groups=layout.groups, masters=masters, extent=extent, what="reward model")
     return RMTrainer(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout, train_pairs=train,

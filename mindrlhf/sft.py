@@ -25,7 +25,12 @@ from mindrlhf.parallel import comm
 from mindrlhf.trainer.base import log_data_report
 from mindrlhf.trainer.entry import StageSpec, model_source, run_stage
 from mindrlhf.trainer.metrics import EVAL_CURVE
-from mindrlhf.trainer.offline import PolicyOfflineTrainer, pack_rows, prompt_completion_micro_batches
+from mindrlhf.trainer.offline import (
+    PolicyOfflineTrainer,
+    pack_rows,
+    prompt_completion_extent,
+    prompt_completion_micro_batches,
+)
 from mindrlhf.utils.cli import run_cli
 
 log = logging.getLogger("mindrlhf")
@@ -56,16 +61,10 @@ class SFTTrainer(PolicyOfflineTrainer):
     step_metrics = ("mean_token_accuracy", "entropy")
     eval_metrics = ("mean_token_accuracy",)
 
-    def __init__(self, cfg: SFTConfig, *, model, updater, tokenizer, layout, train_rows, valid_rows=None,
-                 reports=()):
-        capacity = cfg.data.max_length if cfg.data.packing else 0  # 0: one row per sequence
-        train = sequences(train_rows, capacity)
+    def __init__(self, cfg: SFTConfig, *, model, updater, tokenizer, layout, train, source, valid=None, reports=()):
+        """``train`` / ``valid``: the training sequences (``sequences``) of the rows read from ``source``."""
         super().__init__(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout, columns=train,
-                         source=train_rows.source, reports=reports,
-                         valid=sequences(valid_rows, capacity) if valid_rows is not None else None)
-        if capacity and comm.is_main():
-            log.info("packing: %d rows in %d sequences of up to %d tokens", len(train_rows),
-                     len(train["input_ids"]), capacity)
+                         source=source, reports=reports, valid=valid)
 
     def micro_batches(self, batch, split):
         """Padded micro-batches of sequences (``sft_micro_batches``)."""
@@ -86,14 +85,17 @@ def sft_micro_batches(input_ids: Sequence[np.ndarray], trained: Sequence[np.ndar
     (the "prompt", left-padded) so the vocabulary head runs only from there on (the "completion", right-padded;
     ``trainer.offline.prompt_completion_micro_batches``); untrained tokens after it (packed rows' prompts) stay
     masked. Packed sequences attend per row (their segments as the mask)."""
-    prompts, completions, masks = [], [], []
-    for ids, m in zip(input_ids, trained):
-        k = max(int(np.argmax(m > 0)), 1) if m.any() else len(ids) - 1  # a row's first token is never trained
-        prompts.append(ids[:k])
-        completions.append(ids[k:])
-        masks.append(m[k:])
-    return prompt_completion_micro_batches(prompts, completions, size, pad_id, trained=masks, segments=segments,
+    cuts = [split_point(m) for m in trained]
+    return prompt_completion_micro_batches([ids[:k] for ids, k in zip(input_ids, cuts)],
+                                           [ids[k:] for ids, k in zip(input_ids, cuts)], size, pad_id,
+                                           trained=[m[k:] for m, k in zip(trained, cuts)], segments=segments,
                                            bucket=bucket)
+
+
+def split_point(trained: np.ndarray) -> int:
+    """Where ``sft_micro_batches`` splits a sequence: its first trained token (a row's first token is never
+    trained, so at least 1; the last token when nothing is trained)."""
+    return max(int(np.argmax(trained > 0)), 1) if trained.any() else len(trained) - 1
 
 
 def sequences(rows, max_length: int = 0) -> Dict[str, list]:
@@ -137,7 +139,6 @@ def build_trainer(cfg: SFTConfig, layout=None):
     """Load the model, tokenizer and rows as the config says; return a ready SFT trainer."""
     from mindrlhf.models.heads import LogProbHead
     from mindrlhf.trainer.entry import load_policy
-    from mindrlhf.trainer.memory import MicroBatchExtent
     from mindrlhf.trainer.update import build_updater
 
     path, tokenizer, config = model_source(cfg.model, "the model SFT trains")
@@ -148,11 +149,19 @@ def build_trainer(cfg: SFTConfig, layout=None):
     if longest > config.max_position_embeddings:
         raise MindRLHFError(f"max_length {cfg.data.max_length} lets rows of {longest} tokens through but the model "
                             f"has max_position_embeddings={config.max_position_embeddings}; lower max_length")
+    capacity = cfg.data.max_length if cfg.data.packing else 0  # 0: one row per sequence
+    seqs = sequences(train, capacity)
+    if capacity and comm.is_main():
+        log.info("packing: %d rows in %d sequences of up to %d tokens", len(train), len(seqs["input_ids"]), capacity)
+    cuts = [split_point(m) for m in seqs["trained"]]
+    extent = prompt_completion_extent(cuts, [len(ids) - k for ids, k in zip(seqs["input_ids"], cuts)],
+                                      cfg.micro_rows)
     model, masters = load_policy(path, config, layout, cfg.model.dtype)
     updater = build_updater(cfg, model, SFTObjective(), head=LogProbHead(stats=True), groups=layout.groups,
-                            masters=masters, extent=MicroBatchExtent.padded(cfg.micro_rows, cfg.data.max_length))
-    return SFTTrainer(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout,
-                      train_rows=train, valid_rows=valid, reports=[r for r in (train_report, valid_report) if r])
+                            masters=masters, extent=extent)
+    return SFTTrainer(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout, train=seqs,
+                      source=train.source, valid=sequences(valid, capacity) if valid is not None else None,
+                      reports=[r for r in (train_report, valid_report) if r])
 
 
 SFT = StageSpec("sft", parse=parse_sft_args, build=build_trainer, models=lambda cfg: {"--model": cfg.model.model_path})

@@ -392,3 +392,32 @@ def test_sft_default_data_is_the_packaged_gsm8k_sample(stage_assets, tmp_path):
     answer = rows[0]["completion"][0]["content"]
     assert "<<" not in answer and answer.endswith("#### 72")
     assert _metrics(out)[0]["num_tokens"] > 0
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "orpo"])
+def test_recompute_auto_sizes_the_update_by_the_rows_not_max_length(stage_assets, tmp_path, stage, caplog):
+    """``recompute auto`` estimates the largest micro-batch the stage's rows can form (< 400 positions a row here),
+    not rows of ``max_length`` (4096): under a budget of a quarter of the max_length estimate it keeps the
+    activations, and its logged micro-batch is the rows' own."""
+    import importlib
+    import logging
+    import re
+
+    from mindrlhf.parallel.groups import init_run_layout
+    from mindrlhf.parallel.layout import ParallelLayout
+    from mindrlhf.trainer.memory import MicroBatchExtent, activation_bytes
+
+    rows = 2 if stage == "sft" else 4  # micro_batch_size 2: pairs are two rows each
+    config = json.loads((Path(stage_assets["model"]) / "config.json").read_text())
+    config = type("C", (), {**config, "head_dim": config["hidden_size"] // config["num_attention_heads"]})
+    max_length = activation_bytes(config, MicroBatchExtent.padded(rows, 4096, 0 if stage == "rm" else None),
+                                  layers=config.num_hidden_layers)
+    cfg = getattr(importlib.import_module("mindrlhf.configs.offline"), f"parse_{stage}_args")(
+        _argv(stage, stage_assets, tmp_path / "out", max_length=4096, recompute="auto",
+              memory_budget_gb=max_length / 4 / 2 ** 30))
+    with caplog.at_level(logging.INFO, logger="mindrlhf.trainer.memory"):
+        trainer = importlib.import_module(f"mindrlhf.{stage}").build_trainer(
+            cfg, init_run_layout(ParallelLayout(dp=1), ParallelLayout(dp=1), 0, 1))
+    (line,) = [r.getMessage() for r in caplog.records if "recompute auto" in r.getMessage()]
+    assert trainer.updater.recompute == "none", line
+    assert 0 < int(re.search(r"\((\d+) positions\)", line).group(1)) < rows * 400

@@ -146,3 +146,32 @@ def test_recompute_settings_are_checked_and_train_jit_says_what_replaced_it(tmp_
     with pytest.raises(MindRLHFError, match=r"unknown config key 'parallel.train_jit' \(it was replaced by recompute "
                                             r"\(train_jit true is recompute none, false is recompute full\)\)"):
         parse_grpo_args(["--config", str(yaml_file)])
+
+
+def test_prompt_completion_extent_is_the_widest_micro_batch_the_rows_can_form():
+    """``prompt_completion_extent`` bounds every micro-batch ``prompt_completion_micro_batches`` forms from the rows,
+    whatever their order, and equals the one holding the longest prompt and the longest completion (each padded to
+    its bucket, the last position dropped, logits at the completion columns)."""
+    import numpy as np
+
+    from mindrlhf.trainer.offline import prompt_completion_extent, prompt_completion_micro_batches
+
+    rng = np.random.default_rng(0)
+    prompts = [np.ones(n, np.int32) for n in rng.integers(1, 90, 40)]
+    completions = [np.ones(n, np.int32) for n in rng.integers(1, 200, 40)]
+    extent = prompt_completion_extent([len(p) for p in prompts], [len(c) for c in completions], 4)
+    width_p = -(-max(len(p) for p in prompts) // 32) * 32
+    width_c = -(-max(len(c) for c in completions) // 32) * 32
+    assert extent == MicroBatchExtent(4 * (width_p + width_c - 1), 4 * (width_p + width_c - 1) ** 2, 4 * width_c)
+    seen = []
+    for _ in range(5):
+        order = rng.permutation(40)
+        for mb in prompt_completion_micro_batches([prompts[i] for i in order], [completions[i] for i in order], 4, 0):
+            rows, length = mb["input_ids"].shape
+            assert rows * length <= extent.tokens and mb["completion_ids"].size <= extent.logit_rows
+            seen.append(rows * length)
+    longest = [int(np.argmax([len(p) for p in prompts])), int(np.argmax([len(c) for c in completions]))]
+    rest = [i for i in range(40) if i not in longest][:4 - len(set(longest))]
+    (mb,) = prompt_completion_micro_batches([prompts[i] for i in [*set(longest), *rest]],
+                                            [completions[i] for i in [*set(longest), *rest]], 4, 0)
+    assert mb["input_ids"].size == extent.tokens and mb["completion_ids"].size == extent.logit_rows

@@ -23,6 +23,7 @@ from mindrlhf.data.report import ConversionReport
 from mindrlhf.parallel import comm
 from mindrlhf.trainer.base import Trainer
 from mindrlhf.trainer.experience import bucket as round_up
+from mindrlhf.trainer.memory import MicroBatchExtent
 from mindrlhf.trainer.policy_eval import PolicyEvaluation
 from mindrlhf.trainer.schedule import run_length
 
@@ -222,6 +223,16 @@ def prompt_completion_micro_batches(prompts: Sequence[np.ndarray], completions: 
         out.append({"input_ids": ids[:, :-1], "attention_mask": real[:, :-1], "completion_ids": ids[:, width_p:],
                     "completion_mask": train})
     return out
+
+
+def prompt_completion_extent(prompt_lengths: Sequence[int], completion_lengths: Sequence[int], rows: int,
+                             bucket: int = 32) -> MicroBatchExtent:
+    """The largest micro-batch ``prompt_completion_micro_batches`` can form from rows of these lengths, ``rows`` to
+    a micro-batch: one holding the longest prompt and the longest completion (each padded to its own bucket, as
+    there), the logits at its completion columns. ``recompute auto`` sizes the update by it, so the data's real
+    lengths decide, not ``max_length``."""
+    width_c = round_up(max(completion_lengths), bucket)
+    return MicroBatchExtent.padded(rows, round_up(max(prompt_lengths), bucket) + width_c - 1, rows * width_c)
 
 
 def pack_rows(lengths: Sequence[int], capacity: int, block: int = 1000) -> List[List[int]]:
