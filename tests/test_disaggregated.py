@@ -58,6 +58,8 @@ def test_gen_workers_sets_the_generator_layout_and_the_world():
     (["--gen_workers", "1"], "gen_workers = 1 needs use_parallel true"),
     (["--use_parallel", "true", "--gen_workers", "1", "--dynamic_sampling", "true", "--eval_steps", "2"],
      "gen_workers = 1 with dynamic_sampling = true, eval_steps = 2: not built for disaggregated rollout yet"),
+    (["--use_parallel", "true", "--gen_workers", "1", "--replay_data_file", "r.npz"],
+     "gen_workers = 1 with replay_data_file = 'r.npz': not built for disaggregated rollout yet"),
     (["--use_parallel", "true", "--gen_workers", "2", "--chunk_size", "3"],
      "chunk_size = 3 is not divisible by infer_dp = 2"),
     # Colocated, the old rule stands: the same processes train and generate.
@@ -67,9 +69,16 @@ def test_impossible_settings_are_one_line_errors(argv, words):
     assert words in _error(argv)
 
 
-def test_ppo_refuses_gen_workers():
-    with pytest.raises(MindRLHFError, match="gen_workers = 1: disaggregated rollout is built for GRPO only"):
-        PPOConfig.parse_args(["--use_parallel", "true", "--gen_workers", "1", "--infer_dp", "1"])
+def test_ppo_takes_gen_workers_with_grpos_rules():
+    """PPO disaggregates as GRPO does (issue 43): the generators' layout follows gen_workers, the config's
+    one-line errors are the same (what is not built yet, named)."""
+    cfg = PPOConfig.parse_args(["--use_parallel", "true", "--gen_workers", "2", "--max_staleness", "1"])
+    assert (cfg.parallel.gen_workers, cfg.parallel.infer_dp, cfg.parallel.max_staleness, cfg.world_size) == (2, 2, 1, 3)
+    with pytest.raises(MindRLHFError, match="gen_workers = 1 with eval_steps = 2: not built for disaggregated rollout "
+                                            "yet; drop them or set gen_workers 0"):
+        PPOConfig.parse_args(["--use_parallel", "true", "--gen_workers", "1", "--eval_steps", "2"])
+    with pytest.raises(MindRLHFError, match="batch_size = 3 is not divisible by infer_dp = 2"):
+        PPOConfig.parse_args(["--use_parallel", "true", "--gen_workers", "2", "--batch_size", "3"])
 
 
 # -- layouts --------------------------------------------------------------------------------------------
