@@ -28,6 +28,7 @@ from mindrlhf.algorithms import ppo as ppo_math
 from mindrlhf.algorithms.losses import aggregate_loss, policy_loss
 from mindrlhf.configs.ppo import PPOConfig, parse_ppo_args
 from mindrlhf.errors import MindRLHFError
+from mindrlhf.trainer.disaggregated import build_generator
 from mindrlhf.trainer.entry import StageSpec, load_policy, load_reference, load_tokenizer, resolve_weights, run_stage
 from mindrlhf.trainer.experience import Experience
 from mindrlhf.trainer.metrics import EVAL_CURVE
@@ -421,9 +422,14 @@ def build_trainer(cfg: PPOConfig, layout) -> PPOTrainer:
         require_causal_lm(checkpoint_config(m.ref_model_path), m.ref_model_path, "--ref_model", "PPO's reference",
                           "pass the actor's causal LM (e.g. the SFT checkpoint; the reward model goes to "
                           "--reward_model), or omit --ref_model to use the initial actor")
+    if layout.generator:  # a generator rank of a disaggregated job: the sampler and its prompts only
+        return build_generator(cfg, layout, tokenizer, config, num_generations=a.num_generations,
+                               rollouts_per_step=1, batch_size=a.batch_size)
     shard = layout.groups.shard()
     actor, actor_masters = load_policy(actor_path, config, layout, m.dtype)
-    sampler_model = None if layout.shared_generator else CausalLM(config, m.dtype, layout.infer_shard())
+    # Disaggregated: the generator ranks sample; the actor's weights reach them when training starts.
+    sampler_model = None if layout.shared_generator or layout.disaggregated else \
+        CausalLM(config, m.dtype, layout.infer_shard())
     ref_model = None
     if cfg.uses_reference:  # no ref_model_path: the initial actor
         ref_model = load_reference(m.ref_model_path, actor, layout, m.dtype, "initial actor")
@@ -440,7 +446,8 @@ def build_trainer(cfg: PPOConfig, layout) -> PPOTrainer:
     critic, critic_masters = load_policy(critic_path, critic_config, layout, m.dtype, num_labels=1,
                                          seed=cfg.train.seed)
     dataset = load_prompt_dataset(cfg, layout, tokenizer, config, a.batch_size)
-    sampler = build_sampler(cfg, sampler_model if sampler_model is not None else actor)
+    sampler = None if layout.disaggregated else build_sampler(cfg, sampler_model if sampler_model is not None
+                                                              else actor)
     reload = {}
     if m.offload_models:  # how each frozen model is read again after a release (trainer.update.ReleasableModel)
         reload["ref"] = partial(load_shard, m.ref_model_path or actor_path, layout.train, layout.rank, dtype=m.dtype,

@@ -120,6 +120,40 @@ def msrun(n: int, argv, log_dir: Path, port: int,
     return proc
 
 
+def two_nodes(argv, log_dir: Path, port: int, env_extra=None, check: bool = True, workers_per_node: int = 2) -> list:
+    """scripts/launch_node.sh started twice, as node 0 here and node 1 in a network namespace of its own
+    (a second host reached over a virtual link), forming one job of 2 x ``workers_per_node`` workers. Returns each
+    launch's (exit code, output)."""
+    env = launch_env(env_extra)
+    with second_host() as (netns, master, _):
+        procs = []
+        for rank in (0, 1):
+            cmd = ["bash", str(REPO / "scripts/launch_node.sh"), "--nodes", "2", "--node_rank", str(rank),
+                   "--master_addr", master, "--master_port", str(port), "--workers_per_node", str(workers_per_node),
+                   "--log_dir", str(log_dir / f"node{rank}"), "--", *map(str, argv)]
+            procs.append(subprocess.Popen((["ip", "netns", "exec", netns] if rank else []) + cmd, cwd=REPO, env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outs = [p.communicate(timeout=900)[0] for p in procs]
+    if check and any(p.returncode for p in procs):
+        logs = "\n".join(f.read_text()[-2000:] for f in sorted(log_dir.rglob("*.log")))
+        raise AssertionError(f"launch_node.sh failed {[p.returncode for p in procs]}:\n{outs[0][-2000:]}\n"
+                             f"{outs[1][-2000:]}\n{logs}")
+    assert (log_dir / "node0" / "scheduler.log").exists() and not (log_dir / "node1" / "scheduler.log").exists()
+    return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
+def logged_at(log: Path, pattern: str) -> float:
+    """The time (s since the epoch) of the first line of a worker log whose message matches ``pattern``."""
+    import datetime
+    import re
+
+    for line in log.read_text(errors="replace").splitlines():
+        if re.search(pattern, line):
+            stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+            return stamp.timestamp()
+    raise AssertionError(f"no line matching {pattern!r} in {log}:\n{log.read_text(errors='replace')[-3000:]}")
+
+
 @contextlib.contextmanager
 def second_host():
     """A second "machine" for multi-node rehearsals: a network namespace joined to this one by a veth

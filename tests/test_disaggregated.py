@@ -58,6 +58,8 @@ def test_gen_workers_sets_the_generator_layout_and_the_world():
     (["--gen_workers", "1"], "gen_workers = 1 needs use_parallel true"),
     (["--use_parallel", "true", "--gen_workers", "1", "--dynamic_sampling", "true", "--eval_steps", "2"],
      "gen_workers = 1 with dynamic_sampling = true, eval_steps = 2: not built for disaggregated rollout yet"),
+    (["--use_parallel", "true", "--gen_workers", "1", "--replay_data_file", "r.npz"],
+     "gen_workers = 1 with replay_data_file = 'r.npz': not built for disaggregated rollout yet"),
     (["--use_parallel", "true", "--gen_workers", "2", "--chunk_size", "3"],
      "chunk_size = 3 is not divisible by infer_dp = 2"),
     # Colocated, the old rule stands: the same processes train and generate.
@@ -67,9 +69,16 @@ def test_impossible_settings_are_one_line_errors(argv, words):
     assert words in _error(argv)
 
 
-def test_ppo_refuses_gen_workers():
-    with pytest.raises(MindRLHFError, match="gen_workers = 1: disaggregated rollout is built for GRPO only"):
-        PPOConfig.parse_args(["--use_parallel", "true", "--gen_workers", "1", "--infer_dp", "1"])
+def test_ppo_takes_gen_workers_with_grpos_rules():
+    """PPO disaggregates as GRPO does (issue 43): the generators' layout follows gen_workers, the config's
+    one-line errors are the same (what is not built yet, named)."""
+    cfg = PPOConfig.parse_args(["--use_parallel", "true", "--gen_workers", "2", "--max_staleness", "1"])
+    assert (cfg.parallel.gen_workers, cfg.parallel.infer_dp, cfg.parallel.max_staleness, cfg.world_size) == (2, 2, 1, 3)
+    with pytest.raises(MindRLHFError, match="gen_workers = 1 with eval_steps = 2: not built for disaggregated rollout "
+                                            "yet; drop them or set gen_workers 0"):
+        PPOConfig.parse_args(["--use_parallel", "true", "--gen_workers", "1", "--eval_steps", "2"])
+    with pytest.raises(MindRLHFError, match="batch_size = 3 is not divisible by infer_dp = 2"):
+        PPOConfig.parse_args(["--use_parallel", "true", "--gen_workers", "2", "--batch_size", "3"])
 
 
 # -- layouts --------------------------------------------------------------------------------------------
@@ -154,17 +163,28 @@ def test_one_generator_one_trainer_equals_the_colocated_run(grpo_assets, tmp_pat
     assert (one / "completions_step_2.jsonl").read_text() == (two / "completions_step_2.jsonl").read_text()
 
 
+#: The one-step-off run (GRPO, 1 generator + 1 trainer, decoupled loss, 3 steps) that the async test and the
+#: generator-kill test share: a killed and resumed run must end with its metrics.
+ONE_STEP_OFF = dict(gen_workers=1, max_staleness=1, loss_type="decoupled", max_steps=3, lr=1e-3, tensorboard="false",
+                    reward_funcs=["accuracy", "e2e_rewards:length_reward"])
+
+
+@pytest.fixture(scope="module")
+def one_step_off(grpo_assets, tmp_path_factory):
+    """The uninterrupted one-step-off run's output folder (one msrun launch for the module)."""
+    root = tmp_path_factory.mktemp("one_step_off")
+    _msrun(2, _args(grpo_assets, root / "async", use_parallel="true", **ONE_STEP_OFF), root / "log", 8163)
+    return root / "async"
+
+
 @pytest.mark.slow
 @pytest.mark.msrun
-def test_one_step_off_trains_rows_one_update_old_while_the_generator_samples(grpo_assets, tmp_path):
+def test_one_step_off_trains_rows_one_update_old_while_the_generator_samples(one_step_off):
     """msrun world 2, gen_workers 1, max_staleness 1, loss_type decoupled, 3 steps: step 1's rows are fresh and every
     later row was sampled one update before the policy that trains it; the generator samples step s + 1 while the
     trainer trains step s (their busy intervals, measured on one clock, overlap); the sampler/trainer log-prob gap
     shows the lag; each checkpoint keeps the weights the next step's rows are being sampled with."""
-    out = tmp_path / "async"
-    _msrun(2, _args(grpo_assets, out, use_parallel="true", gen_workers=1, max_staleness=1, loss_type="decoupled",
-                    max_steps=3, lr=1e-3, tensorboard="false", reward_funcs=["accuracy", "e2e_rewards:length_reward"]),
-           tmp_path / "log", 8163)
+    out = one_step_off
     m = _metrics(out)
     assert [r["step"] for r in m] == [1, 2, 3]
     assert [(r["staleness/mean"], r["staleness/max"]) for r in m] == [(0.0, 0.0), (1.0, 1.0), (1.0, 1.0)]
@@ -187,3 +207,45 @@ def test_one_step_off_trains_rows_one_update_old_while_the_generator_samples(grp
         folder = ckpt / f"step_{step:08d}"
         assert json.loads((folder / "state.json").read_text())["in_flight_version"] == version
         assert (folder / "in_flight.ckpt").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+def test_a_killed_generator_stops_the_trainers_and_resume_finishes_the_run(grpo_assets, one_step_off, tmp_path):
+    """The dead-worker rule with generator ranks (issue 43): the one-step-off job on two nodes (the trainer on node 0,
+    the generator on node 1), the generator SIGKILLed while it samples step 3 (the trainer is training step 2):
+    the trainer stops within collective_timeout with the one-line error (exit code 3) naming the newest checkpoint
+    (step 2, which keeps the weights step 3 was being sampled with), and --resume finishes the run with the
+    uninterrupted run's metrics (step 3 sampled again by the same weights, one update old)."""
+    from grpo_runs import logged_at, two_nodes
+
+    # Long enough for the generator's wait while the trainer compiles and trains step 1 (about 11 s on a loaded CI
+    # box), short enough to fire before msrun's scheduler drops the dead node (its heartbeat timeout, about 30 s).
+    timeout = 20
+    out, logs = tmp_path / "killed", tmp_path / "log"
+    argv = _args(grpo_assets, out, collective_timeout=timeout, **ONE_STEP_OFF)
+    results = two_nodes(argv, logs, 8183, env_extra={"MINDRLHF_KILL_AT": "1:3:generate"}, check=False,
+                        workers_per_node=1)
+    assert all(code != 0 for code, _ in results), [code for code, _ in results]
+    died = logged_at(logs / "node1" / "worker_1.log", r"fault injection: rank 1 kills itself at step 3 \(generate\)")
+    assert "Error code: 3" in results[0][1], results[0][1][-3000:]
+    trainer_log = logs / "node0" / "worker_0.log"
+    text = trainer_log.read_text(errors="replace")
+    assert ("error: worker rank 0 of 2:" in text and "died or hangs" in text
+            and f"within {timeout} s (MS_CPU_COMM_OP_TIMEOUT)" in text
+            and "newest complete checkpoint here is step 2" in text), text[-3000:]
+    stopped = logged_at(trainer_log, r"ERROR mindrlhf: rank 0: \w+ failed")
+    before = _metrics(out)
+    assert [r["step"] for r in before] == [1, 2]
+    # The trainer finishes step 2 (and its checkpoint), then waits at most collective_timeout for step 3's rows.
+    assert 0 <= stopped - died <= before[1]["step_time"] + timeout + 10, (stopped - died, before[1]["step_time"])
+    reference = _metrics(one_step_off)
+
+    _msrun(2, argv + ["--use_parallel", "true", "--resume"], tmp_path / "log_resume", 8185)
+    resumed = _metrics(out)
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    assert (resumed[2]["staleness/mean"], resumed[2]["staleness/max"]) == (1.0, 1.0)
+    for want, got in zip(reference, resumed):
+        for key, value in want.items():
+            if not _timing(key) and not (isinstance(value, float) and math.isnan(value)):
+                assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (want["step"], key, got[key], value)

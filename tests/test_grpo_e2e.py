@@ -20,14 +20,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from grpo_runs import assert_same_updated_weights, second_host
+from grpo_runs import assert_same_updated_weights
 from grpo_runs import grpo_args as _args
 from grpo_runs import is_timing as _timing
-from grpo_runs import launch_env as _launch_env
+from grpo_runs import logged_at as _logged_at
 from grpo_runs import msrun as _msrun
 from grpo_runs import read_rows as _metrics
 from grpo_runs import run_cli as _run_cli
 from grpo_runs import run_inprocess as _run_inprocess
+from grpo_runs import two_nodes as _two_nodes
 from mindrlhf.checkpoint.manager import CheckpointManager
 
 REPO = Path(__file__).resolve().parents[1]
@@ -419,40 +420,6 @@ def test_two_workers_dynamic_sampling_decide_globally(grpo_assets, tmp_path):
         trained = exp.completion_mask.reshape(-1, 4, exp.completion_mask.shape[1]).sum((1, 2)) > 0
         assert ((exp.rewards.reshape(-1, 4).std(1) > 0) == trained).all()
         assert trained.sum() == row["sampling/kept_groups"] and math.isfinite(row["loss"])
-
-
-def _two_nodes(argv, log_dir: Path, port: int, env_extra=None, check: bool = True) -> list:
-    """scripts/launch_node.sh started twice, as node 0 here and node 1 in a network namespace of its own
-    (a second host reached over a virtual link), forming one 2 x 2-worker job. Returns each launch's
-    (exit code, output)."""
-    env = _launch_env(env_extra)
-    with second_host() as (netns, master, _):
-        procs = []
-        for rank in (0, 1):
-            cmd = ["bash", str(REPO / "scripts/launch_node.sh"), "--nodes", "2", "--node_rank", str(rank),
-                   "--master_addr", master, "--master_port", str(port), "--workers_per_node", "2",
-                   "--log_dir", str(log_dir / f"node{rank}"), "--", *map(str, argv)]
-            procs.append(subprocess.Popen((["ip", "netns", "exec", netns] if rank else []) + cmd, cwd=REPO, env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        outs = [p.communicate(timeout=900)[0] for p in procs]
-    if check and any(p.returncode for p in procs):
-        logs = "\n".join(f.read_text()[-2000:] for f in sorted(log_dir.rglob("*.log")))
-        raise AssertionError(f"launch_node.sh failed {[p.returncode for p in procs]}:\n{outs[0][-2000:]}\n"
-                             f"{outs[1][-2000:]}\n{logs}")
-    assert (log_dir / "node0" / "scheduler.log").exists() and not (log_dir / "node1" / "scheduler.log").exists()
-    return [(p.returncode, out) for p, out in zip(procs, outs)]
-
-
-def _logged_at(log: Path, pattern: str) -> float:
-    """The time (s since the epoch) of the first line of a worker log whose message matches ``pattern``."""
-    import datetime
-    import re
-
-    for line in log.read_text(errors="replace").splitlines():
-        if re.search(pattern, line):
-            stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
-            return stamp.timestamp()
-    raise AssertionError(f"no line matching {pattern!r} in {log}:\n{log.read_text(errors='replace')[-3000:]}")
 
 
 @pytest.mark.slow

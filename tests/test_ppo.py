@@ -345,3 +345,49 @@ def test_a_reward_path_typo_is_reported_before_any_model_loads(ppo_assets, tmp_p
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "cannot import module 'e2e_rewardz'" in err[-1] and err[-1].startswith("error: "), err
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+def test_one_generator_one_trainer_equals_the_colocated_run(ppo_assets, recorded, tmp_path):
+    """Disaggregated PPO (issue 43): msrun world 2 with gen_workers 1 at max_staleness 0 (rank 1 only samples; rank
+    0 scores with the reward model, runs the reference and the critic and trains both) computes the colocated
+    one-process run's first two steps: every metric (rel 1e-6) and the actor's and critic's weights; every row was
+    sampled by the policy of the step before (staleness 0) and both sides' busy and idle seconds are logged."""
+    import math
+
+    import mindspore as ms
+
+    from grpo_runs import is_timing, msrun
+    from mindrlhf.trainer.experience import step_file
+
+    two = tmp_path / "disaggregated"
+    # Two of the recorded three steps (a constant learning rate: the same schedule for any run length).
+    dump = tmp_path / "exp" / "rollouts.npz"
+    msrun(2, ["ppo", *_argv(ppo_assets, two, max_steps=2, use_parallel="true", gen_workers=1, save_data_file=dump)],
+          tmp_path / "log", 8181, script="examples/stages/run.py")
+    m1, m2 = _rows(recorded / "run")[:2], _rows(two)
+    assert [r["step"] for r in m2] == [1, 2]
+    assert all(r["grad_norm"] > 1e-3 and r["val/grad_norm"] > 1e-3 for r in m1)  # not a vacuous comparison
+    for a, b in zip(m1, m2):
+        assert {k for k in set(b) - set(a) if not is_timing(k)} == {"staleness/mean", "staleness/max"}
+        assert {"time/generator_busy", "time/generator_idle", "time/trainer_busy", "time/trainer_idle"} <= set(b)
+        assert b["staleness/mean"] == b["staleness/max"] == 0.0
+        for key, value in a.items():
+            if not is_timing(key) and not (isinstance(value, float) and math.isnan(value)):
+                assert b[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (a["step"], key, b[key], value)
+    for stem in ("policy", "critic"):
+        w1 = ms.load_checkpoint(str(recorded / "run" / "checkpoints" / "step_00000002" / f"{stem}.ckpt"))
+        w2 = ms.load_checkpoint(str(two / "checkpoints" / "step_00000002" / f"{stem}.ckpt"))
+        assert set(w1) == set(w2)
+        for name in w1:
+            np.testing.assert_allclose(w2[name].asnumpy(), w1[name].asnumpy(), rtol=1e-6, atol=1e-9,
+                                       err_msg=f"{stem}/{name}")
+    assert (recorded / "run" / "completions_step_2.jsonl").read_text() == (two / "completions_step_2.jsonl").read_text()
+    # --save_data_file from the trainers records the rows the colocated run recorded (replay: not with gen_workers).
+    for step in (1, 2):
+        want = np.load(step_file(str(recorded / "exp" / "rollouts.npz"), step))
+        got = np.load(step_file(str(dump), step))
+        assert set(want.files) == set(got.files)
+        for name in want.files:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-9, err_msg=(step, name))

@@ -383,8 +383,9 @@ class ParallelConfig(TrainLayoutConfig):
         "over ranks 0 .. world - gen_workers - 1; they also score the rewards and run the reference). Rollouts go "
         "generators -> trainers as one padded all-gather per step and the updated weights trainers -> generators as "
         "a broadcast. 0 = colocated: every rank generates, then trains (the default). With gen_workers > 0, infer_dp "
-        "defaults to gen_workers and train_dp to the rest of the world. GRPO only so far, with train_tp = train_pp = "
-        "infer_tp = 1, without dynamic_sampling, eval_steps or replay_data_file. Range >= 0.",
+        "defaults to gen_workers and train_dp to the rest of the world. GRPO and PPO (PPO's critic, reward model and "
+        "reference run on the trainers), with train_tp = train_pp = infer_tp = 1, without dynamic_sampling, "
+        "eval_steps or replay_data_file so far (save_data_file works). Range >= 0.",
         ge=0)
     max_staleness: int = config_field(
         0, "Disaggregated rollout's schedule (gen_workers > 0): the most policy updates a trained row may lag "
@@ -538,6 +539,25 @@ class RolloutConfig(TrainingConfig):
         """The mini-batch as the stage's fields set it, for the errors below."""
         raise NotImplementedError
 
+    def resolve(self, source: str) -> None:
+        """With generator ranks (``gen_workers``) and no infer_dp given, the generators' layout follows them
+        (data parallel over the gen_workers ranks)."""
+        p = self.parallel
+        if p.gen_workers and "infer_dp" not in self.explicitly_set():
+            p.infer_dp = p.gen_workers
+
+    def _check_combinations(self, errors: List[str]) -> None:
+        super()._check_combinations(errors)
+        p, t = self.parallel, self.train
+        if p.gen_workers:  # what a disaggregated rollout does not do yet, named (GRPO's and PPO's alike)
+            unbuilt = [f"{name} = {value}" for name, value in (
+                ("dynamic_sampling", getattr(self.algorithm, "dynamic_sampling", False) and "true"),
+                ("eval_steps", t.eval_steps),
+                ("replay_data_file", t.replay_data_file and repr(t.replay_data_file))) if value]
+            if unbuilt:
+                errors.append(f"gen_workers = {p.gen_workers} with {', '.join(unbuilt)}: not built for disaggregated "
+                              "rollout yet; drop them or set gen_workers 0")
+
     def _check_batch_geometry(self, errors: List[str]) -> None:
         """Prompts per generator replica, and completions per step → mini-batch → rank → micro-batch → pipeline
         micro-batch: each must divide the one before (the first that does not is the one error)."""
@@ -665,9 +685,8 @@ class GRPOConfig(RolloutConfig):
                     raise MindRLHFError(f"{source}: {name} = {current} conflicts with {key}: {value} in {path} "
                                         f"(sft_path_{side}); drop {name} or change the YAML")
                 setattr(self.parallel, name, value)
-        p = self.parallel
-        if p.gen_workers and "infer_dp" not in explicit and not self.model_yaml("infer"):
-            p.infer_dp = p.gen_workers  # the generators' layout follows gen_workers (data parallel)
+        if not self.model_yaml("infer"):
+            super().resolve(source)
 
     def _check_combinations(self, errors: List[str]) -> None:
         super()._check_combinations(errors)  # each group's own rules (its ``check``)
@@ -689,13 +708,6 @@ class GRPOConfig(RolloutConfig):
         if o.warmup_steps > t.max_steps and not (t.grpo_epochs and "max_steps" not in self.explicitly_set()):
             errors.append(f"warmup_steps = {o.warmup_steps} > max_steps = {t.max_steps}; "
                           "the learning rate would never reach lr")
-        if p.gen_workers:
-            unbuilt = [f"{name} = {value}" for name, value in (
-                ("dynamic_sampling", a.dynamic_sampling and "true"), ("eval_steps", t.eval_steps),
-                ("replay_data_file", t.replay_data_file and repr(t.replay_data_file))) if value]
-            if unbuilt:
-                errors.append(f"gen_workers = {p.gen_workers} with {', '.join(unbuilt)}: not built for disaggregated "
-                              "rollout yet; drop them or set gen_workers 0")
         self._check_batch_geometry(errors)
 
     def _mini_batch_error(self) -> Optional[str]:

@@ -242,9 +242,6 @@ class PPOConfig(RolloutConfig):
                           "would rise")
         if g.use_vllm:
             errors.append("use_vllm = true: the vLLM-MindSpore backend is not wired in; set use_vllm false")
-        if self.parallel.gen_workers:
-            errors.append(f"gen_workers = {self.parallel.gen_workers}: disaggregated rollout is built for GRPO only "
-                          "so far; set gen_workers 0 for PPO")
         self._check_batch_geometry(errors)
 
     def _mini_batch_error(self) -> Optional[str]:

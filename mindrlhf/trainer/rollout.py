@@ -284,6 +284,7 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         the global rows first, e.g. GRPO's advantages)."""
         scored = self._round(step, 0)
         scored.exp = self._train_share(self._global_rows(scored.exp))
+        self._share_lists(scored)
         return scored
 
     def collect(self, step: int, timer: PhaseTimer) -> ScoredRollout:
