@@ -478,9 +478,10 @@ def test_a_dead_worker_stops_the_job_and_resume_continues_exactly(grpo_assets, t
 def test_tp_pp_layout_matches_one_process(grpo_assets, tmp_path):
     """4 workers: train tp2 × pp2 (2 pipeline micro-batches), generate dp2 × tp2.
 
-    On replayed rollouts the losses, grad norms and final weights (the checkpoint is assembled from
-    the shards into full tensors) equal one process's, with the reference model (beta > 0) run
-    through the pipeline too. That run is the multi-node launch rehearsed on one machine: node 0 and
+    On the rollouts one process recorded, the losses, grad norms and final weights (the checkpoint is
+    assembled from the shards into full tensors) equal that recording run's (a replay of its own rollouts
+    by one process is bit-identical to it, so it is the one-process reference), with the reference model
+    (beta > 0) run through the pipeline too. That run is the multi-node launch rehearsed on one machine: node 0 and
     node 1 (2 workers each; node 1 in its own network namespace, so it is a second host to msrun) form
     the one 4-worker job, tensor parallel within a node and the pipeline across the two. A generating
     run in the same layout (tp KV-cache sampling, in-memory train → infer resharding every step)
@@ -491,10 +492,9 @@ def test_tp_pp_layout_matches_one_process(grpo_assets, tmp_path):
     # on the layer graphs (recompute auto could choose differently for one process and for four).
     base = dict(mini_batch_size=4, micro_batch_size=2, beta=0.04, max_steps=2, lr=1e-4,
                 reward_funcs=["accuracy", "e2e_rewards:length_reward"], recompute="full")
-    assert _run_inprocess(_args(grpo_assets, tmp_path / "record", save_data_file=dump, **base)) == 0
+    one = tmp_path / "record"
+    assert _run_inprocess(_args(grpo_assets, one, save_data_file=dump, **base)) == 0
     common = dict(base, replay_data_file=dump, tensorboard="false")
-    one = tmp_path / "one"
-    assert _run_inprocess(_args(grpo_assets, one, **common)) == 0
     layout = dict(use_parallel="true", train_dp=1, train_tp=2, train_pp=2, train_micro_batches=2, infer_dp=2,
                   infer_tp=2)
     four = tmp_path / "four"
