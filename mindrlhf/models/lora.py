@@ -158,6 +158,30 @@ def apply_lora(model: nn.Cell, spec: LoRASpec) -> List[str]:
     return [name for name, _ in targets]
 
 
+def adapted_projections(layer: nn.Cell) -> Tuple[str, ...]:
+    """The names (relative to ``layer``) of the projections of one decoder layer that carry an adapter."""
+    return tuple(name for name, cell in layer.cells_and_names()
+                 if isinstance(cell, (ColumnParallelLinear, RowParallelLinear)) and cell.lora_A is not None)
+
+
+def adapt_like(template: nn.Cell, layer: nn.Cell) -> None:
+    """Give ``template`` (a decoder layer built like ``layer``, e.g. the compiled layer graphs' template) adapters of
+    ``layer``'s shapes, dtype and scaling, and freeze its base as ``apply_lora`` froze ``layer``'s: the template's
+    factors are placeholders, a layer's own factors are loaded into them before each call."""
+    cells = dict(template.cells_and_names())
+    for param in template.get_parameters():
+        param.requires_grad = False
+    for name in adapted_projections(layer):
+        source, target = dict(layer.cells_and_names())[name], cells[name]
+        for which in ("lora_A", "lora_B"):
+            weight = getattr(source, which).weight
+            setattr(target, which, _Factor(np.zeros(weight.shape, np.float32), weight.dtype, f"{name}.{which}.weight"))
+            getattr(target, which).weight.name = f"{name}.{which}.weight"
+        # Dropout and the tp copy hold no parameters: the template shares the layer's.
+        target.lora_dropout, target.lora_copy = source.lora_dropout, source.lora_copy
+        target.lora_scaling = source.lora_scaling
+
+
 def _require_whole(model: nn.Cell, what: str) -> None:
     if model.shard.tp > 1 or model.shard.pp > 1:
         raise MindRLHFError(f"{what}: this model is one tp/pp shard; gather the adapters of every shard first "
