@@ -33,10 +33,9 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn
 
 from mindrlhf.errors import MindRLHFError
+from mindrlhf.models.family import PROJECTIONS  # every attention and MLP projection: the default targets
 from mindrlhf.models.tp_layers import ColumnParallelLinear, CopyToTP, RowParallelLinear
 
-#: Every attention and MLP projection of a decoder layer (PEFT's module names), the default targets.
-PROJECTIONS: Tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: PEFT's prefix of the transformers model's names in ``adapter_model.safetensors``.
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG = "adapter_config.json"
@@ -313,6 +312,16 @@ def save_adapter(model: nn.Cell, out_dir: Union[str, Path], base_model_name_or_p
         raise
     write_json_atomic(out / ADAPTER_CONFIG, peft_config(spec, base_model_name_or_path))
     return out
+
+
+def adapter_files(model: nn.Cell, base_model_name_or_path: Optional[str] = None) -> Dict[str, bytes]:
+    """The files of ``save_adapter``'s folder as bytes, by file name (a training checkpoint holds them, so its
+    folder is a PEFT adapter folder too)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = save_adapter(model, tmp, base_model_name_or_path)
+        return {name: (out / name).read_bytes() for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)}
 
 
 def read_adapter(adapter_dir: Union[str, Path]) -> Tuple[LoRASpec, Dict[str, np.ndarray]]:
