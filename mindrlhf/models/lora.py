@@ -16,8 +16,9 @@ to the partial sum before the layer's reduce); see ``tp_layers`` for the replica
 ``save_adapter`` / ``load_adapter`` write and read ``adapter_config.json`` + ``adapter_model.safetensors``
 as ``peft`` does (tests/test_lora.py checks the logits against peft on transformers, both ways);
 ``merged_weights`` gives the base weights with ``scaling * B A`` added, for a merged HF export.
-Wiring LoRA into the stages (frozen base without masters, reference = adapters off, the sampler,
-checkpoints) is the next step: see docs/design.md, "LoRA".
+SFT trains them (``trainer.entry.load_policy(..., lora=cfg.model)``; the compiled layer graphs carry the same
+adapters through ``adapt_like``); the other stages, the reference with adapters off and the sampler are next:
+see docs/design.md, "LoRA".
 """
 from __future__ import annotations
 
