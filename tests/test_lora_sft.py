@@ -209,6 +209,7 @@ def test_sft_lora_run_writes_a_peft_adapter_and_resumes_exactly(lora_assets, tmp
     from mindspore import Tensor
 
     from mindrlhf.checkpoint.manager import CheckpointManager
+    from mindrlhf.errors import MindRLHFError
     from mindrlhf.models import load_model
     from mindrlhf.models.lora import load_adapter
     from mindrlhf.testing import padded_batch
@@ -246,6 +247,8 @@ def test_sft_lora_run_writes_a_peft_adapter_and_resumes_exactly(lora_assets, tmp
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()[-1:]) == 1
     assert "--model" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
 
+    with pytest.raises(MindRLHFError, match="holds LoRA adapters .* not a model"):  # a run's folder, a step's
+        load_model(full)
     model = load_model(a["model"])
     load_adapter(model, full / "adapter")
     ids, mask = padded_batch(model.config.vocab_size)
