@@ -156,7 +156,7 @@ def build_trainer(cfg: SFTConfig, layout=None):
     cuts = [split_point(m) for m in seqs["trained"]]
     extent = prompt_completion_extent(cuts, [len(ids) - k for ids, k in zip(seqs["input_ids"], cuts)],
                                       cfg.micro_rows)
-    model, masters = load_policy(path, config, layout, cfg.model.dtype)
+    model, masters = load_policy(path, config, layout, cfg.model.dtype, lora=cfg.model, seed=cfg.train.seed)
     updater = build_updater(cfg, model, SFTObjective(), head=LogProbHead(stats=True), groups=layout.groups,
                             masters=masters, extent=extent)
     return SFTTrainer(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout, train=seqs,

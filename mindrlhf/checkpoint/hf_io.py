@@ -552,6 +552,10 @@ def _weights_path(path: PathLike) -> Path:
     from mindrlhf.checkpoint.run_dir import model_of_run
 
     path = model_of_run(path)
+    if path.is_dir() and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        raise MindRLHFError(f"{path} holds LoRA adapters (a PEFT adapter folder), not a model; give its base model "
+                            "and this folder as --lora_init_from, or merge it into a full model first "
+                            "(mindrlhf.models.lora.merged_weights, README: LoRA)")
     if path.is_dir() and (path / "policy.ckpt").is_file() and not any(
             (path / name).is_file() for name in (SINGLE_SAFETENSORS, SAFETENSORS_INDEX)):
         return path / "policy.ckpt"

@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import ClassVar, List, Optional
 
 from mindrlhf.configs.base import GroupedConfig, config_field
 from mindrlhf.models.dtypes import DTYPE_ALIASES, DTYPES  # the one dtype table
+from mindrlhf.models.family import PROJECTIONS  # LoRA's default targets
 from mindrlhf.rewards.manager import REWARD_ERRORS, reward_spec_name
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -102,8 +103,41 @@ class ModelBaseConfig:
         "accumulated, reduced and clipped in float32; log-probs and the loss are computed in float32. float16 "
         "adds dynamic loss scaling (loss_scale_init). bfloat16 needs Ascend; float16 and float32 run on CPU.",
         choices=DTYPES, aliases=DTYPE_ALIASES)
+    lora_rank: int = config_field(
+        0, "LoRA (Hu et al. 2021, PEFT's r): train rank-r adapters on the frozen trained model instead of all its "
+        "weights. 0 = full fine-tune. The base then keeps no float32 master, gradient or Adam state (only the "
+        "adapters do), checkpoints hold the adapters and the base's identity, and the run ends with a PEFT "
+        "adapter folder output_dir/adapter (peft's PeftModel.from_pretrained loads it). Range >= 0. Wired into "
+        "SFT; the other stages refuse it for now.",
+        ge=0)
+    lora_alpha: float = config_field(
+        8.0, "LoRA scaling numerator (PEFT's lora_alpha): an adapter adds (lora_alpha / lora_rank) * B A x. Range > 0.",
+        gt=0.0)
+    lora_dropout: float = config_field(
+        0.0, "Dropout on an adapter's input (PEFT's lora_dropout). Only 0 is supported in training for now (the "
+        "compiled layer graphs recompute each layer's forward). Range [0, 1).",
+        ge=0.0, lt=1.0)
+    lora_target_modules: List[str] = config_field(
+        list(PROJECTIONS), "The decoder projections that get adapters, in PEFT's meaning: module names (a "
+        "module matches when its name is one or ends with '.<one>', e.g. q_proj v_proj), all-linear (every "
+        "projection), or one regex matched against whole module names such as model.layers.0.self_attn.q_proj. "
+        "Default: every attention and MLP projection.")
+    lora_init_from: str = config_field(
+        "", "A PEFT adapter folder (adapter_config.json + adapter_model.safetensors, peft's save_pretrained or a "
+        "mindrlhf run's output_dir/adapter) to start the adapters from; its adapter_config.json sets the rank, "
+        "alpha, dropout and targets (lora_rank, if given, must equal its r). '' = PEFT's init (A random, B zero).")
+
+    @property
+    def lora(self) -> bool:
+        """Whether the trained model gets LoRA adapters (``lora_rank`` > 0 or ``lora_init_from``)."""
+        return self.lora_rank > 0 or bool(self.lora_init_from)
 
     def check(self, errors: List[str]) -> None:
+        if self.lora and self.lora_dropout > 0:
+            errors.append(f"lora_dropout = {self.lora_dropout}: adapter dropout is not supported in training yet; "
+                          "use lora_dropout 0")
+        if not self.lora_target_modules:
+            errors.append("lora_target_modules is empty; name projections (e.g. q_proj v_proj) or give a regex")
         if bool(self.vocab_path) != bool(self.merges_file_path):
             errors.append(f"vocab_path = {self.vocab_path!r} and merges_file_path = {self.merges_file_path!r}: "
                           "give both or neither")
@@ -332,8 +366,20 @@ class TrainingConfig(GroupedConfig):
         """``save_ckpt_dir`` with '' resolved to ``output_dir/checkpoints``."""
         return self.train.save_ckpt_dir or os.path.join(self.train.output_dir, "checkpoints")
 
+    #: Whether the stage trains LoRA adapters when the model group asks for them (``lora_rank``); a stage that
+    #: does not refuses them, so no stage silently trains the full model instead.
+    LORA: ClassVar[bool] = False
+
     def _check_combinations(self, errors: List[str]) -> None:
         for name, _ in self.groups():
             check = getattr(getattr(self, name), "check", None)
             if check is not None:
                 check(errors)
+        m, p = self.model, self.parallel
+        if m.lora and not self.LORA:
+            errors.append(f"lora_rank = {m.lora_rank} / lora_init_from = {m.lora_init_from!r}: this stage does not "
+                          "train LoRA adapters yet (SFT does); use lora_rank 0 and no lora_init_from")
+        elif m.lora and p.train_tp * p.train_pp > 1:
+            errors.append(f"LoRA with train_tp = {p.train_tp}, train_pp = {p.train_pp}: adapter checkpoints of a "
+                          "tp/pp-sharded model are not supported yet; use train_tp 1 and train_pp 1 (train_dp "
+                          "may be > 1)")

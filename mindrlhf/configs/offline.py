@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import ClassVar, List, Optional, Sequence
 
 from mindrlhf.configs.base import config_field
 from mindrlhf.configs.common import (
@@ -268,6 +268,7 @@ class SFTConfig(OfflineConfig):
 
     REFERENCE_PREAMBLE = _PREAMBLE
     REFERENCE_FILE = STAGES["sft"].reference
+    LORA: ClassVar[bool] = True  # lora_rank > 0 trains adapters (``trainer.entry.load_policy``)
 
     data: SFTDataConfig = dataclasses.field(default_factory=SFTDataConfig)
     train: PolicyTrainConfig = dataclasses.field(default_factory=PolicyTrainConfig)

@@ -31,6 +31,7 @@ from mindrlhf.errors import MindRLHFError
 from mindrlhf.models.config import DecoderConfig
 from mindrlhf.models.dtypes import DTYPE_ALIASES, VALID_DTYPES
 from mindrlhf.models.layer_graphs import LayerGraphs
+from mindrlhf.models.lora import adapt_like, adapted_projections
 from mindrlhf.models.shard import ModelShard
 from mindrlhf.models.tp_layers import (
     ColumnParallelLinear,
@@ -405,6 +406,7 @@ class CausalLM(nn.Cell):
         self.num_layers = config.num_hidden_layers
         self._layer_graphs: Optional[LayerGraphs] = None  # built by the first ``compiled_layers``
         self._use_layer_graphs = False
+        self._layer_graphs_lora = None  # the LoRA spec the layer graphs' template was built with
         self.lora_spec = None  # a ``models.lora.LoRASpec`` once ``models.lora.apply_lora`` attached adapters
 
     # -- shared pieces -------------------------------------------------------------------------
@@ -487,16 +489,31 @@ class CausalLM(nn.Cell):
         """Within this block (pynative only, never inside ``mindspore.jit``) the decoder layers run as
         two compiled graphs shared by all of them, recomputing each layer's forward in the backward
         (``models.layer_graphs``): faster than pynative layers and lighter than a compiled model."""
-        if self.lora_spec is not None:  # the graphs load and differentiate a layer's trainable parameters only
-            raise MindRLHFError("compiled layer graphs do not support LoRA adapters yet; "
-                                "run the model without compiled_layers (pynative or mindspore.jit)")
-        if self._layer_graphs is None:
-            self._layer_graphs = LayerGraphs(DecoderLayer(self.config, self.compute_dtype, self.shard))
+        if self._layer_graphs is None or self._layer_graphs_lora is not self.lora_spec:
+            self._layer_graphs = LayerGraphs(self._layer_template())
+            self._layer_graphs_lora = self.lora_spec
         self._use_layer_graphs = True
         try:
             yield
         finally:
             self._use_layer_graphs = False
+
+    def _layer_template(self) -> nn.Cell:
+        """The layer the shared graphs are compiled on: a ``DecoderLayer`` like this shard's, with the same LoRA
+        adapters (frozen base, trainable factors) when the model has them (``models.lora.adapt_like``)."""
+        template = DecoderLayer(self.config, self.compute_dtype, self.shard)
+        if self.lora_spec is None:
+            return template
+        layers = [self.model.layers[i] for i in self.layer_range]
+        if len({adapted_projections(layer) for layer in layers}) > 1:
+            raise MindRLHFError(f"compiled layer graphs: LoRA target_modules {self.lora_spec.target_modules!r} adapt "
+                                "different projections in different layers, and one compiled layer serves all; "
+                                "target the same projections in every layer, or set layer_graphs false")
+        if self.lora_spec.dropout > 0 and self.training:  # a dropout recomputed in the backward draws another mask
+            raise MindRLHFError(f"compiled layer graphs: lora_dropout {self.lora_spec.dropout} is not supported "
+                                "with the shared layer graphs; use lora_dropout 0 or set layer_graphs false")
+        adapt_like(template, layers[0])
+        return template
 
     def completion_logprobs(self, hidden: Tensor, completion_ids: Tensor, temperature: float = 1.0) -> Tensor:
         """Last stage: final norm, output projection and log-probs of the last C positions → (B, C)."""

@@ -171,6 +171,9 @@ _LAYER_TENSORS: Tuple[_LayerTensor, ...] = (
     _LayerTensor("post_attention_layernorm.weight", REPLICATED, lambda c: (c.hidden_size,)),
 )
 _LAYER_SPLIT = {row.suffix: row.split for row in _LAYER_TENSORS}
+#: The decoder layer's projections (its linear layers, PEFT's module names, in layer order): LoRA's targets.
+PROJECTIONS: Tuple[str, ...] = tuple(row.suffix.split(".")[1] for row in _LAYER_TENSORS
+                                     if row.suffix.endswith("_proj.weight"))
 
 # llama.cpp tensor names (gguf-py's TENSOR_NAMES) -> HF names.
 _GGUF_GLOBAL = {"token_embd.weight": EMBED, "output_norm.weight": FINAL_NORM, "output.weight": LM_HEAD}

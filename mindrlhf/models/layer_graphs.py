@@ -80,7 +80,10 @@ class LayerGraphs:
 
     def __init__(self, template: nn.Cell):
         self.template = template
-        self.weights = tuple(template.trainable_params())
+        # Every parameter is loaded per layer; only the trainable ones are differentiated (a LoRA layer's frozen
+        # base is loaded too but gets no gradient, its adapters do).
+        self.weights = tuple(template.get_parameters())
+        self.trainable = tuple(bool(w.requires_grad) for w in self.weights)
         self._graphs: Dict[bool, Tuple] = {}
         self._layer_weights: Dict[int, Tuple] = {}
         self._cells = {True: _GraphLayer(self, packed=True), False: _GraphLayer(self, packed=False)}
@@ -93,12 +96,12 @@ class LayerGraphs:
     def _weights_of(self, layer: nn.Cell) -> Tuple:
         key = id(layer)
         if key not in self._layer_weights:
-            weights = tuple(layer.trainable_params())
+            weights = tuple(layer.get_parameters())
             if len(weights) != len(self.weights):
-                raise MindRLHFError(f"layer graphs: a layer has {len(weights)} trainable parameters, the template "
+                raise MindRLHFError(f"layer graphs: a layer has {len(weights)} parameters, the template "
                                     f"{len(self.weights)}; build the template like the model's layers")
-            for t, w in zip(self.weights, weights):
-                if t.shape != w.shape or t.dtype != w.dtype:
+            for t, w, trainable in zip(self.weights, weights, self.trainable):
+                if t.shape != w.shape or t.dtype != w.dtype or bool(w.requires_grad) != trainable:
                     raise MindRLHFError(f"layer graphs: {w.name} is {w.dtype}{w.shape} but the compiled template "
                                         f"holds {t.dtype}{t.shape}; build the template like the model's layers")
             self._layer_weights[key] = weights
@@ -111,7 +114,8 @@ class LayerGraphs:
     def _compiled(self, packed: bool, x: Tensor, rope, bias):
         """(forward, backward) graphs for packed or padded rows, compiled on first use."""
         if packed not in self._graphs:
-            layer, weights = self.template, self.weights
+            layer = self.template
+            weights = tuple(w for w, trainable in zip(self.weights, self.trainable) if trainable)
 
             def forward(x, rope, bias):
                 return layer(x, rope, bias)
@@ -136,7 +140,7 @@ class LayerGraphs:
         return self._compiled(isinstance(bias, tuple), x, rope, bias)[0](x, *_inputs(rope, bias))
 
     def backward(self, x: Tensor, rope, bias, weights, dout: Tensor):
-        """(input gradient, weight gradients) for upstream gradient ``dout``."""
+        """(input gradient, gradients of the trainable weights) for upstream gradient ``dout``."""
         self._load(weights)
         return self._compiled(isinstance(bias, tuple), x, rope, bias)[1](x, *_inputs(rope, bias), dout)
 
@@ -150,6 +154,7 @@ class _GraphLayer(nn.Cell):
         self.graphs = graphs
         self.num_bias = 3 if packed else 1
         self._zeros: Tuple[Tuple, Tuple] = ((), ())  # (input signature, zero gradients for it)
+        self._frozen_zeros: Tuple[Tuple, Tuple] = ((), ())  # the same for a LoRA layer's frozen base weights
 
     def _split(self, args):
         n = self.num_bias
@@ -164,7 +169,22 @@ class _GraphLayer(nn.Cell):
         inputs, dout = args[:-2], args[-1]  # args[-2] is the forward's output
         rope, bias, weights = self._split(inputs)
         dx, dweights = self.graphs.backward(x, rope, bias, weights, dout)
-        return (dx,) + self._constant_grads(inputs[:4 + self.num_bias]) + tuple(dweights)
+        return (dx,) + self._constant_grads(inputs[:4 + self.num_bias]) + self._weight_grads(weights, dweights)
+
+    def _weight_grads(self, weights, dweights) -> Tuple:
+        """A gradient per weight input: the graph's for the trainable ones, zeros for a frozen base's (nothing
+        differentiates them; they are allocated once per layer shape, like ``_constant_grads``)."""
+        if all(self.graphs.trainable):
+            return tuple(dweights)
+        frozen = iter(self._zero_grads([w for w, t in zip(weights, self.graphs.trainable) if not t]))
+        trained = iter(dweights)
+        return tuple(next(trained) if t else next(frozen) for t in self.graphs.trainable)
+
+    def _zero_grads(self, frozen) -> Tuple:
+        signature = tuple((tuple(w.shape), w.dtype) for w in frozen)
+        if signature != self._frozen_zeros[0]:
+            self._frozen_zeros = (signature, tuple(ops.zeros(shape, dtype) for shape, dtype in signature))
+        return self._frozen_zeros[1]
 
     def _constant_grads(self, constants) -> Tuple:
         """Zero gradients for the rope tables and masks (they hold no parameters). Every layer of a

@@ -16,8 +16,9 @@ to the partial sum before the layer's reduce); see ``tp_layers`` for the replica
 ``save_adapter`` / ``load_adapter`` write and read ``adapter_config.json`` + ``adapter_model.safetensors``
 as ``peft`` does (tests/test_lora.py checks the logits against peft on transformers, both ways);
 ``merged_weights`` gives the base weights with ``scaling * B A`` added, for a merged HF export.
-Wiring LoRA into the stages (frozen base without masters, reference = adapters off, the sampler,
-checkpoints) is the next step: see docs/design.md, "LoRA".
+SFT trains them (``trainer.entry.load_policy(..., lora=cfg.model)``; the compiled layer graphs carry the same
+adapters through ``adapt_like``); the other stages, the reference with adapters off and the sampler are next:
+see docs/design.md, "LoRA".
 """
 from __future__ import annotations
 
@@ -33,10 +34,9 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn
 
 from mindrlhf.errors import MindRLHFError
+from mindrlhf.models.family import PROJECTIONS  # every attention and MLP projection: the default targets
 from mindrlhf.models.tp_layers import ColumnParallelLinear, CopyToTP, RowParallelLinear
 
-#: Every attention and MLP projection of a decoder layer (PEFT's module names), the default targets.
-PROJECTIONS: Tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: PEFT's prefix of the transformers model's names in ``adapter_model.safetensors``.
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG = "adapter_config.json"
@@ -156,6 +156,30 @@ def apply_lora(model: nn.Cell, spec: LoRASpec) -> List[str]:
         cell.lora_A.weight.name, cell.lora_B.weight.name = f"{name}.lora_A.weight", f"{name}.lora_B.weight"
     model.lora_spec = spec
     return [name for name, _ in targets]
+
+
+def adapted_projections(layer: nn.Cell) -> Tuple[str, ...]:
+    """The names (relative to ``layer``) of the projections of one decoder layer that carry an adapter."""
+    return tuple(name for name, cell in layer.cells_and_names()
+                 if isinstance(cell, (ColumnParallelLinear, RowParallelLinear)) and cell.lora_A is not None)
+
+
+def adapt_like(template: nn.Cell, layer: nn.Cell) -> None:
+    """Give ``template`` (a decoder layer built like ``layer``, e.g. the compiled layer graphs' template) adapters of
+    ``layer``'s shapes, dtype and scaling, and freeze its base as ``apply_lora`` froze ``layer``'s: the template's
+    factors are placeholders, a layer's own factors are loaded into them before each call."""
+    cells = dict(template.cells_and_names())
+    for param in template.get_parameters():
+        param.requires_grad = False
+    for name in adapted_projections(layer):
+        source, target = dict(layer.cells_and_names())[name], cells[name]
+        for which in ("lora_A", "lora_B"):
+            weight = getattr(source, which).weight
+            setattr(target, which, _Factor(np.zeros(weight.shape, np.float32), weight.dtype, f"{name}.{which}.weight"))
+            getattr(target, which).weight.name = f"{name}.{which}.weight"
+        # Dropout and the tp copy hold no parameters: the template shares the layer's.
+        target.lora_dropout, target.lora_copy = source.lora_dropout, source.lora_copy
+        target.lora_scaling = source.lora_scaling
 
 
 def _require_whole(model: nn.Cell, what: str) -> None:
@@ -289,6 +313,16 @@ def save_adapter(model: nn.Cell, out_dir: Union[str, Path], base_model_name_or_p
         raise
     write_json_atomic(out / ADAPTER_CONFIG, peft_config(spec, base_model_name_or_path))
     return out
+
+
+def adapter_files(model: nn.Cell, base_model_name_or_path: Optional[str] = None) -> Dict[str, bytes]:
+    """The files of ``save_adapter``'s folder as bytes, by file name (a training checkpoint holds them, so its
+    folder is a PEFT adapter folder too)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = save_adapter(model, tmp, base_model_name_or_path)
+        return {name: (out / name).read_bytes() for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)}
 
 
 def read_adapter(adapter_dir: Union[str, Path]) -> Tuple[LoRASpec, Dict[str, np.ndarray]]:

@@ -43,6 +43,9 @@ from mindrlhf.utils import faults
 
 log = logging.getLogger(__name__)
 
+#: Where a LoRA run writes its adapters (PEFT's folder format) at the end of training, inside ``output_dir``.
+ADAPTER_DIR = "adapter"
+
 
 def log_data_report(cfg, report: ConversionReport, what: str) -> ConversionReport:
     """On the main rank, log a data reader's ``report`` of the file given as ``what`` (``data.report.log_report``:
@@ -214,10 +217,27 @@ class Trainer:
         # node when one dies, and rank 0 must not be taken down mid-write by a death in the next step.
         comm.barrier()
 
+    @property
+    def lora(self) -> bool:
+        """Whether the trained model carries LoRA adapters (``models.lora``): then only they are trained and saved."""
+        return getattr(self.model, "lora_spec", None) is not None
+
+    def base_model(self) -> Optional[str]:
+        """The trained model's input path as recorded (``input_models``; PEFT's ``base_model_name_or_path``)."""
+        first = next(iter(self.input_models.values()), None)
+        return str(first["path"]) if first and first.get("path") else None
+
     def _model_files(self) -> Dict[str, object]:
-        """config.json of the model and its tokenizer's files: a checkpoint folder is a loadable model."""
-        config = config_with_dtype(self.model.config.to_hf_dict(), "float32")  # policy.ckpt holds the masters
-        files: Dict[str, object] = {"config.json": json.dumps(config, indent=2).encode("utf-8")}
+        """config.json of the model and its tokenizer's files: a checkpoint folder is a loadable model. With LoRA
+        it is a PEFT adapter folder instead (adapter_config.json + adapter_model.safetensors, no config.json: the
+        base is not in it; state.json records the base's path and checksum)."""
+        from mindrlhf.models.lora import adapter_files
+
+        if self.lora:
+            files: Dict[str, object] = dict(adapter_files(self.model, self.base_model()))
+        else:
+            config = config_with_dtype(self.model.config.to_hf_dict(), "float32")  # policy.ckpt holds the masters
+            files = {"config.json": json.dumps(config, indent=2).encode("utf-8")}
         folder = Path(self.tokenizer.source)
         if folder.is_dir():
             files.update({name: folder / name for name in TOKENIZER_FILES if (folder / name).is_file()})
@@ -295,7 +315,9 @@ class Trainer:
         names = ["metrics.jsonl"]
         if found:
             where = found[1].relative_to(out) if found[1].is_relative_to(out) else found[1]
-            names.append(f"{where} (the model)")
+            names.append(f"{where} (the {'LoRA adapters' if self.lora else 'model'})")
+        if self.lora and (out / ADAPTER_DIR).is_dir():
+            names.append(f"{ADAPTER_DIR}/ (the PEFT adapter on {self.base_model()})")
         names += sorted(p.name for p in out.glob("*.png"))
         if (out / "tensorboard").is_dir():
             names.append("tensorboard/")
@@ -307,6 +329,8 @@ class Trainer:
             names.append(f"{SKIPPED_ROWS_FILE} ({skipped} rows)")
         line = (f"done: {self.step} steps, last {self.headline} {history[-1].get(self.headline, float('nan')):.4f}; "
                 f"in {out}: {', '.join(names)}")
+        if self.lora:  # an adapter folder is not a model mindrlhf-eval loads: merge it first (README, "LoRA")
+            return line
         return f"{line}; {self.next_command.format(checkpoint=found[1])}" if found else line
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -346,5 +370,16 @@ class Trainer:
             logger.close()
             for _, _, updater in self.trained():
                 updater.release_graphs()
+        if self.lora and comm.is_main():
+            self.save_adapter()
         return history
+
+    def save_adapter(self) -> Path:
+        """LoRA: the trained adapters as a PEFT adapter folder ``output_dir/adapter`` (``models.lora.save_adapter``;
+        peft's ``PeftModel.from_pretrained(base, folder)`` loads it, ``--lora_init_from`` reads it)."""
+        from mindrlhf.models.lora import save_adapter
+
+        out = save_adapter(self.model, self.output_dir / ADAPTER_DIR, self.base_model())
+        log.info("LoRA adapter (PEFT format) written to %s", out)
+        return out
 

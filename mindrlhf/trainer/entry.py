@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence
 
 import mindspore as ms
+import numpy as np
 
 from mindrlhf.checkpoint.manager import CheckpointManager
 from mindrlhf.checkpoint.run_dir import check_run_dirs, clear_previous_run, identify_models, write_run_id
@@ -130,14 +131,19 @@ def model_source(model_cfg, role: Optional[str] = None):
 
 
 def load_policy(path: str, config, layout: RunLayout, dtype: str, *, load: bool = True,
-                num_labels: Optional[int] = None, seed: int = 0):
+                num_labels: Optional[int] = None, seed: int = 0, lora=None):
     """This rank's trainable shard (train layout) of the model at ``path`` and, under bf16/fp16, its float32
     master weights read from the file, so nothing is rounded before training starts (the compute copy is
     cast from them). Returns ``(model, masters)``; ``masters`` is ``None`` in float32 (the optimizer keeps
     the model's own parameters) and when ``load`` is false (random init of ``config``, for tests).
 
     ``num_labels``: train a sequence-classification model (reward model, critic) with that many labels; a
-    causal LM checkpoint then gets a new ``score`` head in place of its ``lm_head``, drawn with ``seed``."""
+    causal LM checkpoint then gets a new ``score`` head in place of its ``lm_head``, drawn with ``seed``.
+
+    ``lora``: the stage's model group (``configs.common.ModelBaseConfig``); when it asks for LoRA (``lora_rank``,
+    ``lora_init_from``) the shard is loaded in the compute dtype, frozen, and given adapters (``attach_lora``,
+    drawn with ``seed``): the trainable parameters are the adapters alone, and ``masters`` is ``None`` (the
+    optimizer keeps float32 masters of the adapters only; the base is never cast up)."""
     from dataclasses import replace
 
     from mindrlhf.models import CausalLM, cast_weights_into
@@ -152,15 +158,58 @@ def load_policy(path: str, config, layout: RunLayout, dtype: str, *, load: bool 
         if comm.is_main():
             log.info("%s is a causal LM: its lm_head is replaced by a new %d-output score head", path, num_labels)
     shard = layout.groups.shard()
+    kw = dict(tp_group=shard.tp_group, config=config, new_score_head=new_head)
+    if lora is not None and lora.lora:
+        model = load_shard(path, layout.train, layout.rank, dtype=dtype, **kw) if load else \
+            CausalLM(config, dtype, shard)
+        attach_lora(model, lora, seed)
+        return model, None
     if not load:
         return CausalLM(config, dtype, shard), None
-    kw = dict(tp_group=shard.tp_group, config=config, new_score_head=new_head)
     if dtype == "float32":
         return load_shard(path, layout.train, layout.rank, dtype=dtype, **kw), None
     masters = load_shard(path, layout.train, layout.rank, dtype="float32", **kw)
     model = CausalLM(masters.config, dtype, shard)
     cast_weights_into(model, masters)
     return model, masters.trainable_params()
+
+
+def lora_spec(model_cfg, seed: int = 0):
+    """The ``models.lora.LoRASpec`` a model group's ``lora_*`` fields describe (``lora_target_modules``: names,
+    ``all-linear``, or one regex, as PEFT reads ``target_modules``)."""
+    import re
+
+    from mindrlhf.models.lora import LoRASpec
+
+    targets = list(model_cfg.lora_target_modules)
+    if len(targets) == 1 and (targets[0] == "all-linear" or not re.fullmatch(r"\w+", targets[0])):
+        targets = targets[0]  # PEFT: a string is all-linear or a regex over whole module names
+    return LoRASpec(r=model_cfg.lora_rank, alpha=model_cfg.lora_alpha, dropout=model_cfg.lora_dropout,
+                    target_modules=targets if isinstance(targets, str) else tuple(targets), seed=seed)
+
+
+def attach_lora(model, model_cfg, seed: int = 0) -> None:
+    """Freeze ``model`` and give it the adapters the model group asks for: ``lora_init_from``'s (a PEFT adapter
+    folder, whose adapter_config.json sets rank, alpha and targets) or new ones with PEFT's init."""
+    from mindrlhf.models.lora import apply_lora, lora_modules, read_adapter, set_adapter_weights
+
+    m = model_cfg
+    if m.lora_init_from:
+        spec, tensors = read_adapter(m.lora_init_from)
+        if m.lora_rank and m.lora_rank != spec.r:
+            raise MindRLHFError(f"lora_rank = {m.lora_rank} but lora_init_from {m.lora_init_from} holds rank-{spec.r} "
+                                f"adapters; drop lora_rank (the folder sets it) or give lora_rank {spec.r}")
+        apply_lora(model, spec)
+        set_adapter_weights(model, tensors, f"lora_init_from {m.lora_init_from}")
+    else:
+        spec = lora_spec(m, seed)
+        apply_lora(model, spec)
+    if comm.is_main():
+        trainable = sum(int(np.prod(p.shape)) for p in model.trainable_params())
+        total = sum(int(np.prod(p.shape)) for p in model.get_parameters())
+        log.info("LoRA rank %d (alpha %g) on %d projections%s: %d trainable parameters of %d (%.2f%%)", spec.r,
+                 spec.alpha, len(lora_modules(model)), f" from {m.lora_init_from}" if m.lora_init_from else "",
+                 trainable, total, 100.0 * trainable / max(total, 1))
 
 
 def load_reference(path: str, policy, layout: RunLayout, dtype: str, source: str = "initial policy"):

@@ -1,0 +1,269 @@
+"""SFT with LoRA (``--lora_rank`` / ``--lora_init_from``): only the adapters are trained and hold optimizer state,
+the base stays bit for bit, two steps equal a float64 torch reference (transformers' model with the same adapters
+and torch's AdamW), the run ends with a PEFT adapter folder, checkpoints hold the adapters and resume exactly, and a
+resume against another base is refused."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mindrlhf.models.lora import ADAPTER_CONFIG, read_adapter
+
+REPO = Path(__file__).resolve().parents[1]
+ROWS = [{"prompt": "What is 2+2?", "completion": " 4"},
+        {"prompt": "Name a primary colour.", "completion": " Red, blue or yellow."},
+        {"prompt": "Count to five:", "completion": " one two three four five"},
+        {"prompt": "Laugh:", "completion": " ha ha ha ha ha"}]
+R, ALPHA = 4, 8.0
+
+
+@pytest.fixture(scope="module")
+def lora_assets(tmp_path_factory, qwen_tokenizer_dir):
+    """A tiny Qwen2 with the Qwen2.5 tokenizer, another one (a different base), four SFT rows and a PEFT adapter
+    folder with random A and B (B non-zero, so both factors get gradients at the first step)."""
+    from mindrlhf.models import load_model
+    from mindrlhf.models.lora import LoRASpec, adapter_weights, apply_lora, save_adapter, set_adapter_weights
+    from mindrlhf.testing import add_tokenizer, lora_numpy_init, make_tiny_qwen2
+
+    root = tmp_path_factory.mktemp("lora_sft")
+    model_dir = add_tokenizer(make_tiny_qwen2(root / "model", seed=5), qwen_tokenizer_dir)
+    other = add_tokenizer(make_tiny_qwen2(root / "other", seed=6), qwen_tokenizer_dir)
+    rows = root / "rows.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in ROWS), encoding="utf-8")
+    model = load_model(model_dir)
+    apply_lora(model, LoRASpec(r=R, alpha=ALPHA, target_modules=("q_proj", "v_proj", "o_proj", "gate_proj",
+                                                                  "down_proj")))
+    set_adapter_weights(model, {k: lora_numpy_init(k, v.shape, 11) for k, v in adapter_weights(model).items()})
+    adapter = save_adapter(model, root / "adapter", base_model_name_or_path=str(model_dir))
+    return {"model": model_dir, "other": other, "rows": rows, "adapter": adapter}
+
+
+def _flags(**kw) -> list:
+    return [x for k, v in kw.items() for x in (f"--{k}", str(v))]
+
+
+#: One optimizer step's settings both sides use: a large Adam epsilon keeps the first steps smooth in the gradient
+#: (with 1e-8 an update is ~lr * sign(g), and a gradient at float32 noise level could flip it).
+STEP = dict(lr=1e-2, adam_eps=1e-3, weight_decay=0.1, max_grad_norm=0.5, lr_schedule="constant", warmup_steps=0)
+
+
+def _torch_reference(model_dir: Path, adapter_dir: Path, sequences, masks, steps: int):
+    """float64 torch: transformers' model with the adapter added by hooks on its projections, the token-mean NLL of
+    the trained tokens over all rows per step, clipping and torch's AdamW. Returns (losses, grad norms, adapters)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    spec, tensors = read_adapter(adapter_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float64).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    factors = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in tensors.items()}
+    for key in sorted(factors):
+        if ".lora_A." not in key:
+            continue
+        module = key[:-len(".lora_A.weight")]
+        a, b = factors[key], factors[f"{module}.lora_B.weight"]
+
+        def hook(_, inputs, out, a=a, b=b):
+            return out + spec.scaling * (inputs[0] @ a.T) @ b.T
+
+        model.get_submodule(module).register_forward_hook(hook)
+    params = [factors[k] for k in sorted(factors)]
+    opt = torch.optim.AdamW(params, lr=STEP["lr"], betas=(0.9, 0.999), eps=STEP["adam_eps"],
+                            weight_decay=STEP["weight_decay"])
+    total = sum(float(m.sum()) for m in masks)
+    losses, norms = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = 0.0
+        for ids, mask in zip(sequences, masks):
+            x = torch.tensor(ids, dtype=torch.long)[None]
+            logp = torch.log_softmax(model(input_ids=x).logits[0, :-1], -1)
+            picked = logp.gather(-1, x[0, 1:, None])[:, 0]
+            loss = loss - (picked * torch.tensor(mask[1:], dtype=torch.float64)).sum() / total
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, STEP["max_grad_norm"])))
+        losses.append(float(loss))
+        opt.step()
+    return losses, norms, {k: v.detach().numpy() for k, v in factors.items()}
+
+
+def test_sft_lora_steps_equal_a_float64_torch_reference_and_leave_the_base_alone(lora_assets, tmp_path):
+    """Two SFT steps with --lora_init_from (layer graphs, recompute full; two micro-batches a step): the optimizer
+    holds masters and moments of the adapters only, the base's weights are bit-identical afterwards, and the loss,
+    grad_norm and adapters after each step equal a float64 torch reference (<= 1e-4 relative)."""
+    from mindrlhf.configs.offline import parse_sft_args
+    from mindrlhf.data.text_rows import read_sft_rows
+    from mindrlhf.models.lora import adapter_weights
+    from mindrlhf.sft import SFT
+    from mindrlhf.tokenizer import resolve_tokenizer
+    from mindrlhf.trainer.entry import setup_runtime
+
+    a = lora_assets
+    cfg = SFT.parse(_flags(model=a["model"], train_file=a["rows"], output_dir=tmp_path / "out", max_steps=2,
+                           batch_size=4, micro_batch_size=2, max_length=64, seed=3, progress_bar="false",
+                           recompute="full", lora_init_from=a["adapter"], **STEP))
+    assert isinstance(cfg, type(parse_sft_args([])))
+    trainer = SFT.build(cfg, setup_runtime(cfg))
+    model, updater = trainer.model, trainer.updater
+    adapters = set(adapter_weights(model))
+    assert set(updater.master_weights()) == adapters
+    assert set(updater.optimizer_state()) == {f"adam_{m}.{n}" for m in "mv" for n in adapters} | {"adam_step"}
+    base = {n: p.asnumpy().copy() for n, p in model.parameters_and_names() if n not in adapters}
+    initial = adapter_weights(model)
+
+    rows, _ = read_sft_rows(a["rows"], resolve_tokenizer(str(a["model"])), max_length=64, show_progress=False)
+    losses, norms, want = _torch_reference(a["model"], a["adapter"], rows.input_ids, rows.completion_mask, 2)
+    got = [trainer.train_one_step() for _ in range(2)]
+    for step, res in enumerate(got):
+        assert res["loss"] == pytest.approx(losses[step], rel=1e-4), step
+        assert res["grad_norm"] == pytest.approx(norms[step], rel=1e-4), step
+    assert norms[0] > STEP["max_grad_norm"]  # clipping acted
+    after = adapter_weights(model)
+    for name, value in after.items():
+        moved = want[name] - initial[name]
+        assert np.abs(moved).max() > 1e-3, name  # both factors moved (B non-zero from the start)
+        assert np.abs(value - want[name]).max() <= 1e-4 * np.abs(want[name]).max(), name
+        assert np.linalg.norm((value - initial[name]) - moved) <= 1e-3 * np.linalg.norm(moved), name
+    for name, value in model.parameters_and_names():
+        if name not in adapters:
+            np.testing.assert_array_equal(value.asnumpy(), base[name], err_msg=name)
+
+
+def test_float16_lora_keeps_float32_masters_of_the_adapters_only(lora_assets, tmp_path):
+    """--dtype float16 with LoRA: the base is loaded in float16 and stays so (never cast up, no master copy); the
+    optimizer's float32 masters are the adapters'; a step leaves the base bit-identical."""
+    import mindspore as ms
+
+    from mindrlhf.models.lora import adapter_weights
+    from mindrlhf.sft import SFT
+    from mindrlhf.trainer.entry import setup_runtime
+
+    a = lora_assets
+    cfg = SFT.parse(_flags(model=a["model"], train_file=a["rows"], output_dir=tmp_path / "out", max_steps=1,
+                           batch_size=4, max_length=64, progress_bar="false", recompute="full", dtype="float16",
+                           lora_rank=R, lora_target_modules="all-linear"))
+    trainer = SFT.build(cfg, setup_runtime(cfg))
+    model = trainer.model
+    adapters = set(adapter_weights(model))
+    assert len(adapters) == 2 * 7 * model.config.num_hidden_layers
+    masters = trainer.updater.master_weights()
+    assert set(masters) == adapters and all(w.dtype == ms.float32 for w in masters.values())
+    base = {n: p for n, p in model.parameters_and_names() if n not in adapters}
+    assert all(p.dtype == ms.float16 and not p.requires_grad for p in base.values())
+    before = {n: p.asnumpy().copy() for n, p in base.items()}
+    res = trainer.train_one_step()
+    assert np.isfinite(res["loss"]) and res["grad_norm"] > 0
+    for name, p in base.items():
+        np.testing.assert_array_equal(p.asnumpy(), before[name], err_msg=name)
+
+
+def test_stages_without_lora_refuse_it_in_one_line(tmp_path, capsys):
+    """Every stage not wired for LoRA refuses lora_rank > 0 (nothing trains the full model instead); SFT refuses a
+    tp/pp layout with LoRA and adapter dropout."""
+    import importlib
+
+    from mindrlhf.registry import STAGES
+
+    for name, stage in STAGES.items():
+        if name == "sft":
+            continue  # it trains LoRA; its refusals are below
+        main = importlib.import_module(stage.module).main
+        code = main(["--lora_rank", "4", "--output_dir", str(tmp_path / name)])
+        err = capsys.readouterr().err
+        assert code == 2 and "this stage does not train LoRA adapters yet" in err, name
+        assert len(err.strip().splitlines()) == 1, err
+    from mindrlhf import sft
+
+    for flags, said in ((["--train_tp", "2", "--use_parallel", "true"], "adapter checkpoints of a tp/pp-sharded"),
+                        (["--lora_dropout", "0.1"], "adapter dropout is not supported")):
+        assert sft.main(["--lora_rank", "4", "--output_dir", str(tmp_path / "s"), *flags]) == 2
+        assert said in capsys.readouterr().err
+
+
+def _run_sft(argv, env_extra=None):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "mindrlhf.sft", *argv], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=900)
+
+
+def _peft_python() -> Path:
+    venv = Path(os.environ.get("MINDRLHF_TRL_VENV", REPO / "bench" / ".venv-trl"))
+    return venv / "bin" / "python"
+
+
+@pytest.mark.slow
+def test_sft_lora_run_writes_a_peft_adapter_and_resumes_exactly(lora_assets, tmp_path):
+    """3 LoRA steps uninterrupted vs killed (SIGKILL) in step 3 and resumed: the same metrics and bit-identical
+    adapters. Each checkpoint is a PEFT adapter folder (no config.json: the base is not in it) whose policy.ckpt
+    holds the adapters alone; output_dir/adapter reads back onto the base; a resume with another --model is
+    refused in one line; and, where the bench virtualenv has peft, peft loads the adapter onto transformers'
+    model with our logits."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from mindrlhf.checkpoint.manager import CheckpointManager
+    from mindrlhf.errors import MindRLHFError
+    from mindrlhf.models import load_model
+    from mindrlhf.models.lora import load_adapter
+    from mindrlhf.testing import padded_batch
+
+    a = lora_assets
+    common = dict(model=a["model"], train_file=a["rows"], max_steps=3, batch_size=4, micro_batch_size=2,
+                  max_length=64, seed=3, progress_bar="false", save_steps=1, recompute="full", lora_rank=R,
+                  lora_alpha=ALPHA, lr=1e-2)
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    proc = _run_sft(_flags(output_dir=full, **common))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(the LoRA adapters), adapter/ (the PEFT adapter on" in proc.stderr
+    step, ckpt = CheckpointManager(str(full / "checkpoints")).latest_complete()
+    assert step == 3 and (ckpt / ADAPTER_CONFIG).is_file() and not (ckpt / "config.json").exists()
+    saved = ms.load_checkpoint(str(ckpt / "policy.ckpt"))
+    assert saved and all(".lora_A." in n or ".lora_B." in n for n in saved)
+    spec, adapter = read_adapter(full / "adapter")
+    assert spec.r == R and spec.alpha == ALPHA and set(adapter) == set(saved)
+    assert all(np.array_equal(adapter[n], saved[n].asnumpy()) for n in saved)
+    assert any(np.any(v) for n, v in adapter.items() if ".lora_B." in n)  # B left zero: it trained
+
+    proc = _run_sft(_flags(output_dir=killed, **common), env_extra={"MINDRLHF_KILL_AT": "0:3:grad_allreduce"})
+    assert proc.returncode != 0 and "kills itself at step 3" in proc.stderr
+    proc = _run_sft(_flags(output_dir=killed, resume="latest", **common))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (full, killed)]
+    assert [r["step"] for r in rows[1]] == [1, 2, 3]
+    for want, got in zip(*rows):
+        assert {k: v for k, v in want.items() if "time" not in k} == {k: v for k, v in got.items() if "time" not in k}
+    _, resumed = read_adapter(killed / "adapter")
+    for name, value in adapter.items():
+        np.testing.assert_array_equal(resumed[name], value, err_msg=name)
+
+    proc = _run_sft(_flags(output_dir=killed, resume="latest", **dict(common, model=a["other"], max_steps=4)))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()[-1:]) == 1
+    assert "--model" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+
+    with pytest.raises(MindRLHFError, match="holds LoRA adapters .* not a model"):  # a run's folder, a step's
+        load_model(full)
+    model = load_model(a["model"])
+    load_adapter(model, full / "adapter")
+    ids, mask = padded_batch(model.config.vocab_size)
+    ours = model(Tensor(ids), Tensor(mask)).asnumpy()
+    python = _peft_python()
+    if not python.is_file():
+        return
+    script = ("import json,sys,torch;from transformers import AutoModelForCausalLM;from peft import PeftModel;"
+              "m=PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(sys.argv[1]),sys.argv[2]).eval();"
+              "d=json.loads(sys.argv[3]);x=torch.tensor(d['ids']);"
+              "print(json.dumps(m(input_ids=x,attention_mask=torch.tensor(d['mask'])).logits.tolist()))")
+    proc = subprocess.run([str(python), "-c", script, str(a["model"]), str(full / "adapter"),
+                           json.dumps({"ids": ids.tolist(), "mask": mask.tolist()})],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = np.array(json.loads(proc.stdout), np.float32)
+    real = mask.astype(bool)
+    assert np.abs(ours[real] - theirs[real]).max() <= 1e-4
