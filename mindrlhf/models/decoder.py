@@ -483,20 +483,28 @@ class CausalLM(nn.Cell):
         return x
 
     @contextlib.contextmanager
-    def compiled_layers(self):
+    def compiled_layers(self, static: bool = False):
         """Within this block (pynative only, never inside ``mindspore.jit``) the decoder layers run as
         two compiled graphs shared by all of them, recomputing each layer's forward in the backward
-        (``models.layer_graphs``): faster than pynative layers and lighter than a compiled model."""
+        (``models.layer_graphs``): faster than pynative layers and lighter than a compiled model.
+        ``static``: graphs compiled per input shape (a bounded number of them; ``LayerGraphs.static``)
+        instead of one dynamic-shape pair."""
         if self.lora_spec is not None:  # the graphs load and differentiate a layer's trainable parameters only
             raise MindRLHFError("compiled layer graphs do not support LoRA adapters yet; "
                                 "run the model without compiled_layers (pynative or mindspore.jit)")
         if self._layer_graphs is None:
             self._layer_graphs = LayerGraphs(DecoderLayer(self.config, self.compute_dtype, self.shard))
         self._use_layer_graphs = True
+        self._layer_graphs.static = static
         try:
             yield
         finally:
             self._use_layer_graphs = False
+
+    @property
+    def layer_graphs(self) -> Optional[LayerGraphs]:
+        """The shared layer graphs (None until the first ``compiled_layers``): how many static shapes they hold."""
+        return self._layer_graphs
 
     def completion_logprobs(self, hidden: Tensor, completion_ids: Tensor, temperature: float = 1.0) -> Tensor:
         """Last stage: final norm, output projection and log-probs of the last C positions → (B, C)."""
