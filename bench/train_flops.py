@@ -3,6 +3,7 @@
     python bench/train_flops.py                           # sft, rm, dpo, grpo; MindSpore's matmul
     python bench/train_flops.py --stages sft,grpo --steps 4
     python bench/train_flops.py --cpu_matmul openblas     # the decoder's matmuls through numpy's OpenBLAS
+    python bench/train_flops.py --stages grpo,sft --recompute full --layer_graph_shapes static,dynamic
 
 Prints, in one run:
 
@@ -34,6 +35,13 @@ the micro-batch's decoder positions, and the head's at its logit rows) and print
 FLOPs would take at those rates (recompute included; attention's batched products at the linear layers' mean
 rate) beside the measured step: the difference is everything else (elementwise kernels, softmax, the loss,
 dispatch, gradient accumulation, the optimizer).
+
+``--layer_graph_shapes static,dynamic`` (``parallel.layer_graph_shapes``) runs each stage's updates with each
+listed kind of layer graphs, interleaved in the one child (the order alternates every round; each kind's first
+update, which compiles, left out), and prints each kind's median step, its gradient norm, the static shapes
+compiled and the child's peak RSS: an A/B that a shared machine's drift cannot bias. ``--recompute full`` makes
+the stages' gradient passes run the layer graphs (``none`` runs the whole-model graph, which the setting does not
+change).
 
 On a shared machine figures move; the load average is printed with each part.
 """
@@ -205,26 +213,43 @@ def build_stage(stage: str, steps: int, work_dir: str, cpu_matmul: str = "ms", f
 
 
 def run_stage(args) -> dict:
-    """One stage in this process: built through its own code path, ``--steps`` updates timed."""
-    cfg, trainer, model, micro, scalars, group = build_stage(args.stage, args.steps, args.work_dir, args.cpu_matmul)
+    """One stage in this process: built through its own code path, ``--steps`` updates timed (for each kind of
+    ``--layer_graph_shapes``, interleaved)."""
+    import resource
+
+    flags = ["--recompute", args.recompute] if args.recompute else []
+    cfg, trainer, model, micro, scalars, group = build_stage(args.stage, args.steps, args.work_dir, args.cpu_matmul,
+                                                             flags)
     updater = trainer.updater
-    updater.set_lr(1e-9)  # tiny steps: every update sees (nearly) the same weights
+    kinds = [k for k in (args.layer_graph_shapes or "").split(",") if k] or [""]
+    # Tiny steps: every update sees (nearly) the same weights; comparing kinds, none at all (learning rate 0),
+    # so their gradient norms must be equal.
+    updater.set_lr(0.0 if len(kinds) > 1 else 1e-9)
     config, layers = model.config, len(model.layer_range)
     extents = [micro_extent(mb, group) for mb in micro]
-    times, peaks = [], [_numpy_peak()]
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        res = updater.step(micro, scalars)
-        times.append(time.perf_counter() - t)
-        peaks.append(_numpy_peak())
+    times, peaks, by_kind = [], [_numpy_peak()], {k: {"times": [], "grad_norm": []} for k in kinds}
+    for i in range(args.steps):
+        for kind in kinds if i % 2 == 0 else kinds[::-1]:  # alternate the order: neither kind always goes first
+            if kind:
+                updater.runner.static_layer_graphs = kind == "static"
+            t = time.perf_counter()
+            res = updater.step(micro, scalars)
+            by_kind[kind]["times"].append(time.perf_counter() - t)
+            by_kind[kind]["grad_norm"].append(float(res["grad_norm"]))
+            times.append(by_kind[kind]["times"][-1])
+            peaks.append(_numpy_peak())
     recompute_full = updater.recompute == "full"
     mm_s, rates = matmul_seconds(config, extents, layers, args.cpu_matmul, recompute_full, args.min_time)
-    return {"stage": args.stage, "step_s": float(np.median(times[1:] or times)), "step_times": times,
+    first = by_kind[kinds[0]]["times"]
+    graphs = model.layer_graphs
+    return {"stage": args.stage, "step_s": float(np.median(first[1:] or first)), "step_times": times,
             "peak": float(np.median(peaks)), "peaks": peaks, "recompute": updater.recompute,
             "layer_graphs": bool(cfg.parallel.layer_graphs), "micro_batches": len(micro),
             "rows": int(sum(mb["input_ids"].shape[0] for mb in micro)), "extents": extents,
             "flops": update_flops(config, extents, layers), "matmul_s": mm_s, "rates": rates,
-            "loss": float(res["loss"]), "load": _load()}
+            "loss": float(res["loss"]), "load": _load(), "kinds": {k: v for k, v in by_kind.items() if k},
+            "static_shapes": graphs.static_shapes if graphs is not None else 0,
+            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
 
 
 # -- parent ------------------------------------------------------------------------------------------
@@ -293,6 +318,19 @@ def report(results, route: str) -> None:
             print(f"- {r['stage']}: {f['linear'] / 1e9:.1f} / {f['attention'] / 1e9:.1f} / {f['head'] / 1e9:.1f}; "
                   f"peak {r['peak']:.0f} ({min(r['peaks']):.0f}-{max(r['peaks']):.0f}); steps "
                   f"{', '.join(f'{t:.2f}' for t in r['step_times'])} s; matmul rates {rates}")
+    kinds = [r for r in results if r.get("kinds")]
+    if kinds:
+        print("\n## layer graphs' shapes, interleaved in each stage's child (medians without each kind's first, "
+              "compiling, update)")
+        print("| stage | kind | median step s | steps s | grad_norm (distinct values) | static shapes | "
+              "child peak RSS GiB |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for r in kinds:
+            for kind, v in r["kinds"].items():
+                t = v["times"]
+                norms = ", ".join(f"{x:.7f}" for x in sorted(set(v["grad_norm"])))
+                print(f"| {r['stage']} | {kind} | {np.median(t[1:] or t):.2f} | {', '.join(f'{x:.2f}' for x in t)} | "
+                      f"{norms} | {r['static_shapes']} | {r['peak_rss_gib']:.2f} |")
 
 
 def main(argv=None) -> int:
@@ -304,6 +342,11 @@ def main(argv=None) -> int:
                          "mindrlhf.models.cpu_matmul route (bench/recompute.py's swap)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved peak / MindSpore measurements in the header")
     ap.add_argument("--min_time", type=float, default=0.2, help="seconds of calls per matmul-rate measurement")
+    ap.add_argument("--layer_graph_shapes", default="",
+                    help="comma-separated kinds of layer graphs (static, dynamic) to run interleaved in each stage's "
+                         "child; default: the config's (parallel.layer_graph_shapes)")
+    ap.add_argument("--recompute", choices=("auto", "full", "none"), default="",
+                    help="the stages' recompute mode (default: the CLI's, auto)")
     ap.add_argument("--stage", help=argparse.SUPPRESS)
     ap.add_argument("--work_dir", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -319,7 +362,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for stage in stages:
             cmd = [sys.executable, __file__, "--stage", stage, "--work_dir", tmp, "--steps", str(args.steps),
-                   "--cpu_matmul", args.cpu_matmul, "--min_time", str(args.min_time)]
+                   "--cpu_matmul", args.cpu_matmul, "--min_time", str(args.min_time),
+                   "--layer_graph_shapes", args.layer_graph_shapes, "--recompute", args.recompute]
             proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
             line = next((x for x in proc.stdout.splitlines() if x.startswith(RESULT_TAG)), None)
             if proc.returncode or line is None:

@@ -39,7 +39,10 @@ def make_grpo_assets(root: Path, tokenizer_dir: Path, data_dir: Path) -> dict:
 #: The suite's short trainings run the layer graphs: under the default (``recompute auto``) each of its hundreds of
 #: tiny trainers would compile its own whole-model graph (5-30 s, CI ~17% longer). test_recompute covers auto and
 #: test_layer_graphs / test_offline_stages show none and full equal; a test that needs another mode passes it.
-SUITE_RECOMPUTE = {"recompute": "full"}
+#: The layer graphs are dynamic-shape: the default on CPU (static, one compile per input shape) made tiny-model
+#: stage runs slower (tests/test_offline_stages.py's evaluation tests: 40.3 s against 27.0, quiet; bench/README.md);
+#: test_layer_graphs shows static and dynamic equal bit for bit.
+SUITE_RECOMPUTE = {"recompute": "full", "layer_graph_shapes": "dynamic"}
 
 
 def grpo_args(assets, out: Path, **overrides) -> list:

@@ -70,6 +70,52 @@ def test_layer_graphs_equal_pynative_layers_packed_and_padded(which, request):
     assert not model._use_layer_graphs  # the block ends: plain layers again
 
 
+def _static_equals_dynamic(model, width: int) -> None:
+    """Loss and gradients through the static and the dynamic layer graphs, padded and packed rows of
+    ``width`` completion columns, exactly equal."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from mindrlhf.models.packing import pack_shared_prompts
+
+    ids, mask, comp, present = _rows(model.config.vocab_size)
+    i, m, c = ids[:, :8 + width - 1], mask[:, :8 + width - 1], comp[:, :width]
+    weights = Tensor(np.random.default_rng(width).normal(size=c.shape).astype(np.float32) * present[:, :width])
+    packed = pack_shared_prompts(i, m, width)
+
+    def padded_loss():
+        return (model.sequence_logprobs(Tensor(i), Tensor(m), Tensor(c), 0.7) * weights).sum()
+
+    def packed_loss():
+        return (model.packed_logprobs(*(Tensor(a) for a in packed.arrays()), Tensor(c), 0.7) * weights).sum()
+
+    params = model.trainable_params()
+    for loss in (padded_loss, packed_loss):
+        fn = ms.value_and_grad(loss, None, params)
+        with model.compiled_layers(static=False):
+            dynamic = fn()
+        with model.compiled_layers(static=True):
+            static = fn()
+        np.testing.assert_array_equal(static[0].asnumpy(), dynamic[0].asnumpy())
+        for p, a, b in zip(params, dynamic[1], static[1]):
+            np.testing.assert_array_equal(b.asnumpy(), a.asnumpy(), err_msg=p.name)
+
+
+def test_static_layer_graphs_equal_the_dynamic_ones_for_two_lengths(tiny_qwen2_dir):
+    """parallel.layer_graph_shapes static: the layer graphs compiled per input shape give the loss and every
+    gradient of the dynamic-shape graphs exactly, for padded and shared-prompt packed rows of two sequence
+    lengths; beyond ``max_static`` shapes the dynamic graphs run (still the same numbers), no more compiles."""
+    from mindrlhf.models import load_model
+
+    model = load_model(tiny_qwen2_dir)
+    with model.compiled_layers():
+        pass
+    model.layer_graphs.max_static = 3  # of the 4 shapes below, the last runs the dynamic graphs
+    for width in (6, 4):  # completion columns: rows of 13 and 11 tokens
+        _static_equals_dynamic(model, width)
+    assert model.layer_graphs.static_shapes == 3
+
+
 def test_layer_graphs_follow_the_weights(tiny_qwen2_dir):
     """The graphs read each layer's current weights: after a layer changes, so does the output."""
     from mindspore import Tensor

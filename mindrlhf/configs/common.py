@@ -21,6 +21,7 @@ LR_SCHEDULES = ("cosine", "linear", "constant")
 DEVICE_TARGETS = ("CPU", "Ascend", "GPU")
 #: ``recompute`` values (``trainer.memory`` acts on them).
 RECOMPUTE_MODES = ("auto", "full", "none")
+LAYER_GRAPH_SHAPES = ("auto", "static", "dynamic")
 
 
 @dataclass
@@ -206,6 +207,14 @@ class TrainLayoutConfig:
         "weights before each call: less time and memory than pynative layers, the same numbers. false = "
         "pynative layers (for debugging: autodiff keeps their activations; slower). Figures: bench/README.md "
         "(peer_trl.py).")
+    layer_graph_shapes: str = config_field(
+        "auto", "How the layer graphs (layer_graphs) are compiled. static: once per input shape (the rows are "
+        "padded to multiples of 32, so a run sees few shapes) for the first 8 shapes, which then run "
+        "MindSpore's faster static-shape kernels (each shape's graphs keep their buffers; later shapes run the "
+        "dynamic graphs). dynamic: one compile for every sequence length. auto: static on CPU, dynamic on "
+        "Ascend and GPU. The same numbers either way. Figures: bench/README.md (train_flops.py "
+        "--layer_graph_shapes).",
+        choices=LAYER_GRAPH_SHAPES)
 
     def layout_sizes(self) -> dict:
         """The layout's sizes by field name (each must be 1 without use_parallel)."""

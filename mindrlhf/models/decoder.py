@@ -485,14 +485,17 @@ class CausalLM(nn.Cell):
         return x
 
     @contextlib.contextmanager
-    def compiled_layers(self):
+    def compiled_layers(self, static: bool = False):
         """Within this block (pynative only, never inside ``mindspore.jit``) the decoder layers run as
         two compiled graphs shared by all of them, recomputing each layer's forward in the backward
-        (``models.layer_graphs``): faster than pynative layers and lighter than a compiled model."""
+        (``models.layer_graphs``): faster than pynative layers and lighter than a compiled model.
+        ``static``: graphs compiled per input shape (a bounded number of them; ``LayerGraphs.static``)
+        instead of one dynamic-shape pair."""
         if self._layer_graphs is None or self._layer_graphs_lora is not self.lora_spec:
             self._layer_graphs = LayerGraphs(self._layer_template())
             self._layer_graphs_lora = self.lora_spec
         self._use_layer_graphs = True
+        self._layer_graphs.static = static
         try:
             yield
         finally:
@@ -514,6 +517,11 @@ class CausalLM(nn.Cell):
                                 "with the shared layer graphs; use lora_dropout 0 or set layer_graphs false")
         adapt_like(template, layers[0])
         return template
+
+    @property
+    def layer_graphs(self) -> Optional[LayerGraphs]:
+        """The shared layer graphs (None until the first ``compiled_layers``): how many static shapes they hold."""
+        return self._layer_graphs
 
     def completion_logprobs(self, hidden: Tensor, completion_ids: Tensor, temperature: float = 1.0) -> Tensor:
         """Last stage: final norm, output projection and log-probs of the last C positions → (B, C)."""

@@ -6,8 +6,15 @@ step keeps every intermediate tensor of every layer allocated (SmolLM2-135M: 9.6
 compiled graph per layer keeps ~110 MB each. So one *template* layer is compiled twice — forward,
 and backward (the forward recomputed, then its vector-Jacobian product) — and each real layer
 loads its weights into the template before running either graph. Only each layer's input
-survives between the forward and the backward (activation checkpointing at layer granularity),
-and the inputs are declared dynamic-shaped so a new sequence length does not compile again.
+survives between the forward and the backward (activation checkpointing at layer granularity).
+
+Two kinds of graphs (``LayerGraphs.static``): *dynamic* graphs declare every input dimension dynamic, so
+one compile serves every sequence length; *static* graphs are compiled for one input shape each (the
+trainer's rows are padded to multiples of 32, so a run sees few shapes) and run MindSpore's static-shape
+CPU kernels, which are faster (bench/README.md, #40), with the same numbers. Each static graph keeps its
+buffers allocated, so at most ``STATIC_VARIANTS`` input shapes get static graphs per template; the
+shapes after those run the dynamic graphs (never evicted and compiled again: a run whose lengths keep
+changing would compile at every step).
 
 The layer's own ``construct`` is the only definition of its maths: both graphs trace the template,
 a ``DecoderLayer`` of the same config, dtype and shard (so tensor-parallel collectives are in the
@@ -16,13 +23,17 @@ cell as inputs; they equal the pynative path's to float rounding (tests/test_lay
 """
 from __future__ import annotations
 
+import logging
 import os
-from typing import Callable, Dict, Sequence, Tuple
+import weakref
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from mindrlhf.errors import MindRLHFError
+
+log = logging.getLogger(__name__)
 
 
 def dynamic_signature(arg):
@@ -74,19 +85,46 @@ def _inputs(rope, bias):
     return ms.mutable(tuple(rope)), (ms.mutable(bias) if isinstance(bias, tuple) else bias)
 
 
+#: Input shapes a template compiles static graphs for (forward and backward each); later shapes run the
+#: dynamic graphs. Chosen by measurement (bench/README.md, #40): a training run with bucketed lengths sees
+#: a handful of shapes per pass, and each static pair holds its buffers (tens to hundreds of MB on SmolLM2).
+STATIC_VARIANTS = 8
+
+
+def _shape_key(x: Tensor, rope, bias) -> Tuple:
+    """The input shapes (and dtypes) a static graph is compiled for."""
+    parts = (x, *rope, *(bias if isinstance(bias, tuple) else (bias,)))
+    return tuple((tuple(a.shape), str(a.dtype)) for a in parts)
+
+
 class LayerGraphs:
     """Runs decoder layers through the compiled forward/backward graphs of ``template``
-    (a layer built like them and never trained itself)."""
+    (a layer built like them and never trained itself). ``static``: use static-shape graphs for the
+    first ``max_static`` input shapes (the dynamic graphs after that); set per use by
+    ``CausalLM.compiled_layers``."""
 
-    def __init__(self, template: nn.Cell):
+    def __init__(self, template: nn.Cell, max_static: int = STATIC_VARIANTS):
         self.template = template
         # Every parameter is loaded per layer; only the trainable ones are differentiated (a LoRA layer's frozen
         # base is loaded too but gets no gradient, its adapters do).
         self.weights = tuple(template.get_parameters())
         self.trainable = tuple(bool(w.requires_grad) for w in self.weights)
+        self.static = False
+        self.max_static = max_static
         self._graphs: Dict[bool, Tuple] = {}
+        self._static_graphs: Dict[Tuple, Tuple] = {}  # (packed, input shapes) -> (forward, backward)
+        self._static_names: List[str] = []
+        self._bound_logged = False
+        # MindSpore keeps compiled graphs (and their buffers) for the process's life: free the static ones
+        # with the template (a process that builds several models, such as a test session).
+        weakref.finalize(self, _release_names, self._static_names)
         self._layer_weights: Dict[int, Tuple] = {}
         self._cells = {True: _GraphLayer(self, packed=True), False: _GraphLayer(self, packed=False)}
+
+    @property
+    def static_shapes(self) -> int:
+        """How many input shapes have static graphs."""
+        return len(self._static_graphs)
 
     def run(self, layer: nn.Cell, x: Tensor, rope: Tuple[Tensor, ...], bias) -> Tensor:
         """``layer(x, rope, bias)`` computed by the shared graphs (differentiable in pynative)."""
@@ -111,29 +149,56 @@ class LayerGraphs:
         for t, w in zip(self.weights, weights):
             ops.assign(t, w)
 
+    def _functions(self, packed: bool, suffix: str):
+        """Fresh forward and backward functions of the template, named for MindSpore's compile cache."""
+        layer = self.template
+        weights = tuple(w for w, trainable in zip(self.weights, self.trainable) if trainable)
+
+        def forward(x, rope, bias):
+            return layer(x, rope, bias)
+
+        def weighted_sum(x, rope, bias, dout):  # its gradient is the vector-Jacobian product
+            return (layer(x, rope, bias) * dout).sum()
+
+        def backward(x, rope, bias, dout):
+            return ms.grad(weighted_sum, 0, weights)(x, rope, bias, dout)
+
+        # Each template's graphs are distinct by design; distinct names keep MindSpore from warning
+        # that one function "has been compiled again" (it keys functions by name and source line), and
+        # let ``release_compiled`` free one static pair by its name.
+        for fn in (forward, backward):
+            fn.__name__ = f"{'packed' if packed else 'padded'}_layer_{fn.__name__}_{id(self):x}{suffix}"
+        return forward, backward
+
     def _compiled(self, packed: bool, x: Tensor, rope, bias):
-        """(forward, backward) graphs for packed or padded rows, compiled on first use."""
+        """(forward, backward) graphs for packed or padded rows, compiled on first use: static for this
+        input shape when ``static`` and the bound allows, else the dynamic ones."""
+        if self.static:
+            key = (packed, _shape_key(x, rope, bias))
+            if key in self._static_graphs:
+                return self._static_graphs[key]
+            if len(self._static_graphs) < self.max_static:
+                forward, backward = self._functions(packed, f"_s{len(self._static_graphs)}")
+                self._static_names.extend((forward.__name__, backward.__name__))
+                self._static_graphs[key] = (ms.jit(forward), ms.jit(backward))
+                log.info("layer graphs: static graphs for input %s (%d of %d)", tuple(x.shape),
+                          len(self._static_graphs), self.max_static)
+                return self._static_graphs[key]
+            if not self._bound_logged:
+                self._bound_logged = True
+                log.info("layer graphs: %d input shapes have static graphs (the bound); further shapes run the "
+                         "dynamic-shape graphs", self.max_static)
         if packed not in self._graphs:
-            layer = self.template
-            weights = tuple(w for w, trainable in zip(self.weights, self.trainable) if trainable)
-
-            def forward(x, rope, bias):
-                return layer(x, rope, bias)
-
-            def weighted_sum(x, rope, bias, dout):  # its gradient is the vector-Jacobian product
-                return (layer(x, rope, bias) * dout).sum()
-
-            def backward(x, rope, bias, dout):
-                return ms.grad(weighted_sum, 0, weights)(x, rope, bias, dout)
-
-            # Each template's graphs are distinct by design; distinct names keep MindSpore from warning
-            # that one function "has been compiled again" (it keys functions by name and source line).
-            for fn in (forward, backward):
-                fn.__name__ = f"{'packed' if packed else 'padded'}_layer_{fn.__name__}_{id(self):x}"
+            forward, backward = self._functions(packed, "")
             sig = dict(x=dynamic_signature(x), rope=dynamic_signature(rope), bias=dynamic_signature(bias))
             self._graphs[packed] = (ms.enable_dynamic(**sig)(ms.jit(forward)),
                                     ms.enable_dynamic(dout=dynamic_signature(x), **sig)(ms.jit(backward)))
         return self._graphs[packed]
+
+    def release_static(self) -> None:
+        """Free the static graphs (the next static use compiles again)."""
+        _release_names(self._static_names)
+        self._static_graphs.clear()
 
     def forward(self, x: Tensor, rope, bias, weights) -> Tensor:
         self._load(weights)
@@ -143,6 +208,12 @@ class LayerGraphs:
         """(input gradient, gradients of the trainable weights) for upstream gradient ``dout``."""
         self._load(weights)
         return self._compiled(isinstance(bias, tuple), x, rope, bias)[1](x, *_inputs(rope, bias), dout)
+
+
+def _release_names(names: List[str]) -> None:
+    for name in names:
+        release_compiled(name)
+    names.clear()
 
 
 class _GraphLayer(nn.Cell):

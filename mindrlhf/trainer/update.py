@@ -69,13 +69,13 @@ class Updater:
                  betas: Sequence[float], eps: float, max_grad_norm: float, jit: bool = True,
                  groups: Optional[ParallelGroups] = None, masters: Optional[Sequence[Parameter]] = None,
                  loss_scale_init: float = 65536.0, loss_scale_window: int = 1000, share_prompts: bool = False,
-                 layer_graphs: bool = False, head: Optional[Head] = None):
+                 layer_graphs: bool = False, static_layer_graphs: bool = False, head: Optional[Head] = None):
         """``masters``: float32 master weights in the order of the model's trainable parameters (see
         ``AdamW``). ``loss_scale_init`` / ``loss_scale_window``: dynamic loss scaling, float16 only.
         ``share_prompts``: pack completions that share a prompt (``models.packing``). ``jit``: the gradient
         pass as one compiled whole-model graph (``recompute none``). ``layer_graphs``: run the decoder layers
         as shared compiled graphs (``models.layer_graphs``) in forward passes, and in the gradient pass
-        without ``jit``.
+        without ``jit``; ``static_layer_graphs``: those graphs compiled per input shape (``PipelineRunner``).
         ``head``: what the objective is differentiated on (``models.heads``; default: completion
         log-probs at temperature 1)."""
         for name, how in objective.aux:
@@ -97,7 +97,8 @@ class Updater:
             return loss * args[-1], aux
 
         self.runner = PipelineRunner(model, self.groups, scaled_loss, head=head, jit=jit,
-                                     share_prompts=share_prompts, layer_graphs=layer_graphs)
+                                     share_prompts=share_prompts, layer_graphs=layer_graphs,
+                                     static_layer_graphs=static_layer_graphs)
         self.params = self.runner.params
         # Decay matrices only: biases and norm scales (1-D) are not weight-decayed.
         self.optimizer = AdamW(self.params, masters=masters, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -263,7 +264,8 @@ def build_updater(cfg, model: nn.Cell, objective: Objective, *, extent: MicroBat
     updater = Updater(model, objective, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
                       eps=o.adam_eps, max_grad_norm=o.max_grad_norm, jit=mode == "none", groups=groups,
                       masters=masters, loss_scale_init=o.loss_scale_init, loss_scale_window=o.loss_scale_window,
-                      share_prompts=share_prompts, layer_graphs=p.layer_graphs, head=head)
+                      share_prompts=share_prompts, layer_graphs=p.layer_graphs,
+                      static_layer_graphs=static_layer_graphs(p), head=head)
     updater.activation_bytes = kept
     return updater
 
@@ -275,7 +277,14 @@ def build_frozen_runner(cfg, model: nn.Cell, groups: ParallelGroups, head: Head,
     whole-model ``mindspore.jit`` forward: a compiled CPU graph keeps all of its intermediates allocated, so
     a forward pass would hold a whole model's activations where the layer graphs hold one layer's."""
     return PipelineRunner(model, groups, head=head, share_prompts=share_prompts,
-                          layer_graphs=cfg.parallel.layer_graphs)
+                          layer_graphs=cfg.parallel.layer_graphs, static_layer_graphs=static_layer_graphs(cfg.parallel))
+
+
+def static_layer_graphs(parallel) -> bool:
+    """Whether the layer graphs are compiled per input shape: ``parallel.layer_graph_shapes`` static, or auto
+    on CPU (where MindSpore's static-shape kernels are the faster ones; other targets keep the dynamic graphs)."""
+    shapes = parallel.layer_graph_shapes
+    return shapes == "static" or (shapes == "auto" and parallel.device_target == "CPU")
 
 
 class ReleasableModel:
