@@ -195,11 +195,6 @@ class LayerGraphs:
                                     ms.enable_dynamic(dout=dynamic_signature(x), **sig)(ms.jit(backward)))
         return self._graphs[packed]
 
-    def release_static(self) -> None:
-        """Free the static graphs (the next static use compiles again)."""
-        _release_names(self._static_names)
-        self._static_graphs.clear()
-
     def forward(self, x: Tensor, rope, bias, weights) -> Tensor:
         self._load(weights)
         return self._compiled(isinstance(bias, tuple), x, rope, bias)[0](x, *_inputs(rope, bias))
