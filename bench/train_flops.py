@@ -42,6 +42,9 @@ update, which compiles, left out), and prints each kind's median step, its gradi
 compiled and the child's peak RSS: an A/B that a shared machine's drift cannot bias. ``--recompute full`` makes
 the stages' gradient passes run the layer graphs (``none`` runs the whole-model graph, which the setting does not
 change).
+``static+gk`` among the kinds: the static layer graphs compiled with MindSpore's graph-kernel fusion
+(``LayerGraphs.graph_kernel``, no config setting; ``--graph_kernel_flags`` sets its ``graph_kernel_flags``), e.g.
+``--layer_graph_shapes static,static+gk`` (bench/README.md: its numbers move by up to 1.3e-5, not wired).
 
 On a shared machine figures move; the load average is printed with each part.
 """
@@ -218,6 +221,10 @@ def run_stage(args) -> dict:
     import resource
 
     flags = ["--recompute", args.recompute] if args.recompute else []
+    if args.graph_kernel_flags is not None:
+        from mindrlhf.models import layer_graphs
+
+        layer_graphs.GRAPH_KERNEL_FLAGS = args.graph_kernel_flags
     cfg, trainer, model, micro, scalars, group = build_stage(args.stage, args.steps, args.work_dir, args.cpu_matmul,
                                                              flags)
     updater = trainer.updater
@@ -231,7 +238,8 @@ def run_stage(args) -> dict:
     for i in range(args.steps):
         for kind in kinds if i % 2 == 0 else kinds[::-1]:  # alternate the order: neither kind always goes first
             if kind:
-                updater.runner.static_layer_graphs = kind == "static"
+                updater.runner.static_layer_graphs = kind != "dynamic"
+                updater.runner.graph_kernel = kind == "static+gk"
             t = time.perf_counter()
             res = updater.step(micro, scalars)
             by_kind[kind]["times"].append(time.perf_counter() - t)
@@ -343,8 +351,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved peak / MindSpore measurements in the header")
     ap.add_argument("--min_time", type=float, default=0.2, help="seconds of calls per matmul-rate measurement")
     ap.add_argument("--layer_graph_shapes", default="",
-                    help="comma-separated kinds of layer graphs (static, dynamic) to run interleaved in each stage's "
-                         "child; default: the config's (parallel.layer_graph_shapes)")
+                    help="comma-separated kinds of layer graphs (static, dynamic, static+gk: static with graph-kernel "
+                         "fusion, LayerGraphs.graph_kernel) to run interleaved in each stage's child; default: the "
+                         "config's (parallel.layer_graph_shapes)")
+    ap.add_argument("--graph_kernel_flags", default=None,
+                    help="graph_kernel_flags of the fused layer graphs (static+gk); default: "
+                         "models.layer_graphs.GRAPH_KERNEL_FLAGS")
     ap.add_argument("--recompute", choices=("auto", "full", "none"), default="",
                     help="the stages' recompute mode (default: the CLI's, auto)")
     ap.add_argument("--stage", help=argparse.SUPPRESS)
@@ -364,6 +376,8 @@ def main(argv=None) -> int:
             cmd = [sys.executable, __file__, "--stage", stage, "--work_dir", tmp, "--steps", str(args.steps),
                    "--cpu_matmul", args.cpu_matmul, "--min_time", str(args.min_time),
                    "--layer_graph_shapes", args.layer_graph_shapes, "--recompute", args.recompute]
+            if args.graph_kernel_flags is not None:
+                cmd.append(f"--graph_kernel_flags={args.graph_kernel_flags}")
             proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
             line = next((x for x in proc.stdout.splitlines() if x.startswith(RESULT_TAG)), None)
             if proc.returncode or line is None:

@@ -485,17 +485,19 @@ class CausalLM(nn.Cell):
         return x
 
     @contextlib.contextmanager
-    def compiled_layers(self, static: bool = False):
+    def compiled_layers(self, static: bool = False, graph_kernel: bool = False):
         """Within this block (pynative only, never inside ``mindspore.jit``) the decoder layers run as
         two compiled graphs shared by all of them, recomputing each layer's forward in the backward
         (``models.layer_graphs``): faster than pynative layers and lighter than a compiled model.
         ``static``: graphs compiled per input shape (a bounded number of them; ``LayerGraphs.static``)
-        instead of one dynamic-shape pair."""
+        instead of one dynamic-shape pair; ``graph_kernel``: those static graphs compiled with MindSpore's
+        graph-kernel fusion (``LayerGraphs.graph_kernel``)."""
         if self._layer_graphs is None or self._layer_graphs_lora is not self.lora_spec:
             self._layer_graphs = LayerGraphs(self._layer_template())
             self._layer_graphs_lora = self.lora_spec
         self._use_layer_graphs = True
         self._layer_graphs.static = static
+        self._layer_graphs.graph_kernel = graph_kernel
         try:
             yield
         finally:

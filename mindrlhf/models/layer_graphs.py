@@ -90,6 +90,35 @@ def _inputs(rope, bias):
 #: a handful of shapes per pass, and each static pair holds its buffers (tens to hundreds of MB on SmolLM2).
 STATIC_VARIANTS = 8
 
+#: ``graph_kernel_flags`` of the fused static layer graphs (``LayerGraphs.graph_kernel``; "" = AKG's defaults).
+#: Fusion is no setting: measured (bench/README.md, #40, ``bench/train_flops.py --layer_graph_shapes
+#: static,static+gk``), fusing multiplies with adds moves SmolLM2's gradients by up to 1.3e-5 relative, beyond
+#: the 1e-5 the decoder's parity holds, and the flags that keep the numbers exact fuse only adds and copies.
+GRAPH_KERNEL_FLAGS = ""
+
+
+class _FusedOnFirstCall:
+    """A ``mindspore.jit`` function compiled with graph-kernel fusion. ``enable_graph_kernel`` is a process-wide
+    context setting that MindSpore reads when it compiles a graph (a compiled graph keeps what it was compiled
+    with), so it is switched on for this function's first call only: the model's other graphs (the sampler's
+    decode steps, which fusion makes slower, the whole-model graphs) compile as before."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.compiled = False
+
+    def __call__(self, *args):
+        if self.compiled:
+            return self.fn(*args)
+        before = ms.get_context("enable_graph_kernel"), ms.get_context("graph_kernel_flags")
+        ms.set_context(enable_graph_kernel=True, graph_kernel_flags=GRAPH_KERNEL_FLAGS)
+        try:
+            out = self.fn(*args)
+        finally:
+            ms.set_context(enable_graph_kernel=before[0], graph_kernel_flags=before[1])
+        self.compiled = True
+        return out
+
 
 def _shape_key(x: Tensor, rope, bias) -> Tuple:
     """The input shapes (and dtypes) a static graph is compiled for."""
@@ -100,8 +129,11 @@ def _shape_key(x: Tensor, rope, bias) -> Tuple:
 class LayerGraphs:
     """Runs decoder layers through the compiled forward/backward graphs of ``template``
     (a layer built like them and never trained itself). ``static``: use static-shape graphs for the
-    first ``max_static`` input shapes (the dynamic graphs after that); set per use by
-    ``CausalLM.compiled_layers``."""
+    first ``max_static`` input shapes (the dynamic graphs after that); ``graph_kernel``: compile those static
+    graphs with MindSpore's graph-kernel fusion (``GRAPH_KERNEL_FLAGS``; the dynamic graphs are never fused);
+    both set per use by ``CausalLM.compiled_layers``."""
+
+    graph_kernel = False
 
     def __init__(self, template: nn.Cell, max_static: int = STATIC_VARIANTS):
         self.template = template
@@ -112,7 +144,7 @@ class LayerGraphs:
         self.static = False
         self.max_static = max_static
         self._graphs: Dict[bool, Tuple] = {}
-        self._static_graphs: Dict[Tuple, Tuple] = {}  # (packed, input shapes) -> (forward, backward)
+        self._static_graphs: Dict[Tuple, Tuple] = {}  # (packed, fused, input shapes) -> (forward, backward)
         self._static_names: List[str] = []
         self._bound_logged = False
         # MindSpore keeps compiled graphs (and their buffers) for the process's life: free the static ones
@@ -176,13 +208,15 @@ class LayerGraphs:
         """(forward, backward) graphs for packed or padded rows, compiled on first use: static for this
         input shape when ``static`` and the bound allows, else the dynamic ones."""
         if self.static:
-            key = (packed, _shape_key(x, rope, bias))
+            fused = bool(self.graph_kernel)
+            key = (packed, fused, _shape_key(x, rope, bias))
             if key in self._static_graphs:
                 return self._static_graphs[key]
             if len(self._static_graphs) < self.max_static:
-                forward, backward = self._functions(packed, f"_s{len(self._static_graphs)}")
+                forward, backward = self._functions(packed, f"_{'gk' if fused else 's'}{len(self._static_graphs)}")
                 self._static_names.extend((forward.__name__, backward.__name__))
-                self._static_graphs[key] = (ms.jit(forward), ms.jit(backward))
+                pair = (ms.jit(forward), ms.jit(backward))
+                self._static_graphs[key] = tuple(_FusedOnFirstCall(g) for g in pair) if fused else pair
                 log.info("layer graphs: static graphs for input %s (%d of %d)", tuple(x.shape),
                           len(self._static_graphs), self.max_static)
                 return self._static_graphs[key]
