@@ -22,12 +22,13 @@ see docs/design.md, "LoRA".
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import mindspore as ms
 import numpy as np
@@ -121,6 +122,13 @@ def _local(cell: nn.Cell, a: np.ndarray, b: np.ndarray, tp: int, tp_rank: int) -
     return a[:, tp_rank * n:(tp_rank + 1) * n], b
 
 
+def _switch(dtype: ms.Type, name: str) -> Parameter:
+    """An adapted linear's ``lora_enabled``: a frozen scalar (1 = adapter on) multiplying its delta. A parameter, so
+    the compiled graphs read it as an input (the layer graphs load it per layer like the weights) and one graph serves
+    the adapted model and its base (``adapters_disabled``)."""
+    return Parameter(Tensor(1.0, dtype), name=name, requires_grad=False)
+
+
 class _Factor(nn.Cell):
     """One LoRA factor: a cell holding ``weight``, so its parameter is named ``...lora_A.weight`` as in PEFT."""
 
@@ -152,8 +160,10 @@ def apply_lora(model: nn.Cell, spec: LoRASpec) -> List[str]:
         cell.lora_dropout = nn.Dropout(p=spec.dropout) if spec.dropout > 0 else None
         cell.lora_copy = CopyToTP(tp, model.shard.tp_group) if tp > 1 else None
         cell.lora_scaling = float(spec.scaling)
+        cell.lora_enabled = _switch(dtype, f"{name}.lora_enabled")
         # Attaching a cell renames its parameters relative to the parent; give them the full model names.
         cell.lora_A.weight.name, cell.lora_B.weight.name = f"{name}.lora_A.weight", f"{name}.lora_B.weight"
+        cell.lora_enabled.name = f"{name}.lora_enabled"
     model.lora_spec = spec
     return [name for name, _ in targets]
 
@@ -180,6 +190,28 @@ def adapt_like(template: nn.Cell, layer: nn.Cell) -> None:
         # Dropout and the tp copy hold no parameters: the template shares the layer's.
         target.lora_dropout, target.lora_copy = source.lora_dropout, source.lora_copy
         target.lora_scaling = source.lora_scaling
+        target.lora_enabled = _switch(source.lora_enabled.dtype, f"{name}.lora_enabled")
+        target.lora_enabled.name = f"{name}.lora_enabled"
+
+
+def is_switch(name: str) -> bool:
+    """Whether parameter ``name`` is an adapter's on/off switch (not a weight: no file holds it)."""
+    return name.endswith(".lora_enabled")
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Cell) -> Iterator[None]:
+    """Within this block ``model`` computes as its base, bit for bit (PEFT's ``disable_adapter``): every adapter's
+    switch is 0, so each delta is multiplied by 0 in the same compiled graphs. The reference of DPO with LoRA is the
+    policy itself in this block: no second copy of the base."""
+    switches = [cell.lora_enabled for _, cell in lora_modules(model)]
+    for switch in switches:
+        switch.copy_(Tensor(0.0, switch.dtype))  # in place: a compiled graph keeps reading the same storage
+    try:
+        yield
+    finally:
+        for switch in switches:
+            switch.copy_(Tensor(1.0, switch.dtype))
 
 
 def _require_whole(model: nn.Cell, what: str) -> None:
@@ -232,7 +264,7 @@ def merged_weights(model: nn.Cell) -> Dict[str, np.ndarray]:
     adapters = {name: cell for name, cell in lora_modules(model)}
     out = {}
     for name, param in model.parameters_and_names():
-        if ".lora_A." in name or ".lora_B." in name:
+        if ".lora_A." in name or ".lora_B." in name or is_switch(name):
             continue
         value = param.value().astype(ms.float32).asnumpy()
         module = name[:-len(".weight")] if name.endswith(".weight") else None

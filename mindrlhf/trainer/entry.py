@@ -226,6 +226,19 @@ def load_reference(path: str, policy, layout: RunLayout, dtype: str, source: str
     return ref
 
 
+def reference_runner(cfg, policy, layout: RunLayout, head, path: str, *, share_prompts: bool = False,
+                     source: str = "initial policy"):
+    """A stage's frozen reference as a runner (``forward(micro_batches)``): the checkpoint at ``path`` when given;
+    else, for a LoRA ``policy``, the policy itself with its adapters switched off (``update.AdaptersOff``: no second
+    copy of the base); else a copy of the initial ``policy`` (``load_reference``)."""
+    from mindrlhf.trainer.update import AdaptersOff, build_frozen_runner
+
+    if not path and getattr(policy, "lora_spec", None) is not None:
+        return AdaptersOff(build_frozen_runner(cfg, policy, layout.groups, head, share_prompts=share_prompts), policy)
+    ref = load_reference(path, policy, layout, cfg.model.dtype, source)
+    return build_frozen_runner(cfg, ref, layout.groups, head, share_prompts=share_prompts)
+
+
 def worker_lost(cfg, op: str, err: RuntimeError) -> WorkerLostError:
     """The one-line report of a collective that got no answer: another worker died or hangs."""
     # MindSpore's message may open with ruler and heading lines; log its first line with words in it.
