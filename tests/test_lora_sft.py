@@ -63,12 +63,12 @@ class _TorchLoRA:
     (``on = False`` switches them off: the base, PEFT's ``disable_adapter``), and torch's AdamW over the factors
     (plus ``extra`` tensors, e.g. a score head) with clipping, as our optimizer steps."""
 
-    def __init__(self, model_dir: Path, adapter_dir: Path, auto=None):
+    def __init__(self, model_dir: Path, adapter_dir: Path, auto=None, **kw):
         import torch
         from transformers import AutoModelForCausalLM
 
         spec, tensors = read_adapter(adapter_dir)
-        self.model = (auto or AutoModelForCausalLM).from_pretrained(model_dir, torch_dtype=torch.float64).eval()
+        self.model = (auto or AutoModelForCausalLM).from_pretrained(model_dir, dtype=torch.float64, **kw).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.on = True
@@ -200,7 +200,7 @@ def test_float16_lora_keeps_float32_masters_of_the_adapters_only(lora_assets, tm
 
 
 #: The stages that train LoRA adapters.
-LORA_STAGES = ("sft", "dpo", "orpo")
+LORA_STAGES = ("sft", "rm", "dpo", "orpo")
 
 
 def test_stages_without_lora_refuse_it_in_one_line(tmp_path, capsys):
@@ -227,16 +227,17 @@ def test_stages_without_lora_refuse_it_in_one_line(tmp_path, capsys):
 
 
 def _pair_trainer(stage, a, out: Path, **extra):
-    """A DPO or ORPO trainer on the four pairs: a step is all four (two micro-batches of two), layer graphs."""
+    """An RM, DPO or ORPO trainer on the four pairs: a step is all four (two micro-batches of two), layer graphs."""
     import importlib
 
     from mindrlhf.registry import STAGES
     from mindrlhf.trainer.entry import setup_runtime
 
     spec = getattr(importlib.import_module(STAGES[stage].module), stage.upper())
-    cfg = spec.parse(_flags(model=a["model"], train_file=a["pairs"], output_dir=out, max_steps=2, batch_size=4,
-                            micro_batch_size=2, max_length=64, seed=3, progress_bar="false", recompute="full",
-                            beta=BETA, **dict(STEP, **extra)))
+    flags = dict(model=a["model"], train_file=a["pairs"], output_dir=out, max_steps=2, batch_size=4,
+                 micro_batch_size=2, max_length=64, seed=3, progress_bar="false", recompute="full", **STEP)
+    flags.update({} if stage == "rm" else {"beta": BETA}, **extra)
+    cfg = spec.parse(_flags(**flags))
     return spec.build(cfg, setup_runtime(cfg))
 
 
@@ -339,6 +340,70 @@ def test_orpo_lora_trains_only_the_adapters(lora_assets, tmp_path):
     for name, value in model.parameters_and_names():
         if name not in adapters:
             np.testing.assert_array_equal(value.asnumpy(), base[name], err_msg=name)
+
+
+def test_rm_lora_trains_adapters_and_score_head_like_a_float64_reference(lora_assets, tmp_path):
+    """The reward model with LoRA: the adapters (here from --lora_init_from, B non-zero) and the new score head in full
+    (PEFT's modules_to_save of task SEQ_CLS) are all the optimizer holds; two steps (two micro-batches each) equal a
+    float64 torch reference in loss, grad_norm, adapters and score head (<= 1e-4 relative); the base is bit-identical;
+    output_dir/adapter is PEFT's SEQ_CLS adapter (score.weight beside the factors), read back onto a new RM it gives
+    the same scores, and, where the bench virtualenv has peft, peft loads it onto transformers' model with our
+    scores."""
+    import torch
+    from mindspore import Tensor
+    from transformers import AutoModelForSequenceClassification
+
+    from mindrlhf.models.lora import adapter_weights
+
+    a = lora_assets
+    trainer = _pair_trainer("rm", a, tmp_path / "out", lora_init_from=a["adapter"])
+    model = trainer.model
+    trained = set(adapter_weights(model))
+    assert "score.weight" in trained and set(trainer.updater.master_weights()) == trained
+    base = {n: p.asnumpy().copy() for n, p in model.parameters_and_names() if n not in trained}
+    initial = adapter_weights(model)
+
+    ref = _TorchLoRA(a["model"], a["adapter"], auto=AutoModelForSequenceClassification, num_labels=1)
+    score = torch.tensor(initial["score.weight"], dtype=torch.float64, requires_grad=True)
+    c = trainer.dataset.columns
+    rows = [row for pair in zip(c["chosen"], c["rejected"]) for row in pair]
+
+    def step_loss():
+        rewards = torch.stack([ref.model.model(input_ids=torch.tensor(r, dtype=torch.long)[None])
+                               .last_hidden_state[0, -1] @ score[0] for r in rows])
+        return -torch.nn.functional.logsigmoid(rewards[0::2] - rewards[1::2]).mean()
+
+    losses, norms, want = ref.train(step_loss, 2, extra={"score.weight": score})
+    history = trainer.train()
+    _check_steps(history, losses, norms, want, initial, adapter_weights(model))
+    for name, value in model.parameters_and_names():
+        if name not in trained:
+            np.testing.assert_array_equal(value.asnumpy(), base[name], err_msg=name)
+
+    out = tmp_path / "out" / "adapter"
+    config = json.loads((out / ADAPTER_CONFIG).read_text())
+    assert config["task_type"] == "SEQ_CLS" and config["modules_to_save"] == ["classifier", "score"]
+    spec, saved = read_adapter(out)
+    after = adapter_weights(model)
+    assert spec.modules_to_save == ("classifier", "score") and set(saved) == trained
+    assert all(np.array_equal(saved[n], after[n]) for n in trained)
+    reread = _pair_trainer("rm", a, tmp_path / "reread", lora_init_from=out, seed=9)  # another seed: another head
+    ids = np.asarray(rows[0], np.int32)[None]
+    ours = model.scores(Tensor(ids), Tensor(np.ones_like(ids))).asnumpy()
+    np.testing.assert_array_equal(reread.model.scores(Tensor(ids), Tensor(np.ones_like(ids))).asnumpy(), ours)
+    python = _peft_python()
+    if not python.is_file():
+        return
+    script = ("import json,sys,torch;from transformers import AutoModelForSequenceClassification as A;"
+              "from peft import PeftModel;"
+              "m=PeftModel.from_pretrained(A.from_pretrained(sys.argv[1],num_labels=1),sys.argv[2]).eval();"
+              "x=torch.tensor(json.loads(sys.argv[3]));"
+              "print(json.dumps(m.base_model.model.model(input_ids=x).last_hidden_state[:,-1].matmul("
+              "m.base_model.model.score.modules_to_save['default'].weight.T).tolist()))")
+    proc = subprocess.run([str(python), "-c", script, str(a["model"]), str(out), json.dumps(ids.tolist())],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert np.abs(np.array(json.loads(proc.stdout)) - ours).max() <= 1e-4
 
 
 def _run_sft(argv, env_extra=None):

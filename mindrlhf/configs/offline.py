@@ -281,6 +281,7 @@ class RMConfig(OfflineConfig):
 
     REFERENCE_PREAMBLE = _PAIR_PREAMBLE
     REFERENCE_FILE = STAGES["rm"].reference
+    LORA: ClassVar[bool] = True  # adapters plus the score head in full (PEFT's SEQ_CLS modules_to_save)
 
     data: PairDataConfig = dataclasses.field(default_factory=PairDataConfig)
     loss: RewardLossConfig = dataclasses.field(default_factory=RewardLossConfig)

@@ -60,6 +60,11 @@ class LoRASpec:
     target_modules: Union[str, Tuple[str, ...]] = PROJECTIONS
     use_rslora: bool = False
     seed: int = 0
+    #: PEFT's ``modules_to_save``: modules outside the decoder layers (a head) trained in full and saved with the
+    #: adapters, e.g. a reward model's ``score`` (PEFT's sequence-classification task adds ``classifier`` and
+    #: ``score``); a name matches a module as ``target_modules``' names do, and names matching nothing are ignored.
+    modules_to_save: Tuple[str, ...] = ()
+    task_type: str = "CAUSAL_LM"  # PEFT's task type: CAUSAL_LM, or SEQ_CLS for a model with a score head
     extra: Dict[str, Any] = field(default_factory=dict, compare=False)  # PEFT keys kept for writing back
 
     def __post_init__(self) -> None:
@@ -69,6 +74,7 @@ class LoRASpec:
             raise MindRLHFError(f"LoRA dropout={self.dropout!r} must be in [0, 1)")
         if self.target_modules == "all-linear":  # PEFT's shorthand: every linear but the output layer
             object.__setattr__(self, "target_modules", PROJECTIONS)
+        object.__setattr__(self, "modules_to_save", tuple(self.modules_to_save or ()))
         if not isinstance(self.target_modules, str):
             object.__setattr__(self, "target_modules", tuple(self.target_modules))
             if not self.target_modules:
@@ -94,6 +100,20 @@ def _adaptable(model: nn.Cell) -> List[Tuple[str, nn.Cell]]:
 def lora_modules(model: nn.Cell) -> List[Tuple[str, nn.Cell]]:
     """The projections carrying an adapter, by module name (empty for a model without LoRA)."""
     return [(name, cell) for name, cell in _adaptable(model) if cell.lora_A is not None]
+
+
+def _module_of(name: str) -> str:
+    return name.rsplit(".", 1)[0]
+
+
+def saved_modules(model: nn.Cell, spec: Optional[LoRASpec] = None) -> List[Tuple[str, Parameter]]:
+    """The parameters of ``spec``'s (default: the model's) ``modules_to_save``, by name (e.g. ``score.weight``)."""
+    spec = spec or getattr(model, "lora_spec", None)
+    if spec is None or not spec.modules_to_save:
+        return []
+    return [(name, param) for name, param in model.parameters_and_names()
+            if ".lora_" not in name and any(_module_of(name) == t or _module_of(name).endswith("." + t)
+                                            for t in spec.modules_to_save)]
 
 
 def _init_array(name: str, shape: Tuple[int, int], seed: int) -> np.ndarray:
@@ -148,8 +168,15 @@ def apply_lora(model: nn.Cell, spec: LoRASpec) -> List[str]:
         raise MindRLHFError(f"LoRA target_modules {spec.target_modules!r} match no decoder projection of this model; "
                             f"use names among {', '.join(PROJECTIONS)} or a regex over e.g. "
                             "'model.layers.0.self_attn.q_proj'")
+    saved = saved_modules(model, spec)
+    inside = [name for name, _ in saved if name.startswith("model.")]
+    if inside:
+        raise MindRLHFError(f"LoRA modules_to_save {list(spec.modules_to_save)!r} names {inside[0]!r}, a part of the "
+                            "decoder; only heads outside the decoder layers (e.g. score) can be trained in full")
     for param in model.get_parameters():
         param.requires_grad = False
+    for _, param in saved:  # trained in full beside the adapters (PEFT's ModulesToSaveWrapper)
+        param.requires_grad = True
     for name, cell in targets:
         a_shape, b_shape = _full_shapes(cell, spec.r, tp)
         a, b = _local(cell, _init_array(f"{name}.lora_A.weight", a_shape, spec.seed),
@@ -221,17 +248,21 @@ def _require_whole(model: nn.Cell, what: str) -> None:
 
 
 def adapter_weights(model: nn.Cell) -> Dict[str, np.ndarray]:
-    """The adapters as float32 arrays under the model's names (``...q_proj.lora_A.weight``)."""
+    """The adapters as float32 arrays under the model's names (``...q_proj.lora_A.weight``), and the modules to save
+    (``score.weight``)."""
     out = {}
     for _, cell in lora_modules(model):
         for factor in (cell.lora_A, cell.lora_B):
             out[factor.weight.name] = factor.weight.value().astype(ms.float32).asnumpy()
+    for name, param in saved_modules(model):
+        out[name] = param.value().astype(ms.float32).asnumpy()
     return out
 
 
 def set_adapter_weights(model: nn.Cell, tensors: Dict[str, np.ndarray], source: str = "adapter") -> None:
     """Copy full (unsharded) adapter arrays, by the model's names, into this shard's factors; every
-    adapter must be given, with its full shape."""
+    adapter must be given, with its full shape. The modules to save are set when given (an adapter trained
+    without them leaves e.g. a new score head as it is)."""
     spec = getattr(model, "lora_spec", None)
     if spec is None:
         raise MindRLHFError(f"{source}: the model has no LoRA adapters to set; apply_lora or load_adapter first")
@@ -251,6 +282,13 @@ def set_adapter_weights(model: nn.Cell, tensors: Dict[str, np.ndarray], source: 
         a, b = _local(cell, tensors[keys[0]], tensors[keys[1]], tp, tp_rank)
         cell.lora_A.weight.copy_(Tensor(np.ascontiguousarray(a), cell.lora_A.weight.dtype))
         cell.lora_B.weight.copy_(Tensor(np.ascontiguousarray(b), cell.lora_B.weight.dtype))
+    for name, param in saved_modules(model):
+        expected.add(name)
+        if name in tensors:
+            if tuple(tensors[name].shape) != tuple(param.shape):
+                raise MindRLHFError(f"{source}: {name!r} has shape {tuple(tensors[name].shape)}, this model needs "
+                                    f"{tuple(param.shape)}; the adapter was trained on another model")
+            param.copy_(Tensor(np.ascontiguousarray(tensors[name]), param.dtype))
     unknown = sorted(set(tensors) - expected)
     if unknown:
         raise MindRLHFError(f"{source}: {len(unknown)} tensors match no adapted module of this model "
@@ -281,7 +319,7 @@ def merged_weights(model: nn.Cell) -> Dict[str, np.ndarray]:
 # PEFT's adapter directory
 # ---------------------------------------------------------------------------------------------
 #: PEFT LoraConfig keys whose non-default values this implementation cannot honour, with the default.
-_UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "modules_to_save": None,
+_UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none",
                 "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
                 "exclude_modules": None, "target_parameters": None, "use_qalora": False, "lora_bias": False,
                 "trainable_token_indices": None, "megatron_config": None, "layer_replication": None,
@@ -294,7 +332,8 @@ def peft_config(spec: LoRASpec, base_model_name_or_path: Optional[str] = None) -
     targets = spec.target_modules if isinstance(spec.target_modules, str) else sorted(spec.target_modules)
     config = dict(spec.extra)
     config.update({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
+        "peft_type": "LORA", "task_type": spec.task_type, "base_model_name_or_path": base_model_name_or_path,
+        "modules_to_save": list(spec.modules_to_save) or None,
         "r": spec.r, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "target_modules": targets,
         "use_rslora": spec.use_rslora, "init_lora_weights": True, "inference_mode": True, "revision": None,
         **_UNSUPPORTED})
@@ -319,6 +358,8 @@ def spec_from_peft(config: Dict[str, Any], source: str = ADAPTER_CONFIG) -> LoRA
                         dropout=float(config.get("lora_dropout", 0.0)),
                         target_modules=targets if isinstance(targets, str) else tuple(targets),
                         use_rslora=bool(config.get("use_rslora", False)),
+                        modules_to_save=tuple(config.get("modules_to_save") or ()),
+                        task_type=str(config.get("task_type") or "CAUSAL_LM"),
                         extra={k: v for k, v in config.items() if k not in _UNSUPPORTED})
     except KeyError as err:
         raise MindRLHFError(f"{source}: key {err} is missing; is this a PEFT adapter_config.json?") from None
