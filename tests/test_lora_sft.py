@@ -251,7 +251,8 @@ def test_dpo_lora_reference_is_the_policys_base_with_adapters_off(lora_assets, t
     """DPO with LoRA and no --ref_model: the reference is the policy itself with its adapters switched off (one
     compiled graph, a switch read as a graph input), so no second copy of the base is loaded, and its log-probs are a
     plain base model's, bit for bit, while the adapters (B non-zero) change the policy's; the adapters are on again
-    afterwards. With --ref_model the given model is loaded as the reference."""
+    afterwards; so are the precomputed ones (--precompute_ref_log_probs). With --ref_model the given model is loaded as
+    the reference."""
     from mindrlhf.models import get_weights, load_model
     from mindrlhf.models.lora import lora_modules
     from mindrlhf.trainer.update import AdaptersOff
@@ -273,6 +274,13 @@ def test_dpo_lora_reference_is_the_policys_base_with_adapters_off(lora_assets, t
         assert np.abs(p - b).max() > 1e-3  # the adapters change the policy: the switch did something
     for p, q in zip(policy_before, lora.updater.forward(micro)):
         np.testing.assert_array_equal(p, q)  # switched on again
+
+    pre = _pair_trainer("dpo", a, tmp_path / "pre", lora_init_from=a["adapter"], precompute_ref_log_probs="true")
+    assert pre.ref_runner is None  # run once before training, then dropped (here: nothing to free)
+    want = plain._reference_all(plain.dataset.columns)
+    assert len(pre.ref_logps["train"]) == len(want) == 8
+    for got, row in zip(pre.ref_logps["train"], want):
+        np.testing.assert_array_equal(got, row)
 
     given = _pair_trainer("dpo", a, tmp_path / "given", lora_init_from=a["adapter"], ref_model=a["other"])
     assert not isinstance(given.ref_runner, AdaptersOff) and given.ref_runner.model is not given.model

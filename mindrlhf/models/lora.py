@@ -16,9 +16,10 @@ to the partial sum before the layer's reduce); see ``tp_layers`` for the replica
 ``save_adapter`` / ``load_adapter`` write and read ``adapter_config.json`` + ``adapter_model.safetensors``
 as ``peft`` does (tests/test_lora.py checks the logits against peft on transformers, both ways);
 ``merged_weights`` gives the base weights with ``scaling * B A`` added, for a merged HF export.
-SFT trains them (``trainer.entry.load_policy(..., lora=cfg.model)``; the compiled layer graphs carry the same
-adapters through ``adapt_like``); the other stages, the reference with adapters off and the sampler are next:
-see docs/design.md, "LoRA".
+SFT, RM, DPO and ORPO train them (``trainer.entry.load_policy(..., lora=cfg.model)``; the compiled layer graphs
+carry the same adapters through ``adapt_like``). ``adapters_disabled`` runs the base (DPO's reference: each adapter's
+``lora_enabled`` switch, a graph input, set to 0); ``modules_to_save`` (a reward model's ``score``) are trained in
+full and saved with the adapters. GRPO, PPO and the sampler are next: see docs/design.md, "LoRA".
 """
 from __future__ import annotations
 
