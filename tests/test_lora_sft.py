@@ -200,7 +200,7 @@ def test_float16_lora_keeps_float32_masters_of_the_adapters_only(lora_assets, tm
 
 
 #: The stages that train LoRA adapters.
-LORA_STAGES = ("sft", "rm", "dpo", "orpo")
+LORA_STAGES = ("sft", "rm", "dpo", "orpo", "grpo")
 
 
 def test_stages_without_lora_refuse_it_in_one_line(tmp_path, capsys):
@@ -513,3 +513,34 @@ def test_sft_lora_run_writes_a_peft_adapter_and_resumes_exactly(lora_assets, tmp
     theirs = np.array(json.loads(proc.stdout), np.float32)
     real = mask.astype(bool)
     assert np.abs(ours[real] - theirs[real]).max() <= 1e-4
+
+
+def test_grpo_lora_at_beta_0_trains_the_adapters_and_samples_with_them(grpo_assets, tmp_path, monkeypatch):
+    """GRPO with --lora_rank at beta 0: the sampler is the policy itself (its layers apply the adapters, so every
+    step samples with the adapted weights), the optimizer holds the adapters only, a step moves B off zero and leaves
+    the base bit-identical. beta > 0 and a separate generator are refused in one line."""
+    from grpo_runs import grpo_args
+    from mindrlhf import grpo
+    from mindrlhf.configs import parse_args
+    from mindrlhf.errors import MindRLHFError
+    from mindrlhf.models.lora import adapter_weights
+
+    (tmp_path / "len_reward.py").write_text("def length(completions, solution, **kw):\n"
+                                            "    return [len(c) / 50.0 for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = dict(max_steps=1, lr=1e-2, reward_funcs=["len_reward:length"], lora_rank=R, lora_alpha=ALPHA)
+    trainer = grpo.build_trainer(parse_args(grpo_args(grpo_assets, tmp_path / "out", **args)))
+    policy = trainer.policy
+    assert trainer.sampler.holds(policy)
+    adapters = set(adapter_weights(policy))
+    assert set(trainer.updater.master_weights()) == adapters
+    base = {n: p.asnumpy().copy() for n, p in policy.parameters_and_names() if n not in adapters}
+    res = trainer.train_one_step()
+    assert np.isfinite(res["loss"]) and res["grad_norm"] > 0
+    assert all(np.abs(v).max() > 0 for n, v in adapter_weights(policy).items() if ".lora_B." in n)
+    for name, value in policy.parameters_and_names():
+        if name not in adapters:
+            np.testing.assert_array_equal(value.asnumpy(), base[name], err_msg=name)
+    for flags, said in (({"beta": 0.1}, "set beta 0"), ({"infer_dp": 2, "chunk_size": 2}, "generator must be")):
+        with pytest.raises(MindRLHFError, match=said):
+            parse_args(grpo_args(grpo_assets, tmp_path / "x", **dict(args, **flags)))
