@@ -78,7 +78,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 DEFAULT_VENV = BENCH / ".venv-trl"
-TRL_REQUIREMENTS = ("trl", "datasets", "transformers", "torch==2.13.0", "accelerate")
+TRL_REQUIREMENTS = ("trl", "datasets", "transformers", "torch==2.13.0", "accelerate", "peft")
 RESULT_TAG = "PEER_TRL_RESULT "
 PROGRESS_TAG = "[peer] "
 OUR_PHASES = ("time/generate", "time/reward", "time/ref", "time/old_logp", "time/train", "time/sync")
@@ -98,9 +98,15 @@ STAGES: Dict[str, Dict[str, Any]] = {
     "sft": dict(stage="sft", rows=8, batch_size=8, micro_batch_size=4, max_length=512, lr=1e-5),
     "rm": dict(stage="rm", rows=8, batch_size=8, micro_batch_size=4, max_length=512, lr=1e-5),
     "dpo": dict(stage="dpo", rows=8, batch_size=8, micro_batch_size=4, max_length=512, lr=1e-6, beta=0.1),
+    # LoRA (#44): rank-16 adapters on all seven projections of the frozen model, 10x the learning rate;
+    # TRL's side is SFTTrainer with peft's LoraConfig of the same rank, alpha and targets.
+    "sft_lora": dict(stage="sft", rows=8, batch_size=8, micro_batch_size=4, max_length=512, lr=1e-4,
+                     lora_rank=16, lora_alpha=32),
 }
 CONFIG_GROUPS = {"both": ("tiny", "smollm2"), "stages": ("sft", "rm", "dpo"),
-                 "all": ("tiny", "smollm2", "sft", "rm", "dpo")}
+                 "all": ("tiny", "smollm2", "sft", "rm", "dpo"), "lora": ("sft", "sft_lora")}
+#: The projections a LoRA config adapts on both sides (PEFT's target_modules; ours' default).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SCORE_HEAD_SEED = 1234  # numpy seed of the reward model's score head (written once, read by both sides)
 
 
@@ -258,6 +264,9 @@ def build_ours_stage(spec: Dict[str, Any]) -> Any:
             "--progress_bar", "false", "--tensorboard", "false", "--strict", "true"]
     if stage == "dpo":
         argv += ["--loss_type", "sigmoid", "--beta", str(spec["beta"])]
+    if spec.get("lora_rank"):
+        argv += ["--lora_rank", str(spec["lora_rank"]), "--lora_alpha", str(spec["lora_alpha"]),
+                 "--lora_target_modules", *LORA_TARGETS]
     cfg = parse(argv + list(spec.get("ours_flags", [])))
     layout = setup_runtime(cfg)
     trainer = build_trainer(cfg, layout)
@@ -280,7 +289,8 @@ def run_ours_stage(spec: Dict[str, Any]) -> Dict[str, Any]:
         trained = float(sum(len(c) + len(r) for c, r in zip(columns["chosen"], columns["rejected"])))
     else:
         trained = None
-    sums = _weight_sums((q.name, q.asnumpy()) for q in trainer.model.get_parameters())
+    # The base's weights (an adapter's random A is each side's own draw; B is zero on both).
+    sums = _weight_sums((q.name, q.asnumpy()) for q in trainer.model.get_parameters() if ".lora_" not in q.name)
     steps = []
     for step in range(1, spec["steps"] + 1):
         tokens0, t0 = trainer.num_tokens, time.perf_counter()
@@ -398,10 +408,16 @@ def run_trl_stage(spec: Dict[str, Any]) -> Dict[str, Any]:
         max_length=spec["max_length"], use_cpu=True, bf16=False, fp16=False, **_no_recompute(config_class),
         model_init_kwargs={"dtype": "float32"}, report_to=[], logging_steps=1, save_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0, train_sampling_strategy="sequential")
+    peft_config = None
+    if spec.get("lora_rank"):
+        import peft
+
+        peft_config = peft.LoraConfig(r=spec["lora_rank"], lora_alpha=spec["lora_alpha"], lora_dropout=0.0,
+                                      target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
     if stage == "sft":
         args = config_class(**kwargs, packing=False, padding_free=False, completion_only_loss=True)
         trainer = trl.SFTTrainer(model=spec["model_dir"], args=args, train_dataset=dataset,
-                                 processing_class=tokenizer)
+                                 processing_class=tokenizer, peft_config=peft_config)
     elif stage == "rm":
         args = config_class(**kwargs)
         trainer = trl.RewardTrainer(model=spec["model_dir"], args=args, train_dataset=dataset,
@@ -417,7 +433,9 @@ def run_trl_stage(spec: Dict[str, Any]) -> Dict[str, Any]:
         trained = float(sum(len(c) + len(r) for c, r in zip(prepared["chosen_ids"], prepared["rejected_ids"])))
     else:
         trained = None
-    sums = _weight_sums((n, q.detach().cpu().numpy()) for n, q in trainer.model.named_parameters())
+    # peft's names (base_model.model.<name>, a wrapped linear's .base_layer.) back to the model's; adapters left out.
+    sums = _weight_sums((n.removeprefix("base_model.model.").replace(".base_layer.", "."), q.detach().cpu().numpy())
+                        for n, q in trainer.model.named_parameters() if ".lora_" not in n)
     steps: List[Dict[str, float]] = []
     logged: List[Dict[str, float]] = []
 
@@ -453,7 +471,7 @@ def run_trl_stage(spec: Dict[str, Any]) -> Dict[str, Any]:
 def ensure_trl_venv(venv: Path) -> Path:
     """The TRL virtualenv's python, creating the venv and pip-installing TRL's side into it if needed."""
     python = venv / "bin" / "python"
-    probe = [str(python), "-c", "import trl, datasets, transformers, torch, accelerate"]
+    probe = [str(python), "-c", "import trl, datasets, transformers, torch, accelerate, peft"]
     if python.is_file() and subprocess.run(probe, capture_output=True).returncode == 0:
         return python
     print(f"creating the TRL virtualenv {venv} (pip install {' '.join(TRL_REQUIREMENTS)}); takes a few minutes",
@@ -601,7 +619,9 @@ def print_stage_report(results: List[Any]) -> None:
     for spec, ours, trl in results:
         print(f"\n[{spec['config']}] {spec['rows']} rows per step (batch_size {spec['batch_size']}, micro-batches of "
               f"{spec['micro_batch_size']}), max_length {spec['max_length']}, lr {spec['lr']}"
-              + (f", beta {spec['beta']}" if "beta" in spec else "") + f", {spec['steps']} steps; "
+              + (f", beta {spec['beta']}" if "beta" in spec else "")
+              + (f", LoRA r {spec['lora_rank']} alpha {spec['lora_alpha']}" if spec.get("lora_rank") else "")
+              + f", {spec['steps']} steps; "
               f"model {spec['model_dir']}; rows {spec['train_file']}")
         for res in (ours, trl):
             if res["ok"]:
@@ -629,6 +649,17 @@ def print_stage_report(results: List[Any]) -> None:
             print(f"  ours/TRL step time = {ours['step_s'] / trl['step_s']:.2f}, tokens/s = "
                   f"{ours['tokens_per_s'] / trl['tokens_per_s']:.2f}, peak RSS = "
                   f"{ours['peak_rss_gib'] / trl['peak_rss_gib']:.2f}")
+    by_config = {spec["config"]: (ours, trl) for spec, ours, trl in results}
+    for name, lora_sides in by_config.items():
+        full_sides = by_config.get(name.removesuffix("_lora")) if name.endswith("_lora") else None
+        if full_sides is None:
+            continue
+        print(f"\n[{name}] LoRA against the full fine-tune of the same run ({name.removesuffix('_lora')}):")
+        for lora, full in zip(lora_sides, full_sides):
+            if lora["ok"] and full["ok"]:
+                print(f"  {lora['side']}: step time {lora['step_s'] / full['step_s']:.2f}x, peak RSS "
+                      f"{lora['peak_rss_gib'] / full['peak_rss_gib']:.2f}x (LoRA {lora['step_s']:.2f} s, "
+                      f"{lora['peak_rss_gib']:.2f} GiB; full {full['step_s']:.2f} s, {full['peak_rss_gib']:.2f} GiB)")
 
 
 def print_report(results: List[Dict[str, Any]]) -> None:
@@ -679,7 +710,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "tokens, beta 0.04; smollm2: the embedded SmolLM2-135M-Instruct, 2 prompts x G 4, 160 new "
                          "tokens, beta 0; both (default): tiny then smollm2. Offline stages on SmolLM2, 8 GSM8K "
                          "rows per step in micro-batches of 4, max_length 512: sft (vs SFTTrainer), rm (vs "
-                         "RewardTrainer), dpo (vs DPOTrainer, sigmoid, beta 0.1); stages: sft, rm, dpo; all: the five")
+                         "RewardTrainer), dpo (vs DPOTrainer, sigmoid, beta 0.1); stages: sft, rm, dpo; all: the five. "
+                         "LoRA: sft_lora (rank 16, alpha 32, all seven projections, lr 1e-4; TRL with peft); lora: "
+                         "sft then sft_lora (full fine-tune against LoRA on each side)")
     ap.add_argument("--steps", type=int, default=5,
                     help="optimizer steps per side (default 5); medians are taken over steps 2..N, so use >= 2")
     ap.add_argument("--trl_venv", default=str(DEFAULT_VENV),

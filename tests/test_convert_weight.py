@@ -418,3 +418,60 @@ def test_two_models_in_one_folder_keep_their_own_configs(tiny_llama_dir, tmp_pat
     assert hf_io.load_weights(out / "b.ckpt")[0]["rope_theta"] == 12345.0
     # the folder's config.json still belongs to a.ckpt (the only model when it was written)
     assert json.loads((out / "config.json").read_text()).get("rope_theta", 10000.0) == first
+
+
+def test_reverse_with_an_adapter_writes_the_merged_model(tmp_path, capsys):
+    """``--reverse --adapter``: a LoRA adapter folder merged into an HF directory or a MindSpore checkpoint gives
+    an HF model whose logits are the adapted model's (<= 1e-5) and whose weights are ``merged_weights``' bit for
+    bit; the adapter of another architecture, ``--adapter`` without ``--reverse`` and an output inside the adapter
+    folder are one-line errors."""
+    from mindspore import Tensor
+
+    from mindrlhf.models import load_model
+    from mindrlhf.models.lora import (
+        LoRASpec,
+        adapter_weights,
+        apply_lora,
+        merged_weights,
+        save_adapter,
+        set_adapter_weights,
+    )
+    from mindrlhf.testing import lora_numpy_init, make_tiny_llama, make_tiny_qwen2, padded_batch
+
+    base = make_tiny_llama(tmp_path / "base")
+    model = load_model(base)
+    apply_lora(model, LoRASpec(r=4, alpha=8, target_modules=("q_proj", "v_proj", "up_proj", "down_proj")))
+    set_adapter_weights(model, {k: lora_numpy_init(k, v.shape, 3) for k, v in adapter_weights(model).items()})
+    adapter = save_adapter(model, tmp_path / "adapter")
+    ids, mask = padded_batch(model.config.vocab_size)
+    want = model(Tensor(ids), Tensor(mask)).asnumpy()
+    merged = merged_weights(model)
+
+    ckpt = tmp_path / "ms" / "base.safetensors"
+    assert convert_weight.main(["--input_path", str(base), "--output_path", str(ckpt), "--no_progress"]) == 0
+    for source, out in ((base, tmp_path / "from_hf"), (ckpt, tmp_path / "from_ckpt")):
+        assert convert_weight.main(["--reverse", "--input_path", str(source), "--adapter", str(adapter),
+                                    "--output_path", str(out), "--dtype", "fp32", "--no_progress"]) == 0
+        assert "merged the LoRA adapter" in capsys.readouterr().out
+        got = load_model(out)(Tensor(ids), Tensor(mask)).asnumpy()
+        assert np.abs(got - want).max() <= 1e-5
+        written = dict(hf_io.iter_hf_tensors(out))
+        assert set(written) == set(merged)
+        assert all(np.array_equal(written[k], merged[k]) for k in merged)
+    assert np.abs(want - load_model(base)(Tensor(ids), Tensor(mask)).asnumpy()).max() > 1e-2  # it did change
+
+    other = make_tiny_qwen2(tmp_path / "qwen", hidden_size=32)
+    with pytest.raises(MindRLHFError, match=r"the adapter of model\.layers\.0\.mlp\.down_proj needs a "
+                                            r"\(\d+, \d+\) weight, but .* has shape"):
+        convert_weight._main(["--reverse", "--input_path", str(other), "--adapter", str(adapter),
+                              "--output_path", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(MindRLHFError, match=r"--adapter .*: merging a LoRA adapter writes an HF model; add "
+                                            r"--reverse"):
+        convert_weight._main(["--input_path", str(base), "--adapter", str(adapter),
+                              "--output_path", str(tmp_path / "x.ckpt")])
+    with pytest.raises(MindRLHFError, match="is inside the input directory"):
+        convert_weight._main(["--reverse", "--input_path", str(base), "--adapter", str(adapter),
+                              "--output_path", str(adapter / "merged")])
+    with pytest.raises(MindRLHFError, match="not a directory .*--adapter"):
+        convert_weight._main(["--reverse", "--input_path", str(base), "--output_path", str(tmp_path / "y")])

@@ -116,6 +116,39 @@ def test_static_layer_graphs_equal_the_dynamic_ones_for_two_lengths(tiny_qwen2_d
     assert model.layer_graphs.static_shapes == 3
 
 
+# Torch imported before MindSpore (as mindrlhf.testing does when it writes a model), then a stage trained through
+# the static layer graphs: the finalizer freeing them ran at interpreter exit into a torn-down MindSpore runtime.
+_TORCH_FIRST = """
+import json, sys
+from pathlib import Path
+from mindrlhf.testing import add_tokenizer, make_tiny_qwen2
+root = Path(sys.argv[1])
+model = add_tokenizer(make_tiny_qwen2(root / "model", seed=5), sys.argv[2])
+from mindrlhf import sft
+rows = root / "rows.jsonl"
+rows.write_text("".join(json.dumps({"prompt": f"Q: {i}?\\nA:", "completion": f" {8 * i}"}) + "\\n" for i in range(4)))
+assert sft.main(["--model", str(model), "--train_file", str(rows), "--output_dir", str(root / "out"),
+                 "--max_steps", "1", "--batch_size", "2", "--micro_batch_size", "2", "--max_length", "64",
+                 "--recompute", "full", "--layer_graph_shapes", "static", "--progress_bar", "false",
+                 "--save_steps", "0", "--tensorboard", "false"]) == 0
+print("trained")
+"""
+
+
+@pytest.mark.slow
+def test_a_process_that_imported_torch_first_exits_cleanly_after_static_layer_graphs(tmp_path, qwen_tokenizer_dir):
+    """A process that trained through static layer graphs after importing torch exits 0 (it aborted with
+    exit 134, "PyThreadState_Get ... GIL is released", when the graphs were freed at exit)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "torch_first.py"
+    script.write_text(_TORCH_FIRST)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(qwen_tokenizer_dir)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "trained" in proc.stdout, proc.stderr[-2000:]
+
+
 def test_layer_graphs_follow_the_weights(tiny_qwen2_dir):
     """The graphs read each layer's current weights: after a layer changes, so does the output."""
     from mindspore import Tensor

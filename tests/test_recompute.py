@@ -15,7 +15,9 @@ from mindrlhf.trainer.memory import (
     HEAD_BYTES,
     MicroBatchExtent,
     activation_bytes,
+    decoder_gflop,
     memory_budget,
+    resolve_recompute,
     rollout_extent,
 )
 
@@ -130,6 +132,56 @@ def test_auto_keeps_activations_on_the_tiny_job_and_recomputes_under_a_small_bud
         assert _updater(model, parse_grpo_args(job + ["--recompute", mode, "--memory_budget_gb", "0.000001"])
                         ).recompute == mode
     assert not caplog.records
+
+
+def test_decoder_work_by_hand():
+    extent = MicroBatchExtent.padded(2, 3)  # 6 tokens, 18 score pairs
+    # projections: q and o 8 x 8 each, k and v 8 x 4 each, gate/up/down 8 x 16 each; 2 FLOP per weight and token
+    weights = 8 * 8 * 2 + 8 * 4 * 2 + 3 * 8 * 16
+    # attention: scores and their product with v, 2 FLOP per multiply-add over head_dim 4, 2 heads
+    per_layer = 2 * weights * 6 + 2 * 2 * 4 * 2 * 18
+    assert decoder_gflop(SMALL, extent, layers=2) == pytest.approx(2 * per_layer / 1e9, rel=1e-12)
+    # tp = 2: this rank's heads, KV width and MLP columns halve
+    weights_tp = 8 * 4 * 2 + 8 * 2 * 2 + 3 * 8 * 8
+    assert decoder_gflop(SMALL, extent, layers=2, tp=2) == pytest.approx(
+        2 * (2 * weights_tp * 6 + 2 * 2 * 4 * 1 * 18) / 1e9, rel=1e-12)
+
+
+def test_auto_recomputes_through_static_layer_graphs_when_the_decoder_work_pays(tiny_qwen2_dir, caplog,
+                                                                                monkeypatch):
+    """With static-shape layer graphs (CPU's default) ``auto`` picks ``full`` for SmolLM2's GRPO micro-batch even
+    with memory to spare (as fast, a third of the memory: bench/README.md), keeps ``none`` for the tiny peer job
+    (dispatch-bound: a compile per shape costs more than it saves), and with dynamic layer graphs decides by
+    memory as before. The config reaches the decision through ``build_updater``."""
+    from mindrlhf.configs.grpo_configs import parse_args as parse_grpo_args
+    from mindrlhf.models import load_model
+    from mindrlhf.trainer import memory
+
+    monkeypatch.setattr(memory, "_mem_available", lambda: 20 * 2 ** 30)
+    smol = MicroBatchExtent.shared_prompts(4, 4, 126, 160, packed=True)  # the peer job's micro-batch
+    tiny = MicroBatchExtent.shared_prompts(4, 4, 142, 128, packed=True)
+    peer_tiny = SimpleNamespace(hidden_size=256, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
+                                intermediate_size=1024, vocab_size=151936)
+    assert decoder_gflop(SMOLLM2, smol, layers=30) > 5 * memory.STATIC_FULL_GFLOP
+    assert decoder_gflop(peer_tiny, tiny, layers=4) < memory.STATIC_FULL_GFLOP / 3
+    kw = dict(tp=1, dtype_bytes=4, device_target="CPU", workers=1)
+    caplog.set_level(logging.INFO, logger="mindrlhf.trainer.memory")
+    assert resolve_recompute("auto", SMOLLM2, smol, layers=30, static_layers=True, **kw) == ("full", 0)
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith("recompute auto -> full for the policy: its largest micro-batch (766 positions, ")
+    assert resolve_recompute("auto", SMOLLM2, smol, layers=30, **kw)[0] == "none"  # dynamic: fits 16 GiB
+    assert resolve_recompute("auto", peer_tiny, tiny, layers=4, static_layers=True, **kw)[0] == "none"
+    assert resolve_recompute("none", SMOLLM2, smol, layers=30, static_layers=True, **kw)[0] == "none"
+
+    # Through the config: the tiny test model's work made to count (the threshold lowered below it).
+    model = load_model(tiny_qwen2_dir)
+    job = ["--micro_batch_size", "4", "--max_completion_length", "128"]
+    work = decoder_gflop(model.config, rollout_extent(parse_grpo_args(job)), layers=model.config.num_hidden_layers)
+    monkeypatch.setattr(memory, "STATIC_FULL_GFLOP", work / 2)
+    assert _updater(model, parse_grpo_args(job + ["--layer_graph_shapes", "static"])).recompute == "full"
+    assert _updater(model, parse_grpo_args(job + ["--layer_graph_shapes", "dynamic"])).recompute == "none"
+    assert _updater(model, parse_grpo_args(job + ["--layer_graph_shapes", "static", "--layer_graphs", "false"])
+                    ).recompute == "none"
 
 
 def test_recompute_settings_are_checked_and_train_jit_says_what_replaced_it(tmp_path):

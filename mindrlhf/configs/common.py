@@ -187,9 +187,11 @@ class TrainLayoutConfig:
         False, "Cache compiled graphs on disk (MindSpore compile cache, under output_dir) so a restart "
         "skips compilation.")
     recompute: str = config_field(
-        "auto", "How the training backward gets each layer's activations. auto: none when the largest "
-        "micro-batch's estimated activations fit memory_budget_gb, else full; the decision and both figures "
-        "are logged once. full: the decoder layers run as two shared compiled graphs and each layer's forward "
+        "auto", "How the training backward gets each layer's activations. auto: full when the layer graphs are "
+        "static-shape (layer_graph_shapes, CPU's default) and the largest micro-batch's decoder forward is at "
+        "least 20 GFLOP (as fast there, far less memory); otherwise none when its estimated activations fit "
+        "memory_budget_gb, else full; the decision and its figures are logged once. full: the decoder layers "
+        "run as two shared compiled graphs and each layer's forward "
         "is recomputed in its backward (only layer inputs are kept; least memory). none: the whole forward + "
         "backward is one compiled graph, compiled once for all input shapes, that keeps every activation "
         "(faster, more memory). The same numbers either way (gradients equal to float rounding). Log-prob "

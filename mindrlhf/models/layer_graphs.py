@@ -116,8 +116,10 @@ class LayerGraphs:
         self._static_names: List[str] = []
         self._bound_logged = False
         # MindSpore keeps compiled graphs (and their buffers) for the process's life: free the static ones
-        # with the template (a process that builds several models, such as a test session).
-        weakref.finalize(self, _release_names, self._static_names)
+        # with the template (a process that builds several models, such as a test session). Not at exit:
+        # by then MindSpore's runtime may be torn down, and freeing graphs into it aborted the interpreter
+        # (exit 134) in a process that had imported torch first.
+        weakref.finalize(self, _release_names, self._static_names).atexit = False
         self._layer_weights: Dict[int, Tuple] = {}
         self._cells = {True: _GraphLayer(self, packed=True), False: _GraphLayer(self, packed=False)}
 

@@ -15,11 +15,12 @@ to the partial sum before the layer's reduce); see ``tp_layers`` for the replica
 
 ``save_adapter`` / ``load_adapter`` write and read ``adapter_config.json`` + ``adapter_model.safetensors``
 as ``peft`` does (tests/test_lora.py checks the logits against peft on transformers, both ways);
-``merged_weights`` gives the base weights with ``scaling * B A`` added, for a merged HF export.
-SFT, RM, DPO and ORPO train them (``trainer.entry.load_policy(..., lora=cfg.model)``; the compiled layer graphs
-carry the same adapters through ``adapt_like``). ``adapters_disabled`` runs the base (DPO's reference: each adapter's
-``lora_enabled`` switch, a graph input, set to 0); ``modules_to_save`` (a reward model's ``score``) are trained in
-full and saved with the adapters. GRPO, PPO and the sampler are next: see docs/design.md, "LoRA".
+``merged_weights`` gives the base weights with ``scaling * B A`` added, for a merged HF export;
+``merge_adapter`` does the same to weights streamed from files (``convert_weight --reverse --adapter``).
+SFT, RM, DPO, ORPO and GRPO (beta 0) train them (``trainer.entry.load_policy(..., lora=cfg.model)``; the compiled
+layer graphs carry the same adapters through ``adapt_like``). ``adapters_disabled`` runs the base (DPO's reference:
+each adapter's ``lora_enabled`` switch, a graph input, set to 0); ``modules_to_save`` (a reward model's ``score``)
+are trained in full and saved with the adapters. PPO and GRPO's reference are next: see docs/design.md, "LoRA".
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import re
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import mindspore as ms
 import numpy as np
@@ -296,6 +297,11 @@ def set_adapter_weights(model: nn.Cell, tensors: Dict[str, np.ndarray], source: 
                             f"({', '.join(unknown[:3])}); the adapter is for another architecture")
 
 
+def _merged(weight: np.ndarray, a: np.ndarray, b: np.ndarray, scaling: float) -> np.ndarray:
+    """``W + scaling * B A`` as float32 (the product in float64, one rounding)."""
+    return (weight + scaling * (b.astype(np.float64) @ a.astype(np.float64))).astype(np.float32)
+
+
 def merged_weights(model: nn.Cell) -> Dict[str, np.ndarray]:
     """The base model's weights (HF names, float32) with every adapter merged: ``W + scaling * B A``
     (a plain ``CausalLM`` of the same config loads them: a merged export)."""
@@ -309,11 +315,43 @@ def merged_weights(model: nn.Cell) -> Dict[str, np.ndarray]:
         module = name[:-len(".weight")] if name.endswith(".weight") else None
         if module in adapters:
             cell = adapters[module]
-            a = cell.lora_A.weight.value().astype(ms.float32).asnumpy().astype(np.float64)
-            b = cell.lora_B.weight.value().astype(ms.float32).asnumpy().astype(np.float64)
-            value = (value + cell.lora_scaling * (b @ a)).astype(np.float32)
+            value = _merged(value, cell.lora_A.weight.value().astype(ms.float32).asnumpy(),
+                            cell.lora_B.weight.value().astype(ms.float32).asnumpy(), cell.lora_scaling)
         out[name] = value
     return out
+
+
+def merge_adapter(specs: Dict[str, Tuple[Tuple[int, ...], str]], stream: Iterable[Tuple[str, np.ndarray]],
+                  spec: LoRASpec, adapter: Dict[str, np.ndarray], source: str = "adapter"
+                  ) -> Iterator[Tuple[str, np.ndarray]]:
+    """A base model's weights streamed as ``(HF name, float32 array)`` with ``adapter`` (``read_adapter``'s
+    tensors) merged into them, one tensor at a time (no model is built: any size fits). ``specs`` (name ->
+    (shape, dtype), what ``hf_io.WeightSource.specs`` gives) is checked first, so a mismatch is one error
+    before anything is written: every adapter needs its base weight, of shape (B's rows, A's columns)."""
+    pairs = {}
+    for key in adapter:
+        module, sep, factor = key.rpartition(".lora_")
+        if not sep or factor not in ("A.weight", "B.weight"):
+            raise MindRLHFError(f"{source}: tensor {key!r} is not a LoRA factor (lora_A / lora_B); only LoRA "
+                                "adapters of the decoder's projections can be merged")
+        pairs.setdefault(module, {})[factor[0]] = adapter[key]
+    for module, factors in sorted(pairs.items()):  # the first mismatch in name order
+        if set(factors) != {"A", "B"}:
+            raise MindRLHFError(f"{source}: {module} has lora_{'AB'.replace(''.join(factors), '')} missing; "
+                                "the adapter file is incomplete")
+        base = specs.get(f"{module}.weight")
+        want = (factors["B"].shape[0], factors["A"].shape[1])
+        if base is None or tuple(base[0]) != want:
+            found = "is not in the model" if base is None else f"has shape {tuple(base[0])}"
+            raise MindRLHFError(f"{source}: the adapter of {module} needs a {want} weight, but {module}.weight "
+                                f"{found}; merge it into the model it was trained on")
+
+    def merged() -> Iterator[Tuple[str, np.ndarray]]:
+        for name, array in stream:
+            factors = pairs.get(name[:-len(".weight")]) if name.endswith(".weight") else None
+            yield name, (array if factors is None else _merged(array, factors["A"], factors["B"], spec.scaling))
+
+    return merged()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,6 +16,15 @@ MindSpore → HF (``--reverse``)::
 writes ``config.json``, ``model.safetensors`` (sharded with an index above ``--max_shard_size``)
 and copies ``generation_config.json`` and tokenizer files found next to the checkpoint.
 
+A LoRA adapter merged into a full HF model (``--reverse --adapter``)::
+
+    python mindrlhf/tools/convert_weight.py --reverse --input_path BASE --adapter ADAPTER_DIR \
+        --output_path HF_OUT_DIR
+
+``BASE`` is the model the adapter was trained on (an HF directory or a MindSpore checkpoint), ``ADAPTER_DIR``
+a PEFT adapter folder (a LoRA run's ``output_dir/adapter`` or a checkpoint ``step_N``); each adapted weight
+is written as ``W + alpha/r * B A``, streamed a tensor at a time.
+
 Parameter names are the HF names on both sides, so conversion is a dtype cast plus a container
 change; every tensor's shape is checked against the config first. Nothing is ever written into
 the input directory, and existing outputs are only replaced with ``--overwrite``.
@@ -69,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "e.g. rms_norm_eps: 1.0e-6); the result is written next to the output")
     p.add_argument("--reverse", action="store_true",
                    help="export a MindSpore checkpoint back to a Hugging Face directory")
+    p.add_argument("--adapter", default=None,
+                   help="--reverse only: a PEFT LoRA adapter folder (adapter_config.json + "
+                        "adapter_model.safetensors, e.g. a LoRA run's output_dir/adapter) to merge into the "
+                        "exported weights (W + alpha/r * B A); --input_path may then also be an HF directory, "
+                        "the base the adapter was trained on")
     p.add_argument("--overwrite", action="store_true",
                    help="replace existing output files instead of refusing")
     p.add_argument("--max_shard_size", default="2GB",
@@ -196,23 +210,26 @@ def hf_to_ms(args: argparse.Namespace) -> int:
 def ms_to_hf(args: argparse.Namespace) -> int:
     """MindSpore checkpoint (+ config next to it) → HF directory."""
     ckpt, out_dir = Path(args.input_path), Path(args.output_path)
-    if ckpt.is_dir():
+    adapter_dir = Path(args.adapter) if args.adapter else None
+    if ckpt.is_dir() and adapter_dir is None:
         raise MindRLHFError(f"--input_path {ckpt}: --reverse expects a MindSpore .ckpt/.safetensors file, "
-                            "not a directory")
-    if not ckpt.is_file():
-        raise MindRLHFError(f"--input_path {ckpt}: file not found; pass the MindSpore checkpoint to export")
-    if ckpt.suffix.lower() not in (".ckpt", ".safetensors"):
+                            "not a directory (an HF directory is taken with --adapter, to merge a LoRA adapter)")
+    if not ckpt.exists():
+        raise MindRLHFError(f"--input_path {ckpt}: not found; pass the MindSpore checkpoint to export")
+    if not ckpt.is_dir() and ckpt.suffix.lower() not in (".ckpt", ".safetensors"):
         raise MindRLHFError(f"--input_path {ckpt}: must end in .ckpt or .safetensors")
-    if is_inside(out_dir, ckpt.parent):
-        raise MindRLHFError(f"--output_path {out_dir} is inside the input directory {ckpt.resolve().parent}; "
-                            "export to a directory outside it (inputs are never modified)")
+    folder = ckpt if ckpt.is_dir() else ckpt.parent
+    for given in (folder, adapter_dir):
+        if given is not None and is_inside(out_dir, given):
+            raise MindRLHFError(f"--output_path {out_dir} is inside the input directory {given.resolve()}; "
+                                "export to a directory outside it (inputs are never modified)")
     if out_dir.exists() and not out_dir.is_dir():
         raise MindRLHFError(f"--output_path {out_dir} is a file; --reverse writes a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not args.overwrite:
         raise MindRLHFError(f"--output_path {out_dir} exists and is not empty; pass --overwrite to replace "
                             "its model files")
     max_shard = _parse_size(args.max_shard_size)
-    config_file = hf_io.ms_config_path(ckpt)
+    config_file = ckpt / "config.json" if ckpt.is_dir() else hf_io.ms_config_path(ckpt)
     config, extra = _apply_overrides(hf_io.read_json(config_file), args.config_path)
     label = f"{config_file}{extra}"
     _check_model(args.model, config, label)
@@ -223,27 +240,38 @@ def ms_to_hf(args: argparse.Namespace) -> int:
     skip = set(hf_io.check_tensor_specs(source.specs, config, source=str(ckpt), config_file=label))
     gen_cfg = None
     for name in (ckpt.stem + ".generation_config.json", "generation_config.json"):
-        if (ckpt.parent / name).is_file():
-            gen_cfg = hf_io.read_json(ckpt.parent / name)
+        if (folder / name).is_file():
+            gen_cfg = hf_io.read_json(folder / name)
             break
     stream = ((n, a) for n, a in source if n not in skip)
+    merged = ""
+    if adapter_dir is not None:
+        from mindrlhf.models import lora  # imports MindSpore: only when merging
+
+        spec, adapter = lora.read_adapter(adapter_dir)
+        stream = lora.merge_adapter(source.specs, stream, spec, adapter, source=str(adapter_dir))
+        merged = f", merged the LoRA adapter {adapter_dir} (r {spec.r}, alpha {spec.alpha:g}, {len(adapter) // 2} " \
+                 "projections)"
     with _tensor_progress(stream, len(source.specs) - len(skip), f"to HF {dtype}", args.no_progress) as bar:
         summary = hf_io.save_hf_dir(bar, config, out_dir, dtype, generation_config=gen_cfg,
                                     max_shard_bytes=max_shard)
     copied: List[str] = []
     for name in TOKENIZER_FILES:
-        if (ckpt.parent / name).is_file():
-            shutil.copyfile(ckpt.parent / name, out_dir / name)
+        if (folder / name).is_file():
+            shutil.copyfile(folder / name, out_dir / name)
             copied.append(name)
     shards = sum(1 for p in summary.paths if p.suffix == ".safetensors")
     tok = f", copied {', '.join(copied)}" if copied else ""
     print(f"exported {summary.num_tensors} tensors ({summary.num_params:,} parameters) as {dtype}, "
-          f"{_human(summary.nbytes)} in {shards} shard(s) -> {out_dir}{tok}")
+          f"{_human(summary.nbytes)} in {shards} shard(s) -> {out_dir}{merged}{tok}")
     return 0
 
 
 def _main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.adapter and not args.reverse:
+        raise MindRLHFError(f"--adapter {args.adapter}: merging a LoRA adapter writes an HF model; add --reverse "
+                            "(--input_path the base it was trained on, --output_path the HF directory to write)")
     return ms_to_hf(args) if args.reverse else hf_to_ms(args)
 
 

@@ -9,7 +9,12 @@ Two ways to run the training backward (``parallel.PipelineRunner``):
   all of its intermediates at once, not only those the backward needs).
 
 ``auto`` picks ``none`` when the largest micro-batch's estimated activations (``activation_bytes``) fit the
-worker's memory budget (``memory_budget``) and ``full`` otherwise, and says so once in the log.
+worker's memory budget (``memory_budget``) and ``full`` otherwise, and says so once in the log. With static-shape
+layer graphs (CPU's default) it picks ``full`` whenever the decoder's forward over that micro-batch is at least
+``STATIC_FULL_GFLOP``: there the static-shape kernels make the recomputing layer graphs about as fast as the
+whole-model graph (SFT on SmolLM2 faster, GRPO's update within 10%) at a third of its memory, so keeping every
+activation buys nothing. Below it (tiny models) a step is dispatch-bound, each new shape's compile costs more
+than the static kernels win back, and the memory rule decides as before.
 
 The estimate counts the tensors a compiled decoder layer forms per token and per attention score, forward
 and backward (see ``activation_bytes``); the head's share and one overall factor are fitted to two measured
@@ -36,6 +41,11 @@ CALIBRATION = 1.26
 HEAD_BYTES = 10
 #: Of the budget, what a decision may plan to use: the rest is slack for everything the estimate ignores.
 BUDGET_FRACTION = 0.8
+#: Decoder forward GFLOP per micro-batch from which ``auto`` picks ``full`` with static layer graphs. Measured
+#: (bench/README.md, "recompute auto with static layer graphs"): SmolLM2-135M's GRPO and SFT micro-batches
+#: (~130-160 GFLOP) ran as fast or faster with ``full`` at 28-39% of the memory; the 4-layer width-256 peer model
+#: (~5 GFLOP) ran its update 2.6 s a step with ``none`` and several times that with ``full`` (a compile per shape).
+STATIC_FULL_GFLOP = 20.0
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,18 @@ def activation_bytes(config, extent: MicroBatchExtent, *, layers: int, tp: int =
     return int(CALIBRATION * (layers * per_layer + head))
 
 
+def decoder_gflop(config, extent: MicroBatchExtent, *, layers: int, tp: int = 1) -> float:
+    """GFLOP of the decoder layers' forward over ``extent`` on a rank owning ``layers`` layers of a ``tp``-way
+    shard: the projections (2 per weight and position) and attention's two products (2 x 2 x head dims per
+    score pair and head)."""
+    h, d = config.hidden_size, config.head_dim
+    q = config.num_attention_heads * d // tp
+    kv = config.num_key_value_heads * d // tp
+    weights = h * (2 * q + 2 * kv) + 3 * h * (config.intermediate_size // tp)
+    per_layer = 2 * weights * extent.tokens + 4 * d * (config.num_attention_heads // tp) * extent.score_pairs
+    return layers * per_layer / 1e9
+
+
 def _mem_available() -> Optional[int]:
     """MemAvailable of /proc/meminfo in bytes (Linux), else None."""
     try:
@@ -137,17 +159,25 @@ def memory_budget(device_target: str, workers: int, budget_gb: float = 0.0) -> T
 
 def resolve_recompute(setting: str, config, extent: MicroBatchExtent, *, layers: int, tp: int, dtype_bytes: int,
                       device_target: str, workers: int, budget_gb: float = 0.0, reserved: int = 0,
-                      what: str = "policy") -> Tuple[str, int]:
+                      what: str = "policy", static_layers: bool = False) -> Tuple[str, int]:
     """``(mode, bytes)``: ``full`` or ``none`` for ``setting`` and the activation bytes that plans to keep (0 with
-    ``full``). ``auto`` decides by the estimate against the budget less ``reserved`` (what models trained
-    earlier in this process plan to keep: a compiled graph holds its buffers for the process's life), and logs
-    the decision once with its figures. ``setting`` is one of ``configs.common.RECOMPUTE_MODES`` (the config
-    checks it)."""
+    ``full``). ``auto`` picks ``full`` when ``static_layers`` (static-shape layer graphs) and the decoder's work
+    reaches ``STATIC_FULL_GFLOP``; otherwise it decides by the estimate against the budget less ``reserved``
+    (what models trained earlier in this process plan to keep: a compiled graph holds its buffers for the
+    process's life). It logs the decision once with its figures. ``setting`` is one of
+    ``configs.common.RECOMPUTE_MODES`` (the config checks it)."""
     if setting == "full":
         return "full", 0
     need = activation_bytes(config, extent, layers=layers, tp=tp, dtype_bytes=dtype_bytes)
     if setting == "none":
         return "none", need
+    work = decoder_gflop(config, extent, layers=layers, tp=tp)
+    if static_layers and work >= STATIC_FULL_GFLOP:
+        log.info("recompute auto -> full for the %s: its largest micro-batch (%d positions, %.0f GFLOP through "
+                 "the decoder) runs as fast through the static-shape layer graphs recomputing each layer as "
+                 "through one graph keeping ~%.2f GiB of activations (recompute none keeps them anyway)",
+                 what, extent.tokens, work, need / 2 ** 30)
+        return "full", 0
     budget, source = memory_budget(device_target, workers, budget_gb)
     if reserved:
         source += f", less {reserved / 2 ** 30:.2f} GiB planned for another model"

@@ -254,7 +254,8 @@ def build_updater(cfg, model: nn.Cell, objective: Objective, *, extent: MicroBat
     mode, kept = resolve_recompute(p.recompute, model.config, extent, layers=len(model.layer_range), tp=groups.tp,
                                    dtype_bytes=4 if model.compute_dtype == ms.float32 else 2,
                                    device_target=p.device_target, workers=comm.world_size(),
-                                   budget_gb=p.memory_budget_gb, reserved=reserved, what=what)
+                                   budget_gb=p.memory_budget_gb, reserved=reserved, what=what,
+                                   static_layers=p.layer_graphs and static_layer_graphs(p))
     # Every worker must run the same graphs (the same collectives in the same order): if any worker's budget
     # is too small, all recompute.
     if p.recompute == "auto" and comm.world_size() > 1 and comm.all_sum(np.array([mode == "full"], np.float32))[0]:
