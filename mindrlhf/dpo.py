@@ -178,8 +178,8 @@ def build_trainer(cfg: DPOConfig, layout=None):
     from mindrlhf.models import require_causal_lm
     from mindrlhf.models.heads import LogProbHead
     from mindrlhf.parallel.resharding import checkpoint_config
-    from mindrlhf.trainer.entry import load_policy, load_reference
-    from mindrlhf.trainer.update import build_frozen_runner, build_updater
+    from mindrlhf.trainer.entry import load_policy, reference_runner
+    from mindrlhf.trainer.update import build_updater
 
     require_pair_file(cfg)
     m = cfg.model
@@ -189,10 +189,10 @@ def build_trainer(cfg: DPOConfig, layout=None):
                           "pass the policy's causal LM (e.g. the SFT checkpoint), or omit --ref_model to use the "
                           "initial policy")
     train, valid, reports = read_pair_files(cfg, tokenizer, "truncate", main=comm.is_main())
-    policy, masters = load_policy(path, config, layout, m.dtype)
-    ref = load_reference(m.ref_model_path, policy, layout, m.dtype)  # '': the initial policy, in the compute dtype
+    policy, masters = load_policy(path, config, layout, m.dtype, lora=m, seed=cfg.train.seed)
     share = layout.train.pp == 1  # the pair's two rows share their prompt: encode it once
-    ref_runner = build_frozen_runner(cfg, ref, layout.groups, LogProbHead(), share_prompts=share)
+    # '': the initial policy in the compute dtype (with LoRA: the policy's own base, its adapters switched off)
+    ref_runner = reference_runner(cfg, policy, layout, LogProbHead(), m.ref_model_path, share_prompts=share)
     objective = DPOObjective(cfg.loss.loss_type, cfg.loss.beta, cfg.loss.label_smoothing)
     rows_p, rows_c = pair_rows(train.prompt_ids, train.chosen_ids, train.rejected_ids)
     extent = prompt_completion_extent([len(p) for p in rows_p], [len(c) for c in rows_c], 2 * cfg.micro_rows)

@@ -387,7 +387,8 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
     if layout.generator:  # a generator rank of a disaggregated job: the sampler and its prompts only
         return build_generator(cfg, layout, tokenizer, config, num_generations=cfg.algorithm.num_generations,
                                rollouts_per_step=cfg.algorithm.num_rollouts, batch_size=cfg.algorithm.chunk_size)
-    policy, masters = load_policy(train_path, config, layout, m.dtype, load=m.load_sft_checkpoint_train)
+    policy, masters = load_policy(train_path, config, layout, m.dtype, load=m.load_sft_checkpoint_train, lora=m,
+                                  seed=cfg.train.seed)
     infer_path = cfg.model_weights("infer")  # '' = the generator starts from the policy
     sampler_model = None
     if layout.disaggregated:

@@ -150,7 +150,7 @@ def build_trainer(cfg: ORPOConfig, layout=None):
     require_pair_file(cfg)
     path, tokenizer, config = model_source(cfg.model, "the policy ORPO trains")
     train, valid, reports = read_pair_files(cfg, tokenizer, "truncate", main=comm.is_main())
-    policy, masters = load_policy(path, config, layout, cfg.model.dtype)
+    policy, masters = load_policy(path, config, layout, cfg.model.dtype, lora=cfg.model, seed=cfg.train.seed)
     # orpo_micro_batches' layout: each row's first token as the prompt, the rest scored
     extent = prompt_completion_extent([1], [len(p) + max(len(c), len(r)) - 1 for p, c, r in
                                             zip(train.prompt_ids, train.chosen_ids, train.rejected_ids)],

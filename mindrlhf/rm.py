@@ -114,7 +114,9 @@ def build_trainer(cfg: RMConfig, layout=None):
         # reward model needs it (TRL sets it from the tokenizer too).
         config = replace(config, pad_token_id=tokenizer.pad_token_id)
     train, valid, reports = read_pair_files(cfg, tokenizer, "drop", main=comm.is_main())
-    model, masters = load_policy(path, config, layout, cfg.model.dtype, num_labels=1, seed=cfg.train.seed)
+    # With LoRA the score head is trained in full beside the adapters (PEFT's modules_to_save, task SEQ_CLS).
+    model, masters = load_policy(path, config, layout, cfg.model.dtype, num_labels=1, seed=cfg.train.seed,
+                                 lora=cfg.model)
     # Each pair is two rows (chosen, rejected), padded as pad_rows pads them; a score head forms no vocabulary logits.
     longest = max(len(p) + max(len(c), len(r)) for p, c, r in zip(train.prompt_ids, train.chosen_ids,
                                                                    train.rejected_ids))

@@ -20,7 +20,10 @@ ROWS = [{"prompt": "What is 2+2?", "completion": " 4"},
         {"prompt": "Name a primary colour.", "completion": " Red, blue or yellow."},
         {"prompt": "Count to five:", "completion": " one two three four five"},
         {"prompt": "Laugh:", "completion": " ha ha ha ha ha"}]
-R, ALPHA = 4, 8.0
+#: Preference pairs of the same rows: each prompt's completion chosen, the next row's rejected.
+PAIRS = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": ROWS[(i + 1) % len(ROWS)]["completion"]}
+         for i, r in enumerate(ROWS)]
+R, ALPHA, BETA = 4, 8.0, 0.5
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +39,14 @@ def lora_assets(tmp_path_factory, qwen_tokenizer_dir):
     other = add_tokenizer(make_tiny_qwen2(root / "other", seed=6), qwen_tokenizer_dir)
     rows = root / "rows.jsonl"
     rows.write_text("".join(json.dumps(r) + "\n" for r in ROWS), encoding="utf-8")
+    pairs = root / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in PAIRS), encoding="utf-8")
     model = load_model(model_dir)
     apply_lora(model, LoRASpec(r=R, alpha=ALPHA, target_modules=("q_proj", "v_proj", "o_proj", "gate_proj",
                                                                   "down_proj")))
     set_adapter_weights(model, {k: lora_numpy_init(k, v.shape, 11) for k, v in adapter_weights(model).items()})
     adapter = save_adapter(model, root / "adapter", base_model_name_or_path=str(model_dir))
-    return {"model": model_dir, "other": other, "rows": rows, "adapter": adapter}
+    return {"model": model_dir, "other": other, "rows": rows, "pairs": pairs, "adapter": adapter}
 
 
 def _flags(**kw) -> list:
@@ -53,45 +58,83 @@ def _flags(**kw) -> list:
 STEP = dict(lr=1e-2, adam_eps=1e-3, weight_decay=0.1, max_grad_norm=0.5, lr_schedule="constant", warmup_steps=0)
 
 
+class _TorchLoRA:
+    """float64 torch: transformers' model with a PEFT adapter folder's factors added by hooks on its projections
+    (``on = False`` switches them off: the base, PEFT's ``disable_adapter``), and torch's AdamW over the factors
+    (plus ``extra`` tensors, e.g. a score head) with clipping, as our optimizer steps."""
+
+    def __init__(self, model_dir: Path, adapter_dir: Path, auto=None, **kw):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        spec, tensors = read_adapter(adapter_dir)
+        self.model = (auto or AutoModelForCausalLM).from_pretrained(model_dir, dtype=torch.float64, **kw).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.on = True
+        self.factors = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in tensors.items()}
+        for key in sorted(self.factors):
+            if ".lora_A." not in key:
+                continue
+            module = key[:-len(".lora_A.weight")]
+            a, b = self.factors[key], self.factors[f"{module}.lora_B.weight"]
+
+            def hook(_, inputs, out, a=a, b=b):
+                return out + spec.scaling * (inputs[0] @ a.T) @ b.T if self.on else out
+
+            self.model.get_submodule(module).register_forward_hook(hook)
+
+    def logp(self, ids):
+        """Per-token log-probs of ``ids[1:]`` given the tokens before each."""
+        import torch
+
+        x = torch.tensor(ids, dtype=torch.long)[None]
+        return torch.log_softmax(self.model(input_ids=x).logits[0, :-1], -1).gather(-1, x[0, 1:, None])[:, 0]
+
+    def train(self, step_loss, steps: int, extra=None):
+        """``steps`` AdamW steps on ``step_loss()``; returns (losses, grad norms, trained tensors by name)."""
+        import torch
+
+        named = dict(self.factors, **(extra or {}))
+        params = [named[k] for k in sorted(named)]
+        opt = torch.optim.AdamW(params, lr=STEP["lr"], betas=(0.9, 0.999), eps=STEP["adam_eps"],
+                                weight_decay=STEP["weight_decay"])
+        losses, norms = [], []
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = step_loss()
+            loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, STEP["max_grad_norm"])))
+            losses.append(float(loss.detach()))
+            opt.step()
+        return losses, norms, {k: v.detach().numpy() for k, v in named.items()}
+
+
 def _torch_reference(model_dir: Path, adapter_dir: Path, sequences, masks, steps: int):
-    """float64 torch: transformers' model with the adapter added by hooks on its projections, the token-mean NLL of
-    the trained tokens over all rows per step, clipping and torch's AdamW. Returns (losses, grad norms, adapters)."""
+    """SFT: the token-mean NLL of the trained tokens over all rows per step. Returns (losses, grad norms, adapters)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    spec, tensors = read_adapter(adapter_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float64).eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    factors = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in tensors.items()}
-    for key in sorted(factors):
-        if ".lora_A." not in key:
-            continue
-        module = key[:-len(".lora_A.weight")]
-        a, b = factors[key], factors[f"{module}.lora_B.weight"]
-
-        def hook(_, inputs, out, a=a, b=b):
-            return out + spec.scaling * (inputs[0] @ a.T) @ b.T
-
-        model.get_submodule(module).register_forward_hook(hook)
-    params = [factors[k] for k in sorted(factors)]
-    opt = torch.optim.AdamW(params, lr=STEP["lr"], betas=(0.9, 0.999), eps=STEP["adam_eps"],
-                            weight_decay=STEP["weight_decay"])
+    ref = _TorchLoRA(model_dir, adapter_dir)
     total = sum(float(m.sum()) for m in masks)
-    losses, norms = [], []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = 0.0
-        for ids, mask in zip(sequences, masks):
-            x = torch.tensor(ids, dtype=torch.long)[None]
-            logp = torch.log_softmax(model(input_ids=x).logits[0, :-1], -1)
-            picked = logp.gather(-1, x[0, 1:, None])[:, 0]
-            loss = loss - (picked * torch.tensor(mask[1:], dtype=torch.float64)).sum() / total
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, STEP["max_grad_norm"])))
-        losses.append(float(loss))
-        opt.step()
-    return losses, norms, {k: v.detach().numpy() for k, v in factors.items()}
+
+    def step_loss():
+        return -sum((ref.logp(ids) * torch.tensor(m[1:], dtype=torch.float64)).sum() for ids, m in
+                    zip(sequences, masks)) / total
+
+    return ref.train(step_loss, steps)
+
+
+def _check_steps(got, losses, norms, want, initial, after):
+    """Our steps' loss and grad_norm and the trained tensors equal the torch reference's (<= 1e-4 relative), and
+    every tensor moved (so the comparison says something)."""
+    for step, res in enumerate(got):
+        assert res["loss"] == pytest.approx(losses[step], rel=1e-4), step
+        assert res["grad_norm"] == pytest.approx(norms[step], rel=1e-4), step
+    for name, value in after.items():
+        moved = want[name] - initial[name]
+        assert np.abs(moved).max() > 1e-3, name  # every tensor moved
+        assert np.abs(value - want[name]).max() <= 1e-4 * np.abs(want[name]).max(), name
+        assert np.linalg.norm((value - initial[name]) - moved) <= 1e-3 * np.linalg.norm(moved), name
 
 
 def test_sft_lora_steps_equal_a_float64_torch_reference_and_leave_the_base_alone(lora_assets, tmp_path):
@@ -121,16 +164,8 @@ def test_sft_lora_steps_equal_a_float64_torch_reference_and_leave_the_base_alone
     rows, _ = read_sft_rows(a["rows"], resolve_tokenizer(str(a["model"])), max_length=64, show_progress=False)
     losses, norms, want = _torch_reference(a["model"], a["adapter"], rows.input_ids, rows.completion_mask, 2)
     got = [trainer.train_one_step() for _ in range(2)]
-    for step, res in enumerate(got):
-        assert res["loss"] == pytest.approx(losses[step], rel=1e-4), step
-        assert res["grad_norm"] == pytest.approx(norms[step], rel=1e-4), step
     assert norms[0] > STEP["max_grad_norm"]  # clipping acted
-    after = adapter_weights(model)
-    for name, value in after.items():
-        moved = want[name] - initial[name]
-        assert np.abs(moved).max() > 1e-3, name  # both factors moved (B non-zero from the start)
-        assert np.abs(value - want[name]).max() <= 1e-4 * np.abs(want[name]).max(), name
-        assert np.linalg.norm((value - initial[name]) - moved) <= 1e-3 * np.linalg.norm(moved), name
+    _check_steps(got, losses, norms, want, initial, adapter_weights(model))  # both factors moved (B non-zero)
     for name, value in model.parameters_and_names():
         if name not in adapters:
             np.testing.assert_array_equal(value.asnumpy(), base[name], err_msg=name)
@@ -164,6 +199,10 @@ def test_float16_lora_keeps_float32_masters_of_the_adapters_only(lora_assets, tm
         np.testing.assert_array_equal(p.asnumpy(), before[name], err_msg=name)
 
 
+#: The stages that train LoRA adapters.
+LORA_STAGES = ("sft", "rm", "dpo", "orpo", "grpo")
+
+
 def test_stages_without_lora_refuse_it_in_one_line(tmp_path, capsys):
     """Every stage not wired for LoRA refuses lora_rank > 0 (nothing trains the full model instead); SFT refuses a
     tp/pp layout with LoRA and adapter dropout."""
@@ -172,8 +211,8 @@ def test_stages_without_lora_refuse_it_in_one_line(tmp_path, capsys):
     from mindrlhf.registry import STAGES
 
     for name, stage in STAGES.items():
-        if name == "sft":
-            continue  # it trains LoRA; its refusals are below
+        if name in LORA_STAGES:
+            continue  # it trains LoRA; SFT's refusals are below
         main = importlib.import_module(stage.module).main
         code = main(["--lora_rank", "4", "--output_dir", str(tmp_path / name)])
         err = capsys.readouterr().err
@@ -185,6 +224,213 @@ def test_stages_without_lora_refuse_it_in_one_line(tmp_path, capsys):
                         (["--lora_dropout", "0.1"], "adapter dropout is not supported")):
         assert sft.main(["--lora_rank", "4", "--output_dir", str(tmp_path / "s"), *flags]) == 2
         assert said in capsys.readouterr().err
+
+
+def _pair_trainer(stage, a, out: Path, **extra):
+    """An RM, DPO or ORPO trainer on the four pairs: a step is all four (two micro-batches of two), layer graphs."""
+    import importlib
+
+    from mindrlhf.registry import STAGES
+    from mindrlhf.trainer.entry import setup_runtime
+
+    spec = getattr(importlib.import_module(STAGES[stage].module), stage.upper())
+    flags = dict(model=a["model"], train_file=a["pairs"], output_dir=out, max_steps=2, batch_size=4,
+                 micro_batch_size=2, max_length=64, seed=3, progress_bar="false", recompute="full", **STEP)
+    flags.update({} if stage == "rm" else {"beta": BETA}, **extra)
+    cfg = spec.parse(_flags(**flags))
+    return spec.build(cfg, setup_runtime(cfg))
+
+
+def _all_pairs(trainer):
+    """The micro-batches of all the trainer's pairs, in the log-prob head's layout."""
+    c = trainer.dataset.columns
+    return trainer._micro(c["prompt"], c["chosen"], c["rejected"])
+
+
+def test_dpo_lora_reference_is_the_policys_base_with_adapters_off(lora_assets, tmp_path):
+    """DPO with LoRA and no --ref_model: the reference is the policy itself with its adapters switched off (one
+    compiled graph, a switch read as a graph input), so no second copy of the base is loaded, and its log-probs are a
+    plain base model's, bit for bit, while the adapters (B non-zero) change the policy's; the adapters are on again
+    afterwards; so are the precomputed ones (--precompute_ref_log_probs). With --ref_model the given model is loaded as
+    the reference."""
+    from mindrlhf.models import get_weights, load_model
+    from mindrlhf.models.lora import lora_modules
+    from mindrlhf.trainer.update import AdaptersOff
+
+    a = lora_assets
+    lora = _pair_trainer("dpo", a, tmp_path / "lora", lora_init_from=a["adapter"])
+    plain = _pair_trainer("dpo", a, tmp_path / "plain")
+    micro = _all_pairs(lora)
+    assert isinstance(lora.ref_runner, AdaptersOff) and lora.ref_runner.model is lora.model
+    # The memory: a full DPO holds two models; LoRA DPO one, plus its adapters and a scalar switch per adapter.
+    count = lambda m: sum(int(np.prod(p.shape)) for p in m.get_parameters())  # noqa: E731
+    assert plain.ref_runner.model is not plain.model
+    extra = sum(int(np.prod(p.shape)) for p in lora.model.trainable_params()) + len(lora_modules(lora.model))
+    assert count(lora.model) - count(plain.model) == extra
+    policy_before = lora.updater.forward(micro)
+    ours, base = lora.ref_runner.forward(micro), plain.ref_runner.forward(micro)
+    for o, b, p in zip(ours, base, policy_before):
+        np.testing.assert_array_equal(o, b)
+        assert np.abs(p - b).max() > 1e-3  # the adapters change the policy: the switch did something
+    for p, q in zip(policy_before, lora.updater.forward(micro)):
+        np.testing.assert_array_equal(p, q)  # switched on again
+
+    pre = _pair_trainer("dpo", a, tmp_path / "pre", lora_init_from=a["adapter"], precompute_ref_log_probs="true")
+    assert pre.ref_runner is None  # run once before training, then dropped (here: nothing to free)
+    want = plain._reference_all(plain.dataset.columns)
+    assert len(pre.ref_logps["train"]) == len(want) == 8
+    for got, row in zip(pre.ref_logps["train"], want):
+        np.testing.assert_array_equal(got, row)
+
+    given = _pair_trainer("dpo", a, tmp_path / "given", lora_init_from=a["adapter"], ref_model=a["other"])
+    assert not isinstance(given.ref_runner, AdaptersOff) and given.ref_runner.model is not given.model
+    want = get_weights(load_model(a["other"]))
+    got = get_weights(given.ref_runner.model)
+    assert set(got) == set(want) and all(np.array_equal(got[n], want[n]) for n in want)
+
+
+def test_dpo_lora_steps_equal_a_float64_torch_reference(lora_assets, tmp_path):
+    """Two DPO steps with LoRA (sigmoid loss, beta 0.5, two micro-batches a step, the reference the base with the
+    adapters off): loss, grad_norm and adapters after each step equal a float64 torch reference (<= 1e-4 relative),
+    the base is bit-identical afterwards, and the run ends with output_dir/adapter holding the trained adapters."""
+    import torch
+
+    from mindrlhf.models.lora import adapter_weights
+
+    a = lora_assets
+    trainer = _pair_trainer("dpo", a, tmp_path / "out", lora_init_from=a["adapter"])
+    model = trainer.model
+    adapters = set(adapter_weights(model))
+    assert set(trainer.updater.master_weights()) == adapters
+    base = {n: p.asnumpy().copy() for n, p in model.parameters_and_names() if n not in adapters}
+    initial = adapter_weights(model)
+
+    ref = _TorchLoRA(a["model"], a["adapter"])
+    c = trainer.dataset.columns
+    rows = [(np.r_[p, x], len(p)) for p, ch, rj in zip(c["prompt"], c["chosen"], c["rejected"]) for x in (ch, rj)]
+
+    def seq_logps():
+        return torch.stack([ref.logp(ids)[n - 1:].sum() for ids, n in rows])
+
+    with torch.no_grad():
+        ref.on = False
+        base_logps = seq_logps()
+        ref.on = True
+
+    def step_loss():
+        margin = seq_logps() - base_logps
+        return -torch.nn.functional.logsigmoid(BETA * (margin[0::2] - margin[1::2])).mean()
+
+    losses, norms, want = ref.train(step_loss, 2)
+    history = trainer.train()
+    _check_steps(history, losses, norms, want, initial, adapter_weights(model))
+    for name, value in model.parameters_and_names():
+        if name not in adapters:
+            np.testing.assert_array_equal(value.asnumpy(), base[name], err_msg=name)
+    _, saved = read_adapter(tmp_path / "out" / "adapter")
+    after = adapter_weights(model)
+    assert set(saved) == adapters and all(np.array_equal(saved[n], after[n]) for n in adapters)
+
+
+@pytest.mark.slow
+def test_dpo_lora_resumes_exactly(lora_assets, tmp_path):
+    """LoRA DPO (the reference: the base with the adapters off): 3 steps uninterrupted vs a new trainer resumed from
+    the first run's step-2 checkpoint and trained to step 3: the same step-3 metrics, bit-identical adapters."""
+    from mindrlhf.models.lora import adapter_weights
+
+    a, kw = lora_assets, dict(lora_rank=R, lora_alpha=ALPHA, max_steps=3, save_steps=1, keep_last=3)
+    full = _pair_trainer("dpo", a, tmp_path / "full", **kw)
+    history = full.train()
+    resumed = _pair_trainer("dpo", a, tmp_path / "resumed", **kw)
+    resumed.resume(tmp_path / "full" / "checkpoints" / "step_00000002")
+    assert resumed.step == 2
+    last = resumed.train()[-1]
+    assert {k: v for k, v in last.items() if "time" not in k} == \
+        {k: v for k, v in history[-1].items() if "time" not in k}
+    want, got = adapter_weights(full.model), adapter_weights(resumed.model)
+    assert set(got) == set(want) and all(np.array_equal(got[n], want[n]) for n in want)
+
+
+def test_orpo_lora_trains_only_the_adapters(lora_assets, tmp_path):
+    """ORPO (no reference) with --lora_rank: the optimizer holds the adapters only, one step moves B off zero and
+    leaves the base bit-identical."""
+    from mindrlhf.models.lora import adapter_weights
+
+    trainer = _pair_trainer("orpo", lora_assets, tmp_path / "out", lora_rank=R, lora_alpha=ALPHA)
+    model = trainer.model
+    adapters = set(adapter_weights(model))
+    assert set(trainer.updater.master_weights()) == adapters
+    base = {n: p.asnumpy().copy() for n, p in model.parameters_and_names() if n not in adapters}
+    res = trainer.train_one_step()
+    assert np.isfinite(res["loss"]) and res["grad_norm"] > 0
+    assert all(np.abs(v).max() > 0 for n, v in adapter_weights(model).items() if ".lora_B." in n)
+    for name, value in model.parameters_and_names():
+        if name not in adapters:
+            np.testing.assert_array_equal(value.asnumpy(), base[name], err_msg=name)
+
+
+def test_rm_lora_trains_adapters_and_score_head_like_a_float64_reference(lora_assets, tmp_path):
+    """The reward model with LoRA: the adapters (here from --lora_init_from, B non-zero) and the new score head in full
+    (PEFT's modules_to_save of task SEQ_CLS) are all the optimizer holds; two steps (two micro-batches each) equal a
+    float64 torch reference in loss, grad_norm, adapters and score head (<= 1e-4 relative); the base is bit-identical;
+    output_dir/adapter is PEFT's SEQ_CLS adapter (score.weight beside the factors), read back onto a new RM it gives
+    the same scores, and, where the bench virtualenv has peft, peft loads it onto transformers' model with our
+    scores."""
+    import torch
+    from mindspore import Tensor
+    from transformers import AutoModelForSequenceClassification
+
+    from mindrlhf.models.lora import adapter_weights
+
+    a = lora_assets
+    trainer = _pair_trainer("rm", a, tmp_path / "out", lora_init_from=a["adapter"])
+    model = trainer.model
+    trained = set(adapter_weights(model))
+    assert "score.weight" in trained and set(trainer.updater.master_weights()) == trained
+    base = {n: p.asnumpy().copy() for n, p in model.parameters_and_names() if n not in trained}
+    initial = adapter_weights(model)
+
+    ref = _TorchLoRA(a["model"], a["adapter"], auto=AutoModelForSequenceClassification, num_labels=1)
+    score = torch.tensor(initial["score.weight"], dtype=torch.float64, requires_grad=True)
+    c = trainer.dataset.columns
+    rows = [row for pair in zip(c["chosen"], c["rejected"]) for row in pair]
+
+    def step_loss():
+        rewards = torch.stack([ref.model.model(input_ids=torch.tensor(r, dtype=torch.long)[None])
+                               .last_hidden_state[0, -1] @ score[0] for r in rows])
+        return -torch.nn.functional.logsigmoid(rewards[0::2] - rewards[1::2]).mean()
+
+    losses, norms, want = ref.train(step_loss, 2, extra={"score.weight": score})
+    history = trainer.train()
+    _check_steps(history, losses, norms, want, initial, adapter_weights(model))
+    for name, value in model.parameters_and_names():
+        if name not in trained:
+            np.testing.assert_array_equal(value.asnumpy(), base[name], err_msg=name)
+
+    out = tmp_path / "out" / "adapter"
+    config = json.loads((out / ADAPTER_CONFIG).read_text())
+    assert config["task_type"] == "SEQ_CLS" and config["modules_to_save"] == ["classifier", "score"]
+    spec, saved = read_adapter(out)
+    after = adapter_weights(model)
+    assert spec.modules_to_save == ("classifier", "score") and set(saved) == trained
+    assert all(np.array_equal(saved[n], after[n]) for n in trained)
+    reread = _pair_trainer("rm", a, tmp_path / "reread", lora_init_from=out, seed=9)  # another seed: another head
+    ids = np.asarray(rows[0], np.int32)[None]
+    ours = model.scores(Tensor(ids), Tensor(np.ones_like(ids))).asnumpy()
+    np.testing.assert_array_equal(reread.model.scores(Tensor(ids), Tensor(np.ones_like(ids))).asnumpy(), ours)
+    python = _peft_python()
+    if not python.is_file():
+        return
+    script = ("import json,sys,torch;from transformers import AutoModelForSequenceClassification as A;"
+              "from peft import PeftModel;"
+              "m=PeftModel.from_pretrained(A.from_pretrained(sys.argv[1],num_labels=1),sys.argv[2]).eval();"
+              "x=torch.tensor(json.loads(sys.argv[3]));"
+              "print(json.dumps(m.base_model.model.model(input_ids=x).last_hidden_state[:,-1].matmul("
+              "m.base_model.model.score.modules_to_save['default'].weight.T).tolist()))")
+    proc = subprocess.run([str(python), "-c", script, str(a["model"]), str(out), json.dumps(ids.tolist())],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert np.abs(np.array(json.loads(proc.stdout)) - ours).max() <= 1e-4
 
 
 def _run_sft(argv, env_extra=None):
@@ -267,3 +513,34 @@ def test_sft_lora_run_writes_a_peft_adapter_and_resumes_exactly(lora_assets, tmp
     theirs = np.array(json.loads(proc.stdout), np.float32)
     real = mask.astype(bool)
     assert np.abs(ours[real] - theirs[real]).max() <= 1e-4
+
+
+def test_grpo_lora_at_beta_0_trains_the_adapters_and_samples_with_them(grpo_assets, tmp_path, monkeypatch):
+    """GRPO with --lora_rank at beta 0: the sampler is the policy itself (its layers apply the adapters, so every
+    step samples with the adapted weights), the optimizer holds the adapters only, a step moves B off zero and leaves
+    the base bit-identical. beta > 0 and a separate generator are refused in one line."""
+    from grpo_runs import grpo_args
+    from mindrlhf import grpo
+    from mindrlhf.configs import parse_args
+    from mindrlhf.errors import MindRLHFError
+    from mindrlhf.models.lora import adapter_weights
+
+    (tmp_path / "len_reward.py").write_text("def length(completions, solution, **kw):\n"
+                                            "    return [len(c) / 50.0 for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = dict(max_steps=1, lr=1e-2, reward_funcs=["len_reward:length"], lora_rank=R, lora_alpha=ALPHA)
+    trainer = grpo.build_trainer(parse_args(grpo_args(grpo_assets, tmp_path / "out", **args)))
+    policy = trainer.policy
+    assert trainer.sampler.holds(policy)
+    adapters = set(adapter_weights(policy))
+    assert set(trainer.updater.master_weights()) == adapters
+    base = {n: p.asnumpy().copy() for n, p in policy.parameters_and_names() if n not in adapters}
+    res = trainer.train_one_step()
+    assert np.isfinite(res["loss"]) and res["grad_norm"] > 0
+    assert all(np.abs(v).max() > 0 for n, v in adapter_weights(policy).items() if ".lora_B." in n)
+    for name, value in policy.parameters_and_names():
+        if name not in adapters:
+            np.testing.assert_array_equal(value.asnumpy(), base[name], err_msg=name)
+    for flags, said in (({"beta": 0.1}, "set beta 0"), ({"infer_dp": 2, "chunk_size": 2}, "generator must be")):
+        with pytest.raises(MindRLHFError, match=said):
+            parse_args(grpo_args(grpo_assets, tmp_path / "x", **dict(args, **flags)))

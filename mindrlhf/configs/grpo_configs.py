@@ -592,6 +592,8 @@ class GRPOConfig(RolloutConfig):
 
     REFERENCE_PREAMBLE = _PREAMBLE
     REFERENCE_FILE = STAGES["grpo"].reference
+    #: LoRA at beta 0 with the policy as its own generator (``_check_combinations`` names what is not wired yet).
+    LORA: ClassVar[bool] = True
     PROMPTS_FIELD = "chunk_size"
     # The reward fields were in the algorithm group before the reward group existed (issue 42).
     MOVED_FIELDS = {f.name: "algorithm" for f in dataclasses.fields(GRPORewardConfig)}
@@ -696,6 +698,15 @@ class GRPOConfig(RolloutConfig):
             errors.append(f"overlong_buffer_length = {self.reward.overlong_buffer_length} must be below "
                           f"max_completion_length = "
                           f"{g.max_completion_length} (the punishment starts that many tokens before the limit)")
+        if m.lora and a.beta > 0:
+            errors.append(f"lora_rank = {m.lora_rank} / lora_init_from = {m.lora_init_from!r} with beta = {a.beta}: "
+                          "GRPO's reference as the base with the adapters off is not wired yet; set beta 0")
+        train_infer = self.model_weights("infer")
+        if m.lora and (p.gen_workers or p.infer_tp != p.train_tp or p.infer_dp != p.train_dp
+                       or (train_infer and train_infer != self.model_weights("train"))):
+            errors.append("LoRA in GRPO samples with the policy itself (its layers apply the adapters), so the "
+                          "generator must be the policy: use infer_tp = train_tp, infer_dp = train_dp, gen_workers 0 "
+                          "and no separate generator checkpoint (sft_path_infer / load_sft_checkpoint_infer)")
         if a.beta > 0 and not m.load_ref_checkpoint and not m.load_sft_checkpoint_train:
             errors.append(f"beta = {a.beta} with load_ref_checkpoint = false and load_sft_checkpoint_train = false: "
                           "the reference would be a random model; load a checkpoint or set beta 0")

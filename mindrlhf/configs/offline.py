@@ -125,7 +125,8 @@ class DPOModelConfig(OfflineModelConfig):
 
     ref_model_path: str = config_field(
         "", "The reference model (same forms as model_path). '' = the initial policy (a copy of model_path's "
-        "weights, as TRL does with ref_model=None).",
+        "weights, as TRL does with ref_model=None); with LoRA, the policy's own base with its adapters switched off "
+        "(no second copy of the weights; PEFT's disable_adapter, as TRL with a peft model).",
         key_aliases=("ref_model",))
 
 
@@ -280,6 +281,7 @@ class RMConfig(OfflineConfig):
 
     REFERENCE_PREAMBLE = _PAIR_PREAMBLE
     REFERENCE_FILE = STAGES["rm"].reference
+    LORA: ClassVar[bool] = True  # adapters plus the score head in full (PEFT's SEQ_CLS modules_to_save)
 
     data: PairDataConfig = dataclasses.field(default_factory=PairDataConfig)
     loss: RewardLossConfig = dataclasses.field(default_factory=RewardLossConfig)
@@ -292,6 +294,7 @@ class DPOConfig(OfflineConfig):
 
     REFERENCE_PREAMBLE = RMConfig.REFERENCE_PREAMBLE
     REFERENCE_FILE = STAGES["dpo"].reference
+    LORA: ClassVar[bool] = True  # the reference without --ref_model: the policy's base, adapters switched off
 
     model: DPOModelConfig = dataclasses.field(default_factory=DPOModelConfig)
     data: PairDataConfig = dataclasses.field(default_factory=PairDataConfig)
@@ -310,6 +313,7 @@ the step's pairs of `-log sigmoid(log odds ratio)`, the odds read from each comp
 log-prob. There is no reference model: `--ref_model` is not an option of this stage.
 """
     REFERENCE_FILE = STAGES["orpo"].reference
+    LORA: ClassVar[bool] = True  # no reference: the policy's adapters are all there is to wire
 
     data: PairDataConfig = dataclasses.field(default_factory=PairDataConfig)
     loss: ORPOLossConfig = dataclasses.field(default_factory=ORPOLossConfig)

@@ -17,12 +17,14 @@ to the partial sum before the layer's reduce); see ``tp_layers`` for the replica
 as ``peft`` does (tests/test_lora.py checks the logits against peft on transformers, both ways);
 ``merged_weights`` gives the base weights with ``scaling * B A`` added, for a merged HF export;
 ``merge_adapter`` does the same to weights streamed from files (``convert_weight --reverse --adapter``).
-SFT trains them (``trainer.entry.load_policy(..., lora=cfg.model)``; the compiled layer graphs carry the same
-adapters through ``adapt_like``); the other stages, the reference with adapters off and the sampler are next:
-see docs/design.md, "LoRA".
+SFT, RM, DPO, ORPO and GRPO (beta 0) train them (``trainer.entry.load_policy(..., lora=cfg.model)``; the compiled
+layer graphs carry the same adapters through ``adapt_like``). ``adapters_disabled`` runs the base (DPO's reference:
+each adapter's ``lora_enabled`` switch, a graph input, set to 0); ``modules_to_save`` (a reward model's ``score``)
+are trained in full and saved with the adapters. PPO and GRPO's reference are next: see docs/design.md, "LoRA".
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import zlib
@@ -60,6 +62,11 @@ class LoRASpec:
     target_modules: Union[str, Tuple[str, ...]] = PROJECTIONS
     use_rslora: bool = False
     seed: int = 0
+    #: PEFT's ``modules_to_save``: modules outside the decoder layers (a head) trained in full and saved with the
+    #: adapters, e.g. a reward model's ``score`` (PEFT's sequence-classification task adds ``classifier`` and
+    #: ``score``); a name matches a module as ``target_modules``' names do, and names matching nothing are ignored.
+    modules_to_save: Tuple[str, ...] = ()
+    task_type: str = "CAUSAL_LM"  # PEFT's task type: CAUSAL_LM, or SEQ_CLS for a model with a score head
     extra: Dict[str, Any] = field(default_factory=dict, compare=False)  # PEFT keys kept for writing back
 
     def __post_init__(self) -> None:
@@ -69,6 +76,7 @@ class LoRASpec:
             raise MindRLHFError(f"LoRA dropout={self.dropout!r} must be in [0, 1)")
         if self.target_modules == "all-linear":  # PEFT's shorthand: every linear but the output layer
             object.__setattr__(self, "target_modules", PROJECTIONS)
+        object.__setattr__(self, "modules_to_save", tuple(self.modules_to_save or ()))
         if not isinstance(self.target_modules, str):
             object.__setattr__(self, "target_modules", tuple(self.target_modules))
             if not self.target_modules:
@@ -94,6 +102,20 @@ def _adaptable(model: nn.Cell) -> List[Tuple[str, nn.Cell]]:
 def lora_modules(model: nn.Cell) -> List[Tuple[str, nn.Cell]]:
     """The projections carrying an adapter, by module name (empty for a model without LoRA)."""
     return [(name, cell) for name, cell in _adaptable(model) if cell.lora_A is not None]
+
+
+def _module_of(name: str) -> str:
+    return name.rsplit(".", 1)[0]
+
+
+def saved_modules(model: nn.Cell, spec: Optional[LoRASpec] = None) -> List[Tuple[str, Parameter]]:
+    """The parameters of ``spec``'s (default: the model's) ``modules_to_save``, by name (e.g. ``score.weight``)."""
+    spec = spec or getattr(model, "lora_spec", None)
+    if spec is None or not spec.modules_to_save:
+        return []
+    return [(name, param) for name, param in model.parameters_and_names()
+            if ".lora_" not in name and any(_module_of(name) == t or _module_of(name).endswith("." + t)
+                                            for t in spec.modules_to_save)]
 
 
 def _init_array(name: str, shape: Tuple[int, int], seed: int) -> np.ndarray:
@@ -122,6 +144,13 @@ def _local(cell: nn.Cell, a: np.ndarray, b: np.ndarray, tp: int, tp_rank: int) -
     return a[:, tp_rank * n:(tp_rank + 1) * n], b
 
 
+def _switch(dtype: ms.Type, name: str) -> Parameter:
+    """An adapted linear's ``lora_enabled``: a frozen scalar (1 = adapter on) multiplying its delta. A parameter, so
+    the compiled graphs read it as an input (the layer graphs load it per layer like the weights) and one graph serves
+    the adapted model and its base (``adapters_disabled``)."""
+    return Parameter(Tensor(1.0, dtype), name=name, requires_grad=False)
+
+
 class _Factor(nn.Cell):
     """One LoRA factor: a cell holding ``weight``, so its parameter is named ``...lora_A.weight`` as in PEFT."""
 
@@ -141,8 +170,15 @@ def apply_lora(model: nn.Cell, spec: LoRASpec) -> List[str]:
         raise MindRLHFError(f"LoRA target_modules {spec.target_modules!r} match no decoder projection of this model; "
                             f"use names among {', '.join(PROJECTIONS)} or a regex over e.g. "
                             "'model.layers.0.self_attn.q_proj'")
+    saved = saved_modules(model, spec)
+    inside = [name for name, _ in saved if name.startswith("model.")]
+    if inside:
+        raise MindRLHFError(f"LoRA modules_to_save {list(spec.modules_to_save)!r} names {inside[0]!r}, a part of the "
+                            "decoder; only heads outside the decoder layers (e.g. score) can be trained in full")
     for param in model.get_parameters():
         param.requires_grad = False
+    for _, param in saved:  # trained in full beside the adapters (PEFT's ModulesToSaveWrapper)
+        param.requires_grad = True
     for name, cell in targets:
         a_shape, b_shape = _full_shapes(cell, spec.r, tp)
         a, b = _local(cell, _init_array(f"{name}.lora_A.weight", a_shape, spec.seed),
@@ -153,8 +189,10 @@ def apply_lora(model: nn.Cell, spec: LoRASpec) -> List[str]:
         cell.lora_dropout = nn.Dropout(p=spec.dropout) if spec.dropout > 0 else None
         cell.lora_copy = CopyToTP(tp, model.shard.tp_group) if tp > 1 else None
         cell.lora_scaling = float(spec.scaling)
+        cell.lora_enabled = _switch(dtype, f"{name}.lora_enabled")
         # Attaching a cell renames its parameters relative to the parent; give them the full model names.
         cell.lora_A.weight.name, cell.lora_B.weight.name = f"{name}.lora_A.weight", f"{name}.lora_B.weight"
+        cell.lora_enabled.name = f"{name}.lora_enabled"
     model.lora_spec = spec
     return [name for name, _ in targets]
 
@@ -181,6 +219,28 @@ def adapt_like(template: nn.Cell, layer: nn.Cell) -> None:
         # Dropout and the tp copy hold no parameters: the template shares the layer's.
         target.lora_dropout, target.lora_copy = source.lora_dropout, source.lora_copy
         target.lora_scaling = source.lora_scaling
+        target.lora_enabled = _switch(source.lora_enabled.dtype, f"{name}.lora_enabled")
+        target.lora_enabled.name = f"{name}.lora_enabled"
+
+
+def is_switch(name: str) -> bool:
+    """Whether parameter ``name`` is an adapter's on/off switch (not a weight: no file holds it)."""
+    return name.endswith(".lora_enabled")
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Cell) -> Iterator[None]:
+    """Within this block ``model`` computes as its base, bit for bit (PEFT's ``disable_adapter``): every adapter's
+    switch is 0, so each delta is multiplied by 0 in the same compiled graphs. The reference of DPO with LoRA is the
+    policy itself in this block: no second copy of the base."""
+    switches = [cell.lora_enabled for _, cell in lora_modules(model)]
+    for switch in switches:
+        switch.copy_(Tensor(0.0, switch.dtype))  # in place: a compiled graph keeps reading the same storage
+    try:
+        yield
+    finally:
+        for switch in switches:
+            switch.copy_(Tensor(1.0, switch.dtype))
 
 
 def _require_whole(model: nn.Cell, what: str) -> None:
@@ -190,17 +250,21 @@ def _require_whole(model: nn.Cell, what: str) -> None:
 
 
 def adapter_weights(model: nn.Cell) -> Dict[str, np.ndarray]:
-    """The adapters as float32 arrays under the model's names (``...q_proj.lora_A.weight``)."""
+    """The adapters as float32 arrays under the model's names (``...q_proj.lora_A.weight``), and the modules to save
+    (``score.weight``)."""
     out = {}
     for _, cell in lora_modules(model):
         for factor in (cell.lora_A, cell.lora_B):
             out[factor.weight.name] = factor.weight.value().astype(ms.float32).asnumpy()
+    for name, param in saved_modules(model):
+        out[name] = param.value().astype(ms.float32).asnumpy()
     return out
 
 
 def set_adapter_weights(model: nn.Cell, tensors: Dict[str, np.ndarray], source: str = "adapter") -> None:
     """Copy full (unsharded) adapter arrays, by the model's names, into this shard's factors; every
-    adapter must be given, with its full shape."""
+    adapter must be given, with its full shape. The modules to save are set when given (an adapter trained
+    without them leaves e.g. a new score head as it is)."""
     spec = getattr(model, "lora_spec", None)
     if spec is None:
         raise MindRLHFError(f"{source}: the model has no LoRA adapters to set; apply_lora or load_adapter first")
@@ -220,6 +284,13 @@ def set_adapter_weights(model: nn.Cell, tensors: Dict[str, np.ndarray], source: 
         a, b = _local(cell, tensors[keys[0]], tensors[keys[1]], tp, tp_rank)
         cell.lora_A.weight.copy_(Tensor(np.ascontiguousarray(a), cell.lora_A.weight.dtype))
         cell.lora_B.weight.copy_(Tensor(np.ascontiguousarray(b), cell.lora_B.weight.dtype))
+    for name, param in saved_modules(model):
+        expected.add(name)
+        if name in tensors:
+            if tuple(tensors[name].shape) != tuple(param.shape):
+                raise MindRLHFError(f"{source}: {name!r} has shape {tuple(tensors[name].shape)}, this model needs "
+                                    f"{tuple(param.shape)}; the adapter was trained on another model")
+            param.copy_(Tensor(np.ascontiguousarray(tensors[name]), param.dtype))
     unknown = sorted(set(tensors) - expected)
     if unknown:
         raise MindRLHFError(f"{source}: {len(unknown)} tensors match no adapted module of this model "
@@ -238,7 +309,7 @@ def merged_weights(model: nn.Cell) -> Dict[str, np.ndarray]:
     adapters = {name: cell for name, cell in lora_modules(model)}
     out = {}
     for name, param in model.parameters_and_names():
-        if ".lora_A." in name or ".lora_B." in name:
+        if ".lora_A." in name or ".lora_B." in name or is_switch(name):
             continue
         value = param.value().astype(ms.float32).asnumpy()
         module = name[:-len(".weight")] if name.endswith(".weight") else None
@@ -287,7 +358,7 @@ def merge_adapter(specs: Dict[str, Tuple[Tuple[int, ...], str]], stream: Iterabl
 # PEFT's adapter directory
 # ---------------------------------------------------------------------------------------------
 #: PEFT LoraConfig keys whose non-default values this implementation cannot honour, with the default.
-_UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "modules_to_save": None,
+_UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none",
                 "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
                 "exclude_modules": None, "target_parameters": None, "use_qalora": False, "lora_bias": False,
                 "trainable_token_indices": None, "megatron_config": None, "layer_replication": None,
@@ -300,7 +371,8 @@ def peft_config(spec: LoRASpec, base_model_name_or_path: Optional[str] = None) -
     targets = spec.target_modules if isinstance(spec.target_modules, str) else sorted(spec.target_modules)
     config = dict(spec.extra)
     config.update({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
+        "peft_type": "LORA", "task_type": spec.task_type, "base_model_name_or_path": base_model_name_or_path,
+        "modules_to_save": list(spec.modules_to_save) or None,
         "r": spec.r, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "target_modules": targets,
         "use_rslora": spec.use_rslora, "init_lora_weights": True, "inference_mode": True, "revision": None,
         **_UNSUPPORTED})
@@ -325,6 +397,8 @@ def spec_from_peft(config: Dict[str, Any], source: str = ADAPTER_CONFIG) -> LoRA
                         dropout=float(config.get("lora_dropout", 0.0)),
                         target_modules=targets if isinstance(targets, str) else tuple(targets),
                         use_rslora=bool(config.get("use_rslora", False)),
+                        modules_to_save=tuple(config.get("modules_to_save") or ()),
+                        task_type=str(config.get("task_type") or "CAUSAL_LM"),
                         extra={k: v for k, v in config.items() if k not in _UNSUPPORTED})
     except KeyError as err:
         raise MindRLHFError(f"{source}: key {err} is missing; is this a PEFT adapter_config.json?") from None

@@ -134,7 +134,8 @@ class _AdaptableLinear(nn.Cell):
     shapes: A (r, in), B (out, r)), so the layer's own ``construct`` is the only forward. Under tp one
     factor is split with the layer and the other replicated; the replicated one passes through
     ``lora_copy`` (a ``CopyToTP``: identity forward, gradient summed over the tp ranks backward),
-    since each rank's backward only sees its own slice's share of that factor's gradient.
+    since each rank's backward only sees its own slice's share of that factor's gradient. ``lora_enabled``, a
+    frozen scalar parameter (1, or 0 while ``models.lora.adapters_disabled``), multiplies the adapter's delta.
     """
 
     def _no_adapter(self) -> None:
@@ -143,6 +144,7 @@ class _AdaptableLinear(nn.Cell):
         self.lora_dropout = None
         self.lora_copy = None
         self.lora_scaling = 0.0
+        self.lora_enabled = None
 
     def _lora_delta(self, x: Tensor, replicated_is_a: bool) -> Tensor:
         """``scaling * B A dropout(x)`` for 2-D ``x`` (rows, in_local) → (rows, out_local)."""
@@ -154,7 +156,9 @@ class _AdaptableLinear(nn.Cell):
                 a = self.lora_copy(a)
             else:
                 b = self.lora_copy(b)
-        return self.matmul(self.matmul(x, a), b) * self.lora_scaling
+        # ``lora_enabled`` (1 or 0, a frozen parameter: a graph input, not a constant) switches the adapter off for
+        # the reference pass with the same compiled graphs (PEFT's ``disable_adapter``); times 1 is exact.
+        return self.matmul(self.matmul(x, a), b) * self.lora_scaling * self.lora_enabled
 
 
 class ColumnParallelLinear(_AdaptableLinear):

@@ -188,22 +188,32 @@ def lora_spec(model_cfg, seed: int = 0):
                     target_modules=targets if isinstance(targets, str) else tuple(targets), seed=seed)
 
 
+#: What PEFT's sequence-classification task always trains in full and saves (``PeftModelForSequenceClassification``).
+SEQ_CLS_MODULES = ("classifier", "score")
+
+
 def attach_lora(model, model_cfg, seed: int = 0) -> None:
     """Freeze ``model`` and give it the adapters the model group asks for: ``lora_init_from``'s (a PEFT adapter
     folder, whose adapter_config.json sets rank, alpha and targets) or new ones with PEFT's init."""
+    from dataclasses import replace
+
     from mindrlhf.models.lora import apply_lora, lora_modules, read_adapter, set_adapter_weights
 
     m = model_cfg
+    tensors = None
     if m.lora_init_from:
         spec, tensors = read_adapter(m.lora_init_from)
         if m.lora_rank and m.lora_rank != spec.r:
             raise MindRLHFError(f"lora_rank = {m.lora_rank} but lora_init_from {m.lora_init_from} holds rank-{spec.r} "
                                 f"adapters; drop lora_rank (the folder sets it) or give lora_rank {spec.r}")
-        apply_lora(model, spec)
-        set_adapter_weights(model, tensors, f"lora_init_from {m.lora_init_from}")
     else:
         spec = lora_spec(m, seed)
-        apply_lora(model, spec)
+    if model.config.num_labels:  # a reward model / critic: its score head is trained in full (PEFT's SEQ_CLS task)
+        spec = replace(spec, task_type="SEQ_CLS",
+                       modules_to_save=tuple(dict.fromkeys(spec.modules_to_save + SEQ_CLS_MODULES)))
+    apply_lora(model, spec)
+    if tensors is not None:
+        set_adapter_weights(model, tensors, f"lora_init_from {m.lora_init_from}")
     if comm.is_main():
         trainable = sum(int(np.prod(p.shape)) for p in model.trainable_params())
         total = sum(int(np.prod(p.shape)) for p in model.get_parameters())
@@ -224,6 +234,19 @@ def load_reference(path: str, policy, layout: RunLayout, dtype: str, source: str
     ref = CausalLM(policy.config, dtype, shard)
     set_weights(ref, get_weights(policy), source=source)
     return ref
+
+
+def reference_runner(cfg, policy, layout: RunLayout, head, path: str, *, share_prompts: bool = False,
+                     source: str = "initial policy"):
+    """A stage's frozen reference as a runner (``forward(micro_batches)``): the checkpoint at ``path`` when given;
+    else, for a LoRA ``policy``, the policy itself with its adapters switched off (``update.AdaptersOff``: no second
+    copy of the base); else a copy of the initial ``policy`` (``load_reference``)."""
+    from mindrlhf.trainer.update import AdaptersOff, build_frozen_runner
+
+    if not path and getattr(policy, "lora_spec", None) is not None:
+        return AdaptersOff(build_frozen_runner(cfg, policy, layout.groups, head, share_prompts=share_prompts), policy)
+    ref = load_reference(path, policy, layout, cfg.model.dtype, source)
+    return build_frozen_runner(cfg, ref, layout.groups, head, share_prompts=share_prompts)
 
 
 def worker_lost(cfg, op: str, err: RuntimeError) -> WorkerLostError:

@@ -318,6 +318,26 @@ class ReleasableModel:
         self.released = True
 
 
+class AdaptersOff:
+    """The base of a LoRA model as a frozen runner: ``runner`` (``build_frozen_runner`` over the LoRA model itself)
+    run with every adapter switched off (``models.lora.adapters_disabled``), so the reference of a stage trained
+    with LoRA is the trained model's own frozen base, through the same compiled graphs, with no second copy of its
+    weights (PEFT's ``disable_adapter``, as TRL uses it when a peft model is given no reference)."""
+
+    def __init__(self, runner: PipelineRunner, model: nn.Cell):
+        self.runner, self.model = runner, model
+
+    def forward(self, micro_batches: Sequence[Dict[str, np.ndarray]]) -> List:
+        """``runner.forward`` of the base (the adapters are on again afterwards)."""
+        from mindrlhf.models.lora import adapters_disabled
+
+        with adapters_disabled(self.model):
+            return self.runner.forward(micro_batches)
+
+    def release(self) -> None:
+        """Nothing to free: the weights are the trained model's."""
+
+
 def build_frozen_model(cfg, model: nn.Cell, groups: ParallelGroups, head: Head, *, share_prompts: bool = False,
                        reload=None) -> ReleasableModel:
     """``build_frozen_runner``'s runner for ``model``, releasable when ``reload`` is given (see
