@@ -57,7 +57,10 @@ def test_gen_workers_sets_the_generator_layout_and_the_world():
      "gen_workers = 2 generator ranks but infer_dp*infer_tp = 1*1 = 1"),
     (["--gen_workers", "1"], "gen_workers = 1 needs use_parallel true"),
     (["--use_parallel", "true", "--gen_workers", "1", "--dynamic_sampling", "true", "--eval_steps", "2"],
-     "gen_workers = 1 with dynamic_sampling = true, eval_steps = 2: not built for disaggregated rollout yet"),
+     "gen_workers = 1 with eval_steps = 2: not built for disaggregated rollout yet"),
+    (["--use_parallel", "true", "--gen_workers", "1", "--dynamic_sampling", "true", "--max_staleness", "1"],
+     "dynamic_sampling = true with gen_workers = 1 and max_staleness = 1: dynamic sampling is built for the "
+     "synchronous schedule only"),
     (["--use_parallel", "true", "--gen_workers", "1", "--replay_data_file", "r.npz"],
      "gen_workers = 1 with replay_data_file = 'r.npz': not built for disaggregated rollout yet"),
     (["--use_parallel", "true", "--gen_workers", "2", "--chunk_size", "3"],
@@ -133,18 +136,21 @@ def test_completions_cross_exactly():
 def test_one_generator_one_trainer_equals_the_colocated_run(grpo_assets, tmp_path):
     """msrun world 2 with gen_workers 1 (rank 1 samples, rank 0 scores, runs the reference and trains) at
     max_staleness 0: every metric and the final weights equal the colocated one-process run's (float32, 1e-6),
-    with two prompt batches per step, the KL term and two updates per step (old log-probs); every row was sampled
-    by the policy of the step before (staleness 0)."""
+    with two prompt batches per step, the KL term and two updates per step (old log-probs), and DAPO's dynamic
+    sampling (a flat group for every even-length question, so a step samples further rounds: the trainer tells the
+    generator after each round); every row was sampled by the policy of the step before (staleness 0)."""
     import mindspore as ms
 
     base = dict(max_steps=2, num_rollouts=2, beta=0.04, mini_batch_size=8, lr=1e-3, tensorboard="false",
-                reward_funcs=["accuracy", "e2e_rewards:length_reward"])
+                dynamic_sampling="true", max_sampling_rounds=3,
+                reward_funcs=["accuracy", "e2e_rewards:flat_for_even_questions"])
     one, two = tmp_path / "colocated", tmp_path / "disaggregated"
     assert _run_inprocess(_args(grpo_assets, one, **base)) == 0
     _msrun(2, _args(grpo_assets, two, use_parallel="true", gen_workers=1, **base), tmp_path / "log", 8161)
     m1, m2 = _metrics(one), _metrics(two)
     assert [r["step"] for r in m2] == [1, 2]
     assert all(r["grad_norm"] > 1e-3 and r["reward_std"] > 0 for r in m1)  # not a vacuous comparison
+    assert any(r["sampling/rounds"] > 1 for r in m2), [r["sampling/rounds"] for r in m2]  # rounds drawn remotely
     for a, b in zip(m1, m2):
         assert {k for k in set(b) - set(a) if not _timing(k)} == {"staleness/mean", "staleness/max"}
         assert {"time/generator_busy", "time/generator_idle", "time/trainer_busy", "time/trainer_idle"} <= set(b)

@@ -196,11 +196,15 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         batches = [batch for _, batch in self._prompt_batches()]
         t0 = self.link.now()
         completions, versions, busy = self.link.receive()
-        # The trainers' idle time: waiting for the generators' rows.
-        self.link_times = {"time/trainer_idle": self.link.now() - t0, "time/trainer_busy_start": self.link.now(),
-                           "time/generator_busy": float((busy[:, 1] - busy[:, 0]).max()),
-                           "time/generator_idle": float(busy[:, 2].max()),
-                           "time/generator_busy_start": float(busy[:, 0].min()),
+        # The trainers' idle time: waiting for the generators' rows. Summed over a step's rounds (dynamic
+        # sampling); the intervals span them.
+        now, was = self.link.now(), self.link_times
+        self.link_times = {"time/trainer_idle": was.get("time/trainer_idle", 0.0) + now - t0,
+                           "time/trainer_busy_start": was.get("time/trainer_busy_start", now),
+                           "time/generator_busy": was.get("time/generator_busy", 0.0)
+                           + float((busy[:, 1] - busy[:, 0]).max()),
+                           "time/generator_idle": was.get("time/generator_idle", 0.0) + float(busy[:, 2].max()),
+                           "time/generator_busy_start": was.get("time/generator_busy_start", float(busy[:, 0].min())),
                            "time/generator_busy_end": float(busy[:, 1].max())}
         if self.one_step_off and self.step > 0:
             # One step off: the rows of step self.step + 1 are here, so update self.step goes to the generators
