@@ -217,14 +217,16 @@ class GRPOTrainer(RolloutTrainer):
         a = self.cfg.algorithm
         G, need = a.num_generations, self.cfg.prompts_per_step
         pool, reward_time, rounds = None, 0.0, 0
-        while rounds < a.max_sampling_rounds:
+        more = True
+        while more:
             scored = self._round(step, rounds)
             reward_time += scored.reward_time
             pool = self._global_rows(scored.exp) if pool is None else concat_experiences(
                 [pool, self._global_rows(scored.exp)], self.pad_id)
             rounds += 1
-            if int(informative_groups(pool.rewards, G).sum()) >= need:
-                break
+            more = rounds < a.max_sampling_rounds and int(informative_groups(pool.rewards, G).sum()) < need
+            if self.link is not None:  # generator ranks sample the next round only when told (disaggregated)
+                self.link.more_rounds(more)
         informative = informative_groups(pool.rewards, G)
         order = np.concatenate([np.flatnonzero(informative), np.flatnonzero(~informative)])[:need]
         chosen = pool.rows((order[:, None] * G + np.arange(G)).reshape(-1))

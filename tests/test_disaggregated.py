@@ -57,7 +57,10 @@ def test_gen_workers_sets_the_generator_layout_and_the_world():
      "gen_workers = 2 generator ranks but infer_dp*infer_tp = 1*1 = 1"),
     (["--gen_workers", "1"], "gen_workers = 1 needs use_parallel true"),
     (["--use_parallel", "true", "--gen_workers", "1", "--dynamic_sampling", "true", "--eval_steps", "2"],
-     "gen_workers = 1 with dynamic_sampling = true, eval_steps = 2: not built for disaggregated rollout yet"),
+     "gen_workers = 1 with eval_steps = 2: not built for disaggregated rollout yet"),
+    (["--use_parallel", "true", "--gen_workers", "1", "--dynamic_sampling", "true", "--max_staleness", "1"],
+     "dynamic_sampling = true with gen_workers = 1 and max_staleness = 1: dynamic sampling is built for the "
+     "synchronous schedule only"),
     (["--use_parallel", "true", "--gen_workers", "1", "--replay_data_file", "r.npz"],
      "gen_workers = 1 with replay_data_file = 'r.npz': not built for disaggregated rollout yet"),
     (["--use_parallel", "true", "--gen_workers", "2", "--chunk_size", "3"],
@@ -133,18 +136,21 @@ def test_completions_cross_exactly():
 def test_one_generator_one_trainer_equals_the_colocated_run(grpo_assets, tmp_path):
     """msrun world 2 with gen_workers 1 (rank 1 samples, rank 0 scores, runs the reference and trains) at
     max_staleness 0: every metric and the final weights equal the colocated one-process run's (float32, 1e-6),
-    with two prompt batches per step, the KL term and two updates per step (old log-probs); every row was sampled
-    by the policy of the step before (staleness 0)."""
+    with two prompt batches per step, the KL term and two updates per step (old log-probs), and DAPO's dynamic
+    sampling (a flat group for every even-length question, so a step samples further rounds: the trainer tells the
+    generator after each round); every row was sampled by the policy of the step before (staleness 0)."""
     import mindspore as ms
 
     base = dict(max_steps=2, num_rollouts=2, beta=0.04, mini_batch_size=8, lr=1e-3, tensorboard="false",
-                reward_funcs=["accuracy", "e2e_rewards:length_reward"])
+                dynamic_sampling="true", max_sampling_rounds=3,
+                reward_funcs=["accuracy", "e2e_rewards:flat_for_even_questions"])
     one, two = tmp_path / "colocated", tmp_path / "disaggregated"
     assert _run_inprocess(_args(grpo_assets, one, **base)) == 0
     _msrun(2, _args(grpo_assets, two, use_parallel="true", gen_workers=1, **base), tmp_path / "log", 8161)
     m1, m2 = _metrics(one), _metrics(two)
     assert [r["step"] for r in m2] == [1, 2]
     assert all(r["grad_norm"] > 1e-3 and r["reward_std"] > 0 for r in m1)  # not a vacuous comparison
+    assert any(r["sampling/rounds"] > 1 for r in m2), [r["sampling/rounds"] for r in m2]  # rounds drawn remotely
     for a, b in zip(m1, m2):
         assert {k for k in set(b) - set(a) if not _timing(k)} == {"staleness/mean", "staleness/max"}
         assert {"time/generator_busy", "time/generator_idle", "time/trainer_busy", "time/trainer_idle"} <= set(b)
@@ -192,6 +198,9 @@ def test_one_step_off_trains_rows_one_update_old_while_the_generator_samples(one
         assert r["time/generator_busy"] > 0 and r["time/trainer_busy"] > 0, r
         assert r["time/generator_idle"] >= 0 and r["time/trainer_idle"] >= 0, r
         assert r["grad_norm"] > 1e-3
+    # The weights go out inside step s's receive from step 2 on: timed as the step's time/sync (the bench's weight
+    # sync phase), not hidden in time/generate; step 1 pushes nothing.
+    assert m[0]["time/sync"] < 1e-3 and all(r["time/sync"] > 1e-3 for r in m[1:]), [r["time/sync"] for r in m]
     for now, after in zip(m, m[1:]):
         # Step s's training and step s + 1's sampling, in seconds since the job started (one clock).
         train = (now["time/trainer_busy_start"], now["time/trainer_busy_end"])
@@ -245,6 +254,44 @@ def test_a_killed_generator_stops_the_trainers_and_resume_finishes_the_run(grpo_
     resumed = _metrics(out)
     assert [r["step"] for r in resumed] == [1, 2, 3]
     assert (resumed[2]["staleness/mean"], resumed[2]["staleness/max"]) == (1.0, 1.0)
+    for want, got in zip(reference, resumed):
+        for key, value in want.items():
+            if not _timing(key) and not (isinstance(value, float) and math.isnan(value)):
+                assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (want["step"], key, got[key], value)
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+def test_a_killed_trainer_stops_the_generator_and_resume_finishes_the_run(grpo_assets, one_step_off, tmp_path):
+    """The dead-worker rule the other way round (issue 43): the one-step-off job on two nodes (the trainer on node 0,
+    the generator on node 1), the trainer SIGKILLed in step 2's update (it has pushed update 1; the generator samples
+    step 3 with it and then waits to send the rows): the generator stops within collective_timeout with the
+    one-line error (exit code 3) naming the newest checkpoint (step 1, which keeps the weights step 2 was sampled
+    with), and --resume finishes the run with the uninterrupted run's metrics."""
+    from grpo_runs import logged_at, two_nodes
+
+    timeout = 20  # as the generator-kill test's: the generator's waits while the trainer compiles stay below it
+    out, logs = tmp_path / "killed", tmp_path / "log"
+    argv = _args(grpo_assets, out, collective_timeout=timeout, **ONE_STEP_OFF)
+    results = two_nodes(argv, logs, 8187, env_extra={"MINDRLHF_KILL_AT": "0:2:grad_allreduce"}, check=False,
+                        workers_per_node=1)
+    assert all(code != 0 for code, _ in results), [code for code, _ in results]
+    died = logged_at(logs / "node0" / "worker_0.log", r"fault injection: rank 0 kills itself at step 2")
+    assert "Error code: 3" in results[1][1], results[1][1][-3000:]
+    generator_log = logs / "node1" / "worker_1.log"
+    text = generator_log.read_text(errors="replace")
+    assert ("error: worker rank 1 of 2:" in text and "died or hangs" in text
+            and f"within {timeout} s (MS_CPU_COMM_OP_TIMEOUT)" in text
+            and "newest complete checkpoint here is step 1" in text), text[-3000:]
+    stopped = logged_at(generator_log, r"ERROR mindrlhf: rank 1: \w+ failed")
+    # The generator samples step 3 (under a second of the tiny model), then waits at most collective_timeout.
+    assert 0 <= stopped - died <= timeout + 10, stopped - died
+    assert [r["step"] for r in _metrics(out)] == [1]
+
+    _msrun(2, argv + ["--use_parallel", "true", "--resume"], tmp_path / "log_resume", 8189)
+    resumed, reference = _metrics(out), _metrics(one_step_off)
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    assert [r["staleness/max"] for r in resumed] == [0.0, 1.0, 1.0]
     for want, got in zip(reference, resumed):
         for key, value in want.items():
             if not _timing(key) and not (isinstance(value, float) and math.isnan(value)):

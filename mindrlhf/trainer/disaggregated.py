@@ -22,6 +22,9 @@ while the generators sample step s + 1 with it (the same collectives in the same
   block of ``rows_per_generator`` rows: token ids, sampler log-probs and entropies padded to ``width``, the length,
   whether it was cut at the limit, and the policy version it was sampled with); the trainers' blocks are zeros.
   Then each generator's busy interval and idle seconds (one small AllGather; the ``time/generator_*`` metrics).
+* ``RolloutLink.more_rounds``: with DAPO's dynamic sampling (max_staleness 0), after each round a Broadcast from
+  rank 0 of whether the step needs another round; the generators then sample the next batches with the round's
+  seeds, as a colocated rank would.
 * ``RolloutLink.push_weights`` / ``pull_weights``: the policy version, then each weight (HF names, model order) as a
   Broadcast from rank 0, cut to the generator's infer shard (``sharding.shard_tensor``) and written by the
   sampler's ``load_weights``.
@@ -134,6 +137,12 @@ class RolloutLink:
         busy = comm.job_all_gather(np.zeros(3, np.float32))[self.trainers:]
         return completions, versions, busy
 
+    def more_rounds(self, more: bool = False) -> bool:
+        """DAPO's dynamic sampling (max_staleness 0): rank 0's word after each round of a step, whether the
+        generators sample another (the trainers decide it on the round's rewards; the generators' ``more`` is
+        ignored)."""
+        return bool(comm.job_broadcast(np.array([more], np.float32))[0])
+
     # -- weights: trainers -> generators ---------------------------------------------------------------------
     def push_weights(self, policy, version: int, weights=None, keep: bool = False) -> dict:
         """The trainers' side: rank 0's policy weights (train_tp = train_pp = 1: full tensors), or ``weights``
@@ -190,20 +199,27 @@ class GenerationWorker:
         version = self.link.pull_weights(self.sampler, self.config) if weights else step
         replica = self.layout.infer_dp_rank
         one_step_off = self.cfg.parallel.max_staleness > 0
+        dynamic = bool(getattr(self.cfg.algorithm, "dynamic_sampling", False))
         last_end = self.link.now()
         while step < total:
             step += 1
             faults.enter_step(step)
             faults.point("generate", comm.rank())
-            batches = [(r, self.dataset.nth_batch(drawn + r)) for r in range(self.rollouts_per_step)]
-            drawn += self.rollouts_per_step
-            start = self.link.now()
-            rollout = sample_batches(self.sampler, self.dataset, batches, lambda r, s=step: sampling_params(
-                self.cfg, s, r, replica, self.num_generations, self.stop_ids))
-            end = self.link.now()
-            # Idle: since the last sampling ended (sending those rows, waiting for weights).
-            self.link.send(rollout.completions, version, (start, end, start - last_end))
-            last_end = end
+            more, round_index = True, 0
+            while more:  # one round, or (dynamic sampling) until the trainers have enough groups
+                batches = [(r, self.dataset.nth_batch(drawn + r)) for r in range(self.rollouts_per_step)]
+                drawn += self.rollouts_per_step
+                start = self.link.now()
+                first = round_index * self.rollouts_per_step  # a colocated rank's rollout index of the round
+                rollout = sample_batches(self.sampler, self.dataset, batches, lambda r, s=step, f=first:
+                                         sampling_params(self.cfg, s, f + r, replica, self.num_generations,
+                                                         self.stop_ids))
+                end = self.link.now()
+                # Idle: since the last sampling ended (sending those rows, waiting for weights or the word).
+                self.link.send(rollout.completions, version, (start, end, start - last_end))
+                last_end = end
+                more = dynamic and self.link.more_rounds()
+                round_index += 1
             # One step off: step 1's rows go out before any update, so the generators sample step 2's at once with
             # the same weights; from then on the trainers push update s - 1 once they hold step s's rows, which
             # arrives here after step s + 1's rows went out (the trainers' side: RolloutTrainer._received_rollout).

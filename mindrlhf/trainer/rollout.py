@@ -149,6 +149,8 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         #: One step off: the version and (rank 0) the weights the generators sample the next step's rows with,
         #: checkpointed so that a resume samples that batch again identically (``train``, ``extra_tensors``).
         self.in_flight: Optional[tuple] = None
+        #: Seconds the one-step-off push of the weights took in this step's receive (``collect`` logs it).
+        self.push_seconds = 0.0
         if layout is not None and layout.disaggregated:
             from mindrlhf.trainer.disaggregated import RolloutLink
 
@@ -194,16 +196,23 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         batches = [batch for _, batch in self._prompt_batches()]
         t0 = self.link.now()
         completions, versions, busy = self.link.receive()
-        # The trainers' idle time: waiting for the generators' rows.
-        self.link_times = {"time/trainer_idle": self.link.now() - t0, "time/trainer_busy_start": self.link.now(),
-                           "time/generator_busy": float((busy[:, 1] - busy[:, 0]).max()),
-                           "time/generator_idle": float(busy[:, 2].max()),
-                           "time/generator_busy_start": float(busy[:, 0].min()),
+        # The trainers' idle time: waiting for the generators' rows. Summed over a step's rounds (dynamic
+        # sampling); the intervals span them.
+        now, was = self.link.now(), self.link_times
+        self.link_times = {"time/trainer_idle": was.get("time/trainer_idle", 0.0) + now - t0,
+                           "time/trainer_busy_start": was.get("time/trainer_busy_start", now),
+                           "time/generator_busy": was.get("time/generator_busy", 0.0)
+                           + float((busy[:, 1] - busy[:, 0]).max()),
+                           "time/generator_idle": was.get("time/generator_idle", 0.0) + float(busy[:, 2].max()),
+                           "time/generator_busy_start": was.get("time/generator_busy_start", float(busy[:, 0].min())),
                            "time/generator_busy_end": float(busy[:, 1].max())}
         if self.one_step_off and self.step > 0:
             # One step off: the rows of step self.step + 1 are here, so update self.step goes to the generators
             # now, and they sample the next step's rows with it while this step trains (GenerationWorker.train).
+            t1 = self.link.now()
             self.in_flight = (self.step, self.link.push_weights(self.policy, self.step, keep=True))
+            # Logged as the step's time/sync (``collect``), where a synchronous job's push is timed.
+            self.push_seconds = self.link.now() - t1
         bound = self.cfg.parallel.max_staleness
         if (self.step - versions > bound).any():  # the schedule's promise: no row older than max_staleness trains
             raise MindRLHFError(f"step {self.step + 1} received rows sampled by policy version {int(versions.min())}, "
@@ -295,8 +304,13 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
             scored = ScoredRollout(self.replay(step))
         else:
             scored = self.generate(step)
-        timer.times["time/generate"] = 0.0 if scored.texts is None else time.perf_counter() - t0 - scored.reward_time
+        # One step off, the weights go out inside the receive (``_received_rollout``): time/sync, not time/generate.
+        push, self.push_seconds = self.push_seconds, 0.0
+        spent = time.perf_counter() - t0 - scored.reward_time - push
+        timer.times["time/generate"] = 0.0 if scored.texts is None else spent
         timer.times["time/reward"] = scored.reward_time
+        if push:
+            timer.times["time/sync"] = push
         self.record(step, scored.exp)
         return scored
 
