@@ -102,9 +102,13 @@ STAGES: Dict[str, Dict[str, Any]] = {
     # TRL's side is SFTTrainer with peft's LoraConfig of the same rank, alpha and targets.
     "sft_lora": dict(stage="sft", rows=8, batch_size=8, micro_batch_size=4, max_length=512, lr=1e-4,
                      lora_rank=16, lora_alpha=32),
+    # The reference of a LoRA DPO is the policy's base with its adapters off on both sides (ours without
+    # --ref_model; TRL's DPOTrainer with a peft model and no ref_model).
+    "dpo_lora": dict(stage="dpo", rows=8, batch_size=8, micro_batch_size=4, max_length=512, lr=1e-5, beta=0.1,
+                     lora_rank=16, lora_alpha=32),
 }
 CONFIG_GROUPS = {"both": ("tiny", "smollm2"), "stages": ("sft", "rm", "dpo"),
-                 "all": ("tiny", "smollm2", "sft", "rm", "dpo"), "lora": ("sft", "sft_lora")}
+                 "all": ("tiny", "smollm2", "sft", "rm", "dpo"), "lora": ("sft", "sft_lora", "dpo", "dpo_lora")}
 #: The projections a LoRA config adapts on both sides (PEFT's target_modules; ours' default).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SCORE_HEAD_SEED = 1234  # numpy seed of the reward model's score head (written once, read by both sides)
@@ -425,7 +429,7 @@ def run_trl_stage(spec: Dict[str, Any]) -> Dict[str, Any]:
     else:  # ref_model=None: TRL loads the reference from the policy's path (the initial policy)
         args = config_class(**kwargs, loss_type=["sigmoid"], beta=spec["beta"], precompute_ref_log_probs=False)
         trainer = trl.DPOTrainer(model=spec["model_dir"], args=args, train_dataset=dataset,
-                                 processing_class=tokenizer)
+                                 processing_class=tokenizer, peft_config=peft_config)
     prepared = trainer.train_dataset
     if stage == "sft":  # loss-bearing tokens of a step: labels not -100 (the model shifts them: never the first)
         trained: Optional[float] = float(sum(sum(x != -100 for x in labels[1:]) for labels in prepared["labels"]))
@@ -711,8 +715,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "tokens, beta 0; both (default): tiny then smollm2. Offline stages on SmolLM2, 8 GSM8K "
                          "rows per step in micro-batches of 4, max_length 512: sft (vs SFTTrainer), rm (vs "
                          "RewardTrainer), dpo (vs DPOTrainer, sigmoid, beta 0.1); stages: sft, rm, dpo; all: the five. "
-                         "LoRA: sft_lora (rank 16, alpha 32, all seven projections, lr 1e-4; TRL with peft); lora: "
-                         "sft then sft_lora (full fine-tune against LoRA on each side)")
+                         "LoRA: sft_lora, dpo_lora (rank 16, alpha 32, all seven projections, 10x the lr; TRL with "
+                         "peft; DPO's reference = the base with adapters off); lora: sft, sft_lora, dpo, dpo_lora "
+                         "(full fine-tune against LoRA on each side)")
     ap.add_argument("--steps", type=int, default=5,
                     help="optimizer steps per side (default 5); medians are taken over steps 2..N, so use >= 2")
     ap.add_argument("--trl_venv", default=str(DEFAULT_VENV),
