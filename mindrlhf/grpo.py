@@ -55,7 +55,7 @@ from mindrlhf.trainer.memory import rollout_extent
 from mindrlhf.trainer.metrics import EVAL_CURVE, Curve
 from mindrlhf.trainer.rollout import PhaseTimer, RolloutTrainer, ScoredRollout, load_prompt_dataset, rollout_precheck
 from mindrlhf.trainer.schedule import run_steps
-from mindrlhf.trainer.update import build_frozen_runner, build_updater
+from mindrlhf.trainer.update import AdaptersOff, build_frozen_runner, build_updater
 from mindrlhf.utils.cli import run_cli
 
 log = logging.getLogger("mindrlhf")
@@ -168,9 +168,11 @@ class GRPOTrainer(RolloutTrainer):
         """``sampler``: the rollout backend (``generation.build_sampler``); the policy's weights reach it
         through ``sync_generator`` only. ``policy_masters``: float32 master weights of the policy's
         trainable parameters (same order), when the policy computes in bf16/fp16; by default they are
-        copied from the policy itself."""
+        copied from the policy itself. ``ref_model``: the reference when beta > 0; a LoRA policy without one uses
+        its own base with the adapters switched off (``update.AdaptersOff``: no second copy of the weights)."""
         a, g = cfg.algorithm, cfg.generation
-        if cfg.uses_reference and ref_model is None:
+        lora = getattr(policy, "lora_spec", None) is not None
+        if cfg.uses_reference and ref_model is None and not lora:
             raise MindRLHFError("beta > 0 needs a reference model; the trainer was built without one")
         self.loss_settings = LossSettings.from_config(cfg)
         groups = layout.groups if layout is not None else None
@@ -192,9 +194,12 @@ class GRPOTrainer(RolloutTrainer):
                          mask_truncated=a.mask_truncated_completions)
         self.ref_model = ref_model
         self.off_policy = cfg.needs_old_logprobs
-        self.ref_runner = None if ref_model is None else build_frozen_runner(
-            cfg, ref_model, self.updater.groups, LogProbHead(self.loss_settings.temperature),
-            share_prompts=cfg.parallel.share_prompts)
+        self.ref_runner = None
+        if cfg.uses_reference:
+            runner = build_frozen_runner(cfg, policy if ref_model is None else ref_model, self.updater.groups,
+                                         LogProbHead(self.loss_settings.temperature),
+                                         share_prompts=cfg.parallel.share_prompts)
+            self.ref_runner = AdaptersOff(runner, policy) if ref_model is None else runner
         self.ref_synced = False
 
     # -- generation ----------------------------------------------------------------------------------
@@ -403,7 +408,8 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
     ref_model = None
     if cfg.uses_reference:  # with beta == 0 the reference is never built
         ref_path = (cfg.model_weights("ref") or train_path) if m.load_ref_checkpoint else ""  # '': the initial policy
-        ref_model = load_reference(ref_path, policy, layout, m.dtype)
+        if getattr(policy, "lora_spec", None) is None or ref_path not in ("", train_path):  # LoRA: adapters off
+            ref_model = load_reference(ref_path, policy, layout, m.dtype)
     dataset = load_prompt_dataset(cfg, layout, tokenizer, policy.config, cfg.algorithm.chunk_size)
     sampler = None if layout.disaggregated else build_sampler(cfg, sampler_model if sampler_model is not None
                                                               else policy)

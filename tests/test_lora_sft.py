@@ -518,7 +518,7 @@ def test_sft_lora_run_writes_a_peft_adapter_and_resumes_exactly(lora_assets, tmp
 def test_grpo_lora_at_beta_0_trains_the_adapters_and_samples_with_them(grpo_assets, tmp_path, monkeypatch):
     """GRPO with --lora_rank at beta 0: the sampler is the policy itself (its layers apply the adapters, so every
     step samples with the adapted weights), the optimizer holds the adapters only, a step moves B off zero and leaves
-    the base bit-identical. beta > 0 and a separate generator are refused in one line."""
+    the base bit-identical. sync_ref_model and a separate generator are refused in one line."""
     from grpo_runs import grpo_args
     from mindrlhf import grpo
     from mindrlhf.configs import parse_args
@@ -541,6 +541,48 @@ def test_grpo_lora_at_beta_0_trains_the_adapters_and_samples_with_them(grpo_asse
     for name, value in policy.parameters_and_names():
         if name not in adapters:
             np.testing.assert_array_equal(value.asnumpy(), base[name], err_msg=name)
-    for flags, said in (({"beta": 0.1}, "set beta 0"), ({"infer_dp": 2, "chunk_size": 2}, "generator must be")):
+    for flags, said in (({"beta": 0.1, "sync_ref_model": "true"}, "set sync_ref_model false"),
+                        ({"infer_dp": 2, "chunk_size": 2}, "generator must be")):
         with pytest.raises(MindRLHFError, match=said):
             parse_args(grpo_args(grpo_assets, tmp_path / "x", **dict(args, **flags)))
+
+
+def test_grpo_lora_with_beta_takes_its_base_with_adapters_off_as_the_reference(grpo_assets, tmp_path, monkeypatch):
+    """GRPO with --lora_rank and beta > 0: no reference model is loaded (the reference runner runs the policy itself
+    with its adapters switched off); step 1's KL is exactly 0 (B = 0: the policy is its base), and after it the
+    reference log-probs equal a plain base model's bit for bit while the policy's differ, and the adapters are on
+    again afterwards. With --ref_path another model is loaded as the reference."""
+    from grpo_runs import grpo_args
+    from mindrlhf import grpo
+    from mindrlhf.configs import parse_args
+    from mindrlhf.models import load_model
+    from mindrlhf.models.heads import LogProbHead
+    from mindrlhf.trainer.rollout import PhaseTimer
+    from mindrlhf.trainer.update import AdaptersOff, build_frozen_runner
+
+    (tmp_path / "len_reward.py").write_text("def length(completions, solution, **kw):\n"
+                                            "    return [len(c) / 50.0 for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = dict(max_steps=2, lr=1e-2, beta=0.1, reward_funcs=["len_reward:length"], lora_rank=R, lora_alpha=ALPHA)
+    cfg = parse_args(grpo_args(grpo_assets, tmp_path / "out", **args))
+    trainer = grpo.build_trainer(cfg)
+    assert trainer.ref_model is None and isinstance(trainer.ref_runner, AdaptersOff)
+    assert trainer.ref_runner.model is trainer.policy
+    first = trainer.train_one_step()
+    assert first["kl"] == 0.0 and first["grad_norm"] > 0
+
+    exp = trainer.collect(2, PhaseTimer()).exp
+    ref = trainer.completion_forward(trainer.ref_runner, exp)
+    base = load_model(grpo_assets["model"])
+    head = LogProbHead(trainer.loss_settings.temperature)
+    plain = trainer.completion_forward(build_frozen_runner(cfg, base, trainer.updater.groups, head,
+                                                           share_prompts=cfg.parallel.share_prompts), exp)
+    mask = exp.completion_mask.astype(bool)
+    np.testing.assert_array_equal(ref[mask], plain[mask])
+    policy = trainer.completion_forward(trainer.updater.runner, exp)  # the adapters are on again
+    assert np.abs(policy[mask] - plain[mask]).max() > 1e-4
+
+    other = tmp_path / "ref_model"
+    other.symlink_to(Path(grpo_assets["model"]).resolve())
+    with_ref = grpo.build_trainer(parse_args(grpo_args(grpo_assets, tmp_path / "out2", ref_path=str(other), **args)))
+    assert with_ref.ref_model is not None and not isinstance(with_ref.ref_runner, AdaptersOff)

@@ -598,7 +598,8 @@ class GRPOConfig(RolloutConfig):
 
     REFERENCE_PREAMBLE = _PREAMBLE
     REFERENCE_FILE = STAGES["grpo"].reference
-    #: LoRA at beta 0 with the policy as its own generator (``_check_combinations`` names what is not wired yet).
+    #: LoRA with the policy as its own generator, the reference (beta > 0) its base with the adapters off
+    #: (``_check_combinations`` names what is not wired yet).
     LORA: ClassVar[bool] = True
     PROMPTS_FIELD = "chunk_size"
     # The reward fields were in the algorithm group before the reward group existed (issue 42).
@@ -704,9 +705,10 @@ class GRPOConfig(RolloutConfig):
             errors.append(f"overlong_buffer_length = {self.reward.overlong_buffer_length} must be below "
                           f"max_completion_length = "
                           f"{g.max_completion_length} (the punishment starts that many tokens before the limit)")
-        if m.lora and a.beta > 0:
-            errors.append(f"lora_rank = {m.lora_rank} / lora_init_from = {m.lora_init_from!r} with beta = {a.beta}: "
-                          "GRPO's reference as the base with the adapters off is not wired yet; set beta 0")
+        if m.lora and a.beta > 0 and a.sync_ref_model:
+            # The reference is the frozen base with the adapters off (or a --ref_path model): nothing to sync into.
+            errors.append(f"sync_ref_model = true with lora_rank = {m.lora_rank}: the reference of a LoRA run is the "
+                          "frozen base with its adapters off; set sync_ref_model false")
         train_infer = self.model_weights("infer")
         if m.lora and (p.gen_workers or p.infer_tp != p.train_tp or p.infer_dp != p.train_dp
                        or (train_infer and train_infer != self.model_weights("train"))):
