@@ -314,7 +314,7 @@ def check_tensor_specs(specs: Dict[str, Tuple[Tuple[int, ...], str]], config: Di
 # ---------------------------------------------------------------------------------------------
 # writing safetensors, streaming
 # ---------------------------------------------------------------------------------------------
-class _StreamingSafetensorsWriter:
+class StreamingSafetensorsWriter:
     """Write a safetensors file tensor by tensor with O(one tensor) RAM.
 
     Data goes to ``<path>.data.tmp``; ``close()`` writes the header and copies the spool after it
@@ -412,7 +412,7 @@ def save_ms_checkpoint(tensors: TensorIter, path: PathLike, dtype: str = "float3
     summary = SaveSummary(0, 0, 0, dtype, [path])
     seen = set()
     if fmt == "safetensors":
-        writer = _StreamingSafetensorsWriter(path, {"format": "ms"})
+        writer = StreamingSafetensorsWriter(path, {"format": "ms"})
         try:
             for name, arr in tensors:
                 stored = cast_for_storage(arr, dtype)
@@ -667,7 +667,7 @@ def save_hf_dir(tensors: TensorIter, config: Dict[str, Any], out_dir: PathLike, 
         raise MindRLHFError(f"max shard size {max_shard_bytes} for {out_dir} must be positive; e.g. 2GB")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    shards: List[_StreamingSafetensorsWriter] = []
+    shards: List[StreamingSafetensorsWriter] = []
     weight_map: Dict[str, int] = {}
     summary = SaveSummary(0, 0, 0, dtype, [])
     try:
@@ -679,7 +679,7 @@ def save_hf_dir(tensors: TensorIter, config: Dict[str, Any], out_dir: PathLike, 
             if not shards or (shards[-1].entries and shards[-1].nbytes + stored.nbytes > max_shard_bytes):
                 if shards:
                     shards[-1].close()
-                shards.append(_StreamingSafetensorsWriter(out_dir / f"model.shard{len(shards):05d}.safetensors",
+                shards.append(StreamingSafetensorsWriter(out_dir / f"model.shard{len(shards):05d}.safetensors",
                                                           {"format": "pt"}))
             shards[-1].add(name, stored, dtype)
             weight_map[name] = len(shards) - 1

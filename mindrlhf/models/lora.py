@@ -407,7 +407,7 @@ def spec_from_peft(config: Dict[str, Any], source: str = ADAPTER_CONFIG) -> LoRA
 def save_adapter(model: nn.Cell, out_dir: Union[str, Path], base_model_name_or_path: Optional[str] = None) -> Path:
     """Write ``model``'s adapters as a PEFT adapter directory (``peft.PeftModel.from_pretrained`` loads
     it onto the transformers model); returns the directory."""
-    from mindrlhf.checkpoint.hf_io import _StreamingSafetensorsWriter, write_json_atomic
+    from mindrlhf.checkpoint.hf_io import StreamingSafetensorsWriter, write_json_atomic
 
     spec = getattr(model, "lora_spec", None)
     if spec is None:
@@ -415,7 +415,7 @@ def save_adapter(model: nn.Cell, out_dir: Union[str, Path], base_model_name_or_p
     _require_whole(model, "save_adapter")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    writer = _StreamingSafetensorsWriter(out / ADAPTER_WEIGHTS, {"format": "pt"})
+    writer = StreamingSafetensorsWriter(out / ADAPTER_WEIGHTS, {"format": "pt"})
     try:
         for name, array in sorted(adapter_weights(model).items()):
             writer.add(PEFT_PREFIX + name, np.ascontiguousarray(array, np.float32), "float32")
