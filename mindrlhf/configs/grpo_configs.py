@@ -522,6 +522,11 @@ class RolloutConfig(TrainingConfig):
     #: The algorithm field holding one generation call's prompts (each generator replica samples its share).
     PROMPTS_FIELD: ClassVar[str] = ""
 
+    def generator_checkpoint(self) -> str:
+        """The checkpoint the generator starts from when it is not the policy's own ('': the generator gets the
+        policy's weights). A stage without generator weights of its own (PPO: the actor's) has none."""
+        return ""
+
     @property
     def prompts_per_infer_rank(self) -> int:
         """Prompts each generator replica samples per generation call."""
@@ -676,6 +681,13 @@ class GRPOConfig(RolloutConfig):
             return load
         return path if load and not is_model_yaml(path) else ""
 
+    def generator_checkpoint(self) -> str:
+        """``sft_path_infer``'s checkpoint when it names another one than the policy's, as a separate generator
+        (``RolloutConfig.generator_checkpoint``). The paths as given: two names of one checkpoint hold the same
+        weights anyway."""
+        infer = self.model_weights("infer")
+        return infer if infer and infer != self.model_weights("train") else ""
+
     def model_yaml(self, role: str) -> str:
         """The MindFormers model YAML given as ``sft_path_train`` / ``sft_path_infer``, or ''."""
         return self.model.model_yaml(role)
@@ -709,9 +721,8 @@ class GRPOConfig(RolloutConfig):
             # The reference is the frozen base with the adapters off (or a --ref_path model): nothing to sync into.
             errors.append(f"sync_ref_model = true with lora_rank = {m.lora_rank}: the reference of a LoRA run is the "
                           "frozen base with its adapters off; set sync_ref_model false")
-        train_infer = self.model_weights("infer")
         if m.lora and (p.gen_workers or p.infer_tp != p.train_tp or p.infer_dp != p.train_dp
-                       or (train_infer and train_infer != self.model_weights("train"))):
+                       or self.generator_checkpoint()):
             errors.append("LoRA in GRPO samples with the policy itself (its layers apply the adapters), so the "
                           "generator must be the policy: use infer_tp = train_tp, infer_dp = train_dp, gen_workers 0 "
                           "and no separate generator checkpoint (sft_path_infer / load_sft_checkpoint_infer)")

@@ -239,8 +239,8 @@ def build_generator(cfg, layout: RunLayout, tokenizer, config, *, num_generation
     from mindrlhf.trainer.rollout import load_prompt_dataset
 
     dtype = cfg.model.dtype
-    if own_start_weights(cfg):
-        model = load_shard(cfg.model_weights("infer"), layout.infer, layout.rank, dtype=dtype,
+    if cfg.generator_checkpoint():
+        model = load_shard(cfg.generator_checkpoint(), layout.infer, layout.rank, dtype=dtype,
                            tp_group=layout.infer_tp_group)
     else:
         model = CausalLM(config, dtype, layout.infer_shard())
@@ -250,12 +250,3 @@ def build_generator(cfg, layout: RunLayout, tokenizer, config, *, num_generation
                             num_generations=num_generations, rollouts_per_step=rollouts_per_step, stop_ids=stop_ids)
 
 
-def own_start_weights(cfg) -> bool:
-    """Whether the generators start from a checkpoint of their own (``sft_path_infer`` naming another one than the
-    policy's), as a colocated job's generator does; else the trainers send them the policy's first. A stage
-    without generator weights of its own (PPO: the actor's) never does."""
-    if not hasattr(cfg, "model_weights"):
-        return False
-    infer_path = cfg.model_weights("infer")
-    # The paths as given (no collective here; two names of one checkpoint hold the same weights anyway).
-    return bool(infer_path) and infer_path != cfg.model_weights("train")

@@ -477,10 +477,8 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         """The shared loop (``trainer.base``); a disaggregated job's trainers first tell the generator ranks where
         the run starts and send them the policy's weights (``disaggregated.GenerationWorker.train``)."""
         if self.link is not None:
-            from mindrlhf.trainer.disaggregated import own_start_weights
-
             # A fresh start whose generators load sft_path_infer samples step 1 with it, as colocated.
-            weights = self.step > 0 or not own_start_weights(self.cfg)
+            weights = self.step > 0 or not self.cfg.generator_checkpoint()
             self.link.start(self.step, self.batches_drawn, self.total_steps, weights)
             if weights and self.one_step_off and self.in_flight is not None:
                 # A resumed one-step-off run: the next step's rows were being sampled with the weights of the
