@@ -351,13 +351,11 @@ def test_dpo_lora_resumes_exactly(lora_assets, tmp_path):
     assert set(got) == set(want) and all(np.array_equal(got[n], want[n]) for n in want)
 
 
-def test_orpo_lora_trains_only_the_adapters(lora_assets, tmp_path):
-    """ORPO (no reference) with --lora_rank: the optimizer holds the adapters only, one step moves B off zero and
-    leaves the base bit-identical."""
+def _one_step_trains_only_the_adapters(trainer, model) -> dict:
+    """One ``train_one_step``: the optimizer holds ``model``'s adapters only, B moves off zero, every other parameter
+    stays bit-identical. Returns the step's metrics."""
     from mindrlhf.models.lora import adapter_weights
 
-    trainer = _pair_trainer("orpo", lora_assets, tmp_path / "out", lora_rank=R, lora_alpha=ALPHA)
-    model = trainer.model
     adapters = set(adapter_weights(model))
     assert set(trainer.updater.master_weights()) == adapters
     base = {n: p.asnumpy().copy() for n, p in model.parameters_and_names() if n not in adapters}
@@ -367,6 +365,23 @@ def test_orpo_lora_trains_only_the_adapters(lora_assets, tmp_path):
     for name, value in model.parameters_and_names():
         if name not in adapters:
             np.testing.assert_array_equal(value.asnumpy(), base[name], err_msg=name)
+    return res
+
+
+@pytest.fixture
+def length_reward(tmp_path, monkeypatch) -> str:
+    """A reward function module on the path: the completion's length / 50 (GRPO's reward_funcs entry)."""
+    (tmp_path / "len_reward.py").write_text("def length(completions, solution, **kw):\n"
+                                            "    return [len(c) / 50.0 for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "len_reward:length"
+
+
+def test_orpo_lora_trains_only_the_adapters(lora_assets, tmp_path):
+    """ORPO (no reference) with --lora_rank: the optimizer holds the adapters only, one step moves B off zero and
+    leaves the base bit-identical."""
+    trainer = _pair_trainer("orpo", lora_assets, tmp_path / "out", lora_rank=R, lora_alpha=ALPHA)
+    _one_step_trains_only_the_adapters(trainer, trainer.model)
 
 
 def test_rm_lora_trains_adapters_and_score_head_like_a_float64_reference(lora_assets, tmp_path):
@@ -515,7 +530,7 @@ def test_sft_lora_run_writes_a_peft_adapter_and_resumes_exactly(lora_assets, tmp
     assert np.abs(ours[real] - theirs[real]).max() <= 1e-4
 
 
-def test_grpo_lora_at_beta_0_trains_the_adapters_and_samples_with_them(grpo_assets, tmp_path, monkeypatch):
+def test_grpo_lora_at_beta_0_trains_the_adapters_and_samples_with_them(grpo_assets, tmp_path, length_reward):
     """GRPO with --lora_rank at beta 0: the sampler is the policy itself (its layers apply the adapters, so every
     step samples with the adapted weights), the optimizer holds the adapters only, a step moves B off zero and leaves
     the base bit-identical. sync_ref_model and a separate generator are refused in one line."""
@@ -523,31 +538,19 @@ def test_grpo_lora_at_beta_0_trains_the_adapters_and_samples_with_them(grpo_asse
     from mindrlhf import grpo
     from mindrlhf.configs import parse_args
     from mindrlhf.errors import MindRLHFError
-    from mindrlhf.models.lora import adapter_weights
 
-    (tmp_path / "len_reward.py").write_text("def length(completions, solution, **kw):\n"
-                                            "    return [len(c) / 50.0 for c in completions]\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    args = dict(max_steps=1, lr=1e-2, reward_funcs=["len_reward:length"], lora_rank=R, lora_alpha=ALPHA)
+    args = dict(max_steps=1, lr=1e-2, reward_funcs=[length_reward], lora_rank=R, lora_alpha=ALPHA)
     trainer = grpo.build_trainer(parse_args(grpo_args(grpo_assets, tmp_path / "out", **args)))
-    policy = trainer.policy
-    assert trainer.sampler.holds(policy)
-    adapters = set(adapter_weights(policy))
-    assert set(trainer.updater.master_weights()) == adapters
-    base = {n: p.asnumpy().copy() for n, p in policy.parameters_and_names() if n not in adapters}
-    res = trainer.train_one_step()
-    assert np.isfinite(res["loss"]) and res["grad_norm"] > 0
-    assert all(np.abs(v).max() > 0 for n, v in adapter_weights(policy).items() if ".lora_B." in n)
-    for name, value in policy.parameters_and_names():
-        if name not in adapters:
-            np.testing.assert_array_equal(value.asnumpy(), base[name], err_msg=name)
+    assert trainer.sampler.holds(trainer.policy)
+    _one_step_trains_only_the_adapters(trainer, trainer.policy)
     for flags, said in (({"beta": 0.1, "sync_ref_model": "true"}, "set sync_ref_model false"),
                         ({"infer_dp": 2, "chunk_size": 2}, "generator must be")):
         with pytest.raises(MindRLHFError, match=said):
             parse_args(grpo_args(grpo_assets, tmp_path / "x", **dict(args, **flags)))
 
 
-def test_grpo_lora_with_beta_takes_its_base_with_adapters_off_as_the_reference(grpo_assets, tmp_path, monkeypatch):
+def test_grpo_lora_with_beta_takes_its_base_with_adapters_off_as_the_reference(grpo_assets, tmp_path,
+                                                                              length_reward):
     """GRPO with --lora_rank and beta > 0: no reference model is loaded (the reference runner runs the policy itself
     with its adapters switched off); step 1's KL is exactly 0 (B = 0: the policy is its base), and after it the
     reference log-probs equal a plain base model's bit for bit while the policy's differ, and the adapters are on
@@ -560,10 +563,7 @@ def test_grpo_lora_with_beta_takes_its_base_with_adapters_off_as_the_reference(g
     from mindrlhf.trainer.rollout import PhaseTimer
     from mindrlhf.trainer.update import AdaptersOff, build_frozen_runner
 
-    (tmp_path / "len_reward.py").write_text("def length(completions, solution, **kw):\n"
-                                            "    return [len(c) / 50.0 for c in completions]\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    args = dict(max_steps=2, lr=1e-2, beta=0.1, reward_funcs=["len_reward:length"], lora_rank=R, lora_alpha=ALPHA)
+    args = dict(max_steps=2, lr=1e-2, beta=0.1, reward_funcs=[length_reward], lora_rank=R, lora_alpha=ALPHA)
     cfg = parse_args(grpo_args(grpo_assets, tmp_path / "out", **args))
     trainer = grpo.build_trainer(cfg)
     assert trainer.ref_model is None and isinstance(trainer.ref_runner, AdaptersOff)
