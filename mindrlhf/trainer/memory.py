@@ -91,6 +91,13 @@ def rollout_extent(cfg) -> MicroBatchExtent:
                                            packed=cfg.parallel.share_prompts)
 
 
+def _shard_widths(config, tp: int) -> Tuple[int, int, int, int, int]:
+    """A ``tp``-way shard's widths: hidden, head dim, q (heads x head dim), k or v, MLP intermediate."""
+    d = config.head_dim
+    return (config.hidden_size, d, config.num_attention_heads * d // tp, config.num_key_value_heads * d // tp,
+            config.intermediate_size // tp)
+
+
 def activation_bytes(config, extent: MicroBatchExtent, *, layers: int, tp: int = 1, dtype_bytes: int = 4) -> int:
     """Estimated bytes a whole-model compiled training graph holds beyond the layer graphs for one
     micro-batch of ``extent`` on a rank owning ``layers`` decoder layers of a ``tp``-way shard.
@@ -101,10 +108,7 @@ def activation_bytes(config, extent: MicroBatchExtent, *, layers: int, tp: int =
     Per head and score pair: scores, masked scores and softmax, and their 3 gradients, in float32. Per
     logit row: ``HEAD_BYTES`` per vocabulary entry (the compiled graph forms every row's logits at once
     where the chunked head never holds more than one chunk)."""
-    h, d = config.hidden_size, config.head_dim
-    q = config.num_attention_heads * d // tp
-    kv = config.num_key_value_heads * d // tp
-    inter = config.intermediate_size // tp
+    h, _, q, kv, inter = _shard_widths(config, tp)
     per_token = 2 * (10 * h * 4 // dtype_bytes + 9 * q + 8 * kv + 4 * inter + 4 * h) * dtype_bytes
     per_pair = 6 * 4 * (config.num_attention_heads // tp)
     per_layer = extent.tokens * per_token + extent.score_pairs * per_pair
@@ -116,10 +120,8 @@ def decoder_gflop(config, extent: MicroBatchExtent, *, layers: int, tp: int = 1)
     """GFLOP of the decoder layers' forward over ``extent`` on a rank owning ``layers`` layers of a ``tp``-way
     shard: the projections (2 per weight and position) and attention's two products (2 x 2 x head dims per
     score pair and head)."""
-    h, d = config.hidden_size, config.head_dim
-    q = config.num_attention_heads * d // tp
-    kv = config.num_key_value_heads * d // tp
-    weights = h * (2 * q + 2 * kv) + 3 * h * (config.intermediate_size // tp)
+    h, d, q, kv, inter = _shard_widths(config, tp)
+    weights = h * (2 * q + 2 * kv) + 3 * h * inter
     per_layer = 2 * weights * extent.tokens + 4 * d * (config.num_attention_heads // tp) * extent.score_pairs
     return layers * per_layer / 1e9
 
