@@ -157,8 +157,11 @@ class _AdaptableLinear(nn.Cell):
             else:
                 b = self.lora_copy(b)
         # ``lora_enabled`` (1 or 0, a frozen parameter: a graph input, not a constant) switches the adapter off for
-        # the reference pass with the same compiled graphs (PEFT's ``disable_adapter``); times 1 is exact.
-        return self.matmul(self.matmul(x, a), b) * self.lora_scaling * self.lora_enabled
+        # the reference pass with the same compiled graphs (PEFT's ``disable_adapter``); times 1 is exact. Both
+        # scalars multiply the rank-r intermediate rather than the (rows, out) delta: two elementwise passes over
+        # rows x r values instead of rows x out (a measurable part of a LoRA step, bench/README.md); with a
+        # power-of-two scaling (alpha = 2r, r = alpha, ...) the product is bit-identical either way.
+        return self.matmul(self.matmul(x, a) * (self.lora_scaling * self.lora_enabled), b)
 
 
 class ColumnParallelLinear(_AdaptableLinear):
