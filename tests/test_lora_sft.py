@@ -200,12 +200,12 @@ def test_float16_lora_keeps_float32_masters_of_the_adapters_only(lora_assets, tm
 
 
 #: The stages that train LoRA adapters.
-LORA_STAGES = ("sft", "rm", "dpo", "orpo", "grpo")
+LORA_STAGES = ("sft", "rm", "dpo", "orpo", "grpo", "ppo")
 
 
 def test_stages_without_lora_refuse_it_in_one_line(tmp_path, capsys):
     """Every stage not wired for LoRA refuses lora_rank > 0 (nothing trains the full model instead); SFT refuses a
-    tp/pp layout with LoRA and adapter dropout."""
+    tp/pp layout with LoRA and adapter dropout; PPO, like GRPO, a generator other than the policy."""
     import importlib
 
     from mindrlhf.registry import STAGES
@@ -224,6 +224,12 @@ def test_stages_without_lora_refuse_it_in_one_line(tmp_path, capsys):
                         (["--lora_dropout", "0.1"], "adapter dropout is not supported")):
         assert sft.main(["--lora_rank", "4", "--output_dir", str(tmp_path / "s"), *flags]) == 2
         assert said in capsys.readouterr().err
+    from mindrlhf import ppo
+
+    for flags in (["--infer_dp", "2", "--train_dp", "1"], ["--gen_workers", "1", "--use_parallel", "true"]):
+        assert ppo.main(["--lora_rank", "4", "--output_dir", str(tmp_path / "p"), *flags]) == 2
+        err = capsys.readouterr().err
+        assert "generator must be the policy" in err and len(err.strip().splitlines()) == 1, err
 
 
 def _pair_trainer(stage, a, out: Path, **extra):
