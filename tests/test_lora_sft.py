@@ -592,3 +592,63 @@ def test_grpo_lora_with_beta_takes_its_base_with_adapters_off_as_the_reference(g
     other.symlink_to(Path(grpo_assets["model"]).resolve())
     with_ref = grpo.build_trainer(parse_args(grpo_args(grpo_assets, tmp_path / "out2", ref_path=str(other), **args)))
     assert with_ref.ref_model is not None and not isinstance(with_ref.ref_runner, AdaptersOff)
+
+
+@pytest.mark.slow
+def test_grpo_lora_step_equals_a_float64_torch_reference(grpo_assets, tmp_path, length_reward):
+    """One GRPO step with LoRA at beta 0 (one mini-batch of all eight completions, one iteration: the ratio is 1)
+    equals a float64 torch computation on the rollout it recorded (--save_data_file): transformers' model with the
+    same adapters (B non-zero, from --lora_init_from), GRPO's clipped surrogate on each completion's tokens with the
+    recorded advantages, seq-mean-token-mean, torch's AdamW with clipping; the loss, grad_norm and the adapters
+    after the update agree to 1e-4 relative."""
+    import torch
+
+    from grpo_runs import grpo_args
+    from mindrlhf import grpo
+    from mindrlhf.configs import parse_args
+    from mindrlhf.models import load_model
+    from mindrlhf.models.lora import LoRASpec, adapter_weights, apply_lora, save_adapter, set_adapter_weights
+    from mindrlhf.testing import lora_numpy_init
+    from mindrlhf.trainer.experience import load_experience, step_file
+
+    model = load_model(grpo_assets["model"])
+    apply_lora(model, LoRASpec(r=R, alpha=ALPHA, target_modules=("q_proj", "v_proj", "o_proj", "up_proj",
+                                                                  "down_proj")))
+    set_adapter_weights(model, {k: lora_numpy_init(k, v.shape, 13) for k, v in adapter_weights(model).items()})
+    adapter = save_adapter(model, tmp_path / "adapter")
+    dump = tmp_path / "exp" / "rollouts.npz"
+    cfg = parse_args(grpo_args(grpo_assets, tmp_path / "out", max_steps=1, lora_init_from=adapter, beta=0.0,
+                               mini_batch_size=8, reward_funcs=[length_reward], save_data_file=dump,
+                               importance_sampling_correction="false", **STEP))
+    trainer = grpo.build_trainer(cfg)
+    initial = adapter_weights(trainer.policy)
+    res = trainer.train_one_step()
+    after = adapter_weights(trainer.policy)
+
+    exp = load_experience(step_file(str(dump), 1))
+    present = exp.completion_ids_mask()
+    assert len(exp) == 8 and np.abs(exp.advantages).max() > 0.1  # completions of different lengths: a signal
+    ref = _TorchLoRA(grpo_assets["model"], adapter)
+    rows = []
+    for i in range(len(exp)):
+        prompt = exp.prompt_ids[i][exp.prompt_mask[i] > 0]
+        completion = exp.completion_ids[i][present[i] > 0]
+        rows.append((np.concatenate([prompt, completion]), len(prompt),
+                     torch.tensor(exp.completion_mask[i][:len(completion)], dtype=torch.float64),
+                     float(exp.advantages[i])))
+
+    def step_loss():
+        per_seq = []
+        for ids, start, mask, advantage in rows:
+            x = torch.tensor(ids, dtype=torch.long)[None]
+            # The completion tokens' log-probs (temperature 1); only their positions' logits are kept for backward.
+            logits = ref.model(input_ids=x).logits[0, start - 1:-1]
+            logp = torch.log_softmax(logits, -1).gather(-1, x[0, start:, None])[:, 0]
+            ratio = torch.exp(logp - logp.detach())  # 1, with the policy's gradient
+            per_seq.append((-advantage * ratio * mask).sum() / mask.sum())
+        return torch.stack(per_seq).mean()
+
+    losses, norms, want = ref.train(step_loss, 1)
+    assert res["loss"] == pytest.approx(losses[0], rel=1e-4, abs=1e-6)
+    assert res["grad_norm"] == pytest.approx(norms[0], rel=1e-4)
+    _check_steps([dict(res, loss=losses[0])], losses, norms, want, initial, after)
