@@ -400,7 +400,7 @@ def test_ppo_lora_trains_the_adapters_of_actor_and_critic_on_frozen_bases(ppo_as
     log-probs are the base's) and afterwards the reference log-probs equal a plain base model's bit for bit; the critic
     trains its own adapters and its score head in full (PEFT's SEQ_CLS modules_to_save); both bases stay
     bit-identical. Checkpoints hold the adapters (PEFT folders, no config.json); the run ends with the actor's and
-    the critic's adapter folders; step 2's checkpoint resumed gives step 3's adapters of both models exactly."""
+    the critic's adapter folders; step 1's checkpoint resumed gives step 2's adapters of both models exactly."""
     import mindspore as ms
 
     from mindrlhf.configs.ppo import parse_ppo_args
@@ -412,7 +412,7 @@ def test_ppo_lora_trains_the_adapters_of_actor_and_critic_on_frozen_bases(ppo_as
     from mindrlhf.trainer.rollout import PhaseTimer
     from mindrlhf.trainer.update import AdaptersOff, build_frozen_runner
 
-    args = dict(max_steps=3, lora_rank=4, lora_alpha=8, lr=1e-2, ppo_epochs=1, num_mini_batches=1,
+    args = dict(max_steps=2, lora_rank=4, lora_alpha=8, lr=1e-2, ppo_epochs=1, num_mini_batches=1,
                 micro_batch_size=2, value_norm="false", recompute_old_logp="true")
     cfg = parse_ppo_args(_argv(ppo_assets, tmp_path / "full", **args))
     trainer = build_trainer(cfg, setup_runtime(cfg))
@@ -437,13 +437,14 @@ def test_ppo_lora_trains_the_adapters_of_actor_and_critic_on_frozen_bases(ppo_as
     assert all(np.abs(v).max() > 0 for n, v in moved.items() if ".lora_B." in n)
     assert not np.array_equal(moved["critic/score.weight"], start["critic/score.weight"])
 
-    # Steps 2 and 3 through the loop: a checkpoint each (save_steps 1), then the adapter folders.
+    # Step 1's checkpoint, then step 2 through the loop: its checkpoint and the adapter folders.
+    trainer.save_checkpoint()
     trainer.train()
     full = tmp_path / "full"
-    step2 = full / "checkpoints" / "step_00000002"
-    assert (step2 / "adapter_config.json").is_file() and not (step2 / "config.json").exists()
-    assert not (step2 / "critic.config.json").exists()
-    assert set(ms.load_checkpoint(str(step2 / "critic.ckpt"))) == critic_adapters
+    step1 = full / "checkpoints" / "step_00000001"
+    assert (step1 / "adapter_config.json").is_file() and not (step1 / "config.json").exists()
+    assert not (step1 / "critic.config.json").exists()
+    assert set(ms.load_checkpoint(str(step1 / "critic.ckpt"))) == critic_adapters
     spec, saved = read_adapter(full / "adapter")
     assert spec.task_type == "CAUSAL_LM" and set(saved) == actor_adapters
     spec, saved_critic = read_adapter(full / CRITIC_ADAPTER_DIR)
@@ -451,16 +452,16 @@ def test_ppo_lora_trains_the_adapters_of_actor_and_critic_on_frozen_bases(ppo_as
     for name, value in adapter_weights(critic).items():
         np.testing.assert_array_equal(saved_critic[name], value, err_msg=name)
 
-    # Back to step 2's checkpoint (adapters, moments, data position, counters overwritten) and step 3 again.
-    trainer.resume(step2)
-    assert trainer.step == 2
+    # Back to step 1's checkpoint (adapters, moments, data position, counters overwritten) and step 2 again.
+    trainer.resume(step1)
+    assert trainer.step == 1
     trainer.train_one_step()
     for name, value in adapter_weights(actor).items():
         np.testing.assert_array_equal(value, saved[name], err_msg=name)
     for name, value in adapter_weights(critic).items():
         np.testing.assert_array_equal(value, saved_critic[name], err_msg=f"critic/{name}")
 
-    exp = trainer.collect(4, PhaseTimer()).exp
+    exp = trainer.collect(3, PhaseTimer()).exp
     ref = trainer.completion_forward(trainer.ref_runner, exp)
     plain = trainer.completion_forward(build_frozen_runner(cfg, load_model(ppo_assets["model"]), trainer.updater.groups,
                                                            LogProbHead(cfg.generation.temperature),
@@ -469,3 +470,22 @@ def test_ppo_lora_trains_the_adapters_of_actor_and_critic_on_frozen_bases(ppo_as
     np.testing.assert_array_equal(ref[mask], plain[mask])
     policy = trainer.completion_forward(trainer.updater.runner, exp)  # the adapters are on again
     assert np.abs(policy[mask] - plain[mask]).max() > 1e-4
+
+
+def test_the_critic_gets_new_adapters_of_lora_init_froms_rank_and_targets(tmp_path):
+    """--lora_init_from starts the actor from that adapter; the critic (a value function, not the actor's causal LM)
+    gets new adapters of the folder's rank, alpha and targets; without the folder it takes the lora_* fields."""
+    from mindrlhf.checkpoint.hf_io import write_json_atomic
+    from mindrlhf.configs.ppo import PPOModelConfig
+    from mindrlhf.models.lora import ADAPTER_CONFIG, LoRASpec, peft_config
+    from mindrlhf.ppo import critic_lora
+
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    spec = LoRASpec(r=2, alpha=6.0, target_modules=("q_proj", "up_proj"))
+    write_json_atomic(folder / ADAPTER_CONFIG, peft_config(spec))
+    got = critic_lora(PPOModelConfig(lora_init_from=str(folder)))
+    assert (got.lora_init_from, got.lora_rank, got.lora_alpha) == ("", 2, 6.0)
+    assert sorted(got.lora_target_modules) == ["q_proj", "up_proj"] and got.lora
+    plain = PPOModelConfig(lora_rank=8)
+    assert critic_lora(plain) is plain and critic_lora(PPOModelConfig()) is None
