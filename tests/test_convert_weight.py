@@ -489,7 +489,6 @@ def test_reverse_merges_a_reward_models_adapter_into_a_sequence_classifier(tmp_p
     from mindspore import Tensor
     from transformers import AutoModelForSequenceClassification
 
-    from mindrlhf.models import load_model
     from mindrlhf.models.lora import LoRASpec, adapter_weights, apply_lora, save_adapter, set_adapter_weights
     from mindrlhf.parallel.layout import ParallelLayout
     from mindrlhf.parallel.resharding import checkpoint_config, load_shard
@@ -520,7 +519,7 @@ def test_reverse_merges_a_reward_models_adapter_into_a_sequence_classifier(tmp_p
     written = dict(hf_io.iter_hf_tensors(out))
     assert "lm_head.weight" not in written
     np.testing.assert_array_equal(written["score.weight"], adapter_weights(rm)["score.weight"])
-    ours = load_model(out)
+    ours = load_shard(out, ParallelLayout(), 0)  # how mindrlhf-ppo loads --reward_model
     assert ours.config.num_labels == 1
     np.testing.assert_allclose(ours.scores(Tensor(ids), Tensor(mask)).asnumpy()[:, 0], want, rtol=0, atol=1e-5)
     hf = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
