@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mindspore import Tensor, ops
@@ -390,6 +390,13 @@ class PPOTrainer(RolloutTrainer):
             if found.get("path"):
                 return str(found["path"])
         return None
+
+    def adapter_outputs(self) -> List[Tuple[str, str]]:
+        """The actor's adapter folder and the critic's (``save_adapter``)."""
+        outputs = super().adapter_outputs()
+        if self.lora:
+            outputs.append((CRITIC_ADAPTER_DIR, f"the critic's PEFT adapter on {self.critic_base()}"))
+        return outputs
 
     def save_adapter(self) -> Path:
         """LoRA: the actor's adapter folder ``output_dir/adapter`` and the critic's ``output_dir/critic_adapter``

@@ -439,7 +439,8 @@ def test_ppo_lora_trains_the_adapters_of_actor_and_critic_on_frozen_bases(ppo_as
 
     # Step 1's checkpoint, then step 2 through the loop: its checkpoint and the adapter folders.
     trainer.save_checkpoint()
-    trainer.train()
+    done = trainer.finished(trainer.train())
+    assert "adapter/ (the PEFT adapter on" in done and "critic_adapter/ (the critic's PEFT adapter on" in done
     full = tmp_path / "full"
     step1 = full / "checkpoints" / "step_00000001"
     assert (step1 / "adapter_config.json").is_file() and not (step1 / "config.json").exists()
