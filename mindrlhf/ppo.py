@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import Dict, Optional, Sequence
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mindspore import Tensor, ops
 
 from mindrlhf.algorithms import ppo as ppo_math
 from mindrlhf.algorithms.losses import aggregate_loss, policy_loss
-from mindrlhf.configs.ppo import PPOConfig, parse_ppo_args
+from mindrlhf.configs.ppo import PPOConfig, PPOModelConfig, parse_ppo_args
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.trainer.disaggregated import build_generator
 from mindrlhf.trainer.entry import StageSpec, load_policy, load_reference, load_tokenizer, resolve_weights, run_stage
@@ -37,6 +38,9 @@ from mindrlhf.trainer.schedule import lr_at
 from mindrlhf.utils.cli import run_cli
 
 log = logging.getLogger("mindrlhf")
+
+#: Where a LoRA run writes the critic's adapter (PEFT's folder, SEQ_CLS) at the end, beside the actor's ``adapter``.
+CRITIC_ADAPTER_DIR = "critic_adapter"
 
 #: Plots written beside metrics.jsonl with each checkpoint.
 PPO_CURVES = (("objective/scores", "reward.png", "PPO: mean score", "score"),
@@ -157,10 +161,11 @@ class PPOTrainer(RolloutTrainer):
         from mindrlhf.models.heads import LogProbHead, ValueHead
         from mindrlhf.rewards import RewardManager
         from mindrlhf.trainer.memory import rollout_extent
-        from mindrlhf.trainer.update import build_frozen_model, build_updater
+        from mindrlhf.trainer.update import AdaptersOff, build_frozen_model, build_frozen_runner, build_updater
 
         a, g, p = cfg.algorithm, cfg.generation, cfg.parallel
-        if cfg.uses_reference and ref_model is None:
+        lora = getattr(actor, "lora_spec", None) is not None
+        if cfg.uses_reference and ref_model is None and not lora:
             raise MindRLHFError("kl_coef > 0 needs a reference model; the trainer was built without one")
         groups = layout.groups
         temperature = g.temperature
@@ -180,6 +185,9 @@ class PPOTrainer(RolloutTrainer):
         reload = reload or {}
         self.ref_runner = None if ref_model is None else build_frozen_model(
             cfg, ref_model, groups, LogProbHead(temperature), share_prompts=p.share_prompts, reload=reload.get("ref"))
+        if cfg.uses_reference and ref_model is None:  # LoRA: the actor's own base, its adapters switched off
+            self.ref_runner = AdaptersOff(build_frozen_runner(cfg, actor, groups, LogProbHead(temperature),
+                                                              share_prompts=p.share_prompts), actor)
         # The reward model runs as the critic does (per-token values, shared-prompt packed): see reward_model_scores.
         self.rm_runner = None if reward_model is None else build_frozen_model(
             cfg, reward_model, groups, ValueHead(), share_prompts=p.share_prompts, reload=reload.get("rm"))
@@ -374,6 +382,32 @@ class PPOTrainer(RolloutTrainer):
     def trained(self):
         return [*super().trained(), ("critic", "critic_optimizer", self.critic_updater)]
 
+    def critic_base(self) -> Optional[str]:
+        """The critic's input path as recorded (``--critic_model``, else ``--reward_model``, else ``--model``: where
+        ``build_trainer`` read it), its adapter's ``base_model_name_or_path``."""
+        for flag in ("--critic_model", "--reward_model", "--model"):
+            found = self.input_models.get(flag) or {}
+            if found.get("path"):
+                return str(found["path"])
+        return None
+
+    def adapter_outputs(self) -> List[Tuple[str, str]]:
+        """The actor's adapter folder and the critic's (``save_adapter``)."""
+        outputs = super().adapter_outputs()
+        if self.lora:
+            outputs.append((CRITIC_ADAPTER_DIR, f"the critic's PEFT adapter on {self.critic_base()}"))
+        return outputs
+
+    def save_adapter(self) -> Path:
+        """LoRA: the actor's adapter folder ``output_dir/adapter`` and the critic's ``output_dir/critic_adapter``
+        (PEFT's SEQ_CLS task: its adapters and its score head, on the critic's base)."""
+        from mindrlhf.models.lora import save_adapter
+
+        out = super().save_adapter()
+        critic = save_adapter(self.critic, self.output_dir / CRITIC_ADAPTER_DIR, self.critic_base())
+        log.info("the critic's LoRA adapter (PEFT format, with its score head) written to %s", critic)
+        return out
+
     def _model_files(self) -> Dict[str, object]:
         """The actor's config.json and tokenizer files, and ``critic.config.json``: the critic's own config (a
         one-label sequence classifier holding float32 masters), which ``convert_weight --reverse`` reads for
@@ -383,6 +417,8 @@ class PPOTrainer(RolloutTrainer):
         from mindrlhf.checkpoint.hf_io import config_with_dtype
 
         files = super()._model_files()
+        if self.lora:  # critic.ckpt holds the critic's adapters and score head, not a model to export
+            return files
         config = config_with_dtype(self.critic.config.to_hf_dict(), "float32")
         if config.get("pad_token_id") is None and self.tokenizer.pad_token_id is not None:
             config["pad_token_id"] = int(self.tokenizer.pad_token_id)
@@ -426,12 +462,13 @@ def build_trainer(cfg: PPOConfig, layout) -> PPOTrainer:
         return build_generator(cfg, layout, tokenizer, config, num_generations=a.num_generations,
                                rollouts_per_step=1, batch_size=a.batch_size)
     shard = layout.groups.shard()
-    actor, actor_masters = load_policy(actor_path, config, layout, m.dtype)
+    actor, actor_masters = load_policy(actor_path, config, layout, m.dtype, lora=m, seed=cfg.train.seed)
     # Disaggregated: the generator ranks sample; the actor's weights reach them when training starts.
     sampler_model = None if layout.shared_generator or layout.disaggregated else \
         CausalLM(config, m.dtype, layout.infer_shard())
     ref_model = None
-    if cfg.uses_reference:  # no ref_model_path: the initial actor
+    # No ref_model_path: the initial actor (with LoRA its own base, the adapters switched off: PPOTrainer).
+    if cfg.uses_reference and (m.ref_model_path or not m.lora):
         ref_model = load_reference(m.ref_model_path, actor, layout, m.dtype, "initial actor")
     reward_model = None
     if m.reward_model_path:
@@ -444,7 +481,7 @@ def build_trainer(cfg: PPOConfig, layout) -> PPOTrainer:
     if critic_config.num_labels:
         check_scorer(critic_config, config, critic_path, "--critic_model")
     critic, critic_masters = load_policy(critic_path, critic_config, layout, m.dtype, num_labels=1,
-                                         seed=cfg.train.seed)
+                                         seed=cfg.train.seed, lora=critic_lora(m))
     dataset = load_prompt_dataset(cfg, layout, tokenizer, config, a.batch_size)
     sampler = None if layout.disaggregated else build_sampler(cfg, sampler_model if sampler_model is not None
                                                               else actor)
@@ -460,6 +497,23 @@ def build_trainer(cfg: PPOConfig, layout) -> PPOTrainer:
     if sampler_model is not None:
         trainer.sync_generator()  # the generator starts from the actor's weights
     return trainer
+
+
+def critic_lora(model_cfg: PPOModelConfig) -> Optional[PPOModelConfig]:
+    """The critic's LoRA settings: the actor's rank, alpha and targets (``lora_init_from``'s when it sets them),
+    with new adapters (PEFT's init): the actor's trained adapter is not the critic's. None without LoRA."""
+    if not model_cfg.lora:
+        return None
+    if not model_cfg.lora_init_from:
+        return model_cfg
+    from mindrlhf.checkpoint.hf_io import read_json
+    from mindrlhf.models.lora import ADAPTER_CONFIG, spec_from_peft
+
+    source = Path(model_cfg.lora_init_from) / ADAPTER_CONFIG
+    spec = spec_from_peft(read_json(source), str(source))
+    targets = [spec.target_modules] if isinstance(spec.target_modules, str) else list(spec.target_modules)
+    return replace(model_cfg, lora_init_from="", lora_rank=spec.r, lora_alpha=spec.alpha,
+                   lora_target_modules=targets)
 
 
 def check_scorer(scorer, actor, path: str, flag: str) -> None:

@@ -475,3 +475,60 @@ def test_reverse_with_an_adapter_writes_the_merged_model(tmp_path, capsys):
                               "--output_path", str(adapter / "merged")])
     with pytest.raises(MindRLHFError, match="not a directory .*--adapter"):
         convert_weight._main(["--reverse", "--input_path", str(base), "--output_path", str(tmp_path / "y")])
+
+
+def test_reverse_merges_a_reward_models_adapter_into_a_sequence_classifier(tmp_path, qwen_tokenizer_dir, capsys):
+    """A reward model's LoRA adapter (PEFT's SEQ_CLS: adapters plus the score head saved in full) on the causal LM it
+    was trained from: ``--reverse --adapter`` writes a *ForSequenceClassification model (the adapter's score head in
+    place of lm_head, a one-label config with the tokenizer's pad_token_id) that our loader and transformers'
+    AutoModelForSequenceClassification both load, scoring a padded batch as the adapter forward does (<= 1e-5). On a
+    base that is already a classifier the adapter's head replaces the base's. (Before, the score tensor was
+    refused.)"""
+    from dataclasses import replace
+
+    from mindspore import Tensor
+    from transformers import AutoModelForSequenceClassification
+
+    from mindrlhf.models.lora import LoRASpec, adapter_weights, apply_lora, save_adapter, set_adapter_weights
+    from mindrlhf.parallel.layout import ParallelLayout
+    from mindrlhf.parallel.resharding import checkpoint_config, load_shard
+    from mindrlhf.testing import add_tokenizer, lora_numpy_init, make_tiny_qwen2, make_tiny_reward_model
+
+    base = add_tokenizer(make_tiny_qwen2(tmp_path / "base", seed=4), qwen_tokenizer_dir)
+    assert json.loads((base / "config.json").read_text()).get("pad_token_id") is None
+    rm = load_shard(base, ParallelLayout(), 0, config=replace(checkpoint_config(base), num_labels=1),
+                    new_score_head=2)  # what mindrlhf-rm --lora_rank trains: a new head on the causal LM
+    apply_lora(rm, LoRASpec(r=4, alpha=8, target_modules=("q_proj", "v_proj", "down_proj"), task_type="SEQ_CLS",
+                            modules_to_save=("classifier", "score")))
+    set_adapter_weights(rm, {k: lora_numpy_init(k, v.shape, 5) for k, v in adapter_weights(rm).items()})
+    adapter = save_adapter(rm, tmp_path / "adapter")
+    pad = 151643  # the Qwen2.5 tokenizer's pad token: rows are right-padded with it, as transformers reads them
+    rng = np.random.default_rng(0)
+    lengths = np.array([7, 4, 9])
+    mask = (np.arange(9)[None] < lengths[:, None]).astype(np.int32)
+    ids = np.where(mask > 0, rng.integers(1, rm.config.vocab_size, mask.shape), pad).astype(np.int32)
+    want = rm.scores(Tensor(ids), Tensor(mask)).asnumpy()[:, 0]
+    assert np.ptp(want) > 1e-3
+
+    out = tmp_path / "merged"
+    assert convert_weight.main(["--reverse", "--input_path", str(base), "--adapter", str(adapter),
+                                "--output_path", str(out), "--dtype", "fp32", "--no_progress"]) == 0
+    assert "score.weight in full" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForSequenceClassification"] and config["pad_token_id"] == pad
+    written = dict(hf_io.iter_hf_tensors(out))
+    assert "lm_head.weight" not in written
+    np.testing.assert_array_equal(written["score.weight"], adapter_weights(rm)["score.weight"])
+    ours = load_shard(out, ParallelLayout(), 0)  # how mindrlhf-ppo loads --reward_model
+    assert ours.config.num_labels == 1
+    np.testing.assert_allclose(ours.scores(Tensor(ids), Tensor(mask)).asnumpy()[:, 0], want, rtol=0, atol=1e-5)
+    hf = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask)).logits
+    np.testing.assert_allclose(theirs.numpy()[:, 0], want, rtol=0, atol=1e-5)
+
+    classifier = make_tiny_reward_model(tmp_path / "rm", seed=4)  # the same shapes, its own score head
+    assert convert_weight.main(["--reverse", "--input_path", str(classifier), "--adapter", str(adapter),
+                                "--output_path", str(tmp_path / "merged_rm"), "--dtype", "fp32", "--no_progress"]) == 0
+    again = dict(hf_io.iter_hf_tensors(tmp_path / "merged_rm"))
+    np.testing.assert_array_equal(again["score.weight"], adapter_weights(rm)["score.weight"])

@@ -391,3 +391,102 @@ def test_one_generator_one_trainer_equals_the_colocated_run(ppo_assets, recorded
         assert set(want.files) == set(got.files)
         for name in want.files:
             np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-9, err_msg=(step, name))
+
+
+@pytest.mark.slow
+def test_ppo_lora_trains_the_adapters_of_actor_and_critic_on_frozen_bases(ppo_assets, tmp_path):
+    """PPO with --lora_rank: the actor trains its adapters and samples with them; its reference is its own base with
+    the adapters switched off (no reference model loaded), so step 1's KL is exactly 0 (B = 0: the recomputed old
+    log-probs are the base's) and afterwards the reference log-probs equal a plain base model's bit for bit; the critic
+    trains its own adapters and its score head in full (PEFT's SEQ_CLS modules_to_save); both bases stay
+    bit-identical. Checkpoints hold the adapters (PEFT folders, no config.json); the run ends with the actor's and
+    the critic's adapter folders; step 1's checkpoint resumed gives step 2's adapters of both models exactly."""
+    import mindspore as ms
+
+    from mindrlhf.configs.ppo import parse_ppo_args
+    from mindrlhf.models import load_model
+    from mindrlhf.models.heads import LogProbHead
+    from mindrlhf.models.lora import adapter_weights, read_adapter
+    from mindrlhf.ppo import CRITIC_ADAPTER_DIR, build_trainer
+    from mindrlhf.trainer.entry import setup_runtime
+    from mindrlhf.trainer.rollout import PhaseTimer
+    from mindrlhf.trainer.update import AdaptersOff, build_frozen_runner
+
+    args = dict(max_steps=2, lora_rank=4, lora_alpha=8, lr=1e-2, ppo_epochs=1, num_mini_batches=1,
+                micro_batch_size=2, value_norm="false", recompute_old_logp="true")
+    cfg = parse_ppo_args(_argv(ppo_assets, tmp_path / "full", **args))
+    trainer = build_trainer(cfg, setup_runtime(cfg))
+    actor, critic = trainer.policy, trainer.critic
+    assert trainer.sampler.holds(actor)
+    assert isinstance(trainer.ref_runner, AdaptersOff) and trainer.ref_runner.model is actor
+    actor_adapters, critic_adapters = set(adapter_weights(actor)), set(adapter_weights(critic))
+    assert set(trainer.updater.master_weights()) == actor_adapters
+    assert set(trainer.critic_updater.master_weights()) == critic_adapters
+    assert "score.weight" in critic_adapters and all(".lora_" in n for n in critic_adapters - {"score.weight"})
+    frozen = {f"{who}/{n}": p.asnumpy().copy() for who, model, trained in (("actor", actor, actor_adapters),
+                                                                          ("critic", critic, critic_adapters))
+              for n, p in model.parameters_and_names() if n not in trained}
+    start = {**adapter_weights(actor), **{f"critic/{n}": v for n, v in adapter_weights(critic).items()}}
+    first = trainer.train_one_step()
+    assert first["objective/kl"] == 0.0 and first["grad_norm"] > 0 and first["val/grad_norm"] > 0
+    for who, model in (("actor", actor), ("critic", critic)):
+        for n, p in model.parameters_and_names():
+            if f"{who}/{n}" in frozen:
+                np.testing.assert_array_equal(p.asnumpy(), frozen[f"{who}/{n}"], err_msg=f"{who}/{n}")
+    moved = {**adapter_weights(actor), **{f"critic/{n}": v for n, v in adapter_weights(critic).items()}}
+    assert all(np.abs(v).max() > 0 for n, v in moved.items() if ".lora_B." in n)
+    assert not np.array_equal(moved["critic/score.weight"], start["critic/score.weight"])
+
+    # Step 1's checkpoint, then step 2 through the loop: its checkpoint and the adapter folders.
+    trainer.save_checkpoint()
+    done = trainer.finished(trainer.train())
+    assert "adapter/ (the PEFT adapter on" in done and "critic_adapter/ (the critic's PEFT adapter on" in done
+    full = tmp_path / "full"
+    step1 = full / "checkpoints" / "step_00000001"
+    assert (step1 / "adapter_config.json").is_file() and not (step1 / "config.json").exists()
+    assert not (step1 / "critic.config.json").exists()
+    assert set(ms.load_checkpoint(str(step1 / "critic.ckpt"))) == critic_adapters
+    spec, saved = read_adapter(full / "adapter")
+    assert spec.task_type == "CAUSAL_LM" and set(saved) == actor_adapters
+    spec, saved_critic = read_adapter(full / CRITIC_ADAPTER_DIR)
+    assert spec.task_type == "SEQ_CLS" and "score" in spec.modules_to_save and set(saved_critic) == critic_adapters
+    for name, value in adapter_weights(critic).items():
+        np.testing.assert_array_equal(saved_critic[name], value, err_msg=name)
+
+    # Back to step 1's checkpoint (adapters, moments, data position, counters overwritten) and step 2 again.
+    trainer.resume(step1)
+    assert trainer.step == 1
+    trainer.train_one_step()
+    for name, value in adapter_weights(actor).items():
+        np.testing.assert_array_equal(value, saved[name], err_msg=name)
+    for name, value in adapter_weights(critic).items():
+        np.testing.assert_array_equal(value, saved_critic[name], err_msg=f"critic/{name}")
+
+    exp = trainer.collect(3, PhaseTimer()).exp
+    ref = trainer.completion_forward(trainer.ref_runner, exp)
+    plain = trainer.completion_forward(build_frozen_runner(cfg, load_model(ppo_assets["model"]), trainer.updater.groups,
+                                                           LogProbHead(cfg.generation.temperature),
+                                                           share_prompts=cfg.parallel.share_prompts), exp)
+    mask = exp.completion_mask.astype(bool)
+    np.testing.assert_array_equal(ref[mask], plain[mask])
+    policy = trainer.completion_forward(trainer.updater.runner, exp)  # the adapters are on again
+    assert np.abs(policy[mask] - plain[mask]).max() > 1e-4
+
+
+def test_the_critic_gets_new_adapters_of_lora_init_froms_rank_and_targets(tmp_path):
+    """--lora_init_from starts the actor from that adapter; the critic (a value function, not the actor's causal LM)
+    gets new adapters of the folder's rank, alpha and targets; without the folder it takes the lora_* fields."""
+    from mindrlhf.checkpoint.hf_io import write_json_atomic
+    from mindrlhf.configs.ppo import PPOModelConfig
+    from mindrlhf.models.lora import ADAPTER_CONFIG, LoRASpec, peft_config
+    from mindrlhf.ppo import critic_lora
+
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    spec = LoRASpec(r=2, alpha=6.0, target_modules=("q_proj", "up_proj"))
+    write_json_atomic(folder / ADAPTER_CONFIG, peft_config(spec))
+    got = critic_lora(PPOModelConfig(lora_init_from=str(folder)))
+    assert (got.lora_init_from, got.lora_rank, got.lora_alpha) == ("", 2, 6.0)
+    assert sorted(got.lora_target_modules) == ["q_proj", "up_proj"] and got.lora
+    plain = PPOModelConfig(lora_rank=8)
+    assert critic_lora(plain) is plain and critic_lora(PPOModelConfig()) is None

@@ -108,8 +108,8 @@ class ModelBaseConfig:
         0, "LoRA (Hu et al. 2021, PEFT's r): train rank-r adapters on the frozen trained model instead of all its "
         "weights. 0 = full fine-tune. The base then keeps no float32 master, gradient or Adam state (only the "
         "adapters do), checkpoints hold the adapters and the base's identity, and the run ends with a PEFT "
-        "adapter folder output_dir/adapter (peft's PeftModel.from_pretrained loads it). Range >= 0. Wired into "
-        "SFT; the other stages refuse it for now.",
+        "adapter folder output_dir/adapter (peft's PeftModel.from_pretrained loads it). Range >= 0. Every "
+        "stage trains it (PPO: the actor and the critic, each with its own adapters).",
         ge=0)
     lora_alpha: float = config_field(
         8.0, "LoRA scaling numerator (PEFT's lora_alpha): an adapter adds (lora_alpha / lora_rank) * B A x. Range > 0.",
@@ -389,7 +389,7 @@ class TrainingConfig(GroupedConfig):
         m, p = self.model, self.parallel
         if m.lora and not self.LORA:
             errors.append(f"lora_rank = {m.lora_rank} / lora_init_from = {m.lora_init_from!r}: this stage does not "
-                          "train LoRA adapters yet (SFT, RM, DPO, ORPO and GRPO do); use lora_rank 0 and no "
+                          "train LoRA adapters yet; use lora_rank 0 and no "
                           "lora_init_from")
         elif m.lora and p.train_tp * p.train_pp > 1:
             errors.append(f"LoRA with train_tp = {p.train_tp}, train_pp = {p.train_pp}: adapter checkpoints of a "

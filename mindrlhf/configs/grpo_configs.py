@@ -555,6 +555,12 @@ class RolloutConfig(TrainingConfig):
     def _check_combinations(self, errors: List[str]) -> None:
         super()._check_combinations(errors)
         p, t = self.parallel, self.train
+        if self.model.lora and (p.gen_workers or p.infer_tp != p.train_tp or p.infer_dp != p.train_dp
+                                or self.generator_checkpoint()):
+            # GRPO's and PPO's sampler is then the trained model itself (its layers apply the adapters).
+            errors.append("LoRA samples with the trained policy itself (its layers apply the adapters), so the "
+                          "generator must be the policy: use infer_tp = train_tp, infer_dp = train_dp, gen_workers 0 "
+                          "and no separate generator checkpoint (GRPO's sft_path_infer / load_sft_checkpoint_infer)")
         if p.gen_workers:  # what a disaggregated rollout does not do yet, named (GRPO's and PPO's alike)
             unbuilt = [f"{name} = {value}" for name, value in (
                 ("eval_steps", t.eval_steps),
@@ -721,11 +727,6 @@ class GRPOConfig(RolloutConfig):
             # The reference is the frozen base with the adapters off (or a --ref_path model): nothing to sync into.
             errors.append(f"sync_ref_model = true with lora_rank = {m.lora_rank}: the reference of a LoRA run is the "
                           "frozen base with its adapters off; set sync_ref_model false")
-        if m.lora and (p.gen_workers or p.infer_tp != p.train_tp or p.infer_dp != p.train_dp
-                       or self.generator_checkpoint()):
-            errors.append("LoRA in GRPO samples with the policy itself (its layers apply the adapters), so the "
-                          "generator must be the policy: use infer_tp = train_tp, infer_dp = train_dp, gen_workers 0 "
-                          "and no separate generator checkpoint (sft_path_infer / load_sft_checkpoint_infer)")
         if a.beta > 0 and not m.load_ref_checkpoint and not m.load_sft_checkpoint_train:
             errors.append(f"beta = {a.beta} with load_ref_checkpoint = false and load_sft_checkpoint_train = false: "
                           "the reference would be a random model; load a checkpoint or set beta 0")

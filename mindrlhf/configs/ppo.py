@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import ClassVar, List, Optional, Sequence
 
 from mindrlhf.configs.base import config_field
 from mindrlhf.configs.common import ModelBaseConfig, OptimizerConfig, RewardConfig
@@ -195,6 +195,9 @@ class PPOConfig(RolloutConfig):
 
     REFERENCE_PREAMBLE = _PREAMBLE
     REFERENCE_FILE = STAGES["ppo"].reference
+    #: LoRA: the actor and the critic each train their own adapters (the critic's score head in full); the actor
+    #: samples with its adapters and, without ref_model_path, its base with the adapters off is the reference.
+    LORA: ClassVar[bool] = True
     PROMPTS_FIELD = "batch_size"
     # The reward fields were in the algorithm group before the reward group existed (issue 42).
     MOVED_FIELDS = {f.name: "algorithm" for f in dataclasses.fields(PPORewardConfig)}

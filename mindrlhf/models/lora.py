@@ -30,7 +30,7 @@ import re
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mindspore as ms
 import numpy as np
@@ -108,14 +108,18 @@ def _module_of(name: str) -> str:
     return name.rsplit(".", 1)[0]
 
 
+def _is_saved(name: str, modules_to_save: Sequence[str]) -> bool:
+    """Whether the parameter ``name`` (e.g. ``score.weight``) belongs to one of PEFT's ``modules_to_save``."""
+    module = _module_of(name)
+    return ".lora_" not in name and any(module == t or module.endswith("." + t) for t in modules_to_save)
+
+
 def saved_modules(model: nn.Cell, spec: Optional[LoRASpec] = None) -> List[Tuple[str, Parameter]]:
     """The parameters of ``spec``'s (default: the model's) ``modules_to_save``, by name (e.g. ``score.weight``)."""
     spec = spec or getattr(model, "lora_spec", None)
     if spec is None or not spec.modules_to_save:
         return []
-    return [(name, param) for name, param in model.parameters_and_names()
-            if ".lora_" not in name and any(_module_of(name) == t or _module_of(name).endswith("." + t)
-                                            for t in spec.modules_to_save)]
+    return [(name, param) for name, param in model.parameters_and_names() if _is_saved(name, spec.modules_to_save)]
 
 
 def _init_array(name: str, shape: Tuple[int, int], seed: int) -> np.ndarray:
@@ -327,14 +331,27 @@ def merge_adapter(specs: Dict[str, Tuple[Tuple[int, ...], str]], stream: Iterabl
     """A base model's weights streamed as ``(HF name, float32 array)`` with ``adapter`` (``read_adapter``'s
     tensors) merged into them, one tensor at a time (no model is built: any size fits). ``specs`` (name ->
     (shape, dtype), what ``hf_io.WeightSource.specs`` gives) is checked first, so a mismatch is one error
-    before anything is written: every adapter needs its base weight, of shape (B's rows, A's columns)."""
-    pairs = {}
+    before anything is written: every adapter needs its base weight, of shape (B's rows, A's columns).
+
+    The tensors of ``spec.modules_to_save`` (a reward model's or critic's ``score.weight``, trained in full) replace
+    the base's tensor of that name, of the same shape, or, where the base has none (a causal LM under a SEQ_CLS
+    adapter: the caller drops its ``lm_head`` and writes a classifier's config), follow the stream."""
+    pairs, whole = {}, {}
     for key in adapter:
         module, sep, factor = key.rpartition(".lora_")
-        if not sep or factor not in ("A.weight", "B.weight"):
-            raise MindRLHFError(f"{source}: tensor {key!r} is not a LoRA factor (lora_A / lora_B); only LoRA "
-                                "adapters of the decoder's projections can be merged")
-        pairs.setdefault(module, {})[factor[0]] = adapter[key]
+        if sep and factor in ("A.weight", "B.weight"):
+            pairs.setdefault(module, {})[factor[0]] = adapter[key]
+        elif _is_saved(key, spec.modules_to_save):
+            whole[key] = np.asarray(adapter[key], np.float32)
+        else:
+            raise MindRLHFError(f"{source}: tensor {key!r} is neither a LoRA factor (lora_A / lora_B) nor in "
+                                f"modules_to_save {list(spec.modules_to_save)}; the adapter_config.json does not "
+                                "describe this adapter file")
+    for name, array in sorted(whole.items()):
+        base = specs.get(name)
+        if base is not None and tuple(base[0]) != array.shape:
+            raise MindRLHFError(f"{source}: {name} has shape {array.shape} but the model's {name} has "
+                                f"{tuple(base[0])}; merge it into the model it was trained on")
     for module, factors in sorted(pairs.items()):  # the first mismatch in name order
         if set(factors) != {"A", "B"}:
             raise MindRLHFError(f"{source}: {module} has lora_{'AB'.replace(''.join(factors), '')} missing; "
@@ -348,8 +365,13 @@ def merge_adapter(specs: Dict[str, Tuple[Tuple[int, ...], str]], stream: Iterabl
 
     def merged() -> Iterator[Tuple[str, np.ndarray]]:
         for name, array in stream:
+            if name in whole:
+                yield name, whole[name]
+                continue
             factors = pairs.get(name[:-len(".weight")]) if name.endswith(".weight") else None
             yield name, (array if factors is None else _merged(array, factors["A"], factors["B"], spec.scaling))
+        for name in sorted(set(whole) - set(specs)):
+            yield name, whole[name]
 
     return merged()
 

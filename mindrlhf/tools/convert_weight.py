@@ -23,7 +23,9 @@ A LoRA adapter merged into a full HF model (``--reverse --adapter``)::
 
 ``BASE`` is the model the adapter was trained on (an HF directory or a MindSpore checkpoint), ``ADAPTER_DIR``
 a PEFT adapter folder (a LoRA run's ``output_dir/adapter`` or a checkpoint ``step_N``); each adapted weight
-is written as ``W + alpha/r * B A``, streamed a tensor at a time.
+is written as ``W + alpha/r * B A``, streamed a tensor at a time. The adapter of a reward model or critic (PEFT's
+SEQ_CLS: its ``score`` head saved in full) on the causal LM it was trained from exports a
+``*ForSequenceClassification`` model: the adapter's head in place of ``lm_head``, the config a one-label classifier's.
 
 Parameter names are the HF names on both sides, so conversion is a dtype cast plus a container
 change; every tensor's shape is checked against the config first. Nothing is ever written into
@@ -41,7 +43,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mindrlhf.checkpoint import hf_io
 from mindrlhf.errors import MindRLHFError
-from mindrlhf.models.family import cli_names, family_of_cli_name, get_family
+from mindrlhf.models.family import LM_HEAD, SCORE, cli_names, family_of_cli_name, get_family
 from mindrlhf.tokenizer import TOKENIZER_FILES
 from mindrlhf.utils.cli import run_cli
 from mindrlhf.utils.fs import is_inside
@@ -243,16 +245,24 @@ def ms_to_hf(args: argparse.Namespace) -> int:
         if (folder / name).is_file():
             gen_cfg = hf_io.read_json(folder / name)
             break
-    stream = ((n, a) for n, a in source if n not in skip)
-    merged = ""
+    merged, spec, adapter = "", None, {}
     if adapter_dir is not None:
         from mindrlhf.models import lora  # imports MindSpore: only when merging
 
         spec, adapter = lora.read_adapter(adapter_dir)
+        if SCORE in adapter and SCORE not in source.specs:  # a reward model's / critic's adapter on its causal LM
+            config = _classifier_config(config, adapter[SCORE].shape[0], ckpt, label)
+            skip.add(LM_HEAD)  # a *ForSequenceClassification model has the score head instead
+    stream = ((n, a) for n, a in source if n not in skip)
+    total = len(source.specs) - len(skip & set(source.specs))
+    if adapter_dir is not None:
         stream = lora.merge_adapter(source.specs, stream, spec, adapter, source=str(adapter_dir))
-        merged = f", merged the LoRA adapter {adapter_dir} (r {spec.r}, alpha {spec.alpha:g}, {len(adapter) // 2} " \
-                 "projections)"
-    with _tensor_progress(stream, len(source.specs) - len(skip), f"to HF {dtype}", args.no_progress) as bar:
+        saved = sorted(n for n in adapter if ".lora_" not in n)
+        total += sum(n not in source.specs for n in saved)
+        merged = f", merged the LoRA adapter {adapter_dir} (r {spec.r}, alpha {spec.alpha:g}, " \
+                 f"{sum('.lora_A.' in n for n in adapter)} projections" \
+                 f"{', ' + ', '.join(saved) + ' in full' if saved else ''})"
+    with _tensor_progress(stream, total, f"to HF {dtype}", args.no_progress) as bar:
         summary = hf_io.save_hf_dir(bar, config, out_dir, dtype, generation_config=gen_cfg,
                                     max_shard_bytes=max_shard)
     copied: List[str] = []
@@ -265,6 +275,26 @@ def ms_to_hf(args: argparse.Namespace) -> int:
     print(f"exported {summary.num_tensors} tensors ({summary.num_params:,} parameters) as {dtype}, "
           f"{_human(summary.nbytes)} in {shards} shard(s) -> {out_dir}{merged}{tok}")
     return 0
+
+
+def _classifier_config(config: Dict[str, Any], labels: int, ckpt: Path, label: str) -> Dict[str, Any]:
+    """The HF config of the ``labels``-output ``*ForSequenceClassification`` model built on the causal LM whose
+    ``config`` this is (a reward model's or critic's LoRA export: its base is the causal LM it was trained from).
+    transformers' classifier finds each row's last token through ``pad_token_id``: without one in the config, the
+    tokenizer's beside the weights (as mindrlhf-rm sets it), else none (a one-row batch still scores)."""
+    from dataclasses import replace
+
+    from mindrlhf.models.config import DecoderConfig
+
+    decoder = DecoderConfig.from_hf_dict(config, source=label)
+    if decoder.pad_token_id is None:
+        from mindrlhf.tokenizer import resolve_tokenizer
+
+        try:
+            decoder = replace(decoder, pad_token_id=resolve_tokenizer(ckpt).pad_token_id)
+        except MindRLHFError:  # no tokenizer beside the weights
+            pass
+    return hf_io.config_with_dtype(replace(decoder, num_labels=labels).to_hf_dict(), hf_io.config_dtype(config))
 
 
 def _main(argv: Optional[Sequence[str]] = None) -> int:

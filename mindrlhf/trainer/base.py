@@ -316,8 +316,9 @@ class Trainer:
         if found:
             where = found[1].relative_to(out) if found[1].is_relative_to(out) else found[1]
             names.append(f"{where} (the {'LoRA adapters' if self.lora else 'model'})")
-        if self.lora and (out / ADAPTER_DIR).is_dir():
-            names.append(f"{ADAPTER_DIR}/ (the PEFT adapter on {self.base_model()})")
+        for folder, what in self.adapter_outputs():
+            if (out / folder).is_dir():
+                names.append(f"{folder}/ ({what})")
         names += sorted(p.name for p in out.glob("*.png"))
         if (out / "tensorboard").is_dir():
             names.append("tensorboard/")
@@ -373,6 +374,10 @@ class Trainer:
         if self.lora and comm.is_main():
             self.save_adapter()
         return history
+
+    def adapter_outputs(self) -> List[Tuple[str, str]]:
+        """LoRA: the adapter folders the run ends with (``save_adapter``), each with what it is, for ``finished``."""
+        return [(ADAPTER_DIR, f"the PEFT adapter on {self.base_model()}")] if self.lora else []
 
     def save_adapter(self) -> Path:
         """LoRA: the trained adapters as a PEFT adapter folder ``output_dir/adapter`` (``models.lora.save_adapter``;
