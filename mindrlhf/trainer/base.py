@@ -71,6 +71,8 @@ class Trainer:
     curves: Tuple[Curve, ...] = (("loss", "loss.png", "training loss", "loss"),)
     #: What a user runs next on the run's newest checkpoint folder (``{checkpoint}``); the last log line says it.
     next_command = "evaluate it: mindrlhf-eval --model {checkpoint}"
+    #: The same for a LoRA run, whose output is an adapter folder: mindrlhf-eval applies it on its recorded base.
+    lora_next_command = "evaluate it: mindrlhf-eval --model {adapter}"
 
     def __init__(self, cfg, *, model, updater: Updater, tokenizer, layout: Optional[RunLayout] = None,
                  total_steps: Optional[int] = None):
@@ -330,8 +332,10 @@ class Trainer:
             names.append(f"{SKIPPED_ROWS_FILE} ({skipped} rows)")
         line = (f"done: {self.step} steps, last {self.headline} {history[-1].get(self.headline, float('nan')):.4f}; "
                 f"in {out}: {', '.join(names)}")
-        if self.lora:  # an adapter folder is not a model mindrlhf-eval loads: merge it first (README, "LoRA")
-            return line
+        if self.lora:
+            target = out / ADAPTER_DIR if (out / ADAPTER_DIR).is_dir() else found[1] if found else None
+            command = self.lora_next_command.format(adapter=target, base=self.base_model())
+            return f"{line}; {command}" if target else line
         return f"{line}; {self.next_command.format(checkpoint=found[1])}" if found else line
 
     # -- the loop ---------------------------------------------------------------------------------
