@@ -456,7 +456,8 @@ class RolloutTrainConfig(PolicyEvalTrainConfig):
         ge=0)
     eval_steps: int = config_field(
         0, "Evaluate the policy every N steps and at the last step on held-out GSM8K questions (eval_file), with "
-        "the run's own sampler after the step's weight sync: the training prompt style, max_completion_length "
+        "the run's own sampler after the step's weight sync (gen_workers > 0: the trainers, on a sampler over the "
+        "policy, so the weights of that step at any max_staleness): the training prompt style, max_completion_length "
         "new tokens, greedy (or maj@k, eval_num_generations). Logged as eval/accuracy, eval/format_rate, "
         "eval/mean_length, eval/truncated_rate and eval/reward/<fn> (each of the run's reward functions averaged "
         "over the evaluated completions, given the question and its solution as columns; a function that fails "
@@ -556,12 +557,9 @@ class RolloutConfig(TrainingConfig):
         super()._check_combinations(errors)
         p, t = self.parallel, self.train
         if p.gen_workers:  # what a disaggregated rollout does not do yet, named (GRPO's and PPO's alike)
-            unbuilt = [f"{name} = {value}" for name, value in (
-                ("eval_steps", t.eval_steps),
-                ("replay_data_file", t.replay_data_file and repr(t.replay_data_file))) if value]
-            if unbuilt:
-                errors.append(f"gen_workers = {p.gen_workers} with {', '.join(unbuilt)}: not built for disaggregated "
-                              "rollout yet; drop them or set gen_workers 0")
+            if t.replay_data_file:
+                errors.append(f"gen_workers = {p.gen_workers} with replay_data_file = {t.replay_data_file!r}: not "
+                              "built for disaggregated rollout yet; drop them or set gen_workers 0")
             if getattr(self.algorithm, "dynamic_sampling", False) and p.max_staleness:
                 # One step off, the generators would have sampled the next step before the trainers knew whether
                 # this one needs another round.

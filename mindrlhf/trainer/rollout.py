@@ -151,6 +151,8 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         self.in_flight: Optional[tuple] = None
         #: Seconds the one-step-off push of the weights took in this step's receive (``collect`` logs it).
         self.push_seconds = 0.0
+        #: A disaggregated trainer's evaluation sampler over its policy (``eval_sampler``), built when first needed.
+        self._eval_sampler: Optional[Sampler] = None
         if layout is not None and layout.disaggregated:
             from mindrlhf.trainer.disaggregated import RolloutLink
 
@@ -552,11 +554,24 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
 
     # -- evaluation while training (trainer.policy_eval) -------------------------------------------
     def eval_sampler(self) -> Sampler:
-        """The rollout sampler itself (after the step's weight sync, so it holds the policy's weights)."""
+        """The rollout sampler itself (after the step's weight sync, so it holds the policy's weights). A
+        disaggregated job's trainer has none: it evaluates on a sampler over its policy, built at the first
+        evaluation (what a colocated one-process run samples with), so the eval at step s uses the weights of update
+        s at any ``max_staleness``, as colocated; the generators, one update behind one step off and without the
+        reward functions, sample on meanwhile."""
+        if self.sampler is None:
+            if self._eval_sampler is None:
+                from mindrlhf.generation.factory import build_sampler
+
+                self._eval_sampler = build_sampler(self.cfg, self.policy)
+            return self._eval_sampler
         return self.sampler
 
     def eval_replicas(self) -> Tuple[int, int, bool]:
-        """The generator replicas (infer dp) share the evaluation's questions."""
+        """The generator replicas (infer dp) share the evaluation's questions; a disaggregated job's trainers
+        (train dp) share them instead (``eval_sampler``)."""
+        if self.link is not None:
+            return self.layout.train_dp_rank, self.layout.train.dp, self.layout.train_representative
         return self.layout.infer_dp_rank, self.layout.infer.dp, self.layout.infer_representative
 
     def eval_generation_settings(self) -> Dict[str, object]:
