@@ -34,7 +34,7 @@ def _error(argv) -> str:
 # -- config ---------------------------------------------------------------------------------------------
 def test_gen_workers_sets_the_generator_layout_and_the_world():
     cfg = parse_args(["--use_parallel", "true", "--gen_workers", "2", "--chunk_size", "4", "--train_dp", "2",
-                      "--eval_steps", "2"])  # the trainers evaluate
+                      "--eval_steps", "2", "--replay_data_file", "r.npz"])  # the trainers evaluate, or replay
     p = cfg.parallel
     assert (p.gen_workers, p.infer_dp, p.max_staleness) == (2, 2, 0)
     # One step off, and a larger bound, are accepted with generator ranks.
@@ -60,8 +60,6 @@ def test_gen_workers_sets_the_generator_layout_and_the_world():
     (["--use_parallel", "true", "--gen_workers", "1", "--dynamic_sampling", "true", "--max_staleness", "1"],
      "dynamic_sampling = true with gen_workers = 1 and max_staleness = 1: dynamic sampling is built for the "
      "synchronous schedule only"),
-    (["--use_parallel", "true", "--gen_workers", "1", "--replay_data_file", "r.npz"],
-     "gen_workers = 1 with replay_data_file = 'r.npz': not built for disaggregated rollout yet"),
     (["--use_parallel", "true", "--gen_workers", "2", "--chunk_size", "3"],
      "chunk_size = 3 is not divisible by infer_dp = 2"),
     # Colocated, the old rule stands: the same processes train and generate.
@@ -194,6 +192,37 @@ def test_one_generator_one_trainer_equals_the_colocated_run(synchronous):
         assert set(want.files) == set(got.files)
         for name in want.files:
             np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-9, err_msg=(step, name))
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+def test_a_replay_with_generator_ranks_trains_as_the_recorded_run(grpo_assets, synchronous, tmp_path):
+    """--replay_data_file with gen_workers 1 (the recorded run's own command line): the generator rank is told there
+    is nothing to sample and stops at the start; the trainer trains on the recorded rows as the recorded run did
+    (every metric the replay logs, and the final weights, equal the recording run's to 1e-6)."""
+    import mindspore as ms
+
+    out, logs = tmp_path / "replay", tmp_path / "log"
+    argv = _args(grpo_assets, out, use_parallel="true", gen_workers=1,
+                 replay_data_file=synchronous / "disaggregated.npz", **dict(SYNCHRONOUS, eval_steps=0))
+    _msrun(2, argv, logs, 8165)
+    recorded, replayed = _metrics(synchronous / "disaggregated"), _metrics(out)
+    assert [r["step"] for r in replayed] == [1, 2]
+    assert "nothing to sample, this generator rank stops" in (logs / "worker_1.log").read_text(errors="replace")
+    for a, b in zip(recorded, replayed):
+        assert not {k for k in b if k.startswith("staleness/") or k.startswith("time/generator")}, b  # no sampling
+        # frac_reward_zero_std: the recording logged dynamic sampling's, over every group it drew (the dump holds
+        # the kept ones).
+        compared = [k for k, v in b.items() if not _timing(k) and not (isinstance(v, float) and math.isnan(v))
+                    and k != "frac_reward_zero_std"]
+        assert {"loss", "grad_norm", "kl", "reward"} <= set(compared)
+        for key in compared:
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["step"], key, b[key], a[key])
+    w1 = ms.load_checkpoint(str(synchronous / "disaggregated" / "checkpoints" / "step_00000002" / "policy.ckpt"))
+    w2 = ms.load_checkpoint(str(out / "checkpoints" / "step_00000002" / "policy.ckpt"))
+    assert set(w1) == set(w2)
+    for name in w1:
+        np.testing.assert_allclose(w2[name].asnumpy(), w1[name].asnumpy(), rtol=1e-6, atol=1e-9, err_msg=name)
 
 
 #: The one-step-off run (GRPO, 1 generator + 1 trainer, decoupled loss, 3 steps) that the async test and the

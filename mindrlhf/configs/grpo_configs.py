@@ -472,7 +472,9 @@ class RolloutTrainConfig(PolicyEvalTrainConfig):
     replay_data_file: str = config_field(
         "", "Replay rollouts from a save_data_file dump (the same path given there) instead of generating "
         "(debugging; the 1-vs-N-worker parity tests). The dump must come from the same batch geometry "
-        "(GRPO: chunk_size, num_rollouts, num_generations; PPO: batch_size, num_generations). '' = off.")
+        "(GRPO: chunk_size, num_rollouts, num_generations; PPO: batch_size, num_generations). With gen_workers > 0 "
+        "the trainers replay (the same training as a recording with that many trainers) and the generator ranks, "
+        "with nothing to sample, stop at the start. '' = off.")
 
     def check(self, errors: List[str]) -> None:
         super().check(errors)
@@ -555,11 +557,8 @@ class RolloutConfig(TrainingConfig):
 
     def _check_combinations(self, errors: List[str]) -> None:
         super()._check_combinations(errors)
-        p, t = self.parallel, self.train
+        p = self.parallel
         if p.gen_workers:  # what a disaggregated rollout does not do yet, named (GRPO's and PPO's alike)
-            if t.replay_data_file:
-                errors.append(f"gen_workers = {p.gen_workers} with replay_data_file = {t.replay_data_file!r}: not "
-                              "built for disaggregated rollout yet; drop them or set gen_workers 0")
             if getattr(self.algorithm, "dynamic_sampling", False) and p.max_staleness:
                 # One step off, the generators would have sampled the next step before the trainers knew whether
                 # this one needs another round.

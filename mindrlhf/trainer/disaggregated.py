@@ -111,7 +111,8 @@ class RolloutLink:
               weights: bool = True) -> Tuple[int, int, int, bool]:
         """Rank 0's ``(step, batches_drawn, total_steps, weights)`` on every rank (the others' arguments are
         ignored); ``weights``: the policy's weights follow (``push_weights``), else the generators start from
-        their own checkpoint (sft_path_infer)."""
+        their own checkpoint (sft_path_infer). ``total_steps`` 0: nothing to sample (the trainers replay a recorded
+        run), the generators stop."""
         # The clock origin rounded to a float32 (to 128 s, which does not matter: it is only a common zero).
         origin = float(np.float32(time.time() - 256.0))
         got = comm.job_broadcast(np.array([step, batches_drawn, total_steps, weights, origin], np.float32))
@@ -196,6 +197,10 @@ class GenerationWorker:
         from mindrlhf.trainer.rollout import sample_batches, sampling_params
 
         step, drawn, total, weights = self.link.start()
+        if total == 0:
+            log.info("rank %d: the trainers replay recorded rollouts (replay_data_file): nothing to sample, this "
+                     "generator rank stops", comm.rank())
+            return []
         version = self.link.pull_weights(self.sampler, self.config) if weights else step
         replica = self.layout.infer_dp_rank
         one_step_off = self.cfg.parallel.max_staleness > 0

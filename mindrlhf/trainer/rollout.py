@@ -168,7 +168,13 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
     def one_step_off(self) -> bool:
         """A disaggregated job at max_staleness >= 1: the weights of update s - 1 go to the generators once step
         s's rows are here, not at the end of step s - 1 (``disaggregated.GenerationWorker.train``)."""
-        return self.link is not None and self.cfg.parallel.max_staleness > 0
+        return self.link is not None and self.cfg.parallel.max_staleness > 0 and not self.replaying
+
+    @property
+    def replaying(self) -> bool:
+        """``--replay_data_file``: every step's rows are read from a recorded run, nothing is sampled (a
+        disaggregated job's generators stop at the start: ``train``)."""
+        return bool(self.cfg.train.replay_data_file)
 
     # -- rollout ----------------------------------------------------------------------------------
     def _sampling_params(self, step: int, rollout: int) -> SamplingParams:
@@ -415,8 +421,9 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         when it generates with the policy itself)."""
         if self.link is not None:  # the generator ranks' copy, by broadcast (``disaggregated.RolloutLink``)
             # Called at the end of step self.step + 1, after its update: the weights of that many steps. One step
-            # off, they go out when the next step's rows are here instead (``_received_rollout``).
-            if not self.one_step_off:
+            # off, they go out when the next step's rows are here instead (``_received_rollout``); on replay the
+            # generators have stopped.
+            if not (self.one_step_off or self.replaying):
                 self.link.push_weights(self.policy, self.step + 1)
             return
         if self.sampler.holds(self.policy):
@@ -477,8 +484,13 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
 
     def train(self) -> List[Dict[str, float]]:
         """The shared loop (``trainer.base``); a disaggregated job's trainers first tell the generator ranks where
-        the run starts and send them the policy's weights (``disaggregated.GenerationWorker.train``)."""
-        if self.link is not None:
+        the run starts and send them the policy's weights (``disaggregated.GenerationWorker.train``), or, replaying,
+        that there is nothing to sample."""
+        if self.link is not None and self.replaying:
+            # Every row is read from the recording: the generator ranks are told there is nothing to sample (a run
+            # length of 0) and stop, so the trainers train as the recorded run's did, on their own.
+            self.link.start(self.step, self.batches_drawn, 0, weights=False)
+        elif self.link is not None:
             # A fresh start whose generators load sft_path_infer samples step 1 with it, as colocated.
             weights = self.step > 0 or not self.cfg.generator_checkpoint()
             self.link.start(self.step, self.batches_drawn, self.total_steps, weights)
