@@ -17,7 +17,8 @@ while the generators sample step s + 1 with it (the same collectives in the same
 
 * ``RolloutLink.start``: a Broadcast from rank 0 of where the run starts (step, batches drawn, run length) and of
   the job's clock origin, so a resumed job's generators continue at the trainers' data position; then the weights
-  (one step off and resumed: the checkpoint's weights in flight, so the next step's rows are sampled again).
+  (one step off and resumed: the checkpoint's weights in flight, so the next step's rows are sampled again). A run
+  length of 0: the trainers replay recorded rows (``replay_data_file``), the generators stop.
 * ``RolloutLink.send`` / ``receive``: the step's completions as one fixed-shape padded AllGather (each generator's
   block of ``rows_per_generator`` rows: token ids, sampler log-probs and entropies padded to ``width``, the length,
   whether it was cut at the limit, and the policy version it was sampled with); the trainers' blocks are zeros.
