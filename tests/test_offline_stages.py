@@ -225,14 +225,19 @@ def test_reward_model_trains_the_same_with_and_without_recompute(stage_assets, t
 @pytest.mark.msrun
 @pytest.mark.parametrize("stage,layout,port", [
     ("rm", {"train_tp": 2}, 8303), ("dpo", {"train_pp": 2, "train_micro_batches": 2}, 8305),
-    ("orpo", {"train_dp": 2}, 8307), ("sft", {"train_dp": 2, "lora_rank": 4, "lora_alpha": 8}, 8309)],
-    ids=["rm-tp2", "dpo-pp2", "orpo-dp2", "sft-lora-dp2"])
+    ("orpo", {"train_dp": 2}, 8307), ("sft", {"train_dp": 2, "lora_rank": 4, "lora_alpha": 8}, 8309),
+    ("sft", {"train_tp": 2, "lora_rank": 4, "lora_alpha": 8}, 8321),
+    ("sft", {"train_pp": 2, "train_micro_batches": 2, "lora_rank": 4, "lora_alpha": 8}, 8323)],
+    ids=["rm-tp2", "dpo-pp2", "orpo-dp2", "sft-lora-dp2", "sft-lora-tp2", "sft-lora-pp2"])
 def test_stage_under_msrun_equals_one_process(stage_assets, tmp_path, stage, layout, port):
     """Two msrun workers (RM tensor-parallel, DPO pipeline-parallel with 2 micro-batches, ORPO data-parallel: each
     worker a half of every step's pairs and of the validation pairs, and of the GSM8K questions of the evaluation by
     generation, 20 of them in batches of 16 and 4; SFT training LoRA adapters data-parallel: only the adapters'
-    gradients reduced) give one process's metrics (loss, grad_norm, the stage's metrics, eval, eval by generation)
-    and final weights (LoRA: the adapters of the checkpoint, a PEFT adapter folder)."""
+    gradients reduced; tensor-parallel: each adapter split with its layer, the grad norm counting a split factor's
+    slices and a replicated factor once; pipeline-parallel: each stage its layers' adapters) give one process's
+    metrics (loss, grad_norm, the stage's metrics, eval, eval by generation) and final weights (LoRA: the adapters
+    of the checkpoint, a PEFT adapter folder assembled from the shards, and output_dir/adapter: the same folder one
+    process writes)."""
     from grpo_runs import launch_env
     from mindrlhf.models import get_weights, load_model
     from mindrlhf.models.lora import read_adapter
@@ -269,14 +274,18 @@ def test_stage_under_msrun_equals_one_process(stage_assets, tmp_path, stage, lay
                 tol = floor if k.startswith(("rewards/", "eval/rewards/")) else 1e-6
                 assert b[k] == pytest.approx(v, rel=2e-5, abs=max(tol, 1e-6)), (stage, a["step"], k)
     step = "step_00000002"
-    if lora:
-        a, b = (read_adapter(run / "checkpoints" / step)[1] for run in (one, two))
-        assert a.keys() == b.keys() and any(".lora_B." in k and np.abs(v).max() > 0 for k, v in a.items())
-    else:
-        a, b = (get_weights(load_model(run / "checkpoints" / step)) for run in (one, two))
-    for name in a:  # an entry whose gradient is float32 noise may still differ by up to 2 steps x 2 * lr
-        np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=4 * extra["lr"], err_msg=name)
-        assert np.abs(b[name] - a[name]).mean() < 1e-7, name  # ...but only such entries
+    folders = [("checkpoints", step), ("adapter",)] if lora else [("checkpoints", step)]
+    for folder in folders:
+        if lora:
+            (spec_a, a), (spec_b, b) = (read_adapter(run.joinpath(*folder)) for run in (one, two))
+            assert spec_a == spec_b and a.keys() == b.keys(), folder
+            assert any(".lora_B." in k and np.abs(v).max() > 0 for k, v in a.items())
+            assert all(a[k].shape == b[k].shape for k in a)
+        else:
+            a, b = (get_weights(load_model(run.joinpath(*folder))) for run in (one, two))
+        for name in a:  # an entry whose gradient is float32 noise may still differ by up to 2 steps x 2 * lr
+            np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=4 * extra["lr"], err_msg=name)
+            assert np.abs(b[name] - a[name]).mean() < 1e-7, name  # ...but only such entries
 
 
 def test_gsm8k_pairs_from_a_models_wrong_answers(stage_assets, tmp_path, qwen_tokenizer_dir, capsys):

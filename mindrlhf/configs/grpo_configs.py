@@ -721,11 +721,12 @@ class GRPOConfig(RolloutConfig):
             # The reference is the frozen base with the adapters off (or a --ref_path model): nothing to sync into.
             errors.append(f"sync_ref_model = true with lora_rank = {m.lora_rank}: the reference of a LoRA run is the "
                           "frozen base with its adapters off; set sync_ref_model false")
-        if m.lora and (p.gen_workers or p.infer_tp != p.train_tp or p.infer_dp != p.train_dp
+        if m.lora and (p.gen_workers or p.infer_tp != p.train_tp or p.infer_dp != p.train_dp or p.train_pp > 1
                        or self.generator_checkpoint()):
             errors.append("LoRA in GRPO samples with the policy itself (its layers apply the adapters), so the "
-                          "generator must be the policy: use infer_tp = train_tp, infer_dp = train_dp, gen_workers 0 "
-                          "and no separate generator checkpoint (sft_path_infer / load_sft_checkpoint_infer)")
+                          "generator must be the policy: use infer_tp = train_tp, infer_dp = train_dp, train_pp 1, "
+                          "gen_workers 0 and no separate generator checkpoint (sft_path_infer / "
+                          "load_sft_checkpoint_infer)")
         if a.beta > 0 and not m.load_ref_checkpoint and not m.load_sft_checkpoint_train:
             errors.append(f"beta = {a.beta} with load_ref_checkpoint = false and load_sft_checkpoint_train = false: "
                           "the reference would be a random model; load a checkpoint or set beta 0")
