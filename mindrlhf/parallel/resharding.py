@@ -163,7 +163,8 @@ def load_full_into(params: Mapping[str, ms.Parameter], full: Iterable[Tuple[str,
         if tuple(piece.shape) != tuple(p.shape):
             raise MindRLHFError(f"{source}: {name!r} gives a shard of shape {tuple(piece.shape)} but this rank "
                                 f"holds {tuple(p.shape)} under {layout}")
-        p.copy_(Tensor(np.ascontiguousarray(piece), dtype=p.dtype))
+        # reshape: np.ascontiguousarray makes a 0-d array (the optimizer's step counter) 1-d, which copy_ refuses
+        p.copy_(Tensor(np.ascontiguousarray(piece).reshape(piece.shape), dtype=p.dtype))
         seen.add(name)
     missing = sorted(set(params) - seen)
     if missing:
