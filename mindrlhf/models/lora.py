@@ -243,10 +243,10 @@ def adapters_disabled(model: nn.Cell) -> Iterator[None]:
             switch.copy_(Tensor(1.0, switch.dtype))
 
 
-def _require_whole(model: nn.Cell, what: str) -> None:
+def _require_whole(model: nn.Cell, what: str, fix: str) -> None:
     if model.shard.tp > 1 or model.shard.pp > 1:
-        raise MindRLHFError(f"{what}: this model is one tp/pp shard; pass its layout and rank (every rank calls it: "
-                            "the shards are assembled with a collective)")
+        raise MindRLHFError(f"{what}: this model is one tp/pp shard; {fix} (on every rank: the shards are assembled "
+                            "with a collective)")
 
 
 def adapter_shapes(config, spec: LoRASpec) -> Dict[str, Tuple[int, ...]]:
@@ -353,7 +353,7 @@ def merged_weights(model: nn.Cell, layout=None, rank: int = 0) -> Dict[str, np.n
                                 spec.scaling)
             out[name] = value  # a module to save (score) is a parameter of the model: its trained value
         return out
-    _require_whole(model, "merged_weights")
+    _require_whole(model, "merged_weights", "pass its layout and global rank")
     adapters = {name: cell for name, cell in lora_modules(model)}
     out = {}
     for name, param in model.parameters_and_names():
@@ -463,7 +463,7 @@ def save_adapter(model: nn.Cell, out_dir: Union[str, Path], base_model_name_or_p
     if spec is None:
         raise MindRLHFError("save_adapter: the model has no LoRA adapters; apply_lora or load_adapter first")
     if weights is None:
-        _require_whole(model, "save_adapter")
+        _require_whole(model, "save_adapter", "pass weights=gather_adapter_weights(model, layout, rank)")
         weights = adapter_weights(model)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
