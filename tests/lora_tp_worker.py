@@ -2,7 +2,9 @@
 
 Each rank builds its tp shard of an HF model, attaches the LoRA spec, loads the full adapter arrays given
 (its slices are cut by ``set_adapter_weights``), and writes the loss and the gradient of every trainable
-parameter (by name) of ``-sum(completion log-probs)`` to ``<out>/rank{r}.npz``.
+parameter (by name) of ``-sum(completion log-probs)``, the adapters assembled from the shards
+(``gather_adapter_weights``) and the merged model (``merged_weights`` of the shard) to ``<out>/rank{r}.npz``;
+rank 0 writes the assembled adapters as a PEFT folder, ``<out>/adapter_tp``.
 """
 from __future__ import annotations
 
@@ -30,7 +32,14 @@ def main() -> int:
     from mindrlhf.checkpoint.hf_io import open_weights
     from mindrlhf.models import DecoderConfig, set_weights
     from mindrlhf.models.decoder import CausalLM
-    from mindrlhf.models.lora import LoRASpec, apply_lora, set_adapter_weights
+    from mindrlhf.models.lora import (
+        LoRASpec,
+        apply_lora,
+        gather_adapter_weights,
+        merged_weights,
+        save_adapter,
+        set_adapter_weights,
+    )
     from mindrlhf.parallel import comm
     from mindrlhf.parallel.groups import init_run_layout
     from mindrlhf.parallel.layout import ParallelLayout
@@ -55,6 +64,11 @@ def main() -> int:
 
     loss, grads = ms.value_and_grad(loss_fn, None, params)()
     result = {"loss": loss.asnumpy(), **{"grad/" + q.name: g.asnumpy() for q, g in zip(params, grads)}}
+    adapters = gather_adapter_weights(model, layout, groups.rank)  # collectives: every rank
+    result.update({"adapter/" + k: v for k, v in adapters.items()})
+    result.update({"merged/" + k: v for k, v in merged_weights(model, layout, groups.rank).items()})
+    if comm.is_main():
+        save_adapter(model, Path(args.out) / "adapter_tp", weights=adapters)
     np.savez(Path(args.out) / f"rank{groups.rank}.npz", **result)
     return 0
 

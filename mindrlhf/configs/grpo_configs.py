@@ -559,11 +559,13 @@ class RolloutConfig(TrainingConfig):
         super()._check_combinations(errors)
         p = self.parallel
         if self.model.lora and (p.gen_workers or p.infer_tp != p.train_tp or p.infer_dp != p.train_dp
-                                or self.generator_checkpoint()):
-            # GRPO's and PPO's sampler is then the trained model itself (its layers apply the adapters).
+                                or p.train_pp > 1 or self.generator_checkpoint()):
+            # GRPO's and PPO's sampler is then the trained model itself (its layers apply the adapters); a pipeline
+            # stage holds only its layers, so it cannot sample.
             errors.append("LoRA samples with the trained policy itself (its layers apply the adapters), so the "
-                          "generator must be the policy: use infer_tp = train_tp, infer_dp = train_dp, gen_workers 0 "
-                          "and no separate generator checkpoint (GRPO's sft_path_infer / load_sft_checkpoint_infer)")
+                          "generator must be the policy: use infer_tp = train_tp, infer_dp = train_dp, train_pp 1, "
+                          "gen_workers 0 and no separate generator checkpoint (GRPO's sft_path_infer / "
+                          "load_sft_checkpoint_infer)")
         if p.gen_workers:  # what a disaggregated rollout does not do yet, named (GRPO's and PPO's alike)
             if getattr(self.algorithm, "dynamic_sampling", False) and p.max_staleness:
                 # One step off, the generators would have sampled the next step before the trainers knew whether
