@@ -30,6 +30,7 @@ from mindrlhf.algorithms.losses import aggregate_loss, policy_loss
 from mindrlhf.configs.ppo import PPOConfig, PPOModelConfig, parse_ppo_args
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.parallel import comm
+from mindrlhf.trainer.base import recorded_path
 from mindrlhf.trainer.disaggregated import build_generator
 from mindrlhf.trainer.entry import StageSpec, load_policy, load_reference, load_tokenizer, resolve_weights, run_stage
 from mindrlhf.trainer.experience import Experience
@@ -386,11 +387,11 @@ class PPOTrainer(RolloutTrainer):
     def critic_base(self) -> Optional[str]:
         """The critic's input path as recorded (``--critic_model``, else ``--reward_model``, else ``--model``: where
         ``build_trainer`` read it), its adapter's ``base_model_name_or_path``."""
-        for flag in ("--critic_model", "--reward_model", "--model"):
+        for flag in ("--critic_model", "--reward_model"):  # '' there: not given
             found = self.input_models.get(flag) or {}
             if found.get("path"):
                 return str(found["path"])
-        return None
+        return recorded_path(self.input_models.get("--model"))  # '' there: the packaged default
 
     def adapter_outputs(self) -> List[Tuple[str, str]]:
         """The actor's adapter folder and the critic's (``save_adapter``)."""

@@ -699,3 +699,24 @@ def test_eval_takes_a_lora_adapter_folder_on_its_recorded_base(lora_assets, tmp_
         evaluate(moved, **kw)
     with pytest.raises(MindRLHFError, match="drop --base_model"):
         evaluate(a["model"], base_model=a["model"], **kw)
+
+
+def test_an_adapter_trained_on_the_packaged_default_names_its_folder_as_base():
+    """A run on the packaged SmolLM2 (recorded as the default, path '') names the converted folder it loaded as its
+    adapter's base_model_name_or_path (it was null, so mindrlhf-eval could not find the base); a given path is kept;
+    PPO's critic: --critic_model, else --reward_model, else --model (the default here too)."""
+    from types import SimpleNamespace
+
+    from mindrlhf.checkpoint.smollm2 import prepare_smollm2
+    from mindrlhf.ppo import PPOTrainer
+    from mindrlhf.trainer.base import Trainer
+
+    default = str(prepare_smollm2())
+    run = SimpleNamespace(input_models={"--sft_path_train": {"path": ""}, "--ref_path": {"path": ""}})
+    assert Trainer.base_model(run) == default and Path(default, "config.json").is_file()
+    assert Trainer.base_model(SimpleNamespace(input_models={"--model": {"path": "/m", "sha256": "x"}})) == "/m"
+    assert Trainer.base_model(SimpleNamespace(input_models={})) is None
+    ppo = {"--model": {"path": ""}, "--reward_model": {"path": "/rm"}, "--critic_model": {"path": ""}}
+    assert PPOTrainer.critic_base(SimpleNamespace(input_models=ppo)) == "/rm"
+    ppo = {"--model": {"path": ""}, "--reward_model": {"path": ""}, "--critic_model": {"path": ""}}
+    assert PPOTrainer.critic_base(SimpleNamespace(input_models=ppo)) == default

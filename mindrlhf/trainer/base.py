@@ -56,6 +56,21 @@ def log_data_report(cfg, report: ConversionReport, what: str) -> ConversionRepor
     return report
 
 
+def recorded_path(identity: Optional[Dict[str, object]]) -> Optional[str]:
+    """The folder an input model recorded in ``input_models`` was read from: its path, or for the packaged default
+    (recorded as ``manifest.DEFAULT_MODEL``) the converted SmolLM2 folder it was loaded from, so an adapter trained
+    on the default names a base that peft and ``mindrlhf-eval`` can load. ``None`` when nothing was recorded."""
+    from mindrlhf.checkpoint.manifest import DEFAULT_MODEL
+
+    if not identity or "path" not in identity:
+        return None
+    if identity["path"] == DEFAULT_MODEL:
+        from mindrlhf.checkpoint.smollm2 import prepare_smollm2
+
+        return str(prepare_smollm2())
+    return str(identity["path"])
+
+
 class Trainer:
     """Owns the trained model's updater, the run's id, step counters and checkpoints."""
 
@@ -249,8 +264,7 @@ class Trainer:
 
     def base_model(self) -> Optional[str]:
         """The trained model's input path as recorded (``input_models``; PEFT's ``base_model_name_or_path``)."""
-        first = next(iter(self.input_models.values()), None)
-        return str(first["path"]) if first and first.get("path") else None
+        return recorded_path(next(iter(self.input_models.values()), None))
 
     def _model_files(self, adapters: Optional[Dict[str, object]] = None) -> Dict[str, object]:
         """config.json of the model and its tokenizer's files: a checkpoint folder is a loadable model. With LoRA
