@@ -341,12 +341,15 @@ def test_one_line_errors(tmp_path, tiny_qwen2_dir):
 @pytest.mark.msrun
 def test_tp2_adapter_gradients_equal_single_process(tmp_path, tiny_qwen2_dir):
     """tp=2 under msrun: the loss and every adapter gradient slice equal one process's (the replicated factor's
-    gradient is summed over the tp ranks: A of a column-parallel layer, B of a row-parallel one)."""
+    gradient is summed over the tp ranks: A of a column-parallel layer, B of a row-parallel one), with the adapter
+    dropout off and on (its masks indexed by the whole input's columns: a row-parallel shard draws its slice of one
+    process's mask)."""
     import sys
 
+    from mindrlhf.models.lora import set_dropout_seeds
     from mindrlhf.testing import padded_batch
 
-    spec = LoRASpec(r=4, alpha=8)
+    spec = LoRASpec(r=4, alpha=8, dropout=0.3)
     model = load_model(tiny_qwen2_dir)
     apply_lora(model, spec)
     full = _random_adapter(model)
@@ -362,6 +365,10 @@ def test_tp2_adapter_gradients_equal_single_process(tmp_path, tiny_qwen2_dir):
 
     loss, grads = ms.value_and_grad(loss_fn, None, params)()
     want = {p.name: g.asnumpy() for p, g in zip(params, grads)}
+    set_dropout_seeds(model, step=5)
+    drop_loss, drop_grads = ms.value_and_grad(loss_fn, None, params)()
+    assert abs(float(drop_loss.asnumpy()) - float(loss.asnumpy())) > 1e-3
+    drop_want = {p.name: g.asnumpy() for p, g in zip(params, drop_grads)}
     np.savez(tmp_path / "adapter.npz", **full)
     np.savez(tmp_path / "batch.npz", **batch)
     log_dir = tmp_path / "log"
@@ -370,15 +377,18 @@ def test_tp2_adapter_gradients_equal_single_process(tmp_path, tiny_qwen2_dir):
     cmd = [str(Path(sys.executable).parent / "msrun"), "--worker_num=2", "--local_worker_num=2", "--master_port=8313",
            "--join=True", f"--log_dir={log_dir}", str(REPO / "tests" / "lora_tp_worker.py"), "--tp", "2",
            "--model", str(tiny_qwen2_dir), "--adapter", str(tmp_path / "adapter.npz"),
-           "--batch", str(tmp_path / "batch.npz"), "--r", "4", "--alpha", "8", "--out", str(tmp_path)]
+           "--batch", str(tmp_path / "batch.npz"), "--r", "4", "--alpha", "8", "--dropout", "0.3", "--out",
+           str(tmp_path)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     logs = "\n".join(p.read_text()[-2000:] for p in sorted(log_dir.glob("*.log")))
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}\n{logs}"
     ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
     for res in ranks:
         np.testing.assert_allclose(float(res["loss"]), float(loss.asnumpy()), rtol=1e-5)
-    for name, g in want.items():
-        got = [res["grad/" + name] for res in ranks]
+        np.testing.assert_allclose(float(res["drop_loss"]), float(drop_loss.asnumpy()), rtol=1e-5)
+    for key, name, g in [("grad/", n, g) for n, g in want.items()] + [("drop_grad/", n, g)
+                                                                      for n, g in drop_want.items()]:
+        got = [res[key + name] for res in ranks]
         split_b = ".lora_B." in name and any(f".{m}." in name for m in ("q_proj", "k_proj", "v_proj", "gate_proj",
                                                                          "up_proj"))
         split_a = ".lora_A." in name and any(f".{m}." in name for m in ("o_proj", "down_proj"))
