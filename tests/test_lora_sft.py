@@ -593,13 +593,14 @@ def test_sft_lora_run_writes_a_peft_adapter_and_resumes_exactly(lora_assets, tmp
 def test_grpo_lora_at_beta_0_trains_the_adapters_and_samples_with_them(grpo_assets, tmp_path, length_reward):
     """GRPO with --lora_rank at beta 0: the sampler is the policy itself (its layers apply the adapters, so every
     step samples with the adapted weights), the optimizer holds the adapters only, a step moves B off zero and leaves
-    the base bit-identical. sync_ref_model and a separate generator are refused in one line."""
+    the base bit-identical; with --lora_dropout (its hash masks in the sampler's graphs too, switched off there).
+    sync_ref_model and a separate generator are refused in one line."""
     from grpo_runs import grpo_args
     from mindrlhf import grpo
     from mindrlhf.configs import parse_args
     from mindrlhf.errors import MindRLHFError
 
-    args = dict(max_steps=1, lr=1e-2, reward_funcs=[length_reward], lora_rank=R, lora_alpha=ALPHA)
+    args = dict(max_steps=1, lr=1e-2, reward_funcs=[length_reward], lora_rank=R, lora_alpha=ALPHA, lora_dropout=0.1)
     trainer = grpo.build_trainer(parse_args(grpo_args(grpo_assets, tmp_path / "out", **args)))
     assert trainer.sampler.holds(trainer.policy)
     _one_step_trains_only_the_adapters(trainer, trainer.policy)
