@@ -21,6 +21,8 @@ SFT, RM, DPO, ORPO and GRPO (beta 0) train them (``trainer.entry.load_policy(...
 layer graphs carry the same adapters through ``adapt_like``). ``adapters_disabled`` runs the base (DPO's reference:
 each adapter's ``lora_enabled`` switch, a graph input, set to 0); ``modules_to_save`` (a reward model's ``score``)
 are trained in full and saved with the adapters. PPO and GRPO's reference are next: see docs/design.md, "LoRA".
+Adapter dropout (``LoRASpec.dropout`` > 0) is a hash mask (``models.hash_dropout``) whose per-module seeds
+``set_dropout_seeds`` sets for a gradient pass (``trainer.update.Updater``) and turns off (-1) afterwards.
 """
 from __future__ import annotations
 
