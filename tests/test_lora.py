@@ -470,16 +470,23 @@ def test_adapted_model_compiles_with_jit_and_dropout_acts_only_with_seeds(tmp_pa
 
 def _numpy_keep(seed: int, rows: int, in_features: int, p: float, cols=None) -> np.ndarray:
     """The hash mask of models.hash_dropout written again in numpy (uint32 arithmetic): murmur3's fmix32 of
-    (row * in_features + column) * 0x9E3779B1 ^ seed; kept where its low 24 bits are >= p * 2**24."""
+    row * 0x9E3779B1 ^ seed per row and of column * 0x9E3779B1 ^ seed ^ 0x5BD1E995 per column, their xor times
+    0x85EBCA6B per element; kept where its top 24 bits, read as a signed number plus 2**23, are >= p * 2**24."""
+    def fmix(h):
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+        return h ^ (h >> 16)
+
     cols = np.arange(in_features) if cols is None else cols
-    h = (np.arange(rows, dtype=np.uint64)[:, None] * in_features + cols[None, :].astype(np.uint64)) & 0xFFFFFFFF
-    h = ((h * 0x9E3779B1) & 0xFFFFFFFF) ^ np.uint64(seed & 0xFFFFFFFF)
-    h ^= h >> 16
-    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
-    h ^= h >> 13
-    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
-    h ^= h >> 16
-    return (h & 0xFFFFFF) >= int(round(p * (1 << 24)))
+    s = np.uint64(seed & 0xFFFFFFFF)
+    row = fmix(((np.arange(rows, dtype=np.uint64) * 0x9E3779B1) & 0xFFFFFFFF) ^ s)
+    col = fmix(((cols.astype(np.uint64) * 0x9E3779B1) & 0xFFFFFFFF) ^ s ^ np.uint64(0x5BD1E995))
+    h = ((row[:, None] ^ col[None, :]) * 0x85EBCA6B) & 0xFFFFFFFF
+    top = (h >> 8).astype(np.int64)
+    signed = np.where(top >= 1 << 23, top - (1 << 24), top)  # an int32's arithmetic shift by 8
+    return signed + (1 << 23) >= int(round(p * (1 << 24)))
 
 
 def test_adapter_dropout_is_the_hash_mask_numpy_computes(tmp_path):
