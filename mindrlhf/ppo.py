@@ -29,6 +29,7 @@ from mindrlhf.algorithms import ppo as ppo_math
 from mindrlhf.algorithms.losses import aggregate_loss, policy_loss
 from mindrlhf.configs.ppo import PPOConfig, PPOModelConfig, parse_ppo_args
 from mindrlhf.errors import MindRLHFError
+from mindrlhf.parallel import comm
 from mindrlhf.trainer.disaggregated import build_generator
 from mindrlhf.trainer.entry import StageSpec, load_policy, load_reference, load_tokenizer, resolve_weights, run_stage
 from mindrlhf.trainer.experience import Experience
@@ -398,17 +399,20 @@ class PPOTrainer(RolloutTrainer):
             outputs.append((CRITIC_ADAPTER_DIR, f"the critic's PEFT adapter on {self.critic_base()}"))
         return outputs
 
-    def save_adapter(self) -> Path:
+    def save_adapter(self) -> Optional[Path]:
         """LoRA: the actor's adapter folder ``output_dir/adapter`` and the critic's ``output_dir/critic_adapter``
-        (PEFT's SEQ_CLS task: its adapters and its score head, on the critic's base)."""
-        from mindrlhf.models.lora import save_adapter
+        (PEFT's SEQ_CLS task: its adapters and its score head, on the critic's base). Every rank calls it (a
+        sharded critic's adapters are gathered, a collective); rank 0 writes."""
+        from mindrlhf.models.lora import gather_adapter_weights, save_adapter
 
         out = super().save_adapter()
-        critic = save_adapter(self.critic, self.output_dir / CRITIC_ADAPTER_DIR, self.critic_base())
-        log.info("the critic's LoRA adapter (PEFT format, with its score head) written to %s", critic)
+        adapters = gather_adapter_weights(self.critic, self.layout.train, self.rank) if self.sharded else None
+        if comm.is_main():
+            critic = save_adapter(self.critic, self.output_dir / CRITIC_ADAPTER_DIR, self.critic_base(), adapters)
+            log.info("the critic's LoRA adapter (PEFT format, with its score head) written to %s", critic)
         return out
 
-    def _model_files(self) -> Dict[str, object]:
+    def _model_files(self, adapters: Optional[Dict[str, object]] = None) -> Dict[str, object]:
         """The actor's config.json and tokenizer files, and ``critic.config.json``: the critic's own config (a
         one-label sequence classifier holding float32 masters), which ``convert_weight --reverse`` reads for
         critic.ckpt (``<stem>.config.json`` first), so the critic exports to an HF *ForSequenceClassification
@@ -416,7 +420,7 @@ class PPOTrainer(RolloutTrainer):
         tokenizer's (the run's padding), without which transformers' classifier cannot score a padded batch."""
         from mindrlhf.checkpoint.hf_io import config_with_dtype
 
-        files = super()._model_files()
+        files = super()._model_files(adapters)
         if self.lora:  # critic.ckpt holds the critic's adapters and score head, not a model to export
             return files
         config = config_with_dtype(self.critic.config.to_hf_dict(), "float32")

@@ -76,6 +76,8 @@ class RMTrainer(OfflineTrainer):
     headline = "accuracy"
     next_command = ("use it as PPO's reward model: mindrlhf-ppo --reward_model {checkpoint}, or export it: "
                     "mindrlhf-convert-weight --reverse --input_path {checkpoint}/policy.ckpt --output_path DIR")
+    lora_next_command = ("merge it into a reward model PPO loads: mindrlhf-convert-weight --reverse --input_path "
+                         "{base} --adapter {adapter} --output_path DIR")
 
     step_metrics = ("accuracy", "margin", "min_reward", "mean_reward", "max_reward")
     eval_metrics = ("accuracy", "margin", "mean_reward")

@@ -17,6 +17,39 @@ def is_timing(key: str) -> bool:
     return key in TIMING or key.startswith("time/")
 
 
+#: The rollout stages' ``eval/*`` rates and the ``mindrlhf-eval`` summary keys they are.
+EVAL_KEYS = {"eval/accuracy": "accuracy", "eval/format_rate": "format_rate",
+             "eval/mean_length": "mean_completion_tokens", "eval/truncated_rate": "truncated_rate"}
+DEFAULT_REWARDS = ("accuracy", "gsm8k_format")  # the stages' default reward_funcs, and mindrlhf-eval's
+
+
+def mindrlhf_eval(checkpoint: Path, limit: int, max_new_tokens: int, reward_funcs=DEFAULT_REWARDS) -> dict:
+    """``mindrlhf-eval``'s summary of a checkpoint folder on the first ``limit`` packaged questions."""
+    from mindrlhf.evaluation.gsm8k_eval import evaluate
+    from mindrlhf.rewards import RewardManager
+
+    return evaluate(str(checkpoint), limit=limit, max_new_tokens=max_new_tokens, progress=False,
+                    rewards=RewardManager(list(reward_funcs)))
+
+
+def eval_row(summary: dict) -> dict:
+    """A ``mindrlhf-eval`` summary as the ``eval/*`` metrics a run logs for it (the four rates, eval/reward/<fn>)."""
+    row = {key: float(summary[name]) for key, name in EVAL_KEYS.items()}
+    row.update({f"eval/reward/{name}": value for name, value in summary["rewards"].items()})
+    return row
+
+
+def same_as_mindrlhf_eval(out: Path, rows: list, max_new_tokens: int, reward_funcs=DEFAULT_REWARDS,
+                          limit: int = 4) -> None:
+    """Every eval row of a run in ``out`` equals mindrlhf-eval's summary of its step's checkpoint: the four rates,
+    and eval/reward/<fn> its ``rewards`` for the run's reward functions."""
+    for row in rows:
+        want = eval_row(mindrlhf_eval(out / "checkpoints" / f"step_{row['step']:08d}", limit, max_new_tokens,
+                                      reward_funcs))
+        assert {key: value for key, value in row.items() if key.startswith("eval/")} == want, row["step"]
+        assert len([k for k in want if k.startswith("eval/reward/")]) == len(reward_funcs), row["step"]
+
+
 def make_grpo_assets(root: Path, tokenizer_dir: Path, data_dir: Path) -> dict:
     """A tiny Qwen2 HF dir (with the real tokenizer files) and a 16-prompt GSM8K mindrecord."""
     from mindrlhf.data.rlhf_data import convert_to_mindrecord

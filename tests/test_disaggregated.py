@@ -33,7 +33,8 @@ def _error(argv) -> str:
 
 # -- config ---------------------------------------------------------------------------------------------
 def test_gen_workers_sets_the_generator_layout_and_the_world():
-    cfg = parse_args(["--use_parallel", "true", "--gen_workers", "2", "--chunk_size", "4", "--train_dp", "2"])
+    cfg = parse_args(["--use_parallel", "true", "--gen_workers", "2", "--chunk_size", "4", "--train_dp", "2",
+                      "--eval_steps", "2", "--replay_data_file", "r.npz"])  # the trainers evaluate, or replay
     p = cfg.parallel
     assert (p.gen_workers, p.infer_dp, p.max_staleness) == (2, 2, 0)
     # One step off, and a larger bound, are accepted with generator ranks.
@@ -56,13 +57,9 @@ def test_gen_workers_sets_the_generator_layout_and_the_world():
     (["--use_parallel", "true", "--gen_workers", "2", "--infer_dp", "1"],
      "gen_workers = 2 generator ranks but infer_dp*infer_tp = 1*1 = 1"),
     (["--gen_workers", "1"], "gen_workers = 1 needs use_parallel true"),
-    (["--use_parallel", "true", "--gen_workers", "1", "--dynamic_sampling", "true", "--eval_steps", "2"],
-     "gen_workers = 1 with eval_steps = 2: not built for disaggregated rollout yet"),
     (["--use_parallel", "true", "--gen_workers", "1", "--dynamic_sampling", "true", "--max_staleness", "1"],
      "dynamic_sampling = true with gen_workers = 1 and max_staleness = 1: dynamic sampling is built for the "
      "synchronous schedule only"),
-    (["--use_parallel", "true", "--gen_workers", "1", "--replay_data_file", "r.npz"],
-     "gen_workers = 1 with replay_data_file = 'r.npz': not built for disaggregated rollout yet"),
     (["--use_parallel", "true", "--gen_workers", "2", "--chunk_size", "3"],
      "chunk_size = 3 is not divisible by infer_dp = 2"),
     # Colocated, the old rule stands: the same processes train and generate.
@@ -77,9 +74,9 @@ def test_ppo_takes_gen_workers_with_grpos_rules():
     one-line errors are the same (what is not built yet, named)."""
     cfg = PPOConfig.parse_args(["--use_parallel", "true", "--gen_workers", "2", "--max_staleness", "1"])
     assert (cfg.parallel.gen_workers, cfg.parallel.infer_dp, cfg.parallel.max_staleness, cfg.world_size) == (2, 2, 1, 3)
-    with pytest.raises(MindRLHFError, match="gen_workers = 1 with eval_steps = 2: not built for disaggregated rollout "
-                                            "yet; drop them or set gen_workers 0"):
-        PPOConfig.parse_args(["--use_parallel", "true", "--gen_workers", "1", "--eval_steps", "2"])
+    # The trainers evaluate (eval_steps), as a colocated run does.
+    evaluating = PPOConfig.parse_args(["--use_parallel", "true", "--gen_workers", "1", "--eval_steps", "2"])
+    assert evaluating.train.eval_steps == 2
     with pytest.raises(MindRLHFError, match="batch_size = 3 is not divisible by infer_dp = 2"):
         PPOConfig.parse_args(["--use_parallel", "true", "--gen_workers", "2", "--batch_size", "3"])
 
@@ -131,26 +128,48 @@ def test_completions_cross_exactly():
 
 
 # -- the job ------------------------------------------------------------------------------------------------
+#: The synchronous GRPO job the 1 + 1 equality test runs colocated (one process) and with one generator: two prompt
+#: batches per step, the KL term, two updates per step, DAPO's dynamic sampling (a flat group for every even-length
+#: question, so steps sample more rounds), the evaluation at the last step and the rollouts recorded.
+SYNCHRONOUS = dict(max_steps=2, num_rollouts=2, beta=0.04, mini_batch_size=8, lr=1e-3, tensorboard="false",
+                   dynamic_sampling="true", max_sampling_rounds=3, eval_steps=2, eval_limit=4,
+                   reward_funcs=["accuracy", "e2e_rewards:flat_for_even_questions"])
+
+
+@pytest.fixture(scope="module")
+def synchronous(grpo_assets, tmp_path_factory):
+    """``SYNCHRONOUS`` colocated in one process (``colocated/``) and under msrun world 2 with gen_workers 1 at
+    max_staleness 0 (``disaggregated/``), each recording its rollouts (``<run>.npz``: ``.step<N>.npz`` files)."""
+    root = tmp_path_factory.mktemp("synchronous")
+    one, two = root / "colocated", root / "disaggregated"
+    assert _run_inprocess(_args(grpo_assets, one, save_data_file=root / "colocated.npz", **SYNCHRONOUS)) == 0
+    _msrun(2, _args(grpo_assets, two, use_parallel="true", gen_workers=1, save_data_file=root / "disaggregated.npz",
+                    **SYNCHRONOUS), root / "log", 8161)
+    return root
+
+
 @pytest.mark.slow
 @pytest.mark.msrun
-def test_one_generator_one_trainer_equals_the_colocated_run(grpo_assets, tmp_path):
-    """msrun world 2 with gen_workers 1 (rank 1 samples, rank 0 scores, runs the reference and trains) at
-    max_staleness 0: every metric and the final weights equal the colocated one-process run's (float32, 1e-6),
-    with two prompt batches per step, the KL term and two updates per step (old log-probs), and DAPO's dynamic
-    sampling (a flat group for every even-length question, so a step samples further rounds: the trainer tells the
-    generator after each round); every row was sampled by the policy of the step before (staleness 0)."""
+def test_one_generator_one_trainer_equals_the_colocated_run(synchronous):
+    """msrun world 2 with gen_workers 1 (rank 1 samples, rank 0 scores, runs the reference, trains and evaluates) at
+    max_staleness 0: every metric (the eval/* rows included) and the final weights equal the colocated one-process
+    run's (float32, 1e-6), with two prompt batches per step, the KL term and two updates per step (old log-probs),
+    and DAPO's dynamic sampling (a flat group for every even-length question, so a step samples further rounds: the
+    trainer tells the generator after each round); every row was sampled by the policy of the step before
+    (staleness 0); the trainer's --save_data_file dumps are the colocated run's."""
     import mindspore as ms
 
-    base = dict(max_steps=2, num_rollouts=2, beta=0.04, mini_batch_size=8, lr=1e-3, tensorboard="false",
-                dynamic_sampling="true", max_sampling_rounds=3,
-                reward_funcs=["accuracy", "e2e_rewards:flat_for_even_questions"])
-    one, two = tmp_path / "colocated", tmp_path / "disaggregated"
-    assert _run_inprocess(_args(grpo_assets, one, **base)) == 0
-    _msrun(2, _args(grpo_assets, two, use_parallel="true", gen_workers=1, **base), tmp_path / "log", 8161)
+    from grpo_runs import EVAL_KEYS
+    from mindrlhf.trainer.experience import step_file
+
+    one, two = synchronous / "colocated", synchronous / "disaggregated"
     m1, m2 = _metrics(one), _metrics(two)
     assert [r["step"] for r in m2] == [1, 2]
     assert all(r["grad_norm"] > 1e-3 and r["reward_std"] > 0 for r in m1)  # not a vacuous comparison
     assert any(r["sampling/rounds"] > 1 for r in m2), [r["sampling/rounds"] for r in m2]  # rounds drawn remotely
+    # The evaluation ran at step 2 (on the trainer: the generator has neither the rewards nor, one step off, the
+    # step's weights); its rows are compared below with every other metric.
+    assert set(EVAL_KEYS) <= set(m2[1]) and m2[1]["eval/mean_length"] > 0 and not set(EVAL_KEYS) & set(m2[0])
     for a, b in zip(m1, m2):
         assert {k for k in set(b) - set(a) if not _timing(k)} == {"staleness/mean", "staleness/max"}
         assert {"time/generator_busy", "time/generator_idle", "time/trainer_busy", "time/trainer_idle"} <= set(b)
@@ -167,6 +186,43 @@ def test_one_generator_one_trainer_equals_the_colocated_run(grpo_assets, tmp_pat
     assert sorted(p.name for p in two.glob("completions_step_*.jsonl")) == ["completions_step_1.jsonl",
                                                                          "completions_step_2.jsonl"]
     assert (one / "completions_step_2.jsonl").read_text() == (two / "completions_step_2.jsonl").read_text()
+    for step in (1, 2):  # --save_data_file: the rows dynamic sampling kept, as colocated
+        want = np.load(step_file(str(synchronous / "colocated.npz"), step))
+        got = np.load(step_file(str(synchronous / "disaggregated.npz"), step))
+        assert set(want.files) == set(got.files)
+        for name in want.files:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-9, err_msg=(step, name))
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+def test_a_replay_with_generator_ranks_trains_as_the_recorded_run(grpo_assets, synchronous, tmp_path):
+    """--replay_data_file with gen_workers 1 (the recorded run's own command line): the generator rank is told there
+    is nothing to sample and stops at the start; the trainer trains on the recorded rows as the recorded run did
+    (every metric the replay logs, and the final weights, equal the recording run's to 1e-6)."""
+    import mindspore as ms
+
+    out, logs = tmp_path / "replay", tmp_path / "log"
+    argv = _args(grpo_assets, out, use_parallel="true", gen_workers=1,
+                 replay_data_file=synchronous / "disaggregated.npz", **dict(SYNCHRONOUS, eval_steps=0))
+    _msrun(2, argv, logs, 8165)
+    recorded, replayed = _metrics(synchronous / "disaggregated"), _metrics(out)
+    assert [r["step"] for r in replayed] == [1, 2]
+    assert "nothing to sample, this generator rank stops" in (logs / "worker_1.log").read_text(errors="replace")
+    for a, b in zip(recorded, replayed):
+        assert not {k for k in b if k.startswith("staleness/") or k.startswith("time/generator")}, b  # no sampling
+        # frac_reward_zero_std: the recording logged dynamic sampling's, over every group it drew (the dump holds
+        # the kept ones).
+        compared = [k for k, v in b.items() if not _timing(k) and not (isinstance(v, float) and math.isnan(v))
+                    and k != "frac_reward_zero_std"]
+        assert {"loss", "grad_norm", "kl", "reward"} <= set(compared)
+        for key in compared:
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["step"], key, b[key], a[key])
+    w1 = ms.load_checkpoint(str(synchronous / "disaggregated" / "checkpoints" / "step_00000002" / "policy.ckpt"))
+    w2 = ms.load_checkpoint(str(out / "checkpoints" / "step_00000002" / "policy.ckpt"))
+    assert set(w1) == set(w2)
+    for name in w1:
+        np.testing.assert_allclose(w2[name].asnumpy(), w1[name].asnumpy(), rtol=1e-6, atol=1e-9, err_msg=name)
 
 
 #: The one-step-off run (GRPO, 1 generator + 1 trainer, decoupled loss, 3 steps) that the async test and the
@@ -175,12 +231,29 @@ ONE_STEP_OFF = dict(gen_workers=1, max_staleness=1, loss_type="decoupled", max_s
                     reward_funcs=["accuracy", "e2e_rewards:length_reward"])
 
 
+#: The uninterrupted run evaluates too (steps 2 and 3); the killed runs do not, so their comparison with it
+#: (``_assert_same_training``) also shows that the evaluation leaves the training as it is.
+EVAL_ONE_STEP_OFF = dict(eval_steps=2, eval_limit=4)
+
+
 @pytest.fixture(scope="module")
 def one_step_off(grpo_assets, tmp_path_factory):
     """The uninterrupted one-step-off run's output folder (one msrun launch for the module)."""
     root = tmp_path_factory.mktemp("one_step_off")
-    _msrun(2, _args(grpo_assets, root / "async", use_parallel="true", **ONE_STEP_OFF), root / "log", 8163)
+    _msrun(2, _args(grpo_assets, root / "async", use_parallel="true", **ONE_STEP_OFF, **EVAL_ONE_STEP_OFF),
+           root / "log", 8163)
     return root / "async"
+
+
+def _assert_same_training(reference: list, resumed: list) -> None:
+    """A killed and resumed one-step-off run ends with the uninterrupted run's metrics: every one but the
+    wall-clock ones, the NaN ones and the evaluation (which the killed runs do not make)."""
+    assert [r["step"] for r in resumed] == [r["step"] for r in reference] == [1, 2, 3]
+    for want, got in zip(reference, resumed):
+        for key, value in want.items():
+            nan = isinstance(value, float) and math.isnan(value)
+            if not (_timing(key) or key.startswith("eval/") or nan):
+                assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (want["step"], key, got[key], value)
 
 
 @pytest.mark.slow
@@ -220,6 +293,24 @@ def test_one_step_off_trains_rows_one_update_old_while_the_generator_samples(one
 
 @pytest.mark.slow
 @pytest.mark.msrun
+def test_one_step_off_evaluates_the_weights_of_the_step_it_logs(one_step_off):
+    """One step off, the eval at step N uses the weights of update N, as colocated (the trainer evaluates its
+    policy): its rows equal mindrlhf-eval of checkpoint N, not of checkpoint N - 1 (the weights the generator holds
+    then, sampling step N + 1)."""
+    from grpo_runs import eval_row, mindrlhf_eval
+
+    rows = [r for r in _metrics(one_step_off) if "eval/accuracy" in r]
+    assert [r["step"] for r in rows] == [2, 3]  # every eval_steps 2 and at the last
+    funcs, limit = ONE_STEP_OFF["reward_funcs"], EVAL_ONE_STEP_OFF["eval_limit"]
+    ckpt = one_step_off / "checkpoints"
+    logged = {k: v for k, v in rows[0].items() if k.startswith("eval/")}
+    want, generators = (eval_row(mindrlhf_eval(ckpt / f"step_{n:08d}", limit, 12, funcs)) for n in (2, 1))
+    assert logged == want
+    assert logged != generators  # the evaluation tells the two weights apart
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
 def test_a_killed_generator_stops_the_trainers_and_resume_finishes_the_run(grpo_assets, one_step_off, tmp_path):
     """The dead-worker rule with generator ranks (issue 43): the one-step-off job on two nodes (the trainer on node 0,
     the generator on node 1), the generator SIGKILLed while it samples step 3 (the trainer is training step 2):
@@ -248,16 +339,11 @@ def test_a_killed_generator_stops_the_trainers_and_resume_finishes_the_run(grpo_
     assert [r["step"] for r in before] == [1, 2]
     # The trainer finishes step 2 (and its checkpoint), then waits at most collective_timeout for step 3's rows.
     assert 0 <= stopped - died <= before[1]["step_time"] + timeout + 10, (stopped - died, before[1]["step_time"])
-    reference = _metrics(one_step_off)
 
     _msrun(2, argv + ["--use_parallel", "true", "--resume"], tmp_path / "log_resume", 8185)
     resumed = _metrics(out)
-    assert [r["step"] for r in resumed] == [1, 2, 3]
     assert (resumed[2]["staleness/mean"], resumed[2]["staleness/max"]) == (1.0, 1.0)
-    for want, got in zip(reference, resumed):
-        for key, value in want.items():
-            if not _timing(key) and not (isinstance(value, float) and math.isnan(value)):
-                assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (want["step"], key, got[key], value)
+    _assert_same_training(_metrics(one_step_off), resumed)
 
 
 @pytest.mark.slow
@@ -289,10 +375,6 @@ def test_a_killed_trainer_stops_the_generator_and_resume_finishes_the_run(grpo_a
     assert [r["step"] for r in _metrics(out)] == [1]
 
     _msrun(2, argv + ["--use_parallel", "true", "--resume"], tmp_path / "log_resume", 8189)
-    resumed, reference = _metrics(out), _metrics(one_step_off)
-    assert [r["step"] for r in resumed] == [1, 2, 3]
+    resumed = _metrics(out)
     assert [r["staleness/max"] for r in resumed] == [0.0, 1.0, 1.0]
-    for want, got in zip(reference, resumed):
-        for key, value in want.items():
-            if not _timing(key) and not (isinstance(value, float) and math.isnan(value)):
-                assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (want["step"], key, got[key], value)
+    _assert_same_training(_metrics(one_step_off), resumed)

@@ -9,33 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from grpo_runs import grpo_args, launch_env, run_cli
+from grpo_runs import DEFAULT_REWARDS, EVAL_KEYS, grpo_args, launch_env, run_cli, same_as_mindrlhf_eval
 
 EVAL = {"eval_steps": 1, "eval_limit": 4}
-KEYS = {"eval/accuracy": "accuracy", "eval/format_rate": "format_rate", "eval/mean_length": "mean_completion_tokens",
-        "eval/truncated_rate": "truncated_rate"}
 
 
 def _rows(out: Path) -> list:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-DEFAULT_REWARDS = ("accuracy", "gsm8k_format")  # the stages' default reward_funcs, and mindrlhf-eval's
-
-
-def _same_as_mindrlhf_eval(out: Path, rows: list, max_new_tokens: int, reward_funcs=DEFAULT_REWARDS) -> None:
-    """Every eval row equals mindrlhf-eval's summary of its step's checkpoint: the four rates, and eval/reward/<fn>
-    its ``rewards`` for the run's reward functions."""
-    from mindrlhf.evaluation.gsm8k_eval import evaluate
-    from mindrlhf.rewards import RewardManager
-
-    for row in rows:
-        step = out / "checkpoints" / f"step_{row['step']:08d}"
-        want = evaluate(str(step), limit=EVAL["eval_limit"], max_new_tokens=max_new_tokens, progress=False,
-                        rewards=RewardManager(list(reward_funcs)))
-        assert {key: row[key] for key in KEYS} == {key: float(want[name]) for key, name in KEYS.items()}, row["step"]
-        got = {key[len("eval/reward/"):]: value for key, value in row.items() if key.startswith("eval/reward/")}
-        assert got == want["rewards"] and len(got) == len(reward_funcs), row["step"]
 
 
 @pytest.mark.slow
@@ -48,10 +28,10 @@ def test_grpo_eval_rows_equal_mindrlhf_eval_on_each_checkpoint(grpo_assets, tmp_
                    env_extra={"PYTHONPATH": launch_env()["PYTHONPATH"]}, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _rows(out)
-    assert [r["step"] for r in rows] == [1, 2] and all(set(KEYS) <= set(r) for r in rows)
+    assert [r["step"] for r in rows] == [1, 2] and all(set(EVAL_KEYS) <= set(r) for r in rows)
     assert (out / "eval_accuracy.png").is_file()
     assert all(r["eval/reward/length_reward"] > 0 for r in rows)
-    _same_as_mindrlhf_eval(out, rows, 12, rewards)
+    same_as_mindrlhf_eval(out, rows, 12, rewards, limit=EVAL["eval_limit"])
 
 
 @pytest.mark.slow
@@ -74,7 +54,7 @@ def test_ppo_evaluates_every_n_steps_and_at_the_last(grpo_assets, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _rows(out)
     assert [r["step"] for r in rows if "eval/accuracy" in r] == [2, 3]
-    _same_as_mindrlhf_eval(out, [r for r in rows if "eval/accuracy" in r], 8, ("accuracy",))
+    same_as_mindrlhf_eval(out, [r for r in rows if "eval/accuracy" in r], 8, ("accuracy",), limit=EVAL["eval_limit"])
 
 
 def test_a_missing_eval_file_is_refused_before_training(tmp_path):
@@ -128,7 +108,7 @@ def test_sft_and_dpo_eval_generation_rows_equal_mindrlhf_eval(grpo_assets, tmp_p
     evals = [r for r in rows if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [2, 4]
     assert (out / "eval_accuracy.png").is_file()
-    _same_as_mindrlhf_eval(out, evals, 8)
+    same_as_mindrlhf_eval(out, evals, 8, limit=EVAL["eval_limit"])
 
 
 def test_sft_and_dpo_generation_eval_is_off_by_default_and_checked(tmp_path):

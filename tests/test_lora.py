@@ -343,13 +343,15 @@ def test_tp2_adapter_gradients_equal_single_process(tmp_path, tiny_qwen2_dir):
     """tp=2 under msrun: the loss and every adapter gradient slice equal one process's (the replicated factor's
     gradient is summed over the tp ranks: A of a column-parallel layer, B of a row-parallel one), with the adapter
     dropout off and on (its masks indexed by the whole input's columns: a row-parallel shard draws its slice of one
-    process's mask)."""
+    process's mask). The adapters assembled from the shards are the full ones on every rank, the merged model of the
+    shards equals one process's bit for bit, and the PEFT folder written from the shards is byte-identical to one
+    process's."""
     import sys
 
     from mindrlhf.models.lora import set_dropout_seeds
     from mindrlhf.testing import padded_batch
 
-    spec = LoRASpec(r=4, alpha=8, dropout=0.3)
+    spec = LoRASpec(r=4, alpha=8.0, dropout=0.3)  # the worker parses --alpha as a float: the same adapter_config.json
     model = load_model(tiny_qwen2_dir)
     apply_lora(model, spec)
     full = _random_adapter(model)
@@ -401,6 +403,17 @@ def test_tp2_adapter_gradients_equal_single_process(tmp_path, tiny_qwen2_dir):
             got = got[0]
         np.testing.assert_allclose(got, g, rtol=1e-4, atol=1e-5 * np.abs(g).max(), err_msg=name)  # float32 sums
         assert np.abs(g).max() > 0, name
+    merged = merged_weights(model)
+    one = save_adapter(model, tmp_path / "adapter_one")
+    for res in ranks:
+        assert {k[len("adapter/"):] for k in res if k.startswith("adapter/")} == set(full)
+        for name, value in full.items():
+            np.testing.assert_array_equal(res["adapter/" + name], value, err_msg=name)
+        assert {k[len("merged/"):] for k in res if k.startswith("merged/")} == set(merged)
+        for name, value in merged.items():
+            np.testing.assert_array_equal(res["merged/" + name], value, err_msg=name)
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        assert (tmp_path / "adapter_tp" / name).read_bytes() == (one / name).read_bytes(), name
 
 
 def _readme_block(name: str) -> str:
@@ -543,3 +556,27 @@ def test_adapter_dropout_is_the_hash_mask_numpy_computes(tmp_path):
         got = dropout_multiplier(Tensor(np.ones((8, half), np.float32)), Tensor(np.int32(99)), 0.5,
                                  row.lora_col_offset, row.lora_in_features).asnumpy()
         np.testing.assert_array_equal(got > 0, _numpy_keep(99, 8, in_features, 0.5)[:, rank * half:(rank + 1) * half])
+
+
+def test_a_split_factor_counts_as_split_in_the_grad_norm_and_the_shapes_cover_every_stage(tiny_qwen2_dir):
+    """Under tp the global grad norm weights each shard's squares: a factor split with its layer (B of a
+    column-parallel layer, A of a row-parallel one) counts each rank's slice once, a replicated factor (the other one)
+    1/tp on each rank. ``adapter_shapes`` lists the whole model's adapters (every pipeline stage's) with the shapes
+    one process holds, so every rank assembles the same tensors for a checkpoint."""
+    from mindrlhf.models.family import COLUMN, REPLICATED, ROW, split_kind
+    from mindrlhf.models.lora import adapter_shapes
+    from mindrlhf.parallel.groups import ParallelGroups
+    from mindrlhf.parallel.layout import ParallelLayout
+    from mindrlhf.trainer.update import _norm_weights
+
+    names = ["model.layers.0.self_attn.q_proj.lora_A.weight", "model.layers.0.self_attn.q_proj.lora_B.weight",
+             "model.layers.1.mlp.down_proj.lora_A.weight", "model.layers.1.mlp.down_proj.lora_B.weight",
+             "score.weight"]
+    assert [split_kind(n) for n in names] == [REPLICATED, COLUMN, ROW, REPLICATED, REPLICATED]
+    groups = ParallelGroups(ParallelLayout(tp=2), 0, 0, 0, 0, "tp", None, None, None, None, None)
+    assert _norm_weights(names, groups, tied=False).tolist() == [0.5, 1.0, 1.0, 0.5, 0.5]
+    model = load_model(tiny_qwen2_dir)
+    spec = LoRASpec(r=4, alpha=8, target_modules=("q_proj", "down_proj"), modules_to_save=("score",))
+    apply_lora(model, spec)
+    want = {name: array.shape for name, array in adapter_weights(model).items()}
+    assert adapter_shapes(model.config, spec) == want and len(want) == 4 * model.config.num_hidden_layers

@@ -204,8 +204,8 @@ LORA_STAGES = ("sft", "rm", "dpo", "orpo", "grpo", "ppo")
 
 
 def test_stages_without_lora_refuse_it_in_one_line(tmp_path, capsys):
-    """Every stage not wired for LoRA refuses lora_rank > 0 (nothing trains the full model instead); SFT refuses a
-    tp/pp layout with LoRA; PPO, like GRPO, a generator other than the policy."""
+    """Every stage not wired for LoRA refuses lora_rank > 0 (nothing trains the full model instead); PPO, like GRPO,
+    a generator other than the policy."""
     import importlib
 
     from mindrlhf.registry import STAGES
@@ -218,11 +218,6 @@ def test_stages_without_lora_refuse_it_in_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert code == 2 and "this stage does not train LoRA adapters yet" in err, name
         assert len(err.strip().splitlines()) == 1, err
-    from mindrlhf import sft
-
-    for flags, said in ((["--train_tp", "2", "--use_parallel", "true"], "adapter checkpoints of a tp/pp-sharded"),):
-        assert sft.main(["--lora_rank", "4", "--output_dir", str(tmp_path / "s"), *flags]) == 2
-        assert said in capsys.readouterr().err
     from mindrlhf import ppo
 
     for flags in (["--infer_dp", "2", "--train_dp", "1"], ["--gen_workers", "1", "--use_parallel", "true"]):
@@ -543,6 +538,7 @@ def test_sft_lora_run_writes_a_peft_adapter_and_resumes_exactly(lora_assets, tmp
     proc = _run_sft(_flags(output_dir=full, **common))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "(the LoRA adapters), adapter/ (the PEFT adapter on" in proc.stderr
+    assert f"evaluate it: mindrlhf-eval --model {full / 'adapter'}" in proc.stderr
     step, ckpt = CheckpointManager(str(full / "checkpoints")).latest_complete()
     assert step == 3 and (ckpt / ADAPTER_CONFIG).is_file() and not (ckpt / "config.json").exists()
     saved = ms.load_checkpoint(str(ckpt / "policy.ckpt"))
@@ -715,3 +711,42 @@ def test_grpo_lora_step_equals_a_float64_torch_reference(grpo_assets, tmp_path, 
     losses, norms, want = ref.train(step_loss, 1)
     assert res["loss"] == pytest.approx(losses[0], rel=1e-4)
     _check_steps([res], losses, norms, want, initial, after)
+
+
+def test_eval_takes_a_lora_adapter_folder_on_its_recorded_base(lora_assets, tmp_path):
+    """``mindrlhf-eval --model ADAPTER``: the base that adapter_config.json records, with the adapters on it, writes
+    the completions of that model built by hand (not the base's); a base that is gone is one line naming
+    --base_model, which then works; a reward model's adapter and --base_model beside a full model are refused."""
+    import shutil
+
+    from mindrlhf.errors import MindRLHFError
+    from mindrlhf.evaluation.gsm8k_eval import evaluate
+    from mindrlhf.models import load_model
+    from mindrlhf.models.lora import load_adapter
+
+    a = lora_assets
+    kw = dict(limit=2, batch_size=2, max_new_tokens=6, progress=False)
+
+    def completions(model, name, **extra):
+        out = tmp_path / f"{name}.jsonl"
+        evaluate(model, output=out, **kw, **extra)
+        return [json.loads(line)["completions"] for line in out.read_text().splitlines()]
+
+    by_hand = load_model(a["model"])
+    load_adapter(by_hand, a["adapter"])
+    want = completions(by_hand, "by_hand", tokenizer_dir=a["model"])
+    assert completions(a["adapter"], "adapter") == want
+    assert completions(a["model"], "base") != want  # the adapters change the answers
+
+    moved = tmp_path / "moved"
+    shutil.copytree(a["adapter"], moved)
+    config = json.loads((moved / ADAPTER_CONFIG).read_text())
+    (moved / ADAPTER_CONFIG).write_text(json.dumps(dict(config, base_model_name_or_path=str(tmp_path / "gone"))))
+    with pytest.raises(MindRLHFError, match=r"is not there; pass the base model it was trained on as --base_model"):
+        evaluate(moved, **kw)
+    assert completions(moved, "moved", base_model=a["model"]) == want
+    (moved / ADAPTER_CONFIG).write_text(json.dumps(dict(config, task_type="SEQ_CLS")))
+    with pytest.raises(MindRLHFError, match="SEQ_CLS adapter"):
+        evaluate(moved, **kw)
+    with pytest.raises(MindRLHFError, match="drop --base_model"):
+        evaluate(a["model"], base_model=a["model"], **kw)

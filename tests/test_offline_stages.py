@@ -221,19 +221,48 @@ def test_reward_model_trains_the_same_with_and_without_recompute(stage_assets, t
         assert np.abs(b[name] - a[name]).mean() < 1e-7, name  # only noise-level entries differ at all
 
 
+def _msrun_stage(stage, assets, out: Path, log_dir: Path, port: int, env_extra=None, **flags):
+    """Two msrun workers running ``stage`` (examples/stages/run.py) with ``_argv``'s flags and ``flags``; returns the
+    finished process and the tails of the workers' logs."""
+    from grpo_runs import launch_env
+
+    script = REPO / "examples" / "stages" / "run.py"
+    cmd = [str(Path(sys.executable).parent / "msrun"), "--worker_num=2", "--local_worker_num=2",
+           f"--master_port={port}", "--join=True", f"--log_dir={log_dir}", str(script), stage,
+           *_argv(stage, assets, out, use_parallel="true", **flags)]
+    proc = subprocess.run(cmd, cwd=REPO, env=launch_env(env_extra), capture_output=True, text=True, timeout=900)
+    return proc, "\n".join(p.read_text()[-3000:] for p in sorted(log_dir.glob("*.log")))
+
+
+def _assert_rows_close(want, got, stage):
+    """Each step's metrics of two layouts equal (rel 2e-5; the same keys), to the float32 noise of their sums."""
+    for a, b in zip(want, got):
+        # DPO's implicit rewards are beta * (policy - reference) sums of ~100 log-probs: float32 rounding of each
+        # sum (eps ~1.2e-7, reduced in another order per layout) sets their absolute noise floor.
+        floor = 20 * 1.2e-7 * 0.2 * (abs(a.get("logps/chosen", 0)) + abs(a.get("logps/rejected", 0)))
+        for k, v in a.items():
+            if k not in ("step_time", "time") and not k.startswith("time/"):
+                tol = floor if k.startswith(("rewards/", "eval/rewards/")) else 1e-6
+                assert b[k] == pytest.approx(v, rel=2e-5, abs=max(tol, 1e-6)), (stage, a["step"], k)
+
+
 @pytest.mark.slow
 @pytest.mark.msrun
 @pytest.mark.parametrize("stage,layout,port", [
     ("rm", {"train_tp": 2}, 8303), ("dpo", {"train_pp": 2, "train_micro_batches": 2}, 8305),
-    ("orpo", {"train_dp": 2}, 8307), ("sft", {"train_dp": 2, "lora_rank": 4, "lora_alpha": 8}, 8309)],
-    ids=["rm-tp2", "dpo-pp2", "orpo-dp2", "sft-lora-dp2"])
+    ("orpo", {"train_dp": 2}, 8307), ("sft", {"train_dp": 2, "lora_rank": 4, "lora_alpha": 8}, 8309),
+    ("sft", {"train_tp": 2, "lora_rank": 4, "lora_alpha": 8}, 8321),
+    ("sft", {"train_pp": 2, "train_micro_batches": 2, "lora_rank": 4, "lora_alpha": 8}, 8323)],
+    ids=["rm-tp2", "dpo-pp2", "orpo-dp2", "sft-lora-dp2", "sft-lora-tp2", "sft-lora-pp2"])
 def test_stage_under_msrun_equals_one_process(stage_assets, tmp_path, stage, layout, port):
     """Two msrun workers (RM tensor-parallel, DPO pipeline-parallel with 2 micro-batches, ORPO data-parallel: each
     worker a half of every step's pairs and of the validation pairs, and of the GSM8K questions of the evaluation by
     generation, 20 of them in batches of 16 and 4; SFT training LoRA adapters data-parallel: only the adapters'
-    gradients reduced) give one process's metrics (loss, grad_norm, the stage's metrics, eval, eval by generation)
-    and final weights (LoRA: the adapters of the checkpoint, a PEFT adapter folder)."""
-    from grpo_runs import launch_env
+    gradients reduced; tensor-parallel: each adapter split with its layer, the grad norm counting a split factor's
+    slices and a replicated factor once; pipeline-parallel: each stage its layers' adapters) give one process's
+    metrics (loss, grad_norm, the stage's metrics, eval, eval by generation) and final weights (LoRA: the adapters
+    of the checkpoint, a PEFT adapter folder assembled from the shards, and output_dir/adapter: the same folder one
+    process writes)."""
     from mindrlhf.models import get_weights, load_model
     from mindrlhf.models.lora import read_adapter
 
@@ -249,34 +278,65 @@ def test_stage_under_msrun_equals_one_process(stage_assets, tmp_path, stage, lay
     proc = _run(stage, _argv(stage, stage_assets, one, **extra))
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = tmp_path / "two"
-    log_dir = tmp_path / "log"
-    script = REPO / "examples" / "stages" / "run.py"
-    cmd = [str(Path(sys.executable).parent / "msrun"), "--worker_num=2", "--local_worker_num=2",
-           f"--master_port={port}", "--join=True", f"--log_dir={log_dir}", str(script), stage,
-           *_argv(stage, stage_assets, two, use_parallel="true", **layout, **extra)]
-    proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=900)
-    logs = "\n".join(p.read_text()[-3000:] for p in sorted(log_dir.glob("*.log")))
+    proc, logs = _msrun_stage(stage, stage_assets, two, tmp_path / "log", port, **layout, **extra)
     assert proc.returncode == 0, logs
     want, got = _metrics(one), _metrics(two)
     assert [r["step"] for r in got] == [1, 2]
     assert stage != "orpo" or "eval/accuracy" in want[-1] and "eval/format_rate" in got[-1]
-    for a, b in zip(want, got):
-        # DPO's implicit rewards are beta * (policy - reference) sums of ~100 log-probs: float32 rounding of each
-        # sum (eps ~1.2e-7, reduced in another order per layout) sets their absolute noise floor.
-        floor = 20 * 1.2e-7 * 0.2 * (abs(a.get("logps/chosen", 0)) + abs(a.get("logps/rejected", 0)))
-        for k, v in a.items():
-            if k not in ("step_time", "time") and not k.startswith("time/"):
-                tol = floor if k.startswith(("rewards/", "eval/rewards/")) else 1e-6
-                assert b[k] == pytest.approx(v, rel=2e-5, abs=max(tol, 1e-6)), (stage, a["step"], k)
+    _assert_rows_close(want, got, stage)
     step = "step_00000002"
-    if lora:
-        a, b = (read_adapter(run / "checkpoints" / step)[1] for run in (one, two))
-        assert a.keys() == b.keys() and any(".lora_B." in k and np.abs(v).max() > 0 for k, v in a.items())
-    else:
-        a, b = (get_weights(load_model(run / "checkpoints" / step)) for run in (one, two))
-    for name in a:  # an entry whose gradient is float32 noise may still differ by up to 2 steps x 2 * lr
-        np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=4 * extra["lr"], err_msg=name)
-        assert np.abs(b[name] - a[name]).mean() < 1e-7, name  # ...but only such entries
+    folders = [("checkpoints", step), ("adapter",)] if lora else [("checkpoints", step)]
+    for folder in folders:
+        if lora:
+            (spec_a, a), (spec_b, b) = (read_adapter(run.joinpath(*folder)) for run in (one, two))
+            assert spec_a == spec_b and a.keys() == b.keys(), folder
+            assert any(".lora_B." in k and np.abs(v).max() > 0 for k, v in a.items())
+            assert all(a[k].shape == b[k].shape for k in a)
+        else:
+            a, b = (get_weights(load_model(run.joinpath(*folder))) for run in (one, two))
+        for name in a:  # an entry whose gradient is float32 noise may still differ by up to 2 steps x 2 * lr
+            np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=4 * extra["lr"], err_msg=name)
+            assert np.abs(b[name] - a[name]).mean() < 1e-7, name  # ...but only such entries
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+def test_dpo_lora_under_tp2_equals_one_process_and_resumes_exactly_after_sigkill(stage_assets, tmp_path):
+    """DPO training LoRA adapters on two tensor-parallel msrun workers (the reference: the policy's own shards with
+    their adapters switched off) with a checkpoint each step; rank 1 is killed (SIGKILL) in step 3's gradient
+    reduction. A --resume from step 1's checkpoint (adapters and moments assembled from the shards) redoes steps 2
+    and 3: its step 2 equals the killed run's bit for bit (metrics and the checkpoint's adapters), and every step
+    and the final adapters (the checkpoint, output_dir/adapter) equal one process's."""
+    from mindrlhf.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter
+
+    extra = {"max_steps": 3, "save_steps": 1, "eval_steps": 2, "lr": 1e-5, "beta": 0.2, "lora_rank": 4,
+             "lora_alpha": 8}
+    one, two = tmp_path / "one", tmp_path / "two"
+    proc = _run("dpo", _argv("dpo", stage_assets, one, **extra))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, logs = _msrun_stage("dpo", stage_assets, two, tmp_path / "log", 8325, train_tp=2,
+                              env_extra={"MINDRLHF_KILL_AT": "1:3:grad_allreduce"}, **extra)
+    assert proc.returncode != 0 and "fault injection: rank 1 kills itself at step 3" in logs, logs
+    killed = _metrics(two)
+    assert [r["step"] for r in killed] == [1, 2]
+    step2 = two / "checkpoints" / "step_00000002"
+    killed_files = {name: (step2 / name).read_bytes() for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)}
+    proc, logs = _msrun_stage("dpo", stage_assets, two, tmp_path / "log_resume", 8327, train_tp=2,
+                              resume=two / "checkpoints" / "step_00000001", **extra)
+    assert proc.returncode == 0, logs
+    resumed = _metrics(two)
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    for k, v in killed[1].items():
+        if k not in ("step_time", "time") and not k.startswith("time/"):
+            assert resumed[1][k] == v, k
+    assert {name: (step2 / name).read_bytes() for name in killed_files} == killed_files
+    _assert_rows_close(_metrics(one), resumed, "dpo")
+    for folder in (("checkpoints", "step_00000003"), ("adapter",)):
+        (spec_a, a), (spec_b, b) = (read_adapter(run.joinpath(*folder)) for run in (one, two))
+        assert spec_a == spec_b and a.keys() == b.keys(), folder
+        for name in a:
+            np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=6 * extra["lr"], err_msg=name)
+            assert np.abs(b[name] - a[name]).mean() < 1e-7, name
 
 
 def test_gsm8k_pairs_from_a_models_wrong_answers(stage_assets, tmp_path, qwen_tokenizer_dir, capsys):

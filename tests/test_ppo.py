@@ -353,24 +353,30 @@ def test_one_generator_one_trainer_equals_the_colocated_run(ppo_assets, recorded
     """Disaggregated PPO (issue 43): msrun world 2 with gen_workers 1 at max_staleness 0 (rank 1 only samples; rank
     0 scores with the reward model, runs the reference and the critic and trains both) computes the colocated
     one-process run's first two steps: every metric (rel 1e-6) and the actor's and critic's weights; every row was
-    sampled by the policy of the step before (staleness 0) and both sides' busy and idle seconds are logged."""
+    sampled by the policy of the step before (staleness 0) and both sides' busy and idle seconds are logged; the
+    trainer evaluates at step 2 (eval_steps) what mindrlhf-eval gives for checkpoint 2."""
     import math
 
     import mindspore as ms
 
-    from grpo_runs import is_timing, msrun
+    from grpo_runs import EVAL_KEYS, is_timing, msrun, same_as_mindrlhf_eval
     from mindrlhf.trainer.experience import step_file
 
     two = tmp_path / "disaggregated"
     # Two of the recorded three steps (a constant learning rate: the same schedule for any run length).
     dump = tmp_path / "exp" / "rollouts.npz"
-    msrun(2, ["ppo", *_argv(ppo_assets, two, max_steps=2, use_parallel="true", gen_workers=1, save_data_file=dump)],
+    msrun(2, ["ppo", *_argv(ppo_assets, two, max_steps=2, use_parallel="true", gen_workers=1, save_data_file=dump,
+                            eval_steps=2, eval_limit=4)],
           tmp_path / "log", 8181, script="examples/stages/run.py")
     m1, m2 = _rows(recorded / "run")[:2], _rows(two)
     assert [r["step"] for r in m2] == [1, 2]
     assert all(r["grad_norm"] > 1e-3 and r["val/grad_norm"] > 1e-3 for r in m1)  # not a vacuous comparison
+    evaluated = {k for k in m2[1] if k.startswith("eval/")}  # the recorded run does not evaluate
+    assert set(EVAL_KEYS) <= evaluated
+    same_as_mindrlhf_eval(two, m2[1:], 12, ("accuracy",), limit=4)
     for a, b in zip(m1, m2):
-        assert {k for k in set(b) - set(a) if not is_timing(k)} == {"staleness/mean", "staleness/max"}
+        extra = {"staleness/mean", "staleness/max"} | (evaluated if b["step"] == 2 else set())
+        assert {k for k in set(b) - set(a) if not is_timing(k)} == extra
         assert {"time/generator_busy", "time/generator_idle", "time/trainer_busy", "time/trainer_idle"} <= set(b)
         assert b["staleness/mean"] == b["staleness/max"] == 0.0
         for key, value in a.items():
@@ -384,7 +390,7 @@ def test_one_generator_one_trainer_equals_the_colocated_run(ppo_assets, recorded
             np.testing.assert_allclose(w2[name].asnumpy(), w1[name].asnumpy(), rtol=1e-6, atol=1e-9,
                                        err_msg=f"{stem}/{name}")
     assert (recorded / "run" / "completions_step_2.jsonl").read_text() == (two / "completions_step_2.jsonl").read_text()
-    # --save_data_file from the trainers records the rows the colocated run recorded (replay: not with gen_workers).
+    # --save_data_file from the trainers records the rows the colocated run recorded.
     for step in (1, 2):
         want = np.load(step_file(str(recorded / "exp" / "rollouts.npz"), step))
         got = np.load(step_file(str(dump), step))

@@ -386,12 +386,8 @@ class TrainingConfig(GroupedConfig):
             check = getattr(getattr(self, name), "check", None)
             if check is not None:
                 check(errors)
-        m, p = self.model, self.parallel
+        m = self.model
         if m.lora and not self.LORA:
             errors.append(f"lora_rank = {m.lora_rank} / lora_init_from = {m.lora_init_from!r}: this stage does not "
                           "train LoRA adapters yet; use lora_rank 0 and no "
                           "lora_init_from")
-        elif m.lora and p.train_tp * p.train_pp > 1:
-            errors.append(f"LoRA with train_tp = {p.train_tp}, train_pp = {p.train_pp}: adapter checkpoints of a "
-                          "tp/pp-sharded model are not supported yet; use train_tp 1 and train_pp 1 (train_dp "
-                          "may be > 1)")

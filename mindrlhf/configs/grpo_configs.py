@@ -456,7 +456,8 @@ class RolloutTrainConfig(PolicyEvalTrainConfig):
         ge=0)
     eval_steps: int = config_field(
         0, "Evaluate the policy every N steps and at the last step on held-out GSM8K questions (eval_file), with "
-        "the run's own sampler after the step's weight sync: the training prompt style, max_completion_length "
+        "the run's own sampler after the step's weight sync (gen_workers > 0: the trainers, on a sampler over the "
+        "policy, so the weights of that step at any max_staleness): the training prompt style, max_completion_length "
         "new tokens, greedy (or maj@k, eval_num_generations). Logged as eval/accuracy, eval/format_rate, "
         "eval/mean_length, eval/truncated_rate and eval/reward/<fn> (each of the run's reward functions averaged "
         "over the evaluated completions, given the question and its solution as columns; a function that fails "
@@ -471,7 +472,9 @@ class RolloutTrainConfig(PolicyEvalTrainConfig):
     replay_data_file: str = config_field(
         "", "Replay rollouts from a save_data_file dump (the same path given there) instead of generating "
         "(debugging; the 1-vs-N-worker parity tests). The dump must come from the same batch geometry "
-        "(GRPO: chunk_size, num_rollouts, num_generations; PPO: batch_size, num_generations). '' = off.")
+        "(GRPO: chunk_size, num_rollouts, num_generations; PPO: batch_size, num_generations). With gen_workers > 0 "
+        "the trainers replay (the same training as a recording with that many trainers) and the generator ranks, "
+        "with nothing to sample, stop at the start. '' = off.")
 
     def check(self, errors: List[str]) -> None:
         super().check(errors)
@@ -554,20 +557,16 @@ class RolloutConfig(TrainingConfig):
 
     def _check_combinations(self, errors: List[str]) -> None:
         super()._check_combinations(errors)
-        p, t = self.parallel, self.train
+        p = self.parallel
         if self.model.lora and (p.gen_workers or p.infer_tp != p.train_tp or p.infer_dp != p.train_dp
-                                or self.generator_checkpoint()):
-            # GRPO's and PPO's sampler is then the trained model itself (its layers apply the adapters).
+                                or p.train_pp > 1 or self.generator_checkpoint()):
+            # GRPO's and PPO's sampler is then the trained model itself (its layers apply the adapters); a pipeline
+            # stage holds only its layers, so it cannot sample.
             errors.append("LoRA samples with the trained policy itself (its layers apply the adapters), so the "
-                          "generator must be the policy: use infer_tp = train_tp, infer_dp = train_dp, gen_workers 0 "
-                          "and no separate generator checkpoint (GRPO's sft_path_infer / load_sft_checkpoint_infer)")
+                          "generator must be the policy: use infer_tp = train_tp, infer_dp = train_dp, train_pp 1, "
+                          "gen_workers 0 and no separate generator checkpoint (GRPO's sft_path_infer / "
+                          "load_sft_checkpoint_infer)")
         if p.gen_workers:  # what a disaggregated rollout does not do yet, named (GRPO's and PPO's alike)
-            unbuilt = [f"{name} = {value}" for name, value in (
-                ("eval_steps", t.eval_steps),
-                ("replay_data_file", t.replay_data_file and repr(t.replay_data_file))) if value]
-            if unbuilt:
-                errors.append(f"gen_workers = {p.gen_workers} with {', '.join(unbuilt)}: not built for disaggregated "
-                              "rollout yet; drop them or set gen_workers 0")
             if getattr(self.algorithm, "dynamic_sampling", False) and p.max_staleness:
                 # One step off, the generators would have sampled the next step before the trainers knew whether
                 # this one needs another round.

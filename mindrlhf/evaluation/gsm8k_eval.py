@@ -212,7 +212,7 @@ def resolve_model_path(model: Optional[PathLike], progress: bool = False) -> Pat
 
 
 def _load(model, tokenizer, batch_rows: int, progress: bool, dtype: str, jit: bool, tokenizer_args: tuple,
-          use_chat_template: bool):
+          use_chat_template: bool, base_model: Optional[PathLike] = None):
     """``(sampler, tokenizer, model_path)`` from a Sampler, a CausalLM, a path or None (SmolLM2);
     the tokenizer is resolved before any weights are read, so a missing one fails fast."""
     from mindrlhf.generation import NativeSampler, Sampler
@@ -232,11 +232,42 @@ def _load(model, tokenizer, batch_rows: int, progress: bool, dtype: str, jit: bo
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise MindRLHFError(f"evaluate: model must be a path, a CausalLM or a Sampler, got {type(model).__name__}")
     path = resolve_model_path(model, progress=progress)
-    require_causal_lm(checkpoint_config(path), path, "--model", answers, fix)  # before any weights are read
+    base, adapter = adapter_base(path, base_model)
+    require_causal_lm(checkpoint_config(base), base, "--model", answers, fix)  # before any weights are read
     if tokenizer is None:
-        tokenizer = resolve_tokenizer(path, *tokenizer_args)
+        tokenizer = resolve_tokenizer(base, *tokenizer_args)
     _check_template(tokenizer, use_chat_template)
-    return NativeSampler(load_model(path, dtype=dtype), max_batch_size=batch_rows, jit=jit), tokenizer, path
+    loaded = load_model(base, dtype=dtype)
+    if adapter is not None:  # the sampler's layers apply the adapters, as a LoRA GRPO run samples
+        from mindrlhf.models.lora import load_adapter
+
+        load_adapter(loaded, adapter)
+    return NativeSampler(loaded, max_batch_size=batch_rows, jit=jit), tokenizer, path
+
+
+def adapter_base(path: Path, base_model: Optional[PathLike] = None) -> Tuple[Path, Optional[Path]]:
+    """``(model to load, adapter folder or None)``: a PEFT adapter folder (a LoRA run's ``adapter/`` or
+    checkpoint) stands for its base (``base_model``, else adapter_config.json's ``base_model_name_or_path``)
+    with the adapters on it; any other path is the model itself (``base_model`` must then be unset)."""
+    from mindrlhf.checkpoint.hf_io import read_json
+    from mindrlhf.models.lora import ADAPTER_CONFIG
+
+    if not (path.is_dir() and (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file()):
+        if base_model is not None:
+            raise MindRLHFError(f"--base_model {base_model} with --model {path}, which is a model, not a PEFT adapter "
+                                "folder; drop --base_model")
+        return path, None
+    config = read_json(path / ADAPTER_CONFIG)
+    if config.get("task_type") not in (None, "CAUSAL_LM"):
+        raise MindRLHFError(f"--model {path} is a {config.get('task_type')} adapter (a reward model's or critic's: "
+                            "it scores answers, it does not write them); pass a policy's adapter or model")
+    recorded = config.get("base_model_name_or_path")
+    base = Path(base_model) if base_model is not None else Path(recorded) if recorded else None
+    if base is None or not base.exists():
+        where = f"its base {str(base)!r} is not there" if base is not None else "it names no base model"
+        raise MindRLHFError(f"--model {path} is a LoRA adapter folder and {where}; pass the base model it was "
+                            "trained on as --base_model")
+    return base, path
 
 
 def _check_template(tokenizer, use_chat_template: bool) -> None:
@@ -278,6 +309,7 @@ def evaluate(
     rewards: Optional[RewardManager] = None,
     shard: Tuple[int, int] = (0, 1),
     reduce: Optional[Callable[[np.ndarray], np.ndarray]] = None,
+    base_model: Optional[PathLike] = None,
 ) -> Dict[str, Any]:
     """Evaluate a model on GSM8K; return the summary as a dict.
 
@@ -298,6 +330,9 @@ def evaluate(
     completions), and ``reduce`` sums the replicas' counts (a float64 vector of correct answers, completions,
     tokens, ... and each reward function's sum and count) before the rates are formed: the summary is the
     unsharded one's on every replica. ``output`` needs ``n`` = 1.
+
+    ``model`` may be a LoRA run's PEFT adapter folder: its base (``base_model``, else the one its
+    adapter_config.json records) is loaded and the adapters applied (``adapter_base``).
 
     ``model``: an HF dir / MindSpore checkpoint path (None = the embedded SmolLM2), a ``CausalLM``
     or a ``Sampler``. ``tokenizer``: a ``Tokenizer``, else from ``tokenizer_dir``/``vocab_path`` or the
@@ -346,7 +381,7 @@ def evaluate(
 
     t_load = time.perf_counter()
     sampler, tokenizer, model_path = _load(model, tokenizer, batch_size * n, progress, dtype, jit,
-                                           (tokenizer_dir, vocab_path, merges_file_path), use_chat_template)
+                                           (tokenizer_dir, vocab_path, merges_file_path), use_chat_template, base_model)
     stops = list(stop_token_ids) if stop_token_ids is not None else list(tokenizer.stop_token_ids)
     if system_prompt is None:
         system_prompt = style_system_prompt(prompt_style)
@@ -515,9 +550,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Evaluate a model on GSM8K (greedy pass@1 or sampled maj@k) with "
                                             "the training prompt and the training accuracy reward.")
     p.add_argument("--model", default=None,
-                   help="Hugging Face model directory, MindSpore .ckpt/.safetensors (config.json next to it) or a "
-                        "training checkpoint folder (output_dir/checkpoints/step_N); default: the embedded "
-                        "SmolLM2-135M-Instruct")
+                   help="Hugging Face model directory, MindSpore .ckpt/.safetensors (config.json next to it), a "
+                        "training checkpoint folder (output_dir/checkpoints/step_N) or a LoRA run's PEFT adapter "
+                        "folder (output_dir/adapter or a checkpoint of it: evaluated on its base with the adapters "
+                        "on); default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--base_model", default=None,
+                   help="with an adapter folder as --model: the base model it was trained on (default: the "
+                        "base_model_name_or_path its adapter_config.json records)")
     p.add_argument("--tokenizer_dir", default=None, help="tokenizer folder (default: the files next to the model)")
     p.add_argument("--vocab_path", default=None, help="tokenizer vocab.json (with --merges_file_path)")
     p.add_argument("--merges_file_path", default=None, help="tokenizer merges.txt (with --vocab_path)")
@@ -565,7 +604,7 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
         top_p=args.top_p, seed=args.seed, prompt_style=args.prompt_style, system_prompt=args.system_prompt,
         use_chat_template=not args.no_chat_template, dtype=args.dtype, output=args.output, overwrite=args.overwrite,
         progress=not args.no_progress, tokenizer_dir=args.tokenizer_dir, vocab_path=args.vocab_path,
-        merges_file_path=args.merges_file_path)
+        merges_file_path=args.merges_file_path, base_model=args.base_model)
     print(format_summary(result))
     return 0
 

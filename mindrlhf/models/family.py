@@ -186,9 +186,17 @@ _GGUF_LAYER = {
 
 
 def split_kind(name: str) -> str:
-    """``column`` / ``row`` / ``vocab`` / ``replicated``: how tp splits parameter ``name`` (any family)."""
+    """``column`` / ``row`` / ``vocab`` / ``replicated``: how tp splits parameter ``name`` (any family).
+
+    A LoRA factor (``...q_proj.lora_B.weight``, ``models.lora``) follows its layer: a column-parallel layer's B is
+    split with the output rows (``column``), a row-parallel layer's A with the input columns (``row``); the other
+    factor is replicated."""
     if name in (EMBED, LM_HEAD):
         return VOCAB
+    module, lora, factor = name.rpartition(".lora_")
+    if lora:
+        kind = split_kind(f"{module}.weight")
+        return kind if (factor, kind) in (("B.weight", COLUMN), ("A.weight", ROW)) else REPLICATED
     if name.startswith("model.layers."):
         suffix = name.split(".", 3)[-1]
         return _LAYER_SPLIT.get(suffix, REPLICATED)

@@ -302,10 +302,41 @@ def adapters_disabled(model: nn.Cell) -> Iterator[None]:
             switch.copy_(Tensor(1.0, switch.dtype))
 
 
-def _require_whole(model: nn.Cell, what: str) -> None:
+def _require_whole(model: nn.Cell, what: str, fix: str) -> None:
     if model.shard.tp > 1 or model.shard.pp > 1:
-        raise MindRLHFError(f"{what}: this model is one tp/pp shard; gather the adapters of every shard first "
-                            "(not supported yet: use a single-process model)")
+        raise MindRLHFError(f"{what}: this model is one tp/pp shard; {fix} (on every rank: the shards are assembled "
+                            "with a collective)")
+
+
+def adapter_shapes(config, spec: LoRASpec) -> Dict[str, Tuple[int, ...]]:
+    """Every adapter factor and module to save of the WHOLE model ``config`` describes with ``spec``'s adapters
+    (all pipeline stages), by name, with its full (unsharded) shape, in model order: the same list on every rank,
+    so the shards can be assembled tensor by tensor (``parallel.resharding.assemble``)."""
+    from mindrlhf.models.family import COLUMN, ROW, split_kind
+
+    out: Dict[str, Tuple[int, ...]] = {}
+    shapes = config.expected_shapes()
+    for name, shape in shapes.items():
+        module = _module_of(name)
+        if (name.endswith(".weight") and _LAYER_MODULE.fullmatch(module) and split_kind(name) in (COLUMN, ROW)
+                and spec.matches(module)):
+            out[f"{module}.lora_A.weight"] = (spec.r, shape[1])
+            out[f"{module}.lora_B.weight"] = (shape[0], spec.r)
+    for name, shape in shapes.items():
+        module = _module_of(name)
+        if not name.startswith("model.") and any(module == t or module.endswith("." + t) for t in spec.modules_to_save):
+            out[name] = tuple(shape)
+    return out
+
+
+def gather_adapter_weights(model: nn.Cell, layout, rank: int) -> Dict[str, np.ndarray]:
+    """The full (unsharded) adapters of a tp/pp-sharded model, float32, on every rank: what ``adapter_weights`` gives
+    for the whole model on one process. A collective: every rank of ``layout`` (a ``parallel.layout.ParallelLayout``)
+    calls it. Each split factor is assembled from its tp slices, each stage's adapters from the stage holding them."""
+    from mindrlhf.parallel.resharding import assemble
+
+    shapes = adapter_shapes(model.config, model.lora_spec)
+    return dict(assemble(adapter_weights(model), list(shapes), model.config, layout, rank, shapes=shapes))
 
 
 def adapter_weights(model: nn.Cell) -> Dict[str, np.ndarray]:
@@ -361,10 +392,27 @@ def _merged(weight: np.ndarray, a: np.ndarray, b: np.ndarray, scaling: float) ->
     return (weight + scaling * (b.astype(np.float64) @ a.astype(np.float64))).astype(np.float32)
 
 
-def merged_weights(model: nn.Cell) -> Dict[str, np.ndarray]:
+def merged_weights(model: nn.Cell, layout=None, rank: int = 0) -> Dict[str, np.ndarray]:
     """The base model's weights (HF names, float32) with every adapter merged: ``W + scaling * B A``
-    (a plain ``CausalLM`` of the same config loads them: a merged export)."""
-    _require_whole(model, "merged_weights")
+    (a plain ``CausalLM`` of the same config loads them: a merged export). A tp/pp shard needs its ``layout`` (a
+    ``parallel.layout.ParallelLayout``) and global ``rank``: every rank calls it (the base and the adapters are
+    assembled with collectives) and every rank gets the whole merged model."""
+    if layout is not None and layout.tp * layout.pp > 1:
+        from mindrlhf.parallel.resharding import assemble, model_names
+
+        spec = model.lora_spec
+        adapters = gather_adapter_weights(model, layout, rank)
+        base = {name: param for name, param in model.parameters_and_names()
+                if ".lora_A." not in name and ".lora_B." not in name and not is_switch(name)}
+        out = {}
+        for name, value in assemble(base, model_names(model.config), model.config, layout, rank):
+            module = _module_of(name)
+            if f"{module}.lora_A.weight" in adapters and name.endswith(".weight"):
+                value = _merged(value, adapters[f"{module}.lora_A.weight"], adapters[f"{module}.lora_B.weight"],
+                                spec.scaling)
+            out[name] = value  # a module to save (score) is a parameter of the model: its trained value
+        return out
+    _require_whole(model, "merged_weights", "pass its layout and global rank")
     adapters = {name: cell for name, cell in lora_modules(model)}
     out = {}
     for name, param in model.parameters_and_names():
@@ -481,20 +529,24 @@ def spec_from_peft(config: Dict[str, Any], source: str = ADAPTER_CONFIG) -> LoRA
         raise MindRLHFError(f"{source}: key {err} is missing; is this a PEFT adapter_config.json?") from None
 
 
-def save_adapter(model: nn.Cell, out_dir: Union[str, Path], base_model_name_or_path: Optional[str] = None) -> Path:
+def save_adapter(model: nn.Cell, out_dir: Union[str, Path], base_model_name_or_path: Optional[str] = None,
+                 weights: Optional[Dict[str, np.ndarray]] = None) -> Path:
     """Write ``model``'s adapters as a PEFT adapter directory (``peft.PeftModel.from_pretrained`` loads
-    it onto the transformers model); returns the directory."""
+    it onto the transformers model); returns the directory. ``weights``: the whole model's adapters when ``model``
+    is a tp/pp shard (``gather_adapter_weights``, a collective every rank calls before one rank writes)."""
     from mindrlhf.checkpoint.hf_io import StreamingSafetensorsWriter, write_json_atomic
 
     spec = getattr(model, "lora_spec", None)
     if spec is None:
         raise MindRLHFError("save_adapter: the model has no LoRA adapters; apply_lora or load_adapter first")
-    _require_whole(model, "save_adapter")
+    if weights is None:
+        _require_whole(model, "save_adapter", "pass weights=gather_adapter_weights(model, layout, rank)")
+        weights = adapter_weights(model)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     writer = StreamingSafetensorsWriter(out / ADAPTER_WEIGHTS, {"format": "pt"})
     try:
-        for name, array in sorted(adapter_weights(model).items()):
+        for name, array in sorted(weights.items()):
             writer.add(PEFT_PREFIX + name, np.ascontiguousarray(array, np.float32), "float32")
         writer.close()
     except BaseException:
@@ -504,13 +556,14 @@ def save_adapter(model: nn.Cell, out_dir: Union[str, Path], base_model_name_or_p
     return out
 
 
-def adapter_files(model: nn.Cell, base_model_name_or_path: Optional[str] = None) -> Dict[str, bytes]:
+def adapter_files(model: nn.Cell, base_model_name_or_path: Optional[str] = None,
+                  weights: Optional[Dict[str, np.ndarray]] = None) -> Dict[str, bytes]:
     """The files of ``save_adapter``'s folder as bytes, by file name (a training checkpoint holds them, so its
-    folder is a PEFT adapter folder too)."""
+    folder is a PEFT adapter folder too); ``weights`` as for ``save_adapter``."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        out = save_adapter(model, tmp, base_model_name_or_path)
+        out = save_adapter(model, tmp, base_model_name_or_path, weights)
         return {name: (out / name).read_bytes() for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)}
 
 

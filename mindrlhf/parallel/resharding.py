@@ -27,7 +27,7 @@ from mindrlhf.models.config import DecoderConfig
 from mindrlhf.models.family import LM_HEAD, SCORE
 from mindrlhf.parallel import comm
 from mindrlhf.parallel.layout import ParallelLayout
-from mindrlhf.parallel.sharding import _index, _interval, param_shape, shard_spec, shard_tensor
+from mindrlhf.parallel.sharding import _index, _interval, param_shape, shard_tensor, split_dim
 
 # Optimizer moments are named "<prefix><parameter name>" and shard like their parameter.
 STATE_PREFIXES = ("adam_m.", "adam_v.")
@@ -50,22 +50,30 @@ def _value(tensor) -> np.ndarray:
     return np.asarray(value, np.float32)
 
 
+def _tp_dim(name: str, layout: ParallelLayout) -> Optional[int]:
+    """The dimension of ``name`` split over the layout's tp ranks (``None``: every tp rank holds all of it).
+    By name (``sharding.split_dim``), so it covers tensors outside the config too (LoRA factors)."""
+    return split_dim(name) if layout.tp > 1 else None
+
+
 def _is_holder(name: str, config: DecoderConfig, layout: ParallelLayout, rank: int) -> bool:
     """Whether ``rank`` contributes its shard of ``name`` to the assembly (one per tp slice)."""
     c = layout.coords(rank)
     if c.dp != 0:
         return False
-    if shard_spec(name, config, layout) is None and c.tp != 0:
+    if _tp_dim(name, layout) is None and c.tp != 0:
         return False  # replicated over tp: rank 0 of the tp group speaks for it
     return c.pp == layout.param_stages(name, config)[0]
 
 
 def assemble(tensors: Mapping[str, object], names: Iterable[str], config: DecoderConfig,
-             layout: ParallelLayout, rank: int) -> Iterator[Tuple[str, np.ndarray]]:
+             layout: ParallelLayout, rank: int, *, shapes: Optional[Mapping[str, Tuple[int, ...]]] = None
+             ) -> Iterator[Tuple[str, np.ndarray]]:
     """``(name, full float32 array)`` for each name, on every rank (a collective: call on all ranks).
 
     ``tensors`` holds this rank's shards (parameters or optimizer moments, HF names); ``names``
-    must be the same list in the same order on every rank.
+    must be the same list in the same order on every rank. ``shapes``: the full shape of each parameter
+    name (default: the config's; a LoRA model's adapters: ``models.lora.adapter_shapes``).
     """
     if comm.world_size() != layout.world_size:
         raise MindRLHFError(f"assembling tensors of layout {layout} needs its {layout.world_size} processes, but "
@@ -73,10 +81,10 @@ def assemble(tensors: Mapping[str, object], names: Iterable[str], config: Decode
                             "call comm.init_distributed() under msrun")
     for name in names:
         base = base_name(name)
-        full = np.zeros(param_shape(base, config), np.float32)
+        full = np.zeros(shapes[base] if shapes is not None else param_shape(base, config), np.float32)
         if name in tensors and _is_holder(base, config, layout, rank):
             local = _value(tensors[name])
-            dim = shard_spec(base, config, layout)
+            dim = _tp_dim(base, layout)
             if dim is None:
                 full[...] = local
             else:
@@ -116,15 +124,29 @@ def reshard_model(src: ms.nn.Cell, src_layout: ParallelLayout, dst: ms.nn.Cell, 
     return written
 
 
+def _slice(name: str, array: np.ndarray, shape: Tuple[int, ...], layout: ParallelLayout, tp_rank: int,
+           source: str) -> np.ndarray:
+    """tp rank ``tp_rank``'s slice of the full tensor ``array`` of parameter ``name`` (full shape ``shape``)."""
+    if tuple(array.shape) != tuple(shape):
+        raise MindRLHFError(f"{source}: {name!r} has shape {tuple(array.shape)}, this model's is {tuple(shape)}; "
+                            "the checkpoint belongs to another model or LoRA rank")
+    dim = _tp_dim(name, layout)
+    if dim is None:
+        return array
+    return array[_index(array.ndim, dim, *_interval(array.shape[dim], layout.tp, tp_rank))]
+
+
 def load_full_into(params: Mapping[str, ms.Parameter], full: Iterable[Tuple[str, np.ndarray]],
-                   config: DecoderConfig, layout: ParallelLayout, rank: int, *, source: str) -> int:
+                   config: DecoderConfig, layout: ParallelLayout, rank: int, *, source: str,
+                   shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> int:
     """Copy this rank's slices of full tensors (parameters or optimizer moments) into ``params``.
 
     Every name in ``params`` must come by; unknown names in ``full`` are an error (``source`` is
-    named in the messages). Returns how many tensors were written.
+    named in the messages). ``shapes``: as for ``assemble`` (the tensors a full checkpoint of the
+    model holds, by full shape). Returns how many tensors were written.
     """
     tp_rank = layout.coords(rank).tp
-    known = config.expected_shapes()
+    known = shapes if shapes is not None else config.expected_shapes()
     seen = set()
     for name, array in full:
         if name not in params:
@@ -132,12 +154,17 @@ def load_full_into(params: Mapping[str, ms.Parameter], full: Iterable[Tuple[str,
                 continue  # another stage's tensor
             raise MindRLHFError(f"{source}: unexpected tensor {name!r} for this model")
         p = params[name]
-        piece = shard_tensor(base_name(name), np.asarray(array), config, layout, tp_rank) \
-            if base_name(name) in known else np.asarray(array)
+        if base_name(name) not in known:
+            piece = np.asarray(array)
+        elif shapes is None:
+            piece = shard_tensor(base_name(name), np.asarray(array), config, layout, tp_rank)
+        else:
+            piece = _slice(base_name(name), np.asarray(array), known[base_name(name)], layout, tp_rank, source)
         if tuple(piece.shape) != tuple(p.shape):
             raise MindRLHFError(f"{source}: {name!r} gives a shard of shape {tuple(piece.shape)} but this rank "
                                 f"holds {tuple(p.shape)} under {layout}")
-        p.copy_(Tensor(np.ascontiguousarray(piece), dtype=p.dtype))
+        # reshape: np.ascontiguousarray makes a 0-d array (the optimizer's step counter) 1-d, which copy_ refuses
+        p.copy_(Tensor(np.ascontiguousarray(piece).reshape(piece.shape), dtype=p.dtype))
         seen.add(name)
     missing = sorted(set(params) - seen)
     if missing:

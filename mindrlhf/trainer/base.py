@@ -71,6 +71,8 @@ class Trainer:
     curves: Tuple[Curve, ...] = (("loss", "loss.png", "training loss", "loss"),)
     #: What a user runs next on the run's newest checkpoint folder (``{checkpoint}``); the last log line says it.
     next_command = "evaluate it: mindrlhf-eval --model {checkpoint}"
+    #: The same for a LoRA run, whose output is an adapter folder: mindrlhf-eval applies it on its recorded base.
+    lora_next_command = "evaluate it: mindrlhf-eval --model {adapter}"
 
     def __init__(self, cfg, *, model, updater: Updater, tokenizer, layout: Optional[RunLayout] = None,
                  total_steps: Optional[int] = None):
@@ -178,14 +180,34 @@ class Trainer:
         """Whether the trained model is split over tensor/pipeline ranks."""
         return self.layout.train.tp * self.layout.train.pp > 1
 
-    def _full_state(self, tensors: Dict[str, object], names: List[str], config=None) -> Dict[str, object]:
-        """Full tensors of a sharded state (of the model ``config`` describes, the trained model's by default),
-        assembled on every rank (kept by rank 0 only)."""
+    def _full_state(self, tensors: Dict[str, object], names: List[str], config=None,
+                    shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> Dict[str, object]:
+        """Full tensors of a sharded state (of the model ``config`` describes, the trained model's by default;
+        ``shapes``: ``resharding.assemble``'s), assembled on every rank (kept by rank 0 only)."""
         out = {}
-        for name, full in assemble(tensors, names, config or self.model.config, self.layout.train, self.rank):
+        for name, full in assemble(tensors, names, config or self.model.config, self.layout.train, self.rank,
+                                   shapes=shapes):
             if comm.is_main():
                 out[name] = ms.Tensor(full)
         return out
+
+    @staticmethod
+    def _trained_shapes(model) -> Optional[Dict[str, Tuple[int, ...]]]:
+        """The full shape of each tensor a checkpoint holds of trained ``model``: with LoRA its adapters and
+        modules to save (``models.lora.adapter_shapes``), else ``None`` (the config's parameters)."""
+        from mindrlhf.models.lora import adapter_shapes
+
+        spec = getattr(model, "lora_spec", None)
+        return adapter_shapes(model.config, spec) if spec is not None else None
+
+    def _full_adapters(self) -> Optional[Dict[str, object]]:
+        """LoRA on a tp/pp-sharded model: the whole model's adapters (a collective, every rank calls it), for the
+        PEFT folder rank 0 writes; ``None`` otherwise (the folder is written from the model itself)."""
+        from mindrlhf.models.lora import gather_adapter_weights
+
+        if not (self.lora and self.sharded):
+            return None
+        return gather_adapter_weights(self.model, self.layout.train, self.rank)
 
     def save_checkpoint(self) -> None:
         """Rank 0 writes the full (unsharded) state, so any layout can resume from it. Each trained model is
@@ -195,15 +217,18 @@ class Trainer:
             masters, optimizer = updater.master_weights(), updater.optimizer_state()
             if self.sharded:  # a collective: every rank takes part
                 config = updater.model.config
-                names = model_names(config)
-                masters = self._full_state(masters, names, config)
+                shapes = self._trained_shapes(updater.model)
+                names = list(shapes) if shapes is not None else model_names(config)
+                masters = self._full_state(masters, names, config, shapes)
                 moments = [p + n for p in STATE_PREFIXES for n in names]
-                optimizer = dict(self._full_state(optimizer, moments, config), adam_step=optimizer["adam_step"])
+                optimizer = dict(self._full_state(optimizer, moments, config, shapes),
+                                 adam_step=optimizer["adam_step"])
             tensors[stem], tensors[optimizer_stem] = masters, optimizer
         extra = self.extra_tensors()
         if self.sharded:
             names = model_names(self.model.config)
             extra = {stem: self._full_state(params, names) for stem, params in extra.items()}
+        adapters = self._full_adapters()
         if comm.is_main():
             tensors.update(extra)
             state = {"step": self.step, "run_id": self.run_id, "stage": self.stage, "models": self.input_models,
@@ -212,7 +237,7 @@ class Trainer:
                      "recompute": {stem: updater.recompute for stem, _, updater in self.trained()},
                      **self.stage_state(), **self.updater.loss_scale_state()}
             self.ckpt.save(self.step, tensors, state, yaml.safe_dump(self.run_config().to_dict(), sort_keys=False),
-                           files=self._model_files())
+                           files=self._model_files(adapters))
         # No rank starts the next step before the checkpoint is complete: msrun kills every worker of a
         # node when one dies, and rank 0 must not be taken down mid-write by a death in the next step.
         comm.barrier()
@@ -227,14 +252,14 @@ class Trainer:
         first = next(iter(self.input_models.values()), None)
         return str(first["path"]) if first and first.get("path") else None
 
-    def _model_files(self) -> Dict[str, object]:
+    def _model_files(self, adapters: Optional[Dict[str, object]] = None) -> Dict[str, object]:
         """config.json of the model and its tokenizer's files: a checkpoint folder is a loadable model. With LoRA
         it is a PEFT adapter folder instead (adapter_config.json + adapter_model.safetensors, no config.json: the
-        base is not in it; state.json records the base's path and checksum)."""
+        base is not in it; state.json records the base's path and checksum); ``adapters``: ``_full_adapters``."""
         from mindrlhf.models.lora import adapter_files
 
         if self.lora:
-            files: Dict[str, object] = dict(adapter_files(self.model, self.base_model()))
+            files: Dict[str, object] = dict(adapter_files(self.model, self.base_model(), adapters))
         else:
             config = config_with_dtype(self.model.config.to_hf_dict(), "float32")  # policy.ckpt holds the masters
             files = {"config.json": json.dumps(config, indent=2).encode("utf-8")}
@@ -243,15 +268,16 @@ class Trainer:
             files.update({name: folder / name for name in TOKENIZER_FILES if (folder / name).is_file()})
         return files
 
-    def load_tensors(self, params: Dict[str, object], path: Path, config=None) -> None:
+    def load_tensors(self, params: Dict[str, object], path: Path, config=None,
+                     shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> None:
         """Load a full checkpoint file into this rank's (possibly sharded) tensors of the model ``config``
-        describes (the trained model's by default)."""
+        describes (the trained model's by default; ``shapes``: ``resharding.load_full_into``'s)."""
         if not self.sharded:
             load_parameters_into(params, path)
             return
         loaded = ms.load_checkpoint(str(path))
         load_full_into(params, ((n, p.asnumpy()) for n, p in loaded.items()), config or self.model.config,
-                       self.layout.train, self.rank, source=str(path))
+                       self.layout.train, self.rank, source=str(path), shapes=shapes)
 
     def resume(self, path: Path) -> None:
         """Restore the run from checkpoint folder ``path`` (``checkpoint.run_dir.check_run_dirs`` found and
@@ -266,10 +292,10 @@ class Trainer:
         self.warn_recompute_change(path, state.get("recompute") or {})
         self.run_id = self.ckpt.run_id = str(state.get("run_id") or self.run_id)
         for stem, optimizer_stem, updater in self.trained():
-            config = updater.model.config
-            self.load_tensors(updater.master_weights(), path / f"{stem}.ckpt", config)
+            config, shapes = updater.model.config, self._trained_shapes(updater.model)
+            self.load_tensors(updater.master_weights(), path / f"{stem}.ckpt", config, shapes)
             updater.refresh_weights()
-            self.load_tensors(updater.optimizer_state(), path / f"{optimizer_stem}.ckpt", config)
+            self.load_tensors(updater.optimizer_state(), path / f"{optimizer_stem}.ckpt", config, shapes)
         self.load_extra_tensors(path, state)
         self.step = done
         self.consecutive_nonfinite = int(state["consecutive_nonfinite"])
@@ -330,8 +356,10 @@ class Trainer:
             names.append(f"{SKIPPED_ROWS_FILE} ({skipped} rows)")
         line = (f"done: {self.step} steps, last {self.headline} {history[-1].get(self.headline, float('nan')):.4f}; "
                 f"in {out}: {', '.join(names)}")
-        if self.lora:  # an adapter folder is not a model mindrlhf-eval loads: merge it first (README, "LoRA")
-            return line
+        if self.lora:
+            target = out / ADAPTER_DIR if (out / ADAPTER_DIR).is_dir() else found[1] if found else None
+            command = self.lora_next_command.format(adapter=target, base=self.base_model())
+            return f"{line}; {command}" if target else line
         return f"{line}; {self.next_command.format(checkpoint=found[1])}" if found else line
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -371,7 +399,7 @@ class Trainer:
             logger.close()
             for _, _, updater in self.trained():
                 updater.release_graphs()
-        if self.lora and comm.is_main():
+        if self.lora:
             self.save_adapter()
         return history
 
@@ -379,12 +407,17 @@ class Trainer:
         """LoRA: the adapter folders the run ends with (``save_adapter``), each with what it is, for ``finished``."""
         return [(ADAPTER_DIR, f"the PEFT adapter on {self.base_model()}")] if self.lora else []
 
-    def save_adapter(self) -> Path:
+    def save_adapter(self) -> Optional[Path]:
         """LoRA: the trained adapters as a PEFT adapter folder ``output_dir/adapter`` (``models.lora.save_adapter``;
-        peft's ``PeftModel.from_pretrained(base, folder)`` loads it, ``--lora_init_from`` reads it)."""
+        peft's ``PeftModel.from_pretrained(base, folder)`` loads it, ``--lora_init_from`` reads it). Every rank
+        calls it (a tp/pp-sharded model's adapters are assembled with a collective); rank 0 writes, and returns the
+        folder (``None`` elsewhere)."""
         from mindrlhf.models.lora import save_adapter
 
-        out = save_adapter(self.model, self.output_dir / ADAPTER_DIR, self.base_model())
+        adapters = self._full_adapters()
+        if not comm.is_main():
+            return None
+        out = save_adapter(self.model, self.output_dir / ADAPTER_DIR, self.base_model(), adapters)
         log.info("LoRA adapter (PEFT format) written to %s", out)
         return out
 

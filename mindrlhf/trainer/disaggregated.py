@@ -17,7 +17,8 @@ while the generators sample step s + 1 with it (the same collectives in the same
 
 * ``RolloutLink.start``: a Broadcast from rank 0 of where the run starts (step, batches drawn, run length) and of
   the job's clock origin, so a resumed job's generators continue at the trainers' data position; then the weights
-  (one step off and resumed: the checkpoint's weights in flight, so the next step's rows are sampled again).
+  (one step off and resumed: the checkpoint's weights in flight, so the next step's rows are sampled again). A run
+  length of 0: the trainers replay recorded rows (``replay_data_file``), the generators stop.
 * ``RolloutLink.send`` / ``receive``: the step's completions as one fixed-shape padded AllGather (each generator's
   block of ``rows_per_generator`` rows: token ids, sampler log-probs and entropies padded to ``width``, the length,
   whether it was cut at the limit, and the policy version it was sampled with); the trainers' blocks are zeros.
@@ -111,7 +112,8 @@ class RolloutLink:
               weights: bool = True) -> Tuple[int, int, int, bool]:
         """Rank 0's ``(step, batches_drawn, total_steps, weights)`` on every rank (the others' arguments are
         ignored); ``weights``: the policy's weights follow (``push_weights``), else the generators start from
-        their own checkpoint (sft_path_infer)."""
+        their own checkpoint (sft_path_infer). ``total_steps`` 0: nothing to sample (the trainers replay a recorded
+        run), the generators stop."""
         # The clock origin rounded to a float32 (to 128 s, which does not matter: it is only a common zero).
         origin = float(np.float32(time.time() - 256.0))
         got = comm.job_broadcast(np.array([step, batches_drawn, total_steps, weights, origin], np.float32))
@@ -196,6 +198,10 @@ class GenerationWorker:
         from mindrlhf.trainer.rollout import sample_batches, sampling_params
 
         step, drawn, total, weights = self.link.start()
+        if total == 0:
+            log.info("rank %d: the trainers replay recorded rollouts (replay_data_file): nothing to sample, this "
+                     "generator rank stops", comm.rank())
+            return []
         version = self.link.pull_weights(self.sampler, self.config) if weights else step
         replica = self.layout.infer_dp_rank
         one_step_off = self.cfg.parallel.max_staleness > 0

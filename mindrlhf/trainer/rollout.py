@@ -151,6 +151,8 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         self.in_flight: Optional[tuple] = None
         #: Seconds the one-step-off push of the weights took in this step's receive (``collect`` logs it).
         self.push_seconds = 0.0
+        #: A disaggregated trainer's evaluation sampler over its policy (``eval_sampler``), built when first needed.
+        self._eval_sampler: Optional[Sampler] = None
         if layout is not None and layout.disaggregated:
             from mindrlhf.trainer.disaggregated import RolloutLink
 
@@ -166,7 +168,13 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
     def one_step_off(self) -> bool:
         """A disaggregated job at max_staleness >= 1: the weights of update s - 1 go to the generators once step
         s's rows are here, not at the end of step s - 1 (``disaggregated.GenerationWorker.train``)."""
-        return self.link is not None and self.cfg.parallel.max_staleness > 0
+        return self.link is not None and self.cfg.parallel.max_staleness > 0 and not self.replaying
+
+    @property
+    def replaying(self) -> bool:
+        """``--replay_data_file``: every step's rows are read from a recorded run, nothing is sampled (a
+        disaggregated job's generators stop at the start: ``train``)."""
+        return bool(self.cfg.train.replay_data_file)
 
     # -- rollout ----------------------------------------------------------------------------------
     def _sampling_params(self, step: int, rollout: int) -> SamplingParams:
@@ -413,8 +421,9 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         when it generates with the policy itself)."""
         if self.link is not None:  # the generator ranks' copy, by broadcast (``disaggregated.RolloutLink``)
             # Called at the end of step self.step + 1, after its update: the weights of that many steps. One step
-            # off, they go out when the next step's rows are here instead (``_received_rollout``).
-            if not self.one_step_off:
+            # off, they go out when the next step's rows are here instead (``_received_rollout``); on replay the
+            # generators have stopped.
+            if not (self.one_step_off or self.replaying):
                 self.link.push_weights(self.policy, self.step + 1)
             return
         if self.sampler.holds(self.policy):
@@ -475,8 +484,13 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
 
     def train(self) -> List[Dict[str, float]]:
         """The shared loop (``trainer.base``); a disaggregated job's trainers first tell the generator ranks where
-        the run starts and send them the policy's weights (``disaggregated.GenerationWorker.train``)."""
-        if self.link is not None:
+        the run starts and send them the policy's weights (``disaggregated.GenerationWorker.train``), or, replaying,
+        that there is nothing to sample."""
+        if self.link is not None and self.replaying:
+            # Every row is read from the recording: the generator ranks are told there is nothing to sample (a run
+            # length of 0) and stop, so the trainers train as the recorded run's did, on their own.
+            self.link.start(self.step, self.batches_drawn, 0, weights=False)
+        elif self.link is not None:
             # A fresh start whose generators load sft_path_infer samples step 1 with it, as colocated.
             weights = self.step > 0 or not self.cfg.generator_checkpoint()
             self.link.start(self.step, self.batches_drawn, self.total_steps, weights)
@@ -552,11 +566,24 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
 
     # -- evaluation while training (trainer.policy_eval) -------------------------------------------
     def eval_sampler(self) -> Sampler:
-        """The rollout sampler itself (after the step's weight sync, so it holds the policy's weights)."""
+        """The rollout sampler itself (after the step's weight sync, so it holds the policy's weights). A
+        disaggregated job's trainer has none: it evaluates on a sampler over its policy, built at the first
+        evaluation (what a colocated one-process run samples with), so the eval at step s uses the weights of update
+        s at any ``max_staleness``, as colocated; the generators, one update behind one step off and without the
+        reward functions, sample on meanwhile."""
+        if self.sampler is None:
+            if self._eval_sampler is None:
+                from mindrlhf.generation.factory import build_sampler
+
+                self._eval_sampler = build_sampler(self.cfg, self.policy)
+            return self._eval_sampler
         return self.sampler
 
     def eval_replicas(self) -> Tuple[int, int, bool]:
-        """The generator replicas (infer dp) share the evaluation's questions."""
+        """The generator replicas (infer dp) share the evaluation's questions; a disaggregated job's trainers
+        (train dp) share them instead (``eval_sampler``)."""
+        if self.link is not None:
+            return self.layout.train_dp_rank, self.layout.train.dp, self.layout.train_representative
         return self.layout.infer_dp_rank, self.layout.infer.dp, self.layout.infer_representative
 
     def eval_generation_settings(self) -> Dict[str, object]:
