@@ -518,7 +518,7 @@ def critic_lora(model_cfg: PPOModelConfig) -> Optional[PPOModelConfig]:
     spec = spec_from_peft(read_json(source), str(source))
     targets = [spec.target_modules] if isinstance(spec.target_modules, str) else list(spec.target_modules)
     return replace(model_cfg, lora_init_from="", lora_rank=spec.r, lora_alpha=spec.alpha,
-                   lora_target_modules=targets)
+                   lora_dropout=spec.dropout, lora_target_modules=targets)
 
 
 def check_scorer(scorer, actor, path: str, flag: str) -> None:

@@ -4,7 +4,9 @@ Each rank builds its tp shard of an HF model, attaches the LoRA spec, loads the 
 (its slices are cut by ``set_adapter_weights``), and writes the loss and the gradient of every trainable
 parameter (by name) of ``-sum(completion log-probs)``, the adapters assembled from the shards
 (``gather_adapter_weights``) and the merged model (``merged_weights`` of the shard) to ``<out>/rank{r}.npz``;
-rank 0 writes the assembled adapters as a PEFT folder, ``<out>/adapter_tp``.
+rank 0 writes the assembled adapters as a PEFT folder, ``<out>/adapter_tp``. With ``--dropout`` p > 0 also the loss
+and gradients with the adapter dropout's seeds on (``drop_loss``, ``drop_grad/...``: a row-parallel shard must draw
+its columns' slice of one process's mask).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ def main() -> int:
     p.add_argument("--batch", required=True, help=".npz with input_ids, attention_mask, completion_ids")
     p.add_argument("--r", type=int, required=True)
     p.add_argument("--alpha", type=float, required=True)
+    p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -39,6 +42,7 @@ def main() -> int:
         merged_weights,
         save_adapter,
         set_adapter_weights,
+        set_dropout_seeds,
     )
     from mindrlhf.parallel import comm
     from mindrlhf.parallel.groups import init_run_layout
@@ -54,7 +58,7 @@ def main() -> int:
     config = DecoderConfig.from_hf_dict(source.config, source=str(source.config_path))
     model = CausalLM(config, "float32", groups.shard())
     set_weights(model, rank_state(dict(source), config, layout, groups.rank), source=args.model)
-    apply_lora(model, LoRASpec(r=args.r, alpha=args.alpha))
+    apply_lora(model, LoRASpec(r=args.r, alpha=args.alpha, dropout=args.dropout))
     set_adapter_weights(model, dict(np.load(args.adapter, allow_pickle=False)))
     batch = {k: Tensor(v) for k, v in np.load(args.batch, allow_pickle=False).items()}
     params = model.trainable_params()
@@ -69,6 +73,11 @@ def main() -> int:
     result.update({"merged/" + k: v for k, v in merged_weights(model, layout, groups.rank).items()})
     if comm.is_main():
         save_adapter(model, Path(args.out) / "adapter_tp", weights=adapters)
+    if args.dropout:
+        set_dropout_seeds(model, step=5)
+        loss, grads = ms.value_and_grad(loss_fn, None, params)()
+        result["drop_loss"] = loss.asnumpy()
+        result.update({"drop_grad/" + q.name: g.asnumpy() for q, g in zip(params, grads)})
     np.savez(Path(args.out) / f"rank{groups.rank}.npz", **result)
     return 0
 

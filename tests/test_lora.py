@@ -233,16 +233,25 @@ def test_gradients_reach_only_the_adapters(tmp_path):
     assert float(loss_fn().asnumpy()) < float(loss.asnumpy())
 
 
-def test_layer_graphs_train_the_adapters_like_pynative_and_jit(tmp_path):
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_layer_graphs_train_the_adapters_like_pynative_and_jit(tmp_path, dropout):
     """The compiled layer graphs (recompute full) load every parameter of a layer into a template carrying the same
     adapters and differentiate only the adapters: the loss and each adapter gradient equal the pynative and the
-    whole-model jit ones (<= 1e-5 relative), the base gets none, and the weights the graphs read are the layers'."""
+    whole-model jit ones (<= 1e-5 relative), the base gets none, and the weights the graphs read are the layers'.
+    With adapter dropout on (seeds set as a gradient pass sets them) too: the backward's recomputed forward draws the
+    forward's masks (a redrawn mask would give another gradient), and the masks change the loss."""
+    from mindrlhf.models.lora import set_dropout_seeds
     from mindrlhf.testing import make_tiny_qwen2
     from test_packing import _rows
 
     model = load_model(make_tiny_qwen2(tmp_path / "m"))
-    apply_lora(model, LoRASpec(r=4, alpha=8, target_modules=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")))
+    apply_lora(model, LoRASpec(r=4, alpha=8, dropout=dropout,
+                               target_modules=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")))
     set_adapter_weights(model, _random_adapter(model))
+    if dropout:
+        undropped = float(model.sequence_logprobs(*[Tensor(a) for a in _rows(model.config.vocab_size)[:3]],
+                                                  0.7).sum().asnumpy())
+        set_dropout_seeds(model, step=3, dp_rank=0, micro_batch=1)
     ids, mask, comp, present = _rows(model.config.vocab_size)
     weights = Tensor(np.random.default_rng(0).normal(size=present.shape).astype(np.float32) * present)
 
@@ -266,6 +275,9 @@ def test_layer_graphs_train_the_adapters_like_pynative_and_jit(tmp_path):
     with model.compiled_layers():  # asking for the base's gradient gives nothing through the graphs
         frozen = ms.grad(loss_fn, None, [model.model.layers[0].self_attn.q_proj.weight])()
     assert not np.any(frozen[0].asnumpy())
+    if dropout:
+        dropped = float(model.sequence_logprobs(*[Tensor(a) for a in (ids, mask, comp)], 0.7).sum().asnumpy())
+        assert abs(dropped - undropped) > 1e-3
 
 
 def test_tp_shards_split_the_adapter_with_their_layer(tiny_qwen2_dir):
@@ -329,14 +341,17 @@ def test_one_line_errors(tmp_path, tiny_qwen2_dir):
 @pytest.mark.msrun
 def test_tp2_adapter_gradients_equal_single_process(tmp_path, tiny_qwen2_dir):
     """tp=2 under msrun: the loss and every adapter gradient slice equal one process's (the replicated factor's
-    gradient is summed over the tp ranks: A of a column-parallel layer, B of a row-parallel one). The adapters
-    assembled from the shards are the full ones on every rank, the merged model of the shards equals one process's
-    bit for bit, and the PEFT folder written from the shards is byte-identical to one process's."""
+    gradient is summed over the tp ranks: A of a column-parallel layer, B of a row-parallel one), with the adapter
+    dropout off and on (its masks indexed by the whole input's columns: a row-parallel shard draws its slice of one
+    process's mask). The adapters assembled from the shards are the full ones on every rank, the merged model of the
+    shards equals one process's bit for bit, and the PEFT folder written from the shards is byte-identical to one
+    process's."""
     import sys
 
+    from mindrlhf.models.lora import set_dropout_seeds
     from mindrlhf.testing import padded_batch
 
-    spec = LoRASpec(r=4, alpha=8.0)  # the worker parses --alpha as a float: the same adapter_config.json
+    spec = LoRASpec(r=4, alpha=8.0, dropout=0.3)  # the worker parses --alpha as a float: the same adapter_config.json
     model = load_model(tiny_qwen2_dir)
     apply_lora(model, spec)
     full = _random_adapter(model)
@@ -352,6 +367,10 @@ def test_tp2_adapter_gradients_equal_single_process(tmp_path, tiny_qwen2_dir):
 
     loss, grads = ms.value_and_grad(loss_fn, None, params)()
     want = {p.name: g.asnumpy() for p, g in zip(params, grads)}
+    set_dropout_seeds(model, step=5)
+    drop_loss, drop_grads = ms.value_and_grad(loss_fn, None, params)()
+    assert abs(float(drop_loss.asnumpy()) - float(loss.asnumpy())) > 1e-3
+    drop_want = {p.name: g.asnumpy() for p, g in zip(params, drop_grads)}
     np.savez(tmp_path / "adapter.npz", **full)
     np.savez(tmp_path / "batch.npz", **batch)
     log_dir = tmp_path / "log"
@@ -360,15 +379,18 @@ def test_tp2_adapter_gradients_equal_single_process(tmp_path, tiny_qwen2_dir):
     cmd = [str(Path(sys.executable).parent / "msrun"), "--worker_num=2", "--local_worker_num=2", "--master_port=8313",
            "--join=True", f"--log_dir={log_dir}", str(REPO / "tests" / "lora_tp_worker.py"), "--tp", "2",
            "--model", str(tiny_qwen2_dir), "--adapter", str(tmp_path / "adapter.npz"),
-           "--batch", str(tmp_path / "batch.npz"), "--r", "4", "--alpha", "8", "--out", str(tmp_path)]
+           "--batch", str(tmp_path / "batch.npz"), "--r", "4", "--alpha", "8", "--dropout", "0.3", "--out",
+           str(tmp_path)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     logs = "\n".join(p.read_text()[-2000:] for p in sorted(log_dir.glob("*.log")))
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}\n{logs}"
     ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
     for res in ranks:
         np.testing.assert_allclose(float(res["loss"]), float(loss.asnumpy()), rtol=1e-5)
-    for name, g in want.items():
-        got = [res["grad/" + name] for res in ranks]
+        np.testing.assert_allclose(float(res["drop_loss"]), float(drop_loss.asnumpy()), rtol=1e-5)
+    for key, name, g in [("grad/", n, g) for n, g in want.items()] + [("drop_grad/", n, g)
+                                                                      for n, g in drop_want.items()]:
+        got = [res[key + name] for res in ranks]
         split_b = ".lora_B." in name and any(f".{m}." in name for m in ("q_proj", "k_proj", "v_proj", "gate_proj",
                                                                          "up_proj"))
         split_a = ".lora_A." in name and any(f".{m}." in name for m in ("o_proj", "down_proj"))
@@ -428,13 +450,17 @@ def test_readme_lora_example_runs_and_its_merged_export_equals_the_adapter(tmp_p
     assert all(np.array_equal(tensors[k], full[k]) for k in full)
 
 
-def test_adapted_model_compiles_with_jit_and_dropout_acts_only_in_training(tmp_path):
+def test_adapted_model_compiles_with_jit_and_dropout_acts_only_with_seeds(tmp_path):
     """Graph mode compiles the adapted linears (the stages' steps and the sampler are jit-compiled) to the
-    pynative logits; lora_dropout is off in eval mode and on in training mode."""
+    pynative logits; lora_dropout is off until a gradient pass sets the seeds (training mode alone changes nothing),
+    then the compiled graph reads the new seeds (no recompile) and gives pynative's dropped logits, and seeds off
+    give the undropped logits bit for bit."""
+    from mindrlhf.models.lora import has_dropout, set_dropout_seeds
     from mindrlhf.testing import make_tiny_qwen3, padded_batch
 
     model = load_model(make_tiny_qwen3(tmp_path / "m"))
     apply_lora(model, LoRASpec(r=4, alpha=8, dropout=0.1))
+    assert has_dropout(model)
     set_adapter_weights(model, _random_adapter(model))
     ids, mask = padded_batch(model.config.vocab_size)
     eager = model(Tensor(ids), Tensor(mask)).asnumpy()
@@ -442,9 +468,94 @@ def test_adapted_model_compiles_with_jit_and_dropout_acts_only_in_training(tmp_p
     def forward(i, m):
         return model(i, m)
 
-    np.testing.assert_allclose(ms.jit(forward)(Tensor(ids), Tensor(mask)).asnumpy(), eager, rtol=0, atol=1e-5)
+    compiled = ms.jit(forward)
+    np.testing.assert_allclose(compiled(Tensor(ids), Tensor(mask)).asnumpy(), eager, rtol=0, atol=1e-5)
     model.set_train(True)
-    assert np.abs(model(Tensor(ids), Tensor(mask)).asnumpy() - eager).max() > 1e-3
+    np.testing.assert_array_equal(model(Tensor(ids), Tensor(mask)).asnumpy(), eager)
+    set_dropout_seeds(model, step=0)
+    dropped = model(Tensor(ids), Tensor(mask)).asnumpy()
+    assert np.abs(dropped - eager).max() > 1e-3
+    np.testing.assert_allclose(compiled(Tensor(ids), Tensor(mask)).asnumpy(), dropped, rtol=0, atol=1e-5)
+    set_dropout_seeds(model, None)
+    np.testing.assert_array_equal(model(Tensor(ids), Tensor(mask)).asnumpy(), eager)
+    assert not has_dropout(load_model(make_tiny_qwen3(tmp_path / "m")))
+
+
+def _numpy_keep(seed: int, rows: int, in_features: int, p: float, cols=None) -> np.ndarray:
+    """The hash mask of models.hash_dropout written again in numpy (uint32 arithmetic): murmur3's fmix32 of
+    row * 0x9E3779B1 ^ seed per row and of column * 0x9E3779B1 ^ seed ^ 0x5BD1E995 per column, their xor times
+    0x85EBCA6B per element; kept where its top 24 bits, read as a signed number plus 2**23, are >= p * 2**24."""
+    def fmix(h):
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+        return h ^ (h >> 16)
+
+    cols = np.arange(in_features) if cols is None else cols
+    s = np.uint64(seed & 0xFFFFFFFF)
+    row = fmix(((np.arange(rows, dtype=np.uint64) * 0x9E3779B1) & 0xFFFFFFFF) ^ s)
+    col = fmix(((cols.astype(np.uint64) * 0x9E3779B1) & 0xFFFFFFFF) ^ s ^ np.uint64(0x5BD1E995))
+    h = ((row[:, None] ^ col[None, :]) * 0x85EBCA6B) & 0xFFFFFFFF
+    top = (h >> 8).astype(np.int64)
+    signed = np.where(top >= 1 << 23, top - (1 << 24), top)  # an int32's arithmetic shift by 8
+    return signed + (1 << 23) >= int(round(p * (1 << 24)))
+
+
+def test_adapter_dropout_is_the_hash_mask_numpy_computes(tmp_path):
+    """An adapted linear at p = 0.5 with a given seed computes W x + scaling * B A (mask * x / (1 - p)) with numpy's
+    mask of the same hash (<= 1e-5); over a large input the kept fraction is 1 - p (p = 0.5 and 0.1); other seeds
+    (modules, micro-batches, steps, dp replicas) give other masks; a row-parallel tp shard draws its columns' slice of
+    one process's mask."""
+    from mindrlhf.models import DecoderConfig
+    from mindrlhf.models.decoder import CausalLM
+    from mindrlhf.models.hash_dropout import dropout_multiplier
+    from mindrlhf.models.lora import dropout_seed, lora_modules, set_dropout_seeds
+    from mindrlhf.models.shard import ModelShard
+    from mindrlhf.testing import make_tiny_qwen2
+
+    path = make_tiny_qwen2(tmp_path / "m")
+    model = load_model(path)
+    apply_lora(model, LoRASpec(r=4, alpha=8, dropout=0.5, seed=7))
+    set_adapter_weights(model, _random_adapter(model))
+    set_dropout_seeds(model, step=2, dp_rank=1, micro_batch=3)
+    cells = dict(lora_modules(model))
+    name = "model.layers.1.mlp.down_proj"
+    cell = cells[name]
+    seed = dropout_seed(7, 2, 1, 3, f"CAUSAL_LM:{name}")
+    assert int(cell.lora_dropout_seed.asnumpy()) == seed >= 0
+    x = np.random.default_rng(0).normal(size=(6, cell.weight.shape[1])).astype(np.float32)
+    keep = _numpy_keep(seed, 6, x.shape[1], 0.5)
+    w, a, b = (t.asnumpy().astype(np.float64) for t in (cell.weight, cell.lora_A.weight, cell.lora_B.weight))
+    want = x @ w.T + cell.lora_scaling * ((x * keep / 0.5) @ a.T) @ b.T
+    np.testing.assert_allclose(cell(Tensor(x)).asnumpy(), want, rtol=0, atol=1e-5)
+    assert 0.3 < keep.mean() < 0.7
+
+    big = Tensor(np.ones((512, 1024), np.float32))
+    for p in (0.5, 0.1):
+        for s in (1, 12345, 2 ** 31 - 1):
+            got = dropout_multiplier(big, Tensor(np.int32(s)), p, 0, 1024).asnumpy()
+            np.testing.assert_array_equal(got, _numpy_keep(s, 512, 1024, p) * np.float32(1 / (1 - p)))
+            assert abs((got > 0).mean() - (1 - p)) < 0.005, (p, s)
+    masks = [dropout_multiplier(big, Tensor(np.int32(s)), 0.5, 0, 1024).asnumpy() > 0 for s in (1, 2)]
+    assert 0.45 < (masks[0] != masks[1]).mean() < 0.55  # independent-looking masks for neighbouring seeds
+    np.testing.assert_array_equal(dropout_multiplier(big, Tensor(np.int32(-1)), 0.5, 0, 1024).asnumpy(), 1.0)
+    seeds = [int(c.lora_dropout_seed.asnumpy()) for c in cells.values()]
+    assert len(set(seeds)) == len(seeds)  # a mask per module
+    assert len({dropout_seed(7, *k, name) for k in ((2, 1, 3), (2, 1, 4), (3, 1, 3), (2, 0, 3))}) == 4
+
+    config = DecoderConfig.from_file(path)
+    o = "model.layers.0.self_attn.o_proj"
+    in_features = config.num_attention_heads * config.head_dim
+    for rank in range(2):  # built in-process, no collective runs
+        shard = CausalLM(config, shard=ModelShard(tp=2, tp_rank=rank, tp_group="tp"))
+        apply_lora(shard, LoRASpec(r=4, alpha=8, dropout=0.5))
+        row = dict(lora_modules(shard))[o]
+        half = in_features // 2
+        assert (row.lora_col_offset, row.lora_in_features) == (rank * half, in_features)
+        got = dropout_multiplier(Tensor(np.ones((8, half), np.float32)), Tensor(np.int32(99)), 0.5,
+                                 row.lora_col_offset, row.lora_in_features).asnumpy()
+        np.testing.assert_array_equal(got > 0, _numpy_keep(99, 8, in_features, 0.5)[:, rank * half:(rank + 1) * half])
 
 
 def test_a_split_factor_counts_as_split_in_the_grad_norm_and_the_shapes_cover_every_stage(tiny_qwen2_dir):

@@ -204,8 +204,8 @@ LORA_STAGES = ("sft", "rm", "dpo", "orpo", "grpo", "ppo")
 
 
 def test_stages_without_lora_refuse_it_in_one_line(tmp_path, capsys):
-    """Every stage not wired for LoRA refuses lora_rank > 0 (nothing trains the full model instead); SFT refuses
-    adapter dropout; PPO, like GRPO, a generator other than the policy."""
+    """Every stage not wired for LoRA refuses lora_rank > 0 (nothing trains the full model instead); PPO, like GRPO,
+    a generator other than the policy."""
     import importlib
 
     from mindrlhf.registry import STAGES
@@ -218,11 +218,6 @@ def test_stages_without_lora_refuse_it_in_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert code == 2 and "this stage does not train LoRA adapters yet" in err, name
         assert len(err.strip().splitlines()) == 1, err
-    from mindrlhf import sft
-
-    for flags, said in ((["--lora_dropout", "0.1"], "adapter dropout is not supported"),):
-        assert sft.main(["--lora_rank", "4", "--output_dir", str(tmp_path / "s"), *flags]) == 2
-        assert said in capsys.readouterr().err
     from mindrlhf import ppo
 
     for flags in (["--infer_dp", "2", "--train_dp", "1"], ["--gen_workers", "1", "--use_parallel", "true"]):
@@ -354,6 +349,61 @@ def test_dpo_lora_resumes_exactly(lora_assets, tmp_path):
         {k: v for k, v in history[-1].items() if "time" not in k}
     want, got = adapter_weights(full.model), adapter_weights(resumed.model)
     assert set(got) == set(want) and all(np.array_equal(got[n], want[n]) for n in want)
+
+
+@pytest.mark.slow
+def test_sft_lora_dropout_changes_training_not_forward_passes_and_resumes_exactly(lora_assets, tmp_path):
+    """--lora_dropout 0.3 (layer graphs, two micro-batches a step): the first step's adapters differ from p = 0's (the
+    masks act in the gradient pass); forward passes (evaluation, log-probs: the runner's forward, the model's logits)
+    of the same adapters are bit-identical at p = 0.3 and p = 0 (no masks outside the gradient pass); resumed from the
+    step-1 checkpoint, step 2's metrics and adapters equal the uninterrupted run's bit for bit (the masks are drawn
+    from the run's seed and the optimizer step the checkpoint holds)."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from mindrlhf.models.lora import adapter_weights, set_adapter_weights
+    from mindrlhf.sft import SFT, sft_micro_batches
+    from mindrlhf.testing import padded_batch
+    from mindrlhf.trainer.entry import setup_runtime
+
+    a = lora_assets
+
+    def trainer(out, dropout, steps=2):
+        cfg = SFT.parse(_flags(model=a["model"], train_file=a["rows"], output_dir=tmp_path / out, max_steps=steps,
+                               batch_size=4, micro_batch_size=2, max_length=64, seed=3, progress_bar="false",
+                               recompute="full", save_steps=1, lora_rank=R, lora_alpha=ALPHA, lora_dropout=dropout,
+                               **STEP))
+        return SFT.build(cfg, setup_runtime(cfg))
+
+    dropped = trainer("full", 0.3)
+    history = dropped.train()
+    after = adapter_weights(dropped.model)
+    ckpt = tmp_path / "full" / "checkpoints" / "step_00000001"
+    first = {k: v.asnumpy() for k, v in ms.load_checkpoint(str(ckpt / "policy.ckpt")).items()}
+    plain = trainer("plain", 0.0, steps=1)
+    plain.train_one_step()
+    moved = [np.abs(v - first[k]).max() for k, v in adapter_weights(plain.model).items() if ".lora_B." in k]
+    assert max(moved) > 1e-4  # the masks changed the first step's B gradients
+
+    set_adapter_weights(plain.model, after)
+    cols = plain.dataset.columns
+    micro = sft_micro_batches(cols["input_ids"], cols["trained"], 2, plain.pad_id)
+    counts = (sum(float(m.sum()) for m in cols["trained"]),)
+    for want, got in zip(plain.updater.forward(micro), dropped.updater.forward(micro)):
+        np.testing.assert_array_equal(got, want)
+    assert dropped.updater.evaluate(micro, counts) == plain.updater.evaluate(micro, counts)
+    ids, mask = padded_batch(plain.model.config.vocab_size)
+    np.testing.assert_array_equal(dropped.model(Tensor(ids), Tensor(mask)).asnumpy(),
+                                  plain.model(Tensor(ids), Tensor(mask)).asnumpy())
+
+    resumed = trainer("resumed", 0.3)
+    resumed.resume(ckpt)
+    assert resumed.step == 1
+    last = resumed.train()[-1]
+    assert {k: v for k, v in last.items() if "time" not in k} == \
+        {k: v for k, v in history[-1].items() if "time" not in k}
+    got = adapter_weights(resumed.model)
+    assert set(got) == set(after) and all(np.array_equal(got[n], after[n]) for n in after)
 
 
 def _one_step_trains_only_the_adapters(trainer, model) -> dict:
@@ -539,13 +589,14 @@ def test_sft_lora_run_writes_a_peft_adapter_and_resumes_exactly(lora_assets, tmp
 def test_grpo_lora_at_beta_0_trains_the_adapters_and_samples_with_them(grpo_assets, tmp_path, length_reward):
     """GRPO with --lora_rank at beta 0: the sampler is the policy itself (its layers apply the adapters, so every
     step samples with the adapted weights), the optimizer holds the adapters only, a step moves B off zero and leaves
-    the base bit-identical. sync_ref_model and a separate generator are refused in one line."""
+    the base bit-identical; with --lora_dropout (its hash masks in the sampler's graphs too, switched off there).
+    sync_ref_model and a separate generator are refused in one line."""
     from grpo_runs import grpo_args
     from mindrlhf import grpo
     from mindrlhf.configs import parse_args
     from mindrlhf.errors import MindRLHFError
 
-    args = dict(max_steps=1, lr=1e-2, reward_funcs=[length_reward], lora_rank=R, lora_alpha=ALPHA)
+    args = dict(max_steps=1, lr=1e-2, reward_funcs=[length_reward], lora_rank=R, lora_alpha=ALPHA, lora_dropout=0.1)
     trainer = grpo.build_trainer(parse_args(grpo_args(grpo_assets, tmp_path / "out", **args)))
     assert trainer.sampler.holds(trainer.policy)
     _one_step_trains_only_the_adapters(trainer, trainer.policy)

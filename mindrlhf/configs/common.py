@@ -115,8 +115,11 @@ class ModelBaseConfig:
         8.0, "LoRA scaling numerator (PEFT's lora_alpha): an adapter adds (lora_alpha / lora_rank) * B A x. Range > 0.",
         gt=0.0)
     lora_dropout: float = config_field(
-        0.0, "Dropout on an adapter's input (PEFT's lora_dropout). Only 0 is supported in training for now (the "
-        "compiled layer graphs recompute each layer's forward). Range [0, 1).",
+        0.0, "Dropout on an adapter's input (PEFT's lora_dropout: delta = scaling * B A dropout(x), a mask per "
+        "adapted projection, kept inputs scaled by 1 / (1 - p)), active in the gradient passes only (sampling, "
+        "log-prob, reference and eval passes see none). The mask is a hash of (seed, step, micro-batch, module, "
+        "element), so a recomputed forward draws the same mask and --resume is exact; it depends on how rows "
+        "fall into micro-batches and dp replicas, so layouts give the same update at 0 only. Range [0, 1).",
         ge=0.0, lt=1.0)
     lora_target_modules: List[str] = config_field(
         list(PROJECTIONS), "The decoder projections that get adapters, in PEFT's meaning: module names (a "
@@ -134,9 +137,6 @@ class ModelBaseConfig:
         return self.lora_rank > 0 or bool(self.lora_init_from)
 
     def check(self, errors: List[str]) -> None:
-        if self.lora and self.lora_dropout > 0:
-            errors.append(f"lora_dropout = {self.lora_dropout}: adapter dropout is not supported in training yet; "
-                          "use lora_dropout 0")
         if not self.lora_target_modules:
             errors.append("lora_target_modules is empty; name projections (e.g. q_proj v_proj) or give a regex")
         if bool(self.vocab_path) != bool(self.merges_file_path):

@@ -514,9 +514,6 @@ class CausalLM(nn.Cell):
             raise MindRLHFError(f"compiled layer graphs: LoRA target_modules {self.lora_spec.target_modules!r} adapt "
                                 "different projections in different layers, and one compiled layer serves all; "
                                 "target the same projections in every layer, or set layer_graphs false")
-        if self.lora_spec.dropout > 0 and self.training:  # a dropout recomputed in the backward draws another mask
-            raise MindRLHFError(f"compiled layer graphs: lora_dropout {self.lora_spec.dropout} is not supported "
-                                "with the shared layer graphs; use lora_dropout 0 or set layer_graphs false")
         adapt_like(template, layers[0])
         return template
 

@@ -21,6 +21,8 @@ SFT, RM, DPO, ORPO and GRPO (beta 0) train them (``trainer.entry.load_policy(...
 layer graphs carry the same adapters through ``adapt_like``). ``adapters_disabled`` runs the base (DPO's reference:
 each adapter's ``lora_enabled`` switch, a graph input, set to 0); ``modules_to_save`` (a reward model's ``score``)
 are trained in full and saved with the adapters. PPO and GRPO's reference are next: see docs/design.md, "LoRA".
+Adapter dropout (``LoRASpec.dropout`` > 0) is a hash mask (``models.hash_dropout``) whose per-module seeds
+``set_dropout_seeds`` sets for a gradient pass (``trainer.update.Updater``) and turns off (-1) afterwards.
 """
 from __future__ import annotations
 
@@ -148,6 +150,27 @@ def _local(cell: nn.Cell, a: np.ndarray, b: np.ndarray, tp: int, tp_rank: int) -
     return a[:, tp_rank * n:(tp_rank + 1) * n], b
 
 
+def _attach_dropout(cell: nn.Cell, name: str, p: float, tp: int, tp_rank: int) -> None:
+    """Give ``cell`` adapter dropout ``p`` (none at 0): its seed parameter, off (-1) until a gradient pass sets it
+    (``set_dropout_seeds``), and where its input columns sit in the whole input (a row-parallel layer's input is
+    split over the tp ranks; a column-parallel layer's is whole)."""
+    cell.lora_dropout = float(p)
+    if p <= 0:
+        cell.lora_dropout_seed = None
+        return
+    in_local = cell.weight.shape[1]
+    row = isinstance(cell, RowParallelLinear)
+    cell.lora_col_offset = tp_rank * in_local if row else 0
+    cell.lora_in_features = in_local * tp if row else in_local
+    # A frozen parameter, like ``lora_enabled``: an input of every compiled graph, loaded per layer by the layer
+    # graphs, so new seeds reach the same graphs without recompiling.
+    cell.lora_dropout_seed = Parameter(Tensor(np.int32(-1)), name=f"{name}.{DROPOUT_SEED}", requires_grad=False)
+
+
+#: The suffix of an adapter's dropout seed parameter (a frozen int32 scalar; -1 = dropout off).
+DROPOUT_SEED = "lora_dropout_seed"
+
+
 def _switch(dtype: ms.Type, name: str) -> Parameter:
     """An adapted linear's ``lora_enabled``: a frozen scalar (1 = adapter on) multiplying its delta. A parameter, so
     the compiled graphs read it as an input (the layer graphs load it per layer like the weights) and one graph serves
@@ -190,7 +213,7 @@ def apply_lora(model: nn.Cell, spec: LoRASpec) -> List[str]:
         dtype = cell.weight.dtype
         cell.lora_A = _Factor(a, dtype, f"{name}.lora_A.weight")
         cell.lora_B = _Factor(b, dtype, f"{name}.lora_B.weight")
-        cell.lora_dropout = nn.Dropout(p=spec.dropout) if spec.dropout > 0 else None
+        _attach_dropout(cell, name, spec.dropout, tp, tp_rank)
         cell.lora_copy = CopyToTP(tp, model.shard.tp_group) if tp > 1 else None
         cell.lora_scaling = float(spec.scaling)
         cell.lora_enabled = _switch(dtype, f"{name}.lora_enabled")
@@ -220,16 +243,48 @@ def adapt_like(template: nn.Cell, layer: nn.Cell) -> None:
             weight = getattr(source, which).weight
             setattr(target, which, _Factor(np.zeros(weight.shape, np.float32), weight.dtype, f"{name}.{which}.weight"))
             getattr(target, which).weight.name = f"{name}.{which}.weight"
-        # Dropout and the tp copy hold no parameters: the template shares the layer's.
-        target.lora_dropout, target.lora_copy = source.lora_dropout, source.lora_copy
+        # The tp copy holds no parameters: the template shares the layer's. The dropout seed is a parameter,
+        # loaded per layer like the switch.
+        target.lora_copy = source.lora_copy
+        target.lora_dropout, target.lora_col_offset = source.lora_dropout, source.lora_col_offset
+        target.lora_in_features = source.lora_in_features
         target.lora_scaling = source.lora_scaling
+        if source.lora_dropout_seed is not None:  # before the switch: the layer's parameter order (apply_lora's)
+            target.lora_dropout_seed = Parameter(Tensor(np.int32(-1)), name=f"{name}.{DROPOUT_SEED}",
+                                                 requires_grad=False)
+            target.lora_dropout_seed.name = f"{name}.{DROPOUT_SEED}"
         target.lora_enabled = _switch(source.lora_enabled.dtype, f"{name}.lora_enabled")
         target.lora_enabled.name = f"{name}.lora_enabled"
 
 
 def is_switch(name: str) -> bool:
-    """Whether parameter ``name`` is an adapter's on/off switch (not a weight: no file holds it)."""
-    return name.endswith(".lora_enabled")
+    """Whether parameter ``name`` is an adapter's on/off switch or dropout seed (not a weight: no file holds it)."""
+    return name.endswith(".lora_enabled") or name.endswith("." + DROPOUT_SEED)
+
+
+def has_dropout(model: nn.Cell) -> bool:
+    """Whether ``model``'s adapters have dropout (``lora_dropout`` > 0)."""
+    return any(cell.lora_dropout_seed is not None for _, cell in lora_modules(model))
+
+
+def dropout_seed(run_seed: int, step: int, dp_rank: int, micro_batch: int, module: str) -> int:
+    """The non-negative int32 seed of one adapter's dropout mask: a hash of the run's seed, the optimizer step, the
+    data-parallel replica, the micro-batch and the module (its name and PEFT task, so a PPO actor's and critic's
+    masks differ). A pure function: a resumed run draws the masks an uninterrupted one draws."""
+    words = [run_seed & 0xFFFFFFFF, step, dp_rank, micro_batch, zlib.crc32(module.encode())]
+    return int(np.random.SeedSequence(words).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def set_dropout_seeds(model: nn.Cell, step: Optional[int], dp_rank: int = 0, micro_batch: int = 0) -> None:
+    """Switch adapter dropout on with the masks of (``step``, ``dp_rank``, ``micro_batch``) for the next forward and
+    its backward, or off (``step`` None: seed -1, every multiplier exactly 1). Written in place, so the compiled
+    graphs read the new seeds."""
+    spec = model.lora_spec
+    for name, cell in lora_modules(model):
+        if cell.lora_dropout_seed is None:
+            continue
+        seed = -1 if step is None else dropout_seed(spec.seed, step, dp_rank, micro_batch, f"{spec.task_type}:{name}")
+        cell.lora_dropout_seed.copy_(Tensor(np.int32(seed)))
 
 
 @contextlib.contextmanager

@@ -276,14 +276,17 @@ class PipelineRunner:
 
     # -- loss and gradients --------------------------------------------------------------------
     def loss_and_grads(self, micro_batches: Sequence[Dict[str, np.ndarray]], loss_keys: Sequence[str],
-                       extra: Sequence[Tensor] = (), outputs: Optional[List[np.ndarray]] = None):
+                       extra: Sequence[Tensor] = (), outputs: Optional[List[np.ndarray]] = None,
+                       before: Optional[Callable[[int], None]] = None):
         """Sum over micro-batches of ``loss_fn(head output, *mb[loss_keys], *extra)`` and its parameter gradients.
 
         Returns ``(grads, loss_sum, aux_rows)``: float32 gradients of this shard's parameters (tied
         embedding copies already summed), and on the last stage the summed loss and each micro-batch's
         scalar aux values as rows (n_micro, n_aux), for the caller to reduce (0.0 and None on other stages).
         Aux values that are not scalars (per-row outputs of the loss) are appended to ``outputs``, one
-        array per micro-batch in order, when it is given (last stage only).
+        array per micro-batch in order, when it is given (last stage only). ``before(m)`` runs before each
+        model pass of micro-batch ``m`` (its forward and, pipelined, its recomputed forward and backward): LoRA's
+        dropout seeds (``models.lora.set_dropout_seeds``).
         """
         if self.loss_fn is None:
             raise MindRLHFError("PipelineRunner.loss_and_grads needs the runner to be built with a loss_fn")
@@ -294,31 +297,37 @@ class PipelineRunner:
         if not self.pipelined:
             with self._execution(grads=True):
                 total = _GradientSum(outputs)
-                for mb in micro_batches:
+                for m, mb in enumerate(micro_batches):
+                    if before is not None:
+                        before(m)
                     kind, inputs = self._model_inputs(mb)
                     total.add(*self._get("grad" + kind)(*inputs, *loss_inputs(mb)))
                 return self._finish(total)
-        return self._pipelined_grads(micro_batches, loss_inputs, outputs)
+        return self._pipelined_grads(micro_batches, loss_inputs, outputs, before)
 
-    def _pipelined_grads(self, micro_batches, loss_inputs, outputs=None):
+    def _pipelined_grads(self, micro_batches, loss_inputs, outputs=None, before=None):
         stage = self._get("stage")
         # GPipe forward: stash each micro-batch's stage input.
         stash = []
         with self._execution():
-            for mb in micro_batches:
+            for m, mb in enumerate(micro_batches):
+                if before is not None:
+                    before(m)
                 mask = Tensor(mb["attention_mask"])
                 x = Tensor(mb["input_ids"]) if self.first else self.link.recv_prev(self._hidden_shape(mb), self.dtype)
                 stash.append(x)
                 if not self.last:
                     self.link.send_next(stage(x, mask))
         with self._execution(grads=True):
-            return self._pipelined_backward(micro_batches, stash, loss_inputs, outputs)
+            return self._pipelined_backward(micro_batches, stash, loss_inputs, outputs, before)
 
-    def _pipelined_backward(self, micro_batches, stash, loss_inputs, outputs):
+    def _pipelined_backward(self, micro_batches, stash, loss_inputs, outputs, before=None):
         """Backward, micro-batches in reverse order (the order the neighbours expect)."""
         total = _GradientSum(outputs)
         for m in reversed(range(len(micro_batches))):
             mb, x = micro_batches[m], stash[m]
+            if before is not None:  # the backward recomputes the stage's forward: the same masks as its forward
+                before(m)
             mask = Tensor(mb["attention_mask"])
             if self.last:
                 head_inputs = [Tensor(mb[k]) for k in self.head.keys]

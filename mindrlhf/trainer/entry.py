@@ -203,6 +203,7 @@ def attach_lora(model, model_cfg, seed: int = 0) -> None:
     tensors = None
     if m.lora_init_from:
         spec, tensors = read_adapter(m.lora_init_from)
+        spec = replace(spec, seed=seed)  # the factors are the folder's; the run's seed draws the dropout masks
         if m.lora_rank and m.lora_rank != spec.r:
             raise MindRLHFError(f"lora_rank = {m.lora_rank} but lora_init_from {m.lora_init_from} holds rank-{spec.r} "
                                 f"adapters; drop lora_rank (the folder sets it) or give lora_rank {spec.r}")

@@ -28,6 +28,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, amp, nn, ops
 
 from mindrlhf.models.heads import Head
+from mindrlhf.models.lora import has_dropout, set_dropout_seeds
 from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import ParallelGroups, data_parallel_groups
 from mindrlhf.parallel.pipeline import PipelineRunner
@@ -185,8 +186,7 @@ class Updater:
         """
         scale = self.loss_scale
         extra = tuple(Tensor(np.float32(s)) for s in scalars) + (Tensor(np.float32(scale)),)
-        grads, loss_sum, aux = self.runner.loss_and_grads(micro_batches, self.objective.inputs, extra=extra,
-                                                          outputs=outputs)
+        grads, loss_sum, aux = self._loss_and_grads(micro_batches, extra, outputs)
         faults.point("grad_allreduce", comm.rank())
         if self.reducer is not None:
             grads = self.reducer(grads)
@@ -205,6 +205,24 @@ class Updater:
                "overflow": 1.0 if not finite and scale > 1.0 else 0.0}
         out.update(self.objective.metrics(reduced))
         return out
+
+    def _loss_and_grads(self, micro_batches, extra, outputs):
+        """The runner's loss and gradients: the only training passes, so LoRA's adapter dropout is on here alone.
+        Each micro-batch's masks are drawn from (the run's seed, the optimizer step, the dp replica, the micro-batch,
+        the module): the step is the optimizer's counter, which checkpoints hold, so a resumed run draws the same
+        masks; every other pass (sampling, log-probs, the reference, evaluation) sees the seeds at -1, dropout off."""
+        if not has_dropout(self.model):
+            return self.runner.loss_and_grads(micro_batches, self.objective.inputs, extra=extra, outputs=outputs)
+        step, dp_rank = int(self.optimizer.step.asnumpy()), self.groups.dp_rank
+
+        def seeds(m: int) -> None:
+            set_dropout_seeds(self.model, step, dp_rank, m)
+
+        try:
+            return self.runner.loss_and_grads(micro_batches, self.objective.inputs, extra=extra, outputs=outputs,
+                                              before=seeds)
+        finally:
+            set_dropout_seeds(self.model, None)
 
     def _reduce(self, loss_sum: float, aux: Optional[np.ndarray]) -> Tuple[float, Dict[str, float]]:
         """The loss and each aux value over micro-batches and ranks (each dp replica counted once; ``aux`` None:
