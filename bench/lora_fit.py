@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -132,6 +133,7 @@ def run_sft(model: Path, rows: Path, out: Path, args: argparse.Namespace, lora: 
            "--micro_batch_size", str(args.micro_batch_size), "--max_length", "512", "--recompute", "full",
            "--save_steps", str(10 ** 6), "--progress_bar", "false", "--tensorboard", "false",
            *(LORA if lora else [])]
+    shutil.rmtree(out, ignore_errors=True)  # this bench's own folder from an earlier invocation
     t0 = time.perf_counter()
     with open(out.with_suffix(".log"), "w", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO))
