@@ -135,7 +135,7 @@ def run_sft(model: Path, rows: Path, out: Path, args: argparse.Namespace, lora: 
            *(LORA if lora else [])]
     shutil.rmtree(out, ignore_errors=True)  # this bench's own folder from an earlier invocation
     t0 = time.perf_counter()
-    with open(out.with_suffix(".log"), "w", encoding="utf-8") as log:
+    with open(out.parent / (out.name + ".log"), "w", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO))
         _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
