@@ -404,10 +404,10 @@ class PPOTrainer(RolloutTrainer):
         """LoRA: the actor's adapter folder ``output_dir/adapter`` and the critic's ``output_dir/critic_adapter``
         (PEFT's SEQ_CLS task: its adapters and its score head, on the critic's base). Every rank calls it (a
         sharded critic's adapters are gathered, a collective); rank 0 writes."""
-        from mindrlhf.models.lora import gather_adapter_weights, save_adapter
+        from mindrlhf.models.lora import save_adapter
 
         out = super().save_adapter()
-        adapters = gather_adapter_weights(self.critic, self.layout.train, self.rank) if self.sharded else None
+        adapters = self._full_adapters(self.critic)
         if comm.is_main():
             critic = save_adapter(self.critic, self.output_dir / CRITIC_ADAPTER_DIR, self.critic_base(), adapters)
             log.info("the critic's LoRA adapter (PEFT format, with its score head) written to %s", critic)

@@ -48,10 +48,10 @@ def _fmix32(h: Tensor) -> Tensor:
     return ops.bitwise_xor(h, _shift_right(h, 16))
 
 
-def dropout_multiplier(x: Tensor, seed: Tensor, p: float, col_offset: int, in_features: int) -> Tensor:
+def dropout_multiplier(x: Tensor, seed: Tensor, p: float, col_offset: int) -> Tensor:
     """The multiplier (0 or ``1 / (1 - p)``; all 1 when ``seed`` < 0) of 2-D ``x`` (rows, in_local), whose columns
-    are ``[col_offset, col_offset + in_local)`` of an ``in_features``-wide input; ``seed``: an int32 scalar.
-    (``in_features`` is the whole input's width; the row and column hashes do not need it.)"""
+    are ``[col_offset, col_offset + in_local)`` of the whole input (the hash needs no width); ``seed``: an int32
+    scalar."""
     # Cumulative sums rather than ``arange``: they follow a dynamic-shape graph's row count.
     rows = ops.cumsum(ops.ones_like(x[:, :1], dtype=ms.int32), 0) - 1
     cols = ops.cumsum(ops.ones_like(x[:1], dtype=ms.int32), 1) - 1 + col_offset

@@ -161,7 +161,6 @@ def _attach_dropout(cell: nn.Cell, name: str, p: float, tp: int, tp_rank: int) -
     in_local = cell.weight.shape[1]
     row = isinstance(cell, RowParallelLinear)
     cell.lora_col_offset = tp_rank * in_local if row else 0
-    cell.lora_in_features = in_local * tp if row else in_local
     # A frozen parameter, like ``lora_enabled``: an input of every compiled graph, loaded per layer by the layer
     # graphs, so new seeds reach the same graphs without recompiling.
     cell.lora_dropout_seed = Parameter(Tensor(np.int32(-1)), name=f"{name}.{DROPOUT_SEED}", requires_grad=False)
@@ -247,7 +246,6 @@ def adapt_like(template: nn.Cell, layer: nn.Cell) -> None:
         # loaded per layer like the switch.
         target.lora_copy = source.lora_copy
         target.lora_dropout, target.lora_col_offset = source.lora_dropout, source.lora_col_offset
-        target.lora_in_features = source.lora_in_features
         target.lora_scaling = source.lora_scaling
         if source.lora_dropout_seed is not None:  # before the switch: the layer's parameter order (apply_lora's)
             target.lora_dropout_seed = Parameter(Tensor(np.int32(-1)), name=f"{name}.{DROPOUT_SEED}",

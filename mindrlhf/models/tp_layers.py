@@ -139,8 +139,8 @@ class _AdaptableLinear(nn.Cell):
     frozen scalar parameter (1, or 0 while ``models.lora.adapters_disabled``), multiplies the adapter's delta.
     With ``lora_dropout`` p > 0, ``lora_dropout_seed`` (a frozen int32 scalar parameter: -1 = off, set per
     micro-batch of a gradient pass by ``models.lora.set_dropout_seeds``) draws the input's mask by a hash
-    (``models.hash_dropout``); ``lora_col_offset`` / ``lora_in_features`` place this rank's input columns in the
-    whole input, so a tp shard draws its slice of one process's mask.
+    (``models.hash_dropout``); ``lora_col_offset`` places this rank's input columns in the whole input, so a tp
+    shard draws its slice of one process's mask.
     """
 
     def _no_adapter(self) -> None:
@@ -149,7 +149,6 @@ class _AdaptableLinear(nn.Cell):
         self.lora_dropout = 0.0
         self.lora_dropout_seed = None
         self.lora_col_offset = 0
-        self.lora_in_features = 0
         self.lora_copy = None
         self.lora_scaling = 0.0
         self.lora_enabled = None
@@ -157,8 +156,7 @@ class _AdaptableLinear(nn.Cell):
     def _lora_delta(self, x: Tensor, replicated_is_a: bool) -> Tensor:
         """``scaling * B A dropout(x)`` for 2-D ``x`` (rows, in_local) → (rows, out_local)."""
         if self.lora_dropout_seed is not None:  # a hash of (seed, index): the recomputed forward draws the same mask
-            x = x * dropout_multiplier(x, self.lora_dropout_seed, self.lora_dropout, self.lora_col_offset,
-                                       self.lora_in_features)
+            x = x * dropout_multiplier(x, self.lora_dropout_seed, self.lora_dropout, self.lora_col_offset)
         a, b = self.lora_A.weight, self.lora_B.weight
         if self.lora_copy is not None:
             if replicated_is_a:

@@ -215,14 +215,15 @@ class Trainer:
         spec = getattr(model, "lora_spec", None)
         return adapter_shapes(model.config, spec) if spec is not None else None
 
-    def _full_adapters(self) -> Optional[Dict[str, object]]:
-        """LoRA on a tp/pp-sharded model: the whole model's adapters (a collective, every rank calls it), for the
-        PEFT folder rank 0 writes; ``None`` otherwise (the folder is written from the model itself)."""
+    def _full_adapters(self, model=None) -> Optional[Dict[str, object]]:
+        """LoRA on a tp/pp-sharded model: the whole adapters of ``model`` (default the policy; a collective, every
+        rank calls it), for the PEFT folder rank 0 writes; ``None`` otherwise (the folder is written from the model
+        itself)."""
         from mindrlhf.models.lora import gather_adapter_weights
 
         if not (self.lora and self.sharded):
             return None
-        return gather_adapter_weights(self.model, self.layout.train, self.rank)
+        return gather_adapter_weights(model if model is not None else self.model, self.layout.train, self.rank)
 
     def save_checkpoint(self) -> None:
         """Rank 0 writes the full (unsharded) state, so any layout can resume from it. Each trained model is
