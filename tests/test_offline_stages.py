@@ -250,15 +250,15 @@ def _assert_rows_close(want, got, stage):
 @pytest.mark.msrun
 @pytest.mark.parametrize("stage,layout,port", [
     ("rm", {"train_tp": 2}, 8303), ("dpo", {"train_pp": 2, "train_micro_batches": 2}, 8305),
-    ("orpo", {"train_dp": 2}, 8307), ("sft", {"train_dp": 2, "lora_rank": 4, "lora_alpha": 8}, 8309),
+    ("orpo", {"train_dp": 2, "lora_rank": 4, "lora_alpha": 8}, 8307),
     ("sft", {"train_pp": 2, "train_micro_batches": 2, "lora_rank": 4, "lora_alpha": 8}, 8323)],
-    ids=["rm-tp2", "dpo-pp2", "orpo-dp2", "sft-lora-dp2", "sft-lora-pp2"])
+    ids=["rm-tp2", "dpo-pp2", "orpo-lora-dp2", "sft-lora-pp2"])
 def test_stage_under_msrun_equals_one_process(stage_assets, tmp_path, stage, layout, port):
-    """Two msrun workers (RM tensor-parallel, DPO pipeline-parallel with 2 micro-batches, ORPO data-parallel: each
-    worker a half of every step's pairs and of the validation pairs, and of the GSM8K questions of the evaluation by
-    generation, 20 of them in batches of 16 and 4; SFT training LoRA adapters data-parallel: only the adapters'
-    gradients reduced; pipeline-parallel: each stage its layers' adapters; LoRA tensor-parallel is DPO's test below,
-    which also kills and resumes) give one process's
+    """Two msrun workers (RM tensor-parallel, DPO pipeline-parallel with 2 micro-batches, ORPO training LoRA adapters
+    data-parallel: each worker a half of every step's pairs and of the validation pairs, and of the GSM8K questions of
+    the evaluation by generation, 20 of them in batches of 16 and 4, only the adapters' gradients reduced; SFT
+    training LoRA adapters pipeline-parallel: each stage its layers' adapters; LoRA tensor-parallel is DPO's test
+    below, which also kills and resumes) give one process's
     metrics (loss, grad_norm, the stage's metrics, eval, eval by generation) and final weights (LoRA: the adapters
     of the checkpoint, a PEFT adapter folder assembled from the shards, and output_dir/adapter: the same folder one
     process writes)."""
