@@ -221,20 +221,26 @@ class GRPOTrainer(RolloutTrainer):
         global batch, so every rank agrees."""
         a = self.cfg.algorithm
         G, need = a.num_generations, self.cfg.prompts_per_step
-        pool, reward_time, rounds = None, 0.0, 0
+        pool, reward_time, rounds, versions = None, 0.0, 0, []
         more = True
         while more:
             scored = self._round(step, rounds)
             reward_time += scored.reward_time
-            pool = self._global_rows(scored.exp) if pool is None else concat_experiences(
-                [pool, self._global_rows(scored.exp)], self.pad_id)
+            rows = self._global_rows(scored.exp)
+            pool = rows if pool is None else concat_experiences([pool, rows], self.pad_id)
+            # The policy each global row was sampled with: a disaggregated job's trainers hold every row with the
+            # version its generator sent (one step off: the step before); colocated, this step's policy.
+            versions.append(scored.policy_version if self.link is not None else np.full(len(rows), self.step))
             rounds += 1
             more = rounds < a.max_sampling_rounds and int(informative_groups(pool.rewards, G).sum()) < need
             if self.link is not None:  # generator ranks sample the next round only when told (disaggregated)
                 self.link.more_rounds(more)
+        if self.link is not None:
+            self.rows_complete()
         informative = informative_groups(pool.rewards, G)
         order = np.concatenate([np.flatnonzero(informative), np.flatnonzero(~informative)])[:need]
-        chosen = pool.rows((order[:, None] * G + np.arange(G)).reshape(-1))
+        picked = (order[:, None] * G + np.arange(G)).reshape(-1)
+        chosen = pool.rows(picked)
         flat = ~informative[order]
         chosen.completion_mask[np.repeat(flat, G)] = 0.0
         exp = self._train_share(self._with_advantages(chosen))
@@ -246,7 +252,7 @@ class GRPOTrainer(RolloutTrainer):
                     "frac_reward_zero_std": float(1.0 - informative.mean())}
         return ScoredRollout(exp, texts=texts, prompts=prompts, reward_time=reward_time, sampling=sampling,
                              solutions=[self.dataset.solution[int(i)] for i in exp.prompt_index],
-                             policy_version=np.full(len(exp), self.step, np.int64))
+                             policy_version=np.concatenate(versions)[picked][self._share_rows(len(picked))])
 
     def _with_advantages(self, everything: Experience) -> Experience:
         everything.advantages = self._estimate(everything.rewards)

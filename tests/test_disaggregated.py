@@ -41,6 +41,7 @@ def test_gen_workers_sets_the_generator_layout_and_the_world():
     for bound in (1, 4):
         argv = ["--use_parallel", "true", "--gen_workers", "1", "--max_staleness", str(bound)]
         assert parse_args(argv).parallel.max_staleness == bound
+        assert parse_args(argv + ["--dynamic_sampling", "true"]).algorithm.dynamic_sampling  # rounds one step off
     assert cfg.world_size == 4  # two trainers + two generators
     colocated = parse_args([])
     assert (colocated.parallel.gen_workers, colocated.world_size) == (0, 1)
@@ -57,9 +58,6 @@ def test_gen_workers_sets_the_generator_layout_and_the_world():
     (["--use_parallel", "true", "--gen_workers", "2", "--infer_dp", "1"],
      "gen_workers = 2 generator ranks but infer_dp*infer_tp = 1*1 = 1"),
     (["--gen_workers", "1"], "gen_workers = 1 needs use_parallel true"),
-    (["--use_parallel", "true", "--gen_workers", "1", "--dynamic_sampling", "true", "--max_staleness", "1"],
-     "dynamic_sampling = true with gen_workers = 1 and max_staleness = 1: dynamic sampling is built for the "
-     "synchronous schedule only"),
     (["--use_parallel", "true", "--gen_workers", "2", "--chunk_size", "3"],
      "chunk_size = 3 is not divisible by infer_dp = 2"),
     # Colocated, the old rule stands: the same processes train and generate.
@@ -225,10 +223,12 @@ def test_a_replay_with_generator_ranks_trains_as_the_recorded_run(grpo_assets, s
         np.testing.assert_allclose(w2[name].asnumpy(), w1[name].asnumpy(), rtol=1e-6, atol=1e-9, err_msg=name)
 
 
-#: The one-step-off run (GRPO, 1 generator + 1 trainer, decoupled loss, 3 steps) that the async test and the
-#: generator-kill test share: a killed and resumed run must end with its metrics.
+#: The one-step-off run (GRPO, 1 generator + 1 trainer, decoupled loss, 3 steps, DAPO's dynamic sampling with a flat
+#: group for every even-length question) that the async test and the kill tests share: a killed and resumed run must
+#: end with its metrics.
 ONE_STEP_OFF = dict(gen_workers=1, max_staleness=1, loss_type="decoupled", max_steps=3, lr=1e-3, tensorboard="false",
-                    reward_funcs=["accuracy", "e2e_rewards:length_reward"])
+                    dynamic_sampling="true", max_sampling_rounds=3,
+                    reward_funcs=["accuracy", "e2e_rewards:flat_for_even_questions"])
 
 
 #: The uninterrupted run evaluates too (steps 2 and 3); the killed runs do not, so their comparison with it
@@ -260,13 +260,17 @@ def _assert_same_training(reference: list, resumed: list) -> None:
 @pytest.mark.msrun
 def test_one_step_off_trains_rows_one_update_old_while_the_generator_samples(one_step_off):
     """msrun world 2, gen_workers 1, max_staleness 1, loss_type decoupled, 3 steps: step 1's rows are fresh and every
-    later row was sampled one update before the policy that trains it; the generator samples step s + 1 while the
+    later row was sampled one update before the policy that trains it, the further rounds of dynamic sampling
+    included; the generator samples step s + 1 while the
     trainer trains step s (their busy intervals, measured on one clock, overlap); the sampler/trainer log-prob gap
     shows the lag; each checkpoint keeps the weights the next step's rows are being sampled with."""
     out = one_step_off
     m = _metrics(out)
     assert [r["step"] for r in m] == [1, 2, 3]
     assert [(r["staleness/mean"], r["staleness/max"]) for r in m] == [(0.0, 0.0), (1.0, 1.0), (1.0, 1.0)]
+    # DAPO's dynamic sampling one step off: the trainer asks for another round of the next step's rows (sampled with
+    # the same stale weights, so every round's rows count as one update old above) before it pushes its update.
+    assert any(r["sampling/rounds"] > 1 for r in m[1:]), [r["sampling/rounds"] for r in m]
     for r in m:
         assert r["time/generator_busy"] > 0 and r["time/trainer_busy"] > 0, r
         assert r["time/generator_idle"] >= 0 and r["time/trainer_idle"] >= 0, r

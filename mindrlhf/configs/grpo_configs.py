@@ -384,9 +384,10 @@ class ParallelConfig(TrainLayoutConfig):
         "generators -> trainers as one padded all-gather per step and the updated weights trainers -> generators as "
         "a broadcast. 0 = colocated: every rank generates, then trains (the default). With gen_workers > 0, infer_dp "
         "defaults to gen_workers and train_dp to the rest of the world. GRPO and PPO (PPO's critic, reward model and "
-        "reference run on the trainers), with train_tp = train_pp = infer_tp = 1, without eval_steps or "
-        "replay_data_file so far (save_data_file works; GRPO's dynamic_sampling at max_staleness 0: the trainers "
-        "tell the generators after each round whether another is needed). Range >= 0.",
+        "reference run on the trainers), with train_tp = train_pp = infer_tp = 1 so far. eval_steps (the trainers "
+        "evaluate), save_data_file, replay_data_file and GRPO's dynamic_sampling work (the trainers tell the "
+        "generators after each round whether another is needed; one step off, before they push their update). "
+        "Range >= 0.",
         ge=0)
     max_staleness: int = config_field(
         0, "Disaggregated rollout's schedule (gen_workers > 0): the most policy updates a trained row may lag "
@@ -566,13 +567,6 @@ class RolloutConfig(TrainingConfig):
                           "generator must be the policy: use infer_tp = train_tp, infer_dp = train_dp, train_pp 1, "
                           "gen_workers 0 and no separate generator checkpoint (GRPO's sft_path_infer / "
                           "load_sft_checkpoint_infer)")
-        if p.gen_workers:  # what a disaggregated rollout does not do yet, named (GRPO's and PPO's alike)
-            if getattr(self.algorithm, "dynamic_sampling", False) and p.max_staleness:
-                # One step off, the generators would have sampled the next step before the trainers knew whether
-                # this one needs another round.
-                errors.append(f"dynamic_sampling = true with gen_workers = {p.gen_workers} and max_staleness = "
-                              f"{p.max_staleness}: dynamic sampling is built for the synchronous schedule only; set "
-                              "max_staleness 0 or dynamic_sampling false")
 
     def _check_batch_geometry(self, errors: List[str]) -> None:
         """Prompts per generator replica, and completions per step → mini-batch → rank → micro-batch → pipeline

@@ -214,13 +214,8 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
                            "time/generator_idle": was.get("time/generator_idle", 0.0) + float(busy[:, 2].max()),
                            "time/generator_busy_start": was.get("time/generator_busy_start", float(busy[:, 0].min())),
                            "time/generator_busy_end": float(busy[:, 1].max())}
-        if self.one_step_off and self.step > 0:
-            # One step off: the rows of step self.step + 1 are here, so update self.step goes to the generators
-            # now, and they sample the next step's rows with it while this step trains (GenerationWorker.train).
-            t1 = self.link.now()
-            self.in_flight = (self.step, self.link.push_weights(self.policy, self.step, keep=True))
-            # Logged as the step's time/sync (``collect``), where a synchronous job's push is timed.
-            self.push_seconds = self.link.now() - t1
+        if not getattr(self.cfg.algorithm, "dynamic_sampling", False):  # else after the step's last round
+            self.rows_complete()
         bound = self.cfg.parallel.max_staleness
         if (self.step - versions > bound).any():  # the schedule's promise: no row older than max_staleness trains
             raise MindRLHFError(f"step {self.step + 1} received rows sampled by policy version {int(versions.min())}, "
@@ -236,6 +231,16 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
                     out.columns.setdefault(name, []).extend(batch[key][i] for i in rows)
                 out.index += [int(batch["index"][i]) for i in rows]
         return out
+
+    def rows_complete(self) -> None:
+        """A disaggregated job's trainers hold all of the next step's rows (its last round's are here): one step
+        off, update ``self.step`` goes to the generators now, and they sample the step after with it while this one
+        trains (``GenerationWorker.train`` pulls it after the step's last round too)."""
+        if self.one_step_off and self.step > 0:
+            t1 = self.link.now()
+            self.in_flight = (self.step, self.link.push_weights(self.policy, self.step, keep=True))
+            # Logged as the step's time/sync (``collect``), where a synchronous job's push is timed.
+            self.push_seconds = self.link.now() - t1
 
     def _round(self, step: int, round_index: int) -> ScoredRollout:
         """One generation round on this generator replica: sample (``_rollout``), pad and decode (``_arrays``),
