@@ -7,8 +7,7 @@
 # time (pytest-xdist, whole files to a worker so module fixtures are built once; a tiny-model test
 # keeps about one core busy: graph compiles, Python), then the msrun launches one at a time (each is
 # several workers already, and some check how fast a job stops after one of them dies).
-# MINDRLHF_TEST_WORKERS sets how many run at once in the first part (1: one after another). Each part ends
-# with its slowest tests (--durations), the list to start from when the suite's time needs cutting.
+# MINDRLHF_TEST_WORKERS sets how many run at once in the first part (1: one after another).
 set -euo pipefail
 # shellcheck source=scripts/_env.sh
 . "$(dirname "$0")/_env.sh" test
@@ -18,9 +17,9 @@ fi
 workers="${MINDRLHF_TEST_WORKERS:-2}"
 rc=0
 if [ "$workers" -gt 1 ]; then
-  python -m pytest -q -m "not msrun" -n "$workers" --dist loadfile --durations=15 || rc=$?
+  python -m pytest -q -m "not msrun" -n "$workers" --dist loadfile || rc=$?
 else
-  python -m pytest -q -m "not msrun" --durations=15 || rc=$?
+  python -m pytest -q -m "not msrun" || rc=$?
 fi
-python -m pytest -q -m msrun --durations=15 || rc=$((rc ? rc : $?))
+python -m pytest -q -m msrun || rc=$((rc ? rc : $?))
 exit "$rc"
