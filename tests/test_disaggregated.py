@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 
+from grpo_runs import BYHAND
 from grpo_runs import grpo_args as _args
 from grpo_runs import is_timing as _timing
 from grpo_runs import msrun as _msrun
@@ -221,6 +222,23 @@ def test_a_replay_with_generator_ranks_trains_as_the_recorded_run(grpo_assets, s
     assert set(w1) == set(w2)
     for name in w1:
         np.testing.assert_allclose(w2[name].asnumpy(), w1[name].asnumpy(), rtol=1e-6, atol=1e-9, err_msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+@pytest.mark.byhand
+@pytest.mark.skipif(not BYHAND, reason="two more 2- and 4-worker launches than CI's time holds: MINDRLHF_BYHAND=1")
+def test_two_generators_two_trainers_equal_the_colocated_dp2_run(grpo_assets, tmp_path):
+    """msrun world 4 with gen_workers 2 (ranks 2 and 3 sample, infer_dp 2; ranks 0 and 1 train, train_dp 2) at
+    max_staleness 0 gives the colocated dp2 run's metrics and final weights (msrun world 2), the synchronous job of
+    the 1 + 1 test (dynamic sampling rounds, the KL term, two updates per step, the evaluation)."""
+    from grpo_runs import assert_same_disaggregated_run
+
+    job = dict(SYNCHRONOUS, use_parallel="true", infer_dp=2)
+    _msrun(2, _args(grpo_assets, tmp_path / "colocated", train_dp=2, **job), tmp_path / "log_colocated", 8191)
+    _msrun(4, _args(grpo_assets, tmp_path / "two_two", gen_workers=2, **job), tmp_path / "log_two_two", 8193)
+    assert any(r["sampling/rounds"] > 1 for r in _metrics(tmp_path / "two_two"))
+    assert_same_disaggregated_run(tmp_path / "colocated", tmp_path / "two_two")
 
 
 #: The one-step-off run (GRPO, 1 generator + 1 trainer, decoupled loss, 3 steps, DAPO's dynamic sampling with a flat

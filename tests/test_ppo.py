@@ -349,6 +349,24 @@ def test_a_reward_path_typo_is_reported_before_any_model_loads(ppo_assets, tmp_p
 
 @pytest.mark.slow
 @pytest.mark.msrun
+@pytest.mark.byhand
+@pytest.mark.skipif(os.environ.get("MINDRLHF_BYHAND") != "1",
+                    reason="two more 2- and 4-worker launches than CI's time holds: MINDRLHF_BYHAND=1")
+def test_two_generators_two_trainers_equal_the_colocated_dp2_run(ppo_assets, tmp_path):
+    """Disaggregated PPO, msrun world 4 with gen_workers 2 (infer_dp 2, train_dp 2) at max_staleness 0: the colocated
+    dp2 run's metrics (rel 1e-6) and the actor's and critic's weights after 2 steps."""
+    from grpo_runs import assert_same_disaggregated_run, msrun
+
+    job = dict(max_steps=2, use_parallel="true", infer_dp=2)
+    msrun(2, ["ppo", *_argv(ppo_assets, tmp_path / "colocated", train_dp=2, **job)], tmp_path / "log_colocated", 8195,
+          script="examples/stages/run.py")
+    msrun(4, ["ppo", *_argv(ppo_assets, tmp_path / "two_two", gen_workers=2, **job)], tmp_path / "log_two_two", 8197,
+          script="examples/stages/run.py")
+    assert_same_disaggregated_run(tmp_path / "colocated", tmp_path / "two_two", stems=("policy", "critic"))
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
 def test_one_generator_one_trainer_equals_the_colocated_run(ppo_assets, recorded, tmp_path):
     """Disaggregated PPO (issue 43): msrun world 2 with gen_workers 1 at max_staleness 0 (rank 1 only samples; rank
     0 scores with the reward model, runs the reference and the critic and trains both) computes the colocated
