@@ -54,10 +54,19 @@ def test_gen_workers_sets_the_generator_layout_and_the_world():
     (["--use_parallel", "true", "--gen_workers", "1", "--loss_type", "decoupled",
       "--importance_sampling_correction", "true"],
      "loss_type = 'decoupled' with importance_sampling_correction = true"),
-    (["--use_parallel", "true", "--gen_workers", "1", "--train_tp", "2"],
-     "gen_workers = 1 with train_tp = 2: disaggregated rollout is built for data parallelism only"),
     (["--use_parallel", "true", "--gen_workers", "2", "--infer_dp", "1"],
      "gen_workers = 2 generator ranks but infer_dp*infer_tp = 1*1 = 1"),
+    # infer_tp must divide the generator ranks (infer_dp then defaults to their quotient).
+    (["--use_parallel", "true", "--gen_workers", "3", "--infer_tp", "2"],
+     "gen_workers = 3 generator ranks but infer_dp*infer_tp = 1*2 = 2; the generators' layout must fill them"),
+    (["--use_parallel", "true", "--gen_workers", "2", "--train_tp", "2", "--infer_tp", "2", "--infer_dp", "2"],
+     "gen_workers = 2 generator ranks but infer_dp*infer_tp = 2*2 = 4"),
+    # The trainers evaluate on their policy, which a pipeline stage cannot sample with.
+    (["--use_parallel", "true", "--gen_workers", "1", "--train_pp", "2", "--eval_steps", "2"],
+     "eval_steps = 2 with gen_workers = 1 and train_pp = 2: the trainers evaluate with their policy"),
+    # LoRA samples with the trained policy itself, so it stays colocated.
+    (["--use_parallel", "true", "--gen_workers", "1", "--lora_rank", "4"],
+     "LoRA samples with the trained policy itself"),
     (["--gen_workers", "1"], "gen_workers = 1 needs use_parallel true"),
     (["--use_parallel", "true", "--gen_workers", "2", "--chunk_size", "3"],
      "chunk_size = 3 is not divisible by infer_dp = 2"),
@@ -66,6 +75,23 @@ def test_gen_workers_sets_the_generator_layout_and_the_world():
 ])
 def test_impossible_settings_are_one_line_errors(argv, words):
     assert words in _error(argv)
+
+
+def test_tensor_and_pipeline_layouts_are_accepted_on_both_sides():
+    """Trainers in train_tp x train_pp and generators in infer_dp x infer_tp (infer_dp defaults to
+    gen_workers / infer_tp); the world is both sides."""
+    cfg = parse_args(["--use_parallel", "true", "--gen_workers", "2", "--train_tp", "2", "--infer_tp", "2"])
+    p = cfg.parallel
+    assert (p.train_dp, p.train_tp, p.infer_dp, p.infer_tp, cfg.world_size) == (1, 2, 1, 2, 4)
+    cfg = parse_args(["--use_parallel", "true", "--gen_workers", "4", "--train_tp", "2", "--train_pp", "2",
+                      "--train_micro_batches", "2", "--infer_tp", "2", "--max_staleness", "1"])
+    p = cfg.parallel
+    assert (p.train_pp, p.infer_dp, p.infer_tp, p.max_staleness, cfg.world_size) == (2, 2, 2, 1, 8)
+    # A pipeline without eval_steps, and tensor-parallel trainers that evaluate, are accepted.
+    assert parse_args(["--use_parallel", "true", "--gen_workers", "1", "--train_tp", "2",
+                       "--eval_steps", "2"]).train.eval_steps == 2
+    ppo = PPOConfig.parse_args(["--use_parallel", "true", "--gen_workers", "2", "--train_tp", "2", "--infer_tp", "2"])
+    assert (ppo.parallel.infer_dp, ppo.world_size) == (1, 4)
 
 
 def test_ppo_takes_gen_workers_with_grpos_rules():
@@ -98,6 +124,22 @@ def test_layouts_follow_the_world_and_gen_workers():
         disaggregated_layouts(4, 1, ParallelLayout(tp=2), one, train_dp_given=False)
     with pytest.raises(MindRLHFError, match=r"infer_dp\*infer_tp = 1\*1 = 1 does not fill the gen_workers = 2"):
         disaggregated_layouts(4, 2, ParallelLayout(dp=2), one)
+    # Tensor / pipeline parallel trainers: train_dp is what the trainers leave per tp x pp replica.
+    train, infer = disaggregated_layouts(6, 2, ParallelLayout(tp=2, pp=2, micro_batches=2), ParallelLayout(tp=2),
+                                         train_dp_given=False)
+    assert (train.dp, train.tp, train.pp, infer.dp, infer.tp) == (1, 2, 2, 1, 2)
+
+
+def test_a_generator_replica_speaks_through_its_tp_rank_0():
+    """With infer_tp > 1 the tp ranks of a generator replica sample the same rows: the trainers take one block per
+    replica (its tp rank 0's), in replica order, from the job-wide gather (trainers' zero blocks first)."""
+    from mindrlhf.trainer.disaggregated import RolloutLink
+
+    infer = ParallelLayout(dp=2, tp=2)
+    layout = RunLayout(ParallelLayout(tp=2), infer, data_parallel_groups(0, 2), None, rank=0, gen_workers=4)
+    link = RolloutLink(layout, rows_per_generator=1, width=1)
+    gathered = np.arange(6, dtype=np.float32)[:, None]  # ranks 0-1 train, 2-5 generate (replica 0: 2, 3; 1: 4, 5)
+    assert link._representatives(gathered).ravel().tolist() == [2.0, 4.0]
 
 
 def test_a_trainer_reads_whole_batches_and_a_generator_its_share():

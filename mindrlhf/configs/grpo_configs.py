@@ -370,7 +370,7 @@ class ParallelConfig(TrainLayoutConfig):
 
     infer_dp: int = config_field(
         1, "Generation data parallel: generator replicas, each sampling chunk_size / infer_dp prompts. With "
-        "gen_workers > 0 it defaults to gen_workers. Range >= 1.",
+        "gen_workers > 0 it defaults to gen_workers / infer_tp. Range >= 1.",
         ge=1)
     infer_tp: int = config_field(
         1, "Generation tensor parallel. infer_dp * infer_tp must equal the training world size "
@@ -382,12 +382,13 @@ class ParallelConfig(TrainLayoutConfig):
         "over them: ranks world - gen_workers .. world - 1) and the others only train (train_dp x train_tp x train_pp "
         "over ranks 0 .. world - gen_workers - 1; they also score the rewards and run the reference). Rollouts go "
         "generators -> trainers as one padded all-gather per step and the updated weights trainers -> generators as "
-        "a broadcast. 0 = colocated: every rank generates, then trains (the default). With gen_workers > 0, infer_dp "
-        "defaults to gen_workers and train_dp to the rest of the world. GRPO and PPO (PPO's critic, reward model and "
-        "reference run on the trainers), with train_tp = train_pp = infer_tp = 1 so far. eval_steps (the trainers "
-        "evaluate), save_data_file, replay_data_file and GRPO's dynamic_sampling work (the trainers tell the "
-        "generators after each round whether another is needed; one step off, before they push their update). "
-        "Range >= 0.",
+        "a broadcast (under train_tp/train_pp first assembled from the trainers' shards; each generator keeps its "
+        "infer_tp slice). 0 = colocated: every rank generates, then trains (the default). With gen_workers > 0, "
+        "infer_dp defaults to gen_workers / infer_tp and train_dp to the rest of the world / (train_tp * train_pp). "
+        "GRPO and PPO (PPO's critic, reward model and reference run on the trainers), without LoRA; eval_steps "
+        "runs on the trainers (not with train_pp > 1); save_data_file, replay_data_file and GRPO's dynamic_sampling "
+        "work (the trainers tell the generators after each round whether another is needed; one step off, before "
+        "they push their update). Range >= 0.",
         ge=0)
     max_staleness: int = config_field(
         0, "Disaggregated rollout's schedule (gen_workers > 0): the most policy updates a trained row may lag "
@@ -429,18 +430,13 @@ class ParallelConfig(TrainLayoutConfig):
 
 
 def check_gen_workers(p: "ParallelConfig", errors: List[str]) -> None:
-    """The layout rules of a disaggregated rollout (``gen_workers`` > 0): the generators' layout fills the
-    gen_workers ranks, and the layouts not built yet are named."""
-    unbuilt = [f"{k} = {v}" for k, v in (("train_tp", p.train_tp), ("train_pp", p.train_pp),
-                                         ("infer_tp", p.infer_tp)) if v > 1]
-    if unbuilt:
-        errors.append(f"gen_workers = {p.gen_workers} with {', '.join(unbuilt)}: disaggregated rollout is built for "
-                      "data parallelism only so far (train_dp trainers, infer_dp generators); set them to 1 or "
-                      "gen_workers 0")
-    elif p.infer_dp != p.gen_workers:
+    """The layout rules of a disaggregated rollout (``gen_workers`` > 0): the generators' layout (infer_dp x
+    infer_tp) fills the gen_workers ranks; the trainers' (train_dp x train_tp x train_pp) is checked against the
+    world at launch (``groups.disaggregated_layouts``)."""
+    if p.infer_dp * p.infer_tp != p.gen_workers:
         errors.append(f"gen_workers = {p.gen_workers} generator ranks but infer_dp*infer_tp = {p.infer_dp}*"
                       f"{p.infer_tp} = {p.infer_dp * p.infer_tp}; the generators' layout must fill them (leave "
-                      f"infer_dp unset or set it to {p.gen_workers})")
+                      f"infer_dp unset or set it to {max(p.gen_workers // p.infer_tp, 1)})")
     if not p.use_parallel:
         errors.append(f"gen_workers = {p.gen_workers} needs use_parallel true and msrun: the generators are "
                       "ranks of their own; set use_parallel true or gen_workers 0")
@@ -551,10 +547,10 @@ class RolloutConfig(TrainingConfig):
 
     def resolve(self, source: str) -> None:
         """With generator ranks (``gen_workers``) and no infer_dp given, the generators' layout follows them
-        (data parallel over the gen_workers ranks)."""
+        (gen_workers / infer_tp replicas over the gen_workers ranks)."""
         p = self.parallel
-        if p.gen_workers and "infer_dp" not in self.explicitly_set():
-            p.infer_dp = p.gen_workers
+        if p.gen_workers and "infer_dp" not in self.explicitly_set() and p.gen_workers % p.infer_tp == 0:
+            p.infer_dp = p.gen_workers // p.infer_tp
 
     def _check_combinations(self, errors: List[str]) -> None:
         super()._check_combinations(errors)
@@ -567,6 +563,14 @@ class RolloutConfig(TrainingConfig):
                           "generator must be the policy: use infer_tp = train_tp, infer_dp = train_dp, train_pp 1, "
                           "gen_workers 0 and no separate generator checkpoint (GRPO's sft_path_infer / "
                           "load_sft_checkpoint_infer)")
+        if p.gen_workers:  # what a disaggregated rollout does not do yet, named (GRPO's and PPO's alike)
+            if p.train_pp > 1 and self.train.eval_steps:
+                # The trainers evaluate on a sampler over their own policy, and a pipeline stage holds only its
+                # layers, so it cannot sample.
+                errors.append(f"eval_steps = {self.train.eval_steps} with gen_workers = {p.gen_workers} and "
+                              f"train_pp = {p.train_pp}: the trainers evaluate with their policy, which a pipeline "
+                              "stage cannot sample; set eval_steps 0 or train_pp 1 (evaluate a checkpoint with "
+                              "mindrlhf-eval)")
 
     def _check_batch_geometry(self, errors: List[str]) -> None:
         """Prompts per generator replica, and completions per step → mini-batch → rank → micro-batch → pipeline

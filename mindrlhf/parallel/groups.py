@@ -71,15 +71,17 @@ def layout_groups(layout: ParallelLayout) -> List[Tuple[str, List[int]]]:
     return [(kind, ranks) for kind, ranks in groups if len(ranks) > 1]
 
 
-def init_parallel_groups(layout: ParallelLayout, rank: Optional[int] = None) -> ParallelGroups:
+def init_parallel_groups(layout: ParallelLayout, rank: Optional[int] = None,
+                         world_size: Optional[int] = None) -> ParallelGroups:
     """Create (``mindspore.communication.create_group``) the groups this rank belongs to.
 
-    Call after ``mindspore.communication.init()`` on every rank; the world size must equal
-    ``layout.world_size`` (the error names both numbers).
+    Call after ``mindspore.communication.init()`` on every rank; the world size (default: msrun's; a
+    disaggregated job's trainers pass their side's) must equal ``layout.world_size`` (the error names both
+    numbers). Ranks are global ones (a disaggregated job's trainers are ranks ``0..N-1``).
     """
     from mindspore.communication import create_group, get_group_size, get_rank
 
-    layout.validate(world_size=get_group_size())
+    layout.validate(world_size=get_group_size() if world_size is None else world_size)
     rank = get_rank() if rank is None else rank
     coords = layout.coords(rank)
     mine = {}
@@ -225,7 +227,9 @@ def init_disaggregated_layout(train: ParallelLayout, infer: ParallelLayout, rank
     """This rank's side of a disaggregated job (``disaggregated_layouts`` gave both layouts): ranks
     ``[0, train.world_size)`` train, the rest generate. Makes this process's collectives those of its side
     (``comm.enter_scope``): the trainers then run the colocated training code as a job of their own, and only
-    ``comm.job_*`` collectives span both sides. Pure data parallelism on both sides (``check_gen_workers``)."""
+    ``comm.job_*`` collectives span both sides. The trainers create their train layout's tp/dp/pp groups (their
+    global ranks are their ranks in it); the generators the infer tp groups among themselves (global ranks
+    ``N + r`` for generator ``r``)."""
     from mindrlhf.parallel import comm
 
     trainers = train.world_size
@@ -233,6 +237,18 @@ def init_disaggregated_layout(train: ParallelLayout, infer: ParallelLayout, rank
     side = list(range(trainers, trainers + infer.world_size)) if generator else list(range(trainers))
     comm.enter_scope(side, "gen" if generator else "train")
     local = rank - side[0]
-    groups = data_parallel_groups(local, len(side))
-    return RunLayout(train=train, infer=infer, groups=groups, infer_tp_group=None, rank=local,
+    infer_group = None
+    if generator:
+        groups = data_parallel_groups(local, len(side))
+        if infer.tp > 1:
+            from mindspore.communication import create_group
+
+            members = [side[0] + r for r in infer.tp_group(local)]
+            infer_group = group_name("infer_tp", members)
+            create_group(infer_group, members)
+    elif train.tp == 1 and train.pp == 1:
+        groups = data_parallel_groups(local, len(side))
+    else:
+        groups = init_parallel_groups(train, local, world_size=len(side))
+    return RunLayout(train=train, infer=infer, groups=groups, infer_tp_group=infer_group, rank=local,
                      gen_workers=infer.world_size, generator=generator)

@@ -2,7 +2,8 @@
 
 A stage (GRPO, SFT, RM, DPO, PPO) subclasses ``Trainer`` (the offline ones through ``trainer.offline``, the
 rollout ones through ``trainer.rollout``) and writes ``train_one_step``; it adds its own state through the
-hooks (``stage_state`` / ``load_stage_state`` for numbers in ``state.json``, ``extra_tensors`` /
+hooks (``stage_state`` / ``load_stage_state`` for numbers in ``state.json``, ``extra_tensors`` (shards) or
+``full_extra_tensors`` (whole on rank 0) /
 ``load_extra_tensors`` for tensors beside the model and the optimizer) and names the config groups that change
 its math (``math_groups``). Checkpoints go through ``checkpoint.manager`` (atomic, checksummed, run-scoped)
 and always hold full tensors, so a run resumes under any layout.
@@ -134,7 +135,13 @@ class Trainer:
         return [("policy", "optimizer", self.updater)]
 
     def extra_tensors(self) -> Dict[str, Dict[str, ms.Parameter]]:
-        """Further model-shaped tensors to checkpoint, by file stem (e.g. a re-synced reference)."""
+        """Further model-shaped tensors to checkpoint, by file stem (e.g. a re-synced reference): this rank's
+        shards, assembled into full tensors when the model is sharded."""
+        return {}
+
+    def full_extra_tensors(self) -> Dict[str, Dict[str, object]]:
+        """Further tensors to checkpoint that rank 0 already holds whole, by file stem (written as they are; e.g. a
+        disaggregated run's weights in flight, which rank 0 assembled when it sent them); ``{}`` on the others."""
         return {}
 
     def load_extra_tensors(self, path: Path, state: Mapping[str, object]) -> None:
@@ -247,6 +254,7 @@ class Trainer:
         adapters = self._full_adapters()
         if comm.is_main():
             tensors.update(extra)
+            tensors.update(self.full_extra_tensors())
             state = {"step": self.step, "run_id": self.run_id, "stage": self.stage, "models": self.input_models,
                      "consecutive_nonfinite": self.consecutive_nonfinite,
                      "skipped_updates": self.skipped_updates, "world_size": self.world,

@@ -27,8 +27,10 @@ while the generators sample step s + 1 with it (the same collectives in the same
   rank 0 of whether the step needs another round; the generators then sample the next batches with the round's
   seeds, as a colocated rank would.
 * ``RolloutLink.push_weights`` / ``pull_weights``: the policy version, then each weight (HF names, model order) as a
-  Broadcast from rank 0, cut to the generator's infer shard (``sharding.shard_tensor``) and written by the
-  sampler's ``load_weights``.
+  Broadcast from rank 0 (under train tp/pp first assembled from the trainers' shards by an AllReduce among the
+  trainers, ``resharding.assemble``), cut to the generator's infer shard (``sharding.shard_tensor``; infer tp: its
+  slice) and written by the sampler's ``load_weights``. With infer tp the tp ranks of a generator replica sample
+  the same rows (the replica's seeds) and tp rank 0's block stands for them in ``receive``.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ from mindrlhf.generation import Completion, Sampler
 from mindrlhf.models.weights import get_weights
 from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import RunLayout
-from mindrlhf.parallel.resharding import model_names
+from mindrlhf.parallel.resharding import assemble, model_names
 from mindrlhf.parallel.sharding import param_shape, shard_tensor
 from mindrlhf.utils import faults
 
@@ -121,9 +123,15 @@ class RolloutLink:
         return int(got[0]), int(got[1]), int(got[2]), bool(got[3])
 
     # -- rollouts: generators -> trainers ---------------------------------------------------------------------
+    def _representatives(self, gathered: np.ndarray) -> np.ndarray:
+        """The generator replicas' entries of a job-wide gather, in replica order: the tp ranks of a replica
+        (infer_tp > 1) sample the same rows, so tp rank 0 speaks for them."""
+        infer = self.layout.infer
+        return gathered[[self.trainers + r for r in range(infer.world_size) if infer.coords(r).tp == 0]]
+
     def _exchange(self, block: np.ndarray) -> np.ndarray:
-        """Every generator's block, in generator order (one AllGather over the job)."""
-        return comm.job_all_gather(block)[self.trainers:].reshape(-1, block.shape[1])
+        """Every generator replica's block, in replica order (one AllGather over the job)."""
+        return self._representatives(comm.job_all_gather(block)).reshape(-1, block.shape[1])
 
     def send(self, completions: List[Completion], version: int, busy: Tuple[float, float, float] = (0, 0, 0)) -> None:
         """A generator's completions of the step, all sampled with policy ``version``, then ``busy``: when its
@@ -136,7 +144,7 @@ class RolloutLink:
         each generator's ``(busy start, busy end, idle seconds)`` of them (``send``)."""
         block = self._exchange(np.zeros((self.rows, 3 * self.width + _TAIL), np.float32))
         completions, versions = unpack_completions(block, self.width)
-        busy = comm.job_all_gather(np.zeros(3, np.float32))[self.trainers:]
+        busy = comm.job_all_gather(np.zeros(3, np.float32))[self.trainers:]  # every generator rank's
         return completions, versions, busy
 
     def more_rounds(self, more: bool = False) -> bool:
@@ -147,17 +155,29 @@ class RolloutLink:
 
     # -- weights: trainers -> generators ---------------------------------------------------------------------
     def push_weights(self, policy, version: int, weights=None, keep: bool = False) -> dict:
-        """The trainers' side: rank 0's policy weights (train_tp = train_pp = 1: full tensors), or ``weights``
+        """The trainers' side (every trainer calls it): the policy's full weights from rank 0, or ``weights``
         (rank 0's, by HF name: a resumed run's weights in flight), and their version; returns what rank 0 sent
-        (``keep``: a copy, as the policy trains on in place), ``{}`` on the other ranks."""
+        (``keep``: a copy, as the policy trains on in place), ``{}`` on the other ranks. Under train tp/pp each
+        tensor is first assembled from the trainers' shards (``resharding.assemble``: an AllReduce over the
+        trainers' side only, as a checkpoint assembles it), one tensor in flight."""
         comm.job_broadcast(np.array([version], np.float32))
+        names = model_names(policy.config)
+        train = self.layout.train
+        if weights is None and (train.tp > 1 or train.pp > 1):
+            sent = {}
+            for name, full in assemble(dict(policy.parameters_and_names()), names, policy.config, train,
+                                       self.layout.rank):
+                comm.job_broadcast(full)
+                if keep and comm.rank() == 0:
+                    sent[name] = full
+            return sent
         if comm.rank() != 0:
             weights = {}
         elif weights is None:
             weights = get_weights(policy)
             if keep:
                 weights = {name: np.array(value) for name, value in weights.items()}
-        for name in model_names(policy.config):
+        for name in names:
             comm.job_broadcast(weights[name] if name in weights else
                                np.zeros(param_shape(name, policy.config), np.float32))
         return weights

@@ -453,8 +453,9 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
             state["in_flight_version"] = int(self.in_flight[0])
         return state
 
-    def extra_tensors(self) -> Dict[str, Dict[str, object]]:
-        """One step off: the weights the generators were sampling the next step's rows with (``in_flight``)."""
+    def full_extra_tensors(self) -> Dict[str, Dict[str, object]]:
+        """One step off: the weights the generators were sampling the next step's rows with (``in_flight``: full
+        tensors on rank 0, as ``RolloutLink.push_weights`` sent them, whatever the train layout)."""
         if not (self.one_step_off and self.in_flight is not None and comm.is_main()):
             return {}
         import mindspore as ms
