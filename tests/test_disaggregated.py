@@ -269,6 +269,23 @@ def test_a_replay_with_generator_ranks_trains_as_the_recorded_run(grpo_assets, s
 @pytest.mark.slow
 @pytest.mark.msrun
 @pytest.mark.byhand
+@pytest.mark.skipif(not BYHAND, reason="one more launch than CI's time holds: MINDRLHF_BYHAND=1")
+def test_float16_with_one_generator_equals_the_colocated_float16_run(grpo_assets, tmp_path):
+    """Mixed precision with a generator rank: float16 compute with float32 masters on the trainer (dynamic loss
+    scale), the generator sampling with the pushed weights in float16: the colocated one-process float16 run's
+    metrics and final weights (the synchronous job of the 1 + 1 test, without its evaluation)."""
+    from grpo_runs import assert_same_disaggregated_run
+
+    job = dict(SYNCHRONOUS, dtype="float16", eval_steps=0)
+    assert _run_inprocess(_args(grpo_assets, tmp_path / "colocated", **job)) == 0
+    _msrun(2, _args(grpo_assets, tmp_path / "one_one", use_parallel="true", gen_workers=1, **job),
+           tmp_path / "log", 8199)
+    assert_same_disaggregated_run(tmp_path / "colocated", tmp_path / "one_one")
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+@pytest.mark.byhand
 @pytest.mark.skipif(not BYHAND, reason="two more 2- and 4-worker launches than CI's time holds: MINDRLHF_BYHAND=1")
 def test_two_generators_two_trainers_equal_the_colocated_dp2_run(grpo_assets, tmp_path):
     """msrun world 4 with gen_workers 2 (ranks 2 and 3 sample, infer_dp 2; ranks 0 and 1 train, train_dp 2) at
