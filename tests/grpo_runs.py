@@ -228,6 +228,26 @@ def logged_at(log: Path, pattern: str) -> float:
     raise AssertionError(f"no line matching {pattern!r} in {log}:\n{log.read_text(errors='replace')[-3000:]}")
 
 
+def assert_survivor_stopped(results: list, logs: Path, victim: int, killed_at: str, timeout: int,
+                            checkpoint: int) -> float:
+    """The dead-worker rule on a two-node launch of one worker per node (``two_nodes``' ``results``, rank r on node
+    r): rank ``victim`` logged its fault injection (``killed_at``: the log line's pattern after "kills itself at"),
+    both launches exit non-zero, and the other rank stops with the one-line error (exit code 3) naming the
+    ``collective_timeout`` of ``timeout`` s and the newest complete checkpoint (step ``checkpoint``). Returns the
+    seconds from the death to that stop, each test's bound being its own."""
+    survivor = 1 - victim
+    assert all(code != 0 for code, _ in results), [code for code, _ in results]
+    died = logged_at(logs / f"node{victim}" / f"worker_{victim}.log",
+                     rf"fault injection: rank {victim} kills itself at {killed_at}")
+    assert "Error code: 3" in results[survivor][1], results[survivor][1][-3000:]
+    log = logs / f"node{survivor}" / f"worker_{survivor}.log"
+    text = log.read_text(errors="replace")
+    assert (f"error: worker rank {survivor} of 2:" in text and "died or hangs" in text
+            and f"within {timeout} s (MS_CPU_COMM_OP_TIMEOUT)" in text
+            and f"newest complete checkpoint here is step {checkpoint}" in text), text[-3000:]
+    return logged_at(log, rf"ERROR mindrlhf: rank {survivor}: \w+ failed") - died
+
+
 @contextlib.contextmanager
 def second_host():
     """A second "machine" for multi-node rehearsals: a network namespace joined to this one by a veth
