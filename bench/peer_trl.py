@@ -89,6 +89,10 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
                  beta=0.04, lr=1e-6),
     "smollm2": dict(model="smollm2", prompts=2, num_generations=4, max_completion_length=160, temperature=0.7,
                     beta=0.0, lr=1e-6),
+    # LoRA (#44): smollm2's job with rank-16 adapters on all seven projections, 10x the learning rate; TRL's
+    # side is GRPOTrainer with peft's LoraConfig of the same rank, alpha and targets.
+    "smollm2_lora": dict(model="smollm2", prompts=2, num_generations=4, max_completion_length=160,
+                         temperature=0.7, beta=0.0, lr=1e-5, lora_rank=16, lora_alpha=32),
 }
 
 
@@ -108,7 +112,8 @@ STAGES: Dict[str, Dict[str, Any]] = {
                      lora_rank=16, lora_alpha=32),
 }
 CONFIG_GROUPS = {"both": ("tiny", "smollm2"), "stages": ("sft", "rm", "dpo"),
-                 "all": ("tiny", "smollm2", "sft", "rm", "dpo"), "lora": ("sft", "sft_lora", "dpo", "dpo_lora")}
+                 "all": ("tiny", "smollm2", "sft", "rm", "dpo"), "lora": ("sft", "sft_lora", "dpo", "dpo_lora"),
+                 "grpo_lora": ("smollm2", "smollm2_lora")}
 #: The projections a LoRA config adapts on both sides (PEFT's target_modules; ours' default).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SCORE_HEAD_SEED = 1234  # numpy seed of the reward model's score head (written once, read by both sides)
@@ -155,6 +160,24 @@ def _matmul_gflops() -> float:
     return 2 * n ** 3 / best / 1e9
 
 
+def _lora_flags(spec: Dict[str, Any]) -> List[str]:
+    """Our side's LoRA flags for a config with ``lora_rank`` (none for a full fine-tune)."""
+    if not spec.get("lora_rank"):
+        return []
+    return ["--lora_rank", str(spec["lora_rank"]), "--lora_alpha", str(spec["lora_alpha"]),
+            "--lora_target_modules", *LORA_TARGETS]
+
+
+def _peft_config(spec: Dict[str, Any]) -> Any:
+    """TRL's side: peft's ``LoraConfig`` of a config with ``lora_rank`` (None for a full fine-tune)."""
+    if not spec.get("lora_rank"):
+        return None
+    import peft
+
+    return peft.LoraConfig(r=spec["lora_rank"], lora_alpha=spec["lora_alpha"], lora_dropout=0.0,
+                           target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
+
+
 def build_ours_grpo(spec: Dict[str, Any]) -> Any:
     """``(cfg, trainer)``: our GRPO trainer of ``spec`` (``make_spec``), built as ``mindrlhf-grpo`` builds it
     (``parse_args``, ``setup_runtime``, ``grpo.build_trainer``); ``bench/train_flops.py`` reuses it."""
@@ -179,7 +202,7 @@ def build_ours_grpo(spec: Dict[str, Any]) -> Any:
             "--temperature", str(spec["temperature"]), "--beta", str(spec["beta"]), "--lr", str(spec["lr"]),
             "--reward_funcs", "peer_trl:length_reward", "--seed", str(spec["seed"]),
             "--save_steps", str(10 ** 6), "--progress_bar", "false", "--tensorboard", "false",
-            "--log_completions_steps", "0"] + list(spec.get("ours_flags", []))
+            "--log_completions_steps", "0"] + _lora_flags(spec) + list(spec.get("ours_flags", []))
     cfg = parse_args(argv)
     setup_runtime(cfg)
     return cfg, build_trainer(cfg)
@@ -268,10 +291,7 @@ def build_ours_stage(spec: Dict[str, Any]) -> Any:
             "--progress_bar", "false", "--tensorboard", "false", "--strict", "true"]
     if stage == "dpo":
         argv += ["--loss_type", "sigmoid", "--beta", str(spec["beta"])]
-    if spec.get("lora_rank"):
-        argv += ["--lora_rank", str(spec["lora_rank"]), "--lora_alpha", str(spec["lora_alpha"]),
-                 "--lora_target_modules", *LORA_TARGETS]
-    cfg = parse(argv + list(spec.get("ours_flags", [])))
+    cfg = parse(argv + _lora_flags(spec) + list(spec.get("ours_flags", [])))
     layout = setup_runtime(cfg)
     trainer = build_trainer(cfg, layout)
     rows = trainer.dataset.num_rows
@@ -336,7 +356,7 @@ def run_trl(spec: Dict[str, Any]) -> Dict[str, Any]:
         disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
     )
     trainer = trl.GRPOTrainer(model=spec["model_dir"], reward_funcs=length_reward, args=args,
-                              train_dataset=dataset, processing_class=tokenizer)
+                              train_dataset=dataset, processing_class=tokenizer, peft_config=_peft_config(spec))
     gen_time = [0.0]
     generate = trainer.model.generate
 
@@ -412,12 +432,7 @@ def run_trl_stage(spec: Dict[str, Any]) -> Dict[str, Any]:
         max_length=spec["max_length"], use_cpu=True, bf16=False, fp16=False, **_no_recompute(config_class),
         model_init_kwargs={"dtype": "float32"}, report_to=[], logging_steps=1, save_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0, train_sampling_strategy="sequential")
-    peft_config = None
-    if spec.get("lora_rank"):
-        import peft
-
-        peft_config = peft.LoraConfig(r=spec["lora_rank"], lora_alpha=spec["lora_alpha"], lora_dropout=0.0,
-                                      target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
+    peft_config = _peft_config(spec)
     if stage == "sft":
         args = config_class(**kwargs, packing=False, padding_free=False, completion_only_loss=True)
         trainer = trl.SFTTrainer(model=spec["model_dir"], args=args, train_dataset=dataset,
@@ -653,6 +668,11 @@ def print_stage_report(results: List[Any]) -> None:
             print(f"  ours/TRL step time = {ours['step_s'] / trl['step_s']:.2f}, tokens/s = "
                   f"{ours['tokens_per_s'] / trl['tokens_per_s']:.2f}, peak RSS = "
                   f"{ours['peak_rss_gib'] / trl['peak_rss_gib']:.2f}")
+    print_lora_against_full(results)
+
+
+def print_lora_against_full(results: List[Any]) -> None:
+    """Each side's LoRA config (``<name>_lora``) against the full fine-tune ``<name>`` of the same run."""
     by_config = {spec["config"]: (ours, trl) for spec, ours, trl in results}
     for name, lora_sides in by_config.items():
         full_sides = by_config.get(name.removesuffix("_lora")) if name.endswith("_lora") else None
@@ -661,7 +681,9 @@ def print_stage_report(results: List[Any]) -> None:
         print(f"\n[{name}] LoRA against the full fine-tune of the same run ({name.removesuffix('_lora')}):")
         for lora, full in zip(lora_sides, full_sides):
             if lora["ok"] and full["ok"]:
-                print(f"  {lora['side']}: step time {lora['step_s'] / full['step_s']:.2f}x, peak RSS "
+                phases = "".join(f", {k} {lora[k] / full[k]:.2f}x" for k in ("generate_s", "train_s")
+                                 if lora.get(k) and full.get(k))
+                print(f"  {lora['side']}: step time {lora['step_s'] / full['step_s']:.2f}x{phases}, peak RSS "
                       f"{lora['peak_rss_gib'] / full['peak_rss_gib']:.2f}x (LoRA {lora['step_s']:.2f} s, "
                       f"{lora['peak_rss_gib']:.2f} GiB; full {full['step_s']:.2f} s, {full['peak_rss_gib']:.2f} GiB)")
 
@@ -681,7 +703,9 @@ def print_report(results: List[Dict[str, Any]]) -> None:
     for spec, ours, trl in results:
         print(f"\n[{spec['config']}] {spec['prompts']} prompts x G {spec['num_generations']}, exactly "
               f"{spec['max_completion_length']} new tokens, temperature {spec['temperature']}, beta {spec['beta']}, "
-              f"lr {spec['lr']}, {spec['steps']} steps; prompt tokens {spec['prompt_lengths']}; "
+              f"lr {spec['lr']}"
+              + (f", LoRA r {spec['lora_rank']} alpha {spec['lora_alpha']}" if spec.get("lora_rank") else "")
+              + f", {spec['steps']} steps; prompt tokens {spec['prompt_lengths']}; "
               f"model {spec['model_dir']}")
         if ours["ok"]:
             phases = ", ".join(f"{k} {v:.2f}" for k, v in ours["phases_s"].items())
@@ -704,6 +728,7 @@ def print_report(results: List[Dict[str, Any]]) -> None:
                    if trl["generate_s"] else "")
             print(f"  ours/TRL step time = {ours['step_s'] / trl['step_s']:.2f}, "
                   f"peak RSS ours/TRL = {ours['peak_rss_gib'] / trl['peak_rss_gib']:.2f}{gen}")
+    print_lora_against_full(results)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -717,7 +742,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "RewardTrainer), dpo (vs DPOTrainer, sigmoid, beta 0.1); stages: sft, rm, dpo; all: the five. "
                          "LoRA: sft_lora, dpo_lora (rank 16, alpha 32, all seven projections, 10x the lr; TRL with "
                          "peft; DPO's reference = the base with adapters off); lora: sft, sft_lora, dpo, dpo_lora "
-                         "(full fine-tune against LoRA on each side)")
+                         "(full fine-tune against LoRA on each side); smollm2_lora: smollm2's GRPO job with LoRA "
+                         "(lr 1e-5); grpo_lora: smollm2, smollm2_lora")
     ap.add_argument("--steps", type=int, default=5,
                     help="optimizer steps per side (default 5); medians are taken over steps 2..N, so use >= 2")
     ap.add_argument("--trl_venv", default=str(DEFAULT_VENV),
