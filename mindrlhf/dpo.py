@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 import logging
 from functools import partial
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 from mindspore import ops
@@ -25,7 +25,12 @@ from mindrlhf.data.text_rows import read_pair_files, require_pair_file
 from mindrlhf.parallel import comm
 from mindrlhf.trainer.entry import StageSpec, model_source, run_stage
 from mindrlhf.trainer.metrics import EVAL_CURVE
-from mindrlhf.trainer.offline import PolicyOfflineTrainer, prompt_completion_extent, prompt_completion_micro_batches
+from mindrlhf.trainer.offline import (
+    PolicyOfflineTrainer,
+    pair_rows,
+    prompt_completion_extent,
+    prompt_completion_micro_batches,
+)
 from mindrlhf.utils.cli import run_cli
 
 log = logging.getLogger("mindrlhf")
@@ -79,17 +84,6 @@ def pair_logp_micro_batches(prompts: Sequence[np.ndarray], chosen: Sequence[np.n
     pair's rows share their prompt and pack together."""
     rows_p, rows_c = pair_rows(prompts, chosen, rejected)
     return prompt_completion_micro_batches(rows_p, rows_c, 2 * pairs, pad_id, bucket=bucket)
-
-
-def pair_rows(prompts: Sequence[np.ndarray], chosen: Sequence[np.ndarray], rejected: Sequence[np.ndarray]
-              ) -> Tuple[List[np.ndarray], List[np.ndarray]]:
-    """``(prompts, completions)``: each pair as its two rows, ``chosen_i, rejected_i``. An empty prompt takes each
-    completion's first token (nothing predicts a first token without context)."""
-    rows_p, rows_c = [], []
-    for p, c, r in zip(prompts, chosen, rejected):
-        rows_p += [p, p] if len(p) else [c[:1], r[:1]]
-        rows_c += [c, r] if len(p) else [c[1:], r[1:]]
-    return rows_p, rows_c
 
 
 class DPOTrainer(PolicyOfflineTrainer):

@@ -2,9 +2,10 @@
 
 The recipe, top to bottom: pair rows (``data.text_rows.read_pair_rows``: ReaL's ``pos_answers`` /
 ``neg_answers`` and TRL's ``chosen`` / ``rejected``, tokenised as TRL does) → each pair as two rows,
-prompt + chosen and prompt + rejected → the decoder with HF's ``score`` head read at each row's last
-real token (``models.heads.ScoreHead``; an HF ``*ForSequenceClassification`` checkpoint loads as is, a
-causal LM gets a new head) → the Bradley–Terry loss over the step's pairs
+prompt + chosen and prompt + rejected, packed behind one copy of their prompt (``models.packing``; padded
+rows under pipeline stages) → the decoder with HF's ``score`` head read at each row's last real token
+(``models.heads.ScoreHead``; an HF ``*ForSequenceClassification`` checkpoint loads as is, a causal LM gets a
+new head) → the Bradley–Terry loss over the step's pairs
 (``algorithms.supervised.reward_model_loss``) → the shared update, loop, checkpoints and CLI. Metrics
 carry TRL's ``RewardTrainer`` names. A checkpoint's model folder exports to an HF
 ``*ForSequenceClassification`` directory with ``convert_weight.py --reverse``.
@@ -23,7 +24,12 @@ from mindrlhf.configs.offline import RMConfig, parse_rm_args
 from mindrlhf.data.text_rows import read_pair_files, require_pair_file
 from mindrlhf.parallel import comm
 from mindrlhf.trainer.entry import StageSpec, model_source, run_stage
-from mindrlhf.trainer.offline import OfflineTrainer, pad_rows
+from mindrlhf.trainer.offline import (
+    OfflineTrainer,
+    pair_rows,
+    prompt_completion_extent,
+    prompt_completion_micro_batches,
+)
 from mindrlhf.utils.cli import run_cli
 
 
@@ -54,15 +60,24 @@ class RMObjective:
                 "max_reward": reduced["max_reward"]}
 
 
-def pair_micro_batches(chosen: Sequence[np.ndarray], rejected: Sequence[np.ndarray], pairs: int, pad_id: int,
-                       bucket: int = 32) -> List[Dict[str, np.ndarray]]:
-    """Pairs cut into micro-batches of ``pairs`` pairs: rows ``chosen_i, rejected_i`` interleaved, right-padded
-    (``trainer.offline.pad_rows``; the score is read at each row's last real token)."""
-    out = []
-    for s in range(0, len(chosen), pairs):
-        ids, mask = pad_rows([r for pair in zip(chosen[s:s + pairs], rejected[s:s + pairs]) for r in pair], pad_id,
-                             bucket)
-        out.append({"input_ids": ids, "attention_mask": mask})
+def pair_micro_batches(prompts: Sequence[np.ndarray], chosen: Sequence[np.ndarray], rejected: Sequence[np.ndarray],
+                       pairs: int, pad_id: int, bucket: int = 32) -> List[Dict[str, np.ndarray]]:
+    """Pairs cut into micro-batches of ``pairs`` pairs, rows ``prompt_i + chosen_i, prompt_i + rejected_i``
+    interleaved, in the log-prob head's prompt / completion layout (``trainer.offline.prompt_completion_micro_batches``)
+    so a pair's two rows share their prompt and pack together (``models.packing``). That layout drops each row's
+    last column, so every completion gets one padding column after it (never attended: its mask is 0), and
+    ``score_index`` (the completion's length) names the position of the row's last real token
+    (``models.heads.ScoreHead(packed=True)``)."""
+    rows_p, rows_c = pair_rows(prompts, chosen, rejected)
+    out = prompt_completion_micro_batches(rows_p, [np.r_[c, pad_id] for c in rows_c], 2 * pairs, pad_id,
+                                          bucket=bucket)
+    for n, mb in enumerate(out):
+        lengths = np.array([len(c) for c in rows_c[n * 2 * pairs:(n + 1) * 2 * pairs]], np.int32)
+        width_p = mb["input_ids"].shape[1] - (mb["completion_ids"].shape[1] - 1)
+        after = width_p + lengths  # each row's padding column (dropped with the last column if it is there)
+        kept = after < mb["attention_mask"].shape[1]
+        mb["attention_mask"][np.flatnonzero(kept), after[kept]] = 0
+        mb["score_index"] = lengths
     return out
 
 
@@ -89,24 +104,22 @@ class RMTrainer(OfflineTrainer):
                          valid=_pair_columns(valid_pairs) if valid_pairs is not None else None)
 
     def micro_batches(self, batch, split):
-        return pair_micro_batches(batch["chosen"], batch["rejected"], self.micro_rows, self.pad_id)
+        return pair_micro_batches(batch["prompt"], batch["chosen"], batch["rejected"], self.micro_rows, self.pad_id)
 
     def row_tokens(self, columns, i):
-        return len(columns["chosen"][i]) + len(columns["rejected"][i])
+        # Real tokens of the pair's two rows (prompt + chosen, prompt + rejected), as TRL counts them.
+        return 2 * len(columns["prompt"][i]) + len(columns["chosen"][i]) + len(columns["rejected"][i])
 
 
 def _pair_columns(pairs) -> Dict[str, list]:
-    """Each pair as its two rows: prompt + chosen and prompt + rejected (ids)."""
-    return {"chosen": [np.concatenate([p, c]) for p, c in zip(pairs.prompt_ids, pairs.chosen_ids)],
-            "rejected": [np.concatenate([p, r]) for p, r in zip(pairs.prompt_ids, pairs.rejected_ids)]}
+    """A pair's prompt, chosen and rejected ids: its two rows are prompt + chosen and prompt + rejected."""
+    return {"prompt": list(pairs.prompt_ids), "chosen": list(pairs.chosen_ids), "rejected": list(pairs.rejected_ids)}
 
 
 def build_trainer(cfg: RMConfig, layout=None):
     """Load the model (with a score head), tokenizer and pairs as the config says; return a ready trainer."""
     from mindrlhf.models.heads import ScoreHead
     from mindrlhf.trainer.entry import load_policy
-    from mindrlhf.trainer.experience import bucket
-    from mindrlhf.trainer.memory import MicroBatchExtent
     from mindrlhf.trainer.update import build_updater
 
     require_pair_file(cfg)
@@ -119,12 +132,15 @@ def build_trainer(cfg: RMConfig, layout=None):
     # With LoRA the score head is trained in full beside the adapters (PEFT's modules_to_save, task SEQ_CLS).
     model, masters = load_policy(path, config, layout, cfg.model.dtype, num_labels=1, seed=cfg.train.seed,
                                  lora=cfg.model)
-    # Each pair is two rows (chosen, rejected), padded as pad_rows pads them; a score head forms no vocabulary logits.
-    longest = max(len(p) + max(len(c), len(r)) for p, c, r in zip(train.prompt_ids, train.chosen_ids,
-                                                                   train.rejected_ids))
-    extent = MicroBatchExtent.padded(2 * cfg.micro_rows, bucket(longest, 32), logit_rows=0)
-    updater = build_updater(cfg, model, RMObjective(cfg.loss.center_rewards_coefficient), head=ScoreHead(1),
-                            groups=layout.groups, masters=masters, extent=extent, what="reward model")
+    # A pair's two rows share their prompt: packed, it is encoded once (not under pipeline stages: padded rows).
+    share = layout.train.pp == 1
+    rows_p, rows_c = pair_rows(train.prompt_ids, train.chosen_ids, train.rejected_ids)
+    # The largest micro-batch pair_micro_batches forms (each completion one column longer); no vocabulary logits.
+    extent = replace(prompt_completion_extent([len(p) for p in rows_p], [len(c) + 1 for c in rows_c],
+                                              2 * cfg.micro_rows), logit_rows=0)
+    updater = build_updater(cfg, model, RMObjective(cfg.loss.center_rewards_coefficient),
+                            head=ScoreHead(1, packed=True), groups=layout.groups, masters=masters,
+                            share_prompts=share, extent=extent, what="reward model")
     return RMTrainer(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout, train_pairs=train,
                      valid_pairs=valid, reports=reports)
 

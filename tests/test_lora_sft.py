@@ -462,8 +462,8 @@ def test_rm_lora_trains_adapters_and_score_head_like_a_float64_reference(lora_as
 
     ref = _TorchLoRA(a["model"], a["adapter"], auto=AutoModelForSequenceClassification, num_labels=1)
     score = torch.tensor(initial["score.weight"], dtype=torch.float64, requires_grad=True)
-    c = trainer.dataset.columns
-    rows = [row for pair in zip(c["chosen"], c["rejected"]) for row in pair]
+    c = trainer.dataset.columns  # each pair's two rows: prompt + chosen, prompt + rejected
+    rows = [np.r_[p, x] for p, ch, rj in zip(c["prompt"], c["chosen"], c["rejected"]) for x in (ch, rj)]
 
     def step_loss():
         rewards = torch.stack([ref.model.model(input_ids=torch.tensor(r, dtype=torch.long)[None])

@@ -15,13 +15,14 @@ def reward_dir(tmp_path_factory):
 
 
 def _pairs(vocab: int, seed: int = 0):
+    """Prompts (of 3, 5, 2 and 3 tokens) and their chosen and rejected completions (ids)."""
     rng = np.random.default_rng(seed)
-    chosen, rejected = [], []
-    for lc, lr in ((6, 9), (4, 4), (11, 3), (7, 8)):
-        prompt = rng.integers(1, vocab, 3)
-        chosen.append(np.r_[prompt, rng.integers(1, vocab, lc)].astype(np.int32))
-        rejected.append(np.r_[prompt, rng.integers(1, vocab, lr)].astype(np.int32))
-    return chosen, rejected
+    prompts, chosen, rejected = [], [], []
+    for lp, lc, lr in ((3, 6, 9), (5, 4, 4), (2, 11, 3), (3, 7, 8)):
+        prompts.append(rng.integers(1, vocab, lp).astype(np.int32))
+        chosen.append(rng.integers(1, vocab, lc).astype(np.int32))
+        rejected.append(rng.integers(1, vocab, lr).astype(np.int32))
+    return prompts, chosen, rejected
 
 
 def _torch_reference(model_dir, chosen, rejected, center):
@@ -49,22 +50,26 @@ def _torch_reference(model_dir, chosen, rejected, center):
     return loss.item(), metrics, {n: p.grad.numpy() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("pairs_per_micro,center", [(4, 0.0), (1, 0.01)])
-def test_rm_step_equals_transformers_reward_model(reward_dir, pairs_per_micro, center):
+@pytest.mark.parametrize("pairs_per_micro,center,share", [(4, 0.0, True), (1, 0.01, True), (4, 0.0, False)])
+def test_rm_step_equals_transformers_reward_model(reward_dir, pairs_per_micro, center, share):
     """One reward-model update (Bradley-Terry over the step's pairs, optional centering): loss, gradients,
-    accuracy, margin and the reward statistics equal TRL's math on transformers' Qwen2ForSequenceClassification,
-    as one micro-batch of 4 pairs or four of 1."""
+    accuracy, margin and the reward statistics equal TRL's math on transformers' Qwen2ForSequenceClassification
+    (each pair's rows whole and right-padded), as one micro-batch of 4 pairs or four of 1, with each pair's two
+    rows packed behind one copy of their prompt (``share``) or padded (the pipeline-stage layout)."""
     from mindrlhf.models import load_model
     from mindrlhf.models.heads import ScoreHead
     from mindrlhf.rm import RMObjective, pair_micro_batches
     from mindrlhf.trainer.update import Updater
 
     model = load_model(reward_dir)
-    chosen, rejected = _pairs(model.config.vocab_size)
+    prompts, completions_c, completions_r = _pairs(model.config.vocab_size)
+    chosen = [np.r_[p, c] for p, c in zip(prompts, completions_c)]
+    rejected = [np.r_[p, r] for p, r in zip(prompts, completions_r)]
     want_loss, want, want_grads = _torch_reference(reward_dir, chosen, rejected, center)
-    updater = Updater(model, RMObjective(center), head=ScoreHead(1), lr=0.0, weight_decay=0.0, betas=(0.9, 0.999),
-                      eps=1e-8, max_grad_norm=0.0, jit=False)
-    micro = pair_micro_batches(chosen, rejected, pairs_per_micro, pad_id=0)
+    updater = Updater(model, RMObjective(center), head=ScoreHead(1, packed=True), lr=0.0, weight_decay=0.0,
+                      betas=(0.9, 0.999), eps=1e-8, max_grad_norm=0.0, jit=False, share_prompts=share)
+    assert updater.runner.share_prompts == share
+    micro = pair_micro_batches(prompts, completions_c, completions_r, pairs_per_micro, pad_id=0)
     import mindspore as ms
 
     grads, loss, _ = updater.runner.loss_and_grads(micro, (), extra=(ms.Tensor(np.float32(4)),

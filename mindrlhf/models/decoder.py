@@ -620,6 +620,17 @@ class CausalLM(nn.Cell):
         states = self._packed_states(input_ids, position_ids, prompt_bias, completion_bias, slot_keys, gather_index)
         return self.score(states).astype(ms.float32)[..., 0]
 
+    def packed_scores(self, input_ids: Tensor, position_ids: Tensor, prompt_bias: Tensor, completion_bias: Tensor,
+                      slot_keys: Tensor, gather_index: Tensor, score_index: Tensor) -> Tensor:
+        """A sequence-classification model's scores (N, num_labels) of N rows packed with their shared prompts:
+        its ``score`` head at each row's last real token, the position ``gather_index[n, score_index[n]]`` (the one
+        that would predict a token after the row), as ``sequence_scores`` reads it in a padded row."""
+        x = self._layers(self.model.embed_tokens(input_ids), position_ids, (prompt_bias, completion_bias, slot_keys))
+        b, t, h = x.shape
+        n, c = gather_index.shape
+        last = ops.gather(gather_index.reshape(-1), ops.arange(n, dtype=ms.int32) * c + score_index.astype(ms.int32), 0)
+        return self.score(self.model.norm(ops.gather(x.reshape(b * t, h), last, 0))).astype(ms.float32)
+
     def _packed_states(self, input_ids, position_ids, prompt_bias, completion_bias, slot_keys, gather_index):
         """The final-normed hidden states (N, C, H) at ``gather_index`` of a packed batch."""
         x = self._layers(self.model.embed_tokens(input_ids), position_ids, (prompt_bias, completion_bias, slot_keys))

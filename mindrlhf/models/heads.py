@@ -7,7 +7,7 @@ pipeline stage) and hands the last stage's hidden states (B, T, H), before the f
   ``softmax(logits / temperature)``, vocab-parallel under tp (GRPO's policy, SFT, DPO); with
   ``stats=True`` also each token's entropy and argmax hit (SFT's metrics), as a tuple;
 * ``ScoreHead`` (per sequence): a sequence-classification model's ``score`` head (B, num_labels) at
-  each row's last real token (a reward model);
+  each row's last real token (a reward model; with a shared-prompt packed form for pairs);
 * ``ValueHead`` (per token): a one-label model's ``score`` head at each completion position (PPO's critic;
   with a shared-prompt packed form, as ``LogProbHead``'s).
 
@@ -82,12 +82,16 @@ class LogProbHead:
 
 
 class ScoreHead:
-    """Per-sequence scores (B, num_labels) of a model built with a ``score`` head (``num_labels > 0``)."""
+    """Per-sequence scores (B, num_labels) of a model built with a ``score`` head (``num_labels > 0``), at each
+    row's last real token. ``packed``: the micro-batches are in the log-prob head's prompt / completion layout
+    with ``score_index`` (B,), the number of completion tokens before the row ends (``rm.pair_micro_batches``),
+    so rows sharing a prompt can be packed (``models.packing``) and scored where each row ends."""
 
-    keys: Tuple[str, ...] = ()
-
-    def __init__(self, num_labels: int = 1):
+    def __init__(self, num_labels: int = 1, *, packed: bool = False):
         self.num_labels = int(num_labels)
+        self.packed = bool(packed)
+        #: ``score_index`` is read by the packed form only; the padded form finds the last real token in the mask.
+        self.keys: Tuple[str, ...] = ("score_index",) if packed else ()
 
     def build(self, model) -> Callable:
         if model.config.num_labels != self.num_labels:
@@ -95,12 +99,23 @@ class ScoreHead:
             raise MindRLHFError(f"a score head of {self.num_labels} label(s) needs a sequence-classification model "
                                 f"with as many; this {model.config.model_type} model has {what}")
 
+        if self.packed:
+            def scores_of_rows(hidden, attention_mask, score_index):
+                return model.sequence_scores(hidden, attention_mask)
+            return scores_of_rows
+
         def scores(hidden, attention_mask):
             return model.sequence_scores(hidden, attention_mask)
         return scores
 
-    def build_packed(self, model) -> None:
-        return None
+    def build_packed(self, model) -> Optional[Callable]:
+        if not self.packed:
+            return None
+
+        def packed(input_ids, position_ids, prompt_bias, completion_bias, slot_keys, gather_index, score_index):
+            return model.packed_scores(input_ids, position_ids, prompt_bias, completion_bias, slot_keys, gather_index,
+                                       score_index)
+        return packed
 
     def output_shapes(self, micro_batch: Dict[str, np.ndarray]) -> List[Tuple[int, ...]]:
         return [(micro_batch["input_ids"].shape[0], self.num_labels)]

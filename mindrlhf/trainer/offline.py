@@ -225,6 +225,17 @@ def prompt_completion_micro_batches(prompts: Sequence[np.ndarray], completions: 
     return out
 
 
+def pair_rows(prompts: Sequence[np.ndarray], chosen: Sequence[np.ndarray], rejected: Sequence[np.ndarray]
+              ) -> Tuple[List[np.ndarray], List[np.ndarray]]:
+    """``(prompts, completions)``: each pair as its two rows, ``chosen_i, rejected_i``. An empty prompt takes each
+    completion's first token (nothing predicts a first token without context)."""
+    rows_p, rows_c = [], []
+    for p, c, r in zip(prompts, chosen, rejected):
+        rows_p += [p, p] if len(p) else [c[:1], r[:1]]
+        rows_c += [c, r] if len(p) else [c[1:], r[1:]]
+    return rows_p, rows_c
+
+
 def prompt_completion_extent(prompt_lengths: Sequence[int], completion_lengths: Sequence[int], rows: int,
                              bucket: int = 32) -> MicroBatchExtent:
     """The largest micro-batch ``prompt_completion_micro_batches`` can form from rows of these lengths, ``rows`` to
