@@ -625,15 +625,19 @@ class CausalLM(nn.Cell):
         """A sequence-classification model's scores (N, num_labels) of N rows packed with their shared prompts:
         its ``score`` head at each row's last real token, the position ``gather_index[n, score_index[n]]`` (the one
         that would predict a token after the row), as ``sequence_scores`` reads it in a padded row."""
-        x = self._layers(self.model.embed_tokens(input_ids), position_ids, (prompt_bias, completion_bias, slot_keys))
+        x = self._packed_hidden(input_ids, position_ids, prompt_bias, completion_bias, slot_keys)
         b, t, h = x.shape
         n, c = gather_index.shape
         last = ops.gather(gather_index.reshape(-1), ops.arange(n, dtype=ms.int32) * c + score_index.astype(ms.int32), 0)
         return self.score(self.model.norm(ops.gather(x.reshape(b * t, h), last, 0))).astype(ms.float32)
 
+    def _packed_hidden(self, input_ids, position_ids, prompt_bias, completion_bias, slot_keys):
+        """The decoder's hidden states (G, T, H) of a packed batch, before the final norm (``models.packing``)."""
+        return self._layers(self.model.embed_tokens(input_ids), position_ids, (prompt_bias, completion_bias, slot_keys))
+
     def _packed_states(self, input_ids, position_ids, prompt_bias, completion_bias, slot_keys, gather_index):
         """The final-normed hidden states (N, C, H) at ``gather_index`` of a packed batch."""
-        x = self._layers(self.model.embed_tokens(input_ids), position_ids, (prompt_bias, completion_bias, slot_keys))
+        x = self._packed_hidden(input_ids, position_ids, prompt_bias, completion_bias, slot_keys)
         b, t, h = x.shape
         x = ops.gather(x.reshape(b * t, h), gather_index.reshape(-1), 0).reshape(*gather_index.shape, h)
         return self.model.norm(x)

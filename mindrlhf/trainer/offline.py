@@ -182,17 +182,6 @@ class PolicyOfflineTrainer(PolicyEvaluation, OfflineTrainer):
         return {"max_new_tokens": self.cfg.train.eval_max_new_tokens}
 
 
-def pad_rows(rows: Sequence[np.ndarray], pad_id: int, bucket: int = 32) -> Tuple[np.ndarray, np.ndarray]:
-    """Right-pad rows of ids to the longest rounded up to ``bucket`` (so compiled layer graphs see few shapes):
-    ``(ids (B, T) int32, real (B, T) int32)``, ``real`` 1 on each row's own tokens."""
-    width = round_up(max(len(r) for r in rows), bucket)
-    ids = np.full((len(rows), width), pad_id, np.int32)
-    real = np.zeros((len(rows), width), np.int32)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)], real[i, :len(r)] = r, 1
-    return ids, real
-
-
 def prompt_completion_micro_batches(prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray], size: int,
                                     pad_id: int, *, trained: Optional[Sequence[np.ndarray]] = None,
                                     segments: Optional[Sequence[np.ndarray]] = None,
