@@ -93,6 +93,11 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     # side is GRPOTrainer with peft's LoraConfig of the same rank, alpha and targets.
     "smollm2_lora": dict(model="smollm2", prompts=2, num_generations=4, max_completion_length=160,
                          temperature=0.7, beta=0.0, lr=1e-5, lora_rank=16, lora_alpha=32),
+    # The same LoRA job sampling through a plain copy with the merged projections (--lora_sampler merged); ours
+    # only (TRL + peft merges into vLLM, which this box does not run: its side is smollm2_lora's).
+    "smollm2_lora_merged": dict(model="smollm2", prompts=2, num_generations=4, max_completion_length=160,
+                                temperature=0.7, beta=0.0, lr=1e-5, lora_rank=16, lora_alpha=32,
+                                ours_flags=["--lora_sampler", "merged"], ours_only=True),
 }
 
 
@@ -113,7 +118,7 @@ STAGES: Dict[str, Dict[str, Any]] = {
 }
 CONFIG_GROUPS = {"both": ("tiny", "smollm2"), "stages": ("sft", "rm", "dpo"),
                  "all": ("tiny", "smollm2", "sft", "rm", "dpo"), "lora": ("sft", "sft_lora", "dpo", "dpo_lora"),
-                 "grpo_lora": ("smollm2", "smollm2_lora")}
+                 "grpo_lora": ("smollm2", "smollm2_lora", "smollm2_lora_merged")}
 #: The projections a LoRA config adapts on both sides (PEFT's target_modules; ours' default).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SCORE_HEAD_SEED = 1234  # numpy seed of the reward model's score head (written once, read by both sides)
@@ -534,7 +539,7 @@ def make_spec(name: str, steps: int, work: Path, ours_flags: Sequence[str] = ())
     return {**{k: v for k, v in conf.items() if k != "model"}, "config": name, "steps": steps, "seed": 42,
             "model_dir": str(model_dir), "work_dir": str(work), "questions_file": str(questions_file),
             "prompt_texts": texts, "prompt_lengths": [len(tokenizer.encode(t)) for t in texts],
-            "ours_flags": list(ours_flags)}
+            "ours_flags": list(conf.get("ours_flags", [])) + list(ours_flags)}
 
 
 def _reward_model_dir(policy_dir: Path, out: Path) -> Path:
@@ -672,13 +677,15 @@ def print_stage_report(results: List[Any]) -> None:
 
 
 def print_lora_against_full(results: List[Any]) -> None:
-    """Each side's LoRA config (``<name>_lora``) against the full fine-tune ``<name>`` of the same run."""
+    """Each side's LoRA config (``<name>_lora``, ``<name>_lora_merged``) against the full fine-tune ``<name>`` of
+    the same run."""
     by_config = {spec["config"]: (ours, trl) for spec, ours, trl in results}
     for name, lora_sides in by_config.items():
-        full_sides = by_config.get(name.removesuffix("_lora")) if name.endswith("_lora") else None
+        full_name = name.split("_lora")[0] if "_lora" in name else None
+        full_sides = by_config.get(full_name) if full_name else None
         if full_sides is None:
             continue
-        print(f"\n[{name}] LoRA against the full fine-tune of the same run ({name.removesuffix('_lora')}):")
+        print(f"\n[{name}] LoRA against the full fine-tune of the same run ({full_name}):")
         for lora, full in zip(lora_sides, full_sides):
             if lora["ok"] and full["ok"]:
                 phases = "".join(f", {k} {lora[k] / full[k]:.2f}x" for k in ("generate_s", "train_s")
@@ -743,7 +750,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "LoRA: sft_lora, dpo_lora (rank 16, alpha 32, all seven projections, 10x the lr; TRL with "
                          "peft; DPO's reference = the base with adapters off); lora: sft, sft_lora, dpo, dpo_lora "
                          "(full fine-tune against LoRA on each side); smollm2_lora: smollm2's GRPO job with LoRA "
-                         "(lr 1e-5); grpo_lora: smollm2, smollm2_lora")
+                         "(lr 1e-5); smollm2_lora_merged: the same with --lora_sampler merged (ours only); grpo_lora: "
+                         "smollm2, smollm2_lora, smollm2_lora_merged")
     ap.add_argument("--steps", type=int, default=5,
                     help="optimizer steps per side (default 5); medians are taken over steps 2..N, so use >= 2")
     ap.add_argument("--trl_venv", default=str(DEFAULT_VENV),
@@ -801,7 +809,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             else:
                 print(f"[{name}] ours (MindSpore, {sys.executable})", flush=True)
                 ours = run_side("ours", sys.executable, spec_file, cwork / "ours.log")
-            if args.sides == "ours":
+            if args.sides == "ours" or spec.get("ours_only"):
                 trl = dict(skipped, side="trl")
             elif trl_python is None:
                 trl = {"side": "trl", "ok": False, "error": trl_error}

@@ -409,7 +409,7 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
     elif infer_path and infer_path != train_path:
         sampler_model = load_shard(infer_path, layout.infer, layout.rank, dtype=m.dtype,
                                    tp_group=layout.infer_shard().tp_group)
-    elif not layout.shared_generator:  # weights come from the policy, resharded (sync_generator)
+    elif not layout.shared_generator or cfg.merged_sampler:  # weights come from the policy (sync_generator)
         sampler_model = CausalLM(config, m.dtype, layout.infer_shard())
     ref_model = None
     if cfg.uses_reference:  # with beta == 0 the reference is never built

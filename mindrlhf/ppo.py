@@ -469,7 +469,7 @@ def build_trainer(cfg: PPOConfig, layout) -> PPOTrainer:
     shard = layout.groups.shard()
     actor, actor_masters = load_policy(actor_path, config, layout, m.dtype, lora=m, seed=cfg.train.seed)
     # Disaggregated: the generator ranks sample; the actor's weights reach them when training starts.
-    sampler_model = None if layout.shared_generator or layout.disaggregated else \
+    sampler_model = None if (layout.shared_generator and not cfg.merged_sampler) or layout.disaggregated else \
         CausalLM(config, m.dtype, layout.infer_shard())
     ref_model = None
     # No ref_model_path: the initial actor (with LoRA its own base, the adapters switched off: PPOTrainer).

@@ -606,6 +606,43 @@ def test_grpo_lora_at_beta_0_trains_the_adapters_and_samples_with_them(grpo_asse
             parse_args(grpo_args(grpo_assets, tmp_path / "x", **dict(args, **flags)))
 
 
+def test_grpo_lora_merged_sampler_holds_the_merged_weights_and_samples_as_the_adapted_policy(
+        grpo_assets, tmp_path, length_reward):
+    """--lora_sampler merged: the sampler is a plain model (no adapters) that holds, after every update, exactly the
+    merged export of the policy (W + scaling * B A, bit for bit, the base's other weights as they are), and it samples
+    what the policy with its adapters samples: the same tokens, log-probs to float32 rounding. Without LoRA the
+    setting is refused in one line."""
+    from grpo_runs import grpo_args
+    from mindrlhf import grpo
+    from mindrlhf.configs import parse_args
+    from mindrlhf.errors import MindRLHFError
+    from mindrlhf.generation import SamplingParams
+    from mindrlhf.generation.factory import native_sampler
+    from mindrlhf.models.lora import lora_modules, merged_weights
+    from mindrlhf.models.weights import get_weights
+
+    args = dict(max_steps=1, lr=1e-2, reward_funcs=[length_reward], lora_rank=R, lora_alpha=ALPHA,
+                lora_sampler="merged")
+    trainer = grpo.build_trainer(parse_args(grpo_args(grpo_assets, tmp_path / "out", **args)))
+    sampler_model = trainer.sampler.model
+    assert not trainer.sampler.holds(trainer.policy) and not lora_modules(sampler_model)
+    _one_step_trains_only_the_adapters(trainer, trainer.policy)  # its sync loads only the merged projections
+    merged, held = merged_weights(trainer.policy), get_weights(sampler_model)
+    assert set(held) == set(merged)
+    for name, value in merged.items():
+        np.testing.assert_array_equal(held[name], value, err_msg=name)
+
+    prompts = [[40, 1079, 264, 3405, 13], [9, 8, 7, 6, 5]]
+    params = SamplingParams(n=2, temperature=0.7, max_tokens=12, seed=5)
+    ours = trainer.sampler.generate(prompts, params)
+    adapted = native_sampler(trainer.policy, jit=True).generate(prompts, params)
+    for a, b in zip(ours, adapted):
+        assert list(a.token_ids) == list(b.token_ids)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+    with pytest.raises(MindRLHFError, match="lora_sampler = merged without LoRA"):
+        parse_args(grpo_args(grpo_assets, tmp_path / "x", max_steps=1, lora_sampler="merged"))
+
+
 def test_grpo_lora_with_beta_takes_its_base_with_adapters_off_as_the_reference(grpo_assets, tmp_path,
                                                                               length_reward):
     """GRPO with --lora_rank and beta > 0: no reference model is loaded (the reference runner runs the policy itself

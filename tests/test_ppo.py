@@ -449,7 +449,8 @@ def test_one_generator_one_trainer_equals_the_colocated_run(ppo_assets, recorded
 
 @pytest.mark.slow
 def test_ppo_lora_trains_the_adapters_of_actor_and_critic_on_frozen_bases(ppo_assets, tmp_path):
-    """PPO with --lora_rank: the actor trains its adapters and samples with them; its reference is its own base with
+    """PPO with --lora_rank (and --lora_sampler merged): the actor trains its adapters and samples with them (a
+    plain sampler copy holding its merged weights, also after a resume); its reference is its own base with
     the adapters switched off (no reference model loaded), so step 1's KL is exactly 0 (B = 0: the recomputed old
     log-probs are the base's) and afterwards the reference log-probs equal a plain base model's bit for bit; the critic
     trains its own adapters and its score head in full (PEFT's SEQ_CLS modules_to_save); both bases stay
@@ -460,18 +461,19 @@ def test_ppo_lora_trains_the_adapters_of_actor_and_critic_on_frozen_bases(ppo_as
     from mindrlhf.configs.ppo import parse_ppo_args
     from mindrlhf.models import load_model
     from mindrlhf.models.heads import LogProbHead
-    from mindrlhf.models.lora import adapter_weights, read_adapter
+    from mindrlhf.models.lora import adapter_weights, lora_modules, merged_weights, read_adapter
+    from mindrlhf.models.weights import get_weights
     from mindrlhf.ppo import CRITIC_ADAPTER_DIR, build_trainer
     from mindrlhf.trainer.entry import setup_runtime
     from mindrlhf.trainer.rollout import PhaseTimer
     from mindrlhf.trainer.update import AdaptersOff, build_frozen_runner
 
     args = dict(max_steps=2, lora_rank=4, lora_alpha=8, lr=1e-2, ppo_epochs=1, num_mini_batches=1,
-                micro_batch_size=2, value_norm="false", recompute_old_logp="true")
+                micro_batch_size=2, value_norm="false", recompute_old_logp="true", lora_sampler="merged")
     cfg = parse_ppo_args(_argv(ppo_assets, tmp_path / "full", **args))
     trainer = build_trainer(cfg, setup_runtime(cfg))
     actor, critic = trainer.policy, trainer.critic
-    assert trainer.sampler.holds(actor)
+    assert not trainer.sampler.holds(actor) and not lora_modules(trainer.sampler.model)
     assert isinstance(trainer.ref_runner, AdaptersOff) and trainer.ref_runner.model is actor
     actor_adapters, critic_adapters = set(adapter_weights(actor)), set(adapter_weights(critic))
     assert set(trainer.updater.master_weights()) == actor_adapters
@@ -515,6 +517,9 @@ def test_ppo_lora_trains_the_adapters_of_actor_and_critic_on_frozen_bases(ppo_as
         np.testing.assert_array_equal(value, saved[name], err_msg=name)
     for name, value in adapter_weights(critic).items():
         np.testing.assert_array_equal(value, saved_critic[name], err_msg=f"critic/{name}")
+    held = get_weights(trainer.sampler.model)
+    for name, value in merged_weights(actor).items():
+        np.testing.assert_array_equal(held[name], value, err_msg=f"sampler/{name}")
 
     exp = trainer.collect(3, PhaseTimer()).exp
     ref = trainer.completion_forward(trainer.ref_runner, exp)

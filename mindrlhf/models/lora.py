@@ -411,13 +411,26 @@ def merged_weights(model: nn.Cell, layout=None, rank: int = 0) -> Dict[str, np.n
             out[name] = value  # a module to save (score) is a parameter of the model: its trained value
         return out
     _require_whole(model, "merged_weights", "pass its layout and global rank")
-    adapters = {name: cell for name, cell in lora_modules(model)}
+    return merged_shard_weights(model)
+
+
+def merged_shard_weights(model: nn.Cell, changed_only: bool = False) -> Dict[str, np.ndarray]:
+    """This shard's weights (HF names, float32, its own slices) with every adapter merged into its projection: what a
+    plain ``CausalLM`` shard of the same layout loads to compute as the adapted one (GRPO's and PPO's merged sampler,
+    ``lora_sampler merged``). The merge needs no collective: an adapter is split with its layer (a column-parallel
+    B with the output rows, a row-parallel A with the input columns), so each shard's ``scaling * B A`` is its slice
+    of the whole delta. ``changed_only``: just what an update changes (the merged projections and the modules to
+    save; the rest of the base is frozen)."""
+    adapters = dict(lora_modules(model))
+    saved = {name for name, _ in saved_modules(model)}
     out = {}
     for name, param in model.parameters_and_names():
         if ".lora_A." in name or ".lora_B." in name or is_switch(name):
             continue
-        value = param.value().astype(ms.float32).asnumpy()
         module = name[:-len(".weight")] if name.endswith(".weight") else None
+        if changed_only and module not in adapters and name not in saved:
+            continue
+        value = param.value().astype(ms.float32).asnumpy()
         if module in adapters:
             cell = adapters[module]
             value = _merged(value, cell.lora_A.weight.value().astype(ms.float32).asnumpy(),

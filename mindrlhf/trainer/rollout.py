@@ -29,6 +29,7 @@ from mindrlhf.data import PromptDataset
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.generation import Completion, Sampler, SamplingParams
 from mindrlhf.models import CausalLM
+from mindrlhf.models.lora import merged_shard_weights
 from mindrlhf.models.weights import get_weights
 from mindrlhf.parallel import comm
 from mindrlhf.parallel.pipeline import PipelineRunner
@@ -153,6 +154,9 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         self.push_seconds = 0.0
         #: A disaggregated trainer's evaluation sampler over its policy (``eval_sampler``), built when first needed.
         self._eval_sampler: Optional[Sampler] = None
+        #: A merged LoRA sampler (``lora_sampler merged``) has had the whole base once; later syncs load only what
+        #: an update changes.
+        self._sampler_loaded = False
         if layout is not None and layout.disaggregated:
             from mindrlhf.trainer.disaggregated import RolloutLink
 
@@ -432,6 +436,11 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
                 self.link.push_weights(self.policy, self.step + 1)
             return
         if self.sampler.holds(self.policy):
+            return
+        if self.cfg.merged_sampler:  # a plain copy of the policy's shard: only the merged projections change
+            self.sampler.load_weights(merged_shard_weights(self.policy, changed_only=self._sampler_loaded),
+                                      strict=not self._sampler_loaded)
+            self._sampler_loaded = True
             return
         if self.layout.pure_dp:
             self.sampler.load_weights(get_weights(self.policy))
