@@ -4,9 +4,10 @@
 # `bash scripts/test.sh -m "not slow"` or `bash scripts/test.sh tests/test_rewards.py`.
 #
 # With no arguments (what CI runs) the suite runs in two parts: the single-process tests two at a
-# time (pytest-xdist, whole files to a worker so module fixtures are built once; a tiny-model test
-# keeps about one core busy: graph compiles, Python), then the msrun launches one at a time (each is
-# several workers already, and some check how fast a job stops after one of them dies).
+# time (pytest-xdist, whole files to a worker so module fixtures are built once, in tests/conftest.py's
+# order: the files with the most slow tests first; a tiny-model test keeps about one core busy: graph
+# compiles, Python), then the msrun launches one at a time (each is several workers already, and some
+# check how fast a job stops after one of them dies).
 # MINDRLHF_TEST_WORKERS sets how many run at once in the first part (1: one after another).
 set -euo pipefail
 # shellcheck source=scripts/_env.sh
@@ -17,7 +18,7 @@ fi
 workers="${MINDRLHF_TEST_WORKERS:-2}"
 rc=0
 if [ "$workers" -gt 1 ]; then
-  python -m pytest -q -m "not msrun" -n "$workers" --dist loadfile || rc=$?
+  python -m pytest -q -m "not msrun" -n "$workers" --dist loadfile --no-loadscope-reorder || rc=$?
 else
   python -m pytest -q -m "not msrun" || rc=$?
 fi

@@ -79,6 +79,20 @@ def ppo_assets(grpo_assets, tmp_path_factory, qwen_tokenizer_dir) -> dict:
     return {**grpo_assets, "rm": add_tokenizer(rm, qwen_tokenizer_dir)}
 
 
+# -- file order ---------------------------------------------------------------------------------------
+def pytest_collection_modifyitems(config, items):
+    """Files with the most ``slow`` tests first (within a file, and among files of equal count, the order is kept).
+    scripts/test.sh hands whole files to two xdist workers in this order (``--dist loadfile
+    --no-loadscope-reorder``): the long files start early and the many quick ones fill the end, so one worker does
+    not finish a long file alone while the other idles (xdist's own order, by number of tests, put the files of a
+    few long tests last)."""
+    slow: dict = {}
+    for item in items:
+        if item.get_closest_marker("slow"):
+            slow[item.path] = slow.get(item.path, 0) + 1
+    items.sort(key=lambda item: -slow.get(item.path, 0))
+
+
 # -- memory report ------------------------------------------------------------------------------------
 # The suite runs most tests in one process; MindSpore keeps compiled graphs and its memory pools for the
 # process's life, so an in-process test can leave gigabytes behind (a CI run once reached 12.7 GB beside

@@ -174,6 +174,10 @@ def launch_env(env_extra=None) -> dict:
     one it finds), and tests/ importable, since workers import test reward functions by dotted path
     (tests/e2e_rewards.py)."""
     env = dict(os.environ, **(env_extra or {}))
+    # MindSpore's cluster retries (a worker's registration, each collective's setup) wait a random 3-5 s by default;
+    # 1 s takes ~5 s off every launch on this box (bench/README.md, "CI time") and changes no result.
+    env.setdefault("MS_RETRY_INTERVAL_LOWER", "1")
+    env.setdefault("MS_RETRY_INTERVAL_UPPER", "1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "tests"), env.get("PYTHONPATH", "")) if p)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     return env

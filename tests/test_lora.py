@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from mindspore import Tensor
 
+from grpo_runs import launch_env
 from make_peft_reference import ADAPTER_SEED, ADAPTERS, IDS, MASK, MODEL_SEED, VOCAB
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.models import load_model
@@ -374,8 +375,7 @@ def test_tp2_adapter_gradients_equal_single_process(tmp_path, tiny_qwen2_dir):
     np.savez(tmp_path / "adapter.npz", **full)
     np.savez(tmp_path / "batch.npz", **batch)
     log_dir = tmp_path / "log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env = launch_env({"PYTHONUNBUFFERED": "1"})
     cmd = [str(Path(sys.executable).parent / "msrun"), "--worker_num=2", "--local_worker_num=2", "--master_port=8313",
            "--join=True", f"--log_dir={log_dir}", str(REPO / "tests" / "lora_tp_worker.py"), "--tp", "2",
            "--model", str(tiny_qwen2_dir), "--adapter", str(tmp_path / "adapter.npz"),

@@ -203,14 +203,14 @@ GRPO_REWARDS = ["accuracy", "gsm8k_format", "e2e_rewards:record_columns_reward"]
 
 
 @pytest.mark.slow
-def test_grpo_trains_from_both_jsonl_forms_as_from_the_mindrecord(grpo_assets, prompt_files, tmp_path):
-    """``mindrlhf-grpo --train_file`` (the new alias) with a ReaL text-prompt file and a TRL conversational one:
-    step 1's metrics are identical to the mindrecord's of the same rows, and the ``answer`` column reaches the
-    reward functions (the accuracy reward reads its final number)."""
+def test_grpo_trains_from_a_prompt_jsonl_as_from_the_mindrecord(grpo_assets, prompt_files, tmp_path):
+    """``mindrlhf-grpo --train_file`` (the new alias) with a TRL conversational prompt file: step 1's metrics are
+    identical to the mindrecord's of the same rows, and the ``answer`` column reaches the reward functions (the
+    accuracy reward reads its final number). (The ReaL text form gives the same ids through the same reader:
+    test_both_forms_give_the_mindrecords_prompts_and_solutions; one jsonl run keeps CI short.)"""
     answers = [r["answer"] for r in prompt_files["rows"]]
     runs = {}
-    for form, data in (("mindrecord", grpo_assets["data"]), ("real", prompt_files["real"]),
-                       ("trl", prompt_files["trl"])):
+    for form, data in (("mindrecord", grpo_assets["data"]), ("trl", prompt_files["trl"])):
         out, seen = tmp_path / form, tmp_path / f"{form}.columns.jsonl"
         argv = grpo_args(grpo_assets, out, max_steps=1, reward_funcs=GRPO_REWARDS)
         argv[argv.index("--mind_dataset_dir"):argv.index("--mind_dataset_dir") + 2] = ["--train_file", str(data)]
@@ -221,7 +221,6 @@ def test_grpo_trains_from_both_jsonl_forms_as_from_the_mindrecord(grpo_assets, p
             _columns_seen(seen, answers)
             assert "train_file: " in proc.stderr and "16 rows read, 16 kept, 0 skipped" in proc.stderr
     assert "rewards/accuracy/mean" in runs["mindrecord"]
-    assert runs["real"] == runs["mindrecord"]
     assert runs["trl"] == runs["mindrecord"]
 
 
@@ -246,8 +245,8 @@ def _ppo(assets, out: Path, data: Path, seen: Path, **extra):
 
 @pytest.fixture(scope="module")
 def ppo_runs(grpo_assets, prompt_files, tmp_path_factory) -> dict:
-    """One PPO step from the mindrecord, the ReaL file and the TRL file (``--train_file``), with a tiny reward
-    model as the reward model and the critic."""
+    """One PPO step from the mindrecord and the TRL file (``--train_file``), with a tiny reward model as the reward
+    model and the critic (the ReaL form reads through the same reader: GRPO's note above)."""
     from mindrlhf.testing import add_tokenizer, make_tiny_reward_model
 
     root = tmp_path_factory.mktemp("ppo_jsonl")
@@ -255,8 +254,7 @@ def ppo_runs(grpo_assets, prompt_files, tmp_path_factory) -> dict:
                                 num_key_value_heads=2, max_position_embeddings=1024, seed=7)
     assets = {**grpo_assets, "rm": add_tokenizer(rm, grpo_assets["model"])}
     runs = {}
-    for form, data in (("mindrecord", grpo_assets["data"]), ("real", prompt_files["real"]),
-                       ("trl", prompt_files["trl"])):
+    for form, data in (("mindrecord", grpo_assets["data"]), ("trl", prompt_files["trl"])):
         out, seen = root / form, root / f"{form}.columns.jsonl"
         proc = _ppo(assets, out, data, seen)
         runs[form] = {"out": out, "seen": seen, "proc": proc}
@@ -268,18 +266,16 @@ def ppo_runs(grpo_assets, prompt_files, tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
-def test_ppo_trains_from_both_jsonl_forms_as_from_the_mindrecord(ppo_runs, prompt_files):
-    """``mindrlhf-ppo --train_file prompts.jsonl`` trains (it said the mindrecord index was missing): both forms give
-    step 1's metrics of the mindrecord exactly, and the ``answer`` column reaches the reward functions."""
-    forms = ("mindrecord", "real", "trl")
+def test_ppo_trains_from_a_prompt_jsonl_as_from_the_mindrecord(ppo_runs, prompt_files):
+    """``mindrlhf-ppo --train_file prompts.jsonl`` trains (it said the mindrecord index was missing): a TRL prompt
+    file gives step 1's metrics of the mindrecord exactly, and the ``answer`` column reaches the reward functions."""
+    forms = ("mindrecord", "trl")
     for form in forms:
         assert ppo_runs[form]["proc"].returncode == 0, (form, ppo_runs[form]["proc"].stderr[-3000:])
     first = {form: _first_rows(ppo_runs[form]["out"]) for form in forms}
     assert "rewards/accuracy/mean" in first["mindrecord"]
-    assert first["real"] == first["mindrecord"]
     assert first["trl"] == first["mindrecord"]
-    for form in ("real", "trl"):
-        _columns_seen(ppo_runs[form]["seen"], [r["answer"] for r in prompt_files["rows"]])
+    _columns_seen(ppo_runs["trl"]["seen"], [r["answer"] for r in prompt_files["rows"]])
 
 
 @pytest.mark.slow

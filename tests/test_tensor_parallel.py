@@ -10,7 +10,6 @@ tp2 × pp2: its loss, scores and gradient slices equal one process too.
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Optional
 import numpy as np
 import pytest
 
+from grpo_runs import launch_env
 from mindrlhf.parallel.layout import ParallelLayout
 from tp_worker import BETA, score_loss
 
@@ -92,8 +92,7 @@ def _reference(model_dir: Path, batch: dict):
 
 def _msrun(n: int, argv, log_dir: Path, port: int) -> None:
     # cwd outside the checkout: MindSpore writes rank_*/ folders (graph dumps on a compile error) there.
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env = launch_env({"PYTHONUNBUFFERED": "1"})
     cmd = [str(Path(sys.executable).parent / "msrun"), f"--worker_num={n}", f"--local_worker_num={n}",
            f"--master_port={port}", "--join=True", f"--log_dir={log_dir}", str(WORKER), *argv]
     proc = subprocess.run(cmd, cwd=log_dir.parent, env=env, capture_output=True, text=True, timeout=900)
