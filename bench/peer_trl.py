@@ -121,6 +121,8 @@ CONFIG_GROUPS = {"both": ("tiny", "smollm2"), "stages": ("sft", "rm", "dpo"),
                  "grpo_lora": ("smollm2", "smollm2_lora", "smollm2_lora_merged")}
 #: The projections a LoRA config adapts on both sides (PEFT's target_modules; ours' default).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: The report tables' first column: the longest config name and a space.
+CONFIG_WIDTH = max(map(len, (*CONFIGS, *STAGES))) + 1
 SCORE_HEAD_SEED = 1234  # numpy seed of the reward model's score head (written once, read by both sides)
 
 
@@ -628,7 +630,7 @@ def _print_rows(results: List[Any], columns: Callable[[Dict[str, Any]], str]) ->
             if res.get("skipped"):
                 continue
             status = columns(res) if res["ok"] else "  FAILED (see below)"
-            print(f"{spec['config']:<9}{res['side']:<6}{status}")
+            print(f"{spec['config']:<{CONFIG_WIDTH}}{res['side']:<6}{status}")
 
 
 def print_stage_report(results: List[Any]) -> None:
@@ -636,7 +638,7 @@ def print_stage_report(results: List[Any]) -> None:
     and the checks that both sides ran the same job (weights, tokens per step)."""
     print("\nmedians of steps 2..N; tokens/s = loss-bearing tokens per second (sft: completion tokens; dpo: "
           "chosen + rejected completion tokens; rm: every real token); real tok/s = all non-pad tokens of the rows")
-    print(f"{'config':<9}{'side':<6}{'s/step':>9}{'tokens/s':>10}{'real tok/s':>12}{'peak RSS GiB':>14}"
+    print(f"{'config':<{CONFIG_WIDTH}}{'side':<6}{'s/step':>9}{'tokens/s':>10}{'real tok/s':>12}{'peak RSS GiB':>14}"
           f"{'first step s':>14}")
     _print_rows(results, lambda res: f"{res['step_s']:>9.2f}{res['tokens_per_s']:>10.1f}"
                 f"{res['real_tokens_per_s']:>12.1f}{res['peak_rss_gib']:>14.2f}{res['first_step_s']:>14.1f}")
@@ -704,7 +706,8 @@ def print_report(results: List[Dict[str, Any]]) -> None:
     if not results:
         return
     print("\nmedians of steps 2..N; TRL 'train s' = step - generate (ref/old log-probs, reward, update)")
-    print(f"{'config':<9}{'side':<6}{'s/step':>9}{'generate s':>12}{'train s':>9}{'tokens/s':>10}{'peak RSS GiB':>14}")
+    print(f"{'config':<{CONFIG_WIDTH}}{'side':<6}{'s/step':>9}{'generate s':>12}{'train s':>9}{'tokens/s':>10}"
+          f"{'peak RSS GiB':>14}")
     _print_rows(results, lambda res: f"{res['step_s']:>9.2f}{_fmt(res['generate_s'], '.2f'):>12}"
                 f"{_fmt(res['train_s'], '.2f'):>9}{res['tokens_per_s']:>10.1f}{res['peak_rss_gib']:>14.2f}")
     for spec, ours, trl in results:
