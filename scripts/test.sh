@@ -6,9 +6,10 @@
 # With no arguments (what CI runs) the suite runs in two parts: the single-process tests two at a
 # time (pytest-xdist, whole files to a worker so module fixtures are built once, in tests/conftest.py's
 # order: the files with the most slow tests first; a tiny-model test keeps about one core busy: graph
-# compiles, Python), then the msrun launches one at a time (each is several workers already, and some
-# check how fast a job stops after one of them dies).
-# MINDRLHF_TEST_WORKERS sets how many run at once in the first part (1: one after another).
+# compiles, Python), then the msrun launches, again two test files at a time (alone, a launch of tiny models
+# leaves a third of the cores idle: process starts, cluster setup, ranks waiting for each other or for a
+# dead worker's timeout; the dead-worker tests' collective timeouts leave room for the sharing).
+# MINDRLHF_TEST_WORKERS sets how many run at once in both parts (1: one after another).
 set -euo pipefail
 # shellcheck source=scripts/_env.sh
 . "$(dirname "$0")/_env.sh" test
@@ -17,10 +18,10 @@ if [ $# -gt 0 ]; then
 fi
 workers="${MINDRLHF_TEST_WORKERS:-2}"
 rc=0
+parallel=()
 if [ "$workers" -gt 1 ]; then
-  python -m pytest -q -m "not msrun" -n "$workers" --dist loadfile --no-loadscope-reorder || rc=$?
-else
-  python -m pytest -q -m "not msrun" || rc=$?
+  parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 fi
-python -m pytest -q -m msrun || rc=$((rc ? rc : $?))
+python -m pytest -q -m "not msrun" "${parallel[@]}" || rc=$?
+python -m pytest -q -m msrun "${parallel[@]}" || rc=$((rc ? rc : $?))
 exit "$rc"

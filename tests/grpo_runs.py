@@ -183,6 +183,16 @@ def launch_env(env_extra=None) -> dict:
     return env
 
 
+def node_timeout_after(collective_timeout: int) -> dict:
+    """The launch environment of a two-node test that kills a worker. msrun's scheduler exits only once the dead node's
+    heartbeats have been missing for MS_NODE_TIMEOUT, and the launches wait for it (a killed 2-worker launch took 46 s
+    by default, 15 s at 5; bench/README.md, "CI time"); this keeps the dead node just until the survivor has stopped
+    by its own ``collective_timeout`` (with a shorter one the cluster aborts the survivor first, without the one-line
+    error). Not for every launch: under load a worker's start can miss a short timeout (a 4-worker launch beside
+    another test failed its cluster setup at 10 s)."""
+    return {"MS_NODE_TIMEOUT": str(collective_timeout + 5)}
+
+
 def msrun(n: int, argv, log_dir: Path, port: int,
           script: str = "examples/grpo/qwen_grpo_tutorial/grpo_one_stage.py") -> subprocess.CompletedProcess:
     """``msrun`` of ``n`` local workers running ``script`` (the tutorial's grpo_one_stage.py by default) with

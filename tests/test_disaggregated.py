@@ -456,15 +456,16 @@ def test_a_killed_generator_stops_the_trainers_and_resume_finishes_the_run(grpo_
     the trainer stops within collective_timeout with the one-line error (exit code 3) naming the newest checkpoint
     (step 2, which keeps the weights step 3 was being sampled with), and --resume finishes the run with the
     uninterrupted run's metrics (step 3 sampled again by the same weights, one update old)."""
-    from grpo_runs import assert_survivor_stopped, two_nodes
+    from grpo_runs import assert_survivor_stopped, node_timeout_after, two_nodes
 
     # Long enough for the generator's wait while the trainer compiles and trains step 1 (about 11 s on a loaded CI
-    # box), short enough to fire before msrun's scheduler drops the dead node (its heartbeat timeout, about 30 s).
-    timeout = 20
+    # box, twice that beside another launch: scripts/test.sh runs two test files at a time); the scheduler keeps the
+    # dead node 5 s longer (node_timeout_after).
+    timeout = 40
     out, logs = tmp_path / "killed", tmp_path / "log"
     argv = _args(grpo_assets, out, collective_timeout=timeout, **ONE_STEP_OFF)
-    results = two_nodes(argv, logs, 8183, env_extra={"MINDRLHF_KILL_AT": "1:3:generate"}, check=False,
-                        workers_per_node=1)
+    results = two_nodes(argv, logs, 8183, env_extra={"MINDRLHF_KILL_AT": "1:3:generate", **node_timeout_after(timeout)},
+                        check=False, workers_per_node=1)
     late = assert_survivor_stopped(results, logs, 1, r"step 3 \(generate\)", timeout, checkpoint=2)
     before = _metrics(out)
     assert [r["step"] for r in before] == [1, 2]
@@ -488,13 +489,13 @@ def test_a_killed_trainer_stops_the_generator_and_resume_finishes_the_run(grpo_a
     step 3 with it and then waits to send the rows): the generator stops within collective_timeout with the
     one-line error (exit code 3) naming the newest checkpoint (step 1, which keeps the weights step 2 was sampled
     with), and --resume finishes the run with the uninterrupted run's metrics."""
-    from grpo_runs import assert_survivor_stopped, two_nodes
+    from grpo_runs import assert_survivor_stopped, node_timeout_after, two_nodes
 
-    timeout = 20  # as the generator-kill test's: the generator's waits while the trainer compiles stay below it
+    timeout = 40  # as the generator-kill test's: the generator's waits while the trainer compiles stay below it
     out, logs = tmp_path / "killed", tmp_path / "log"
     argv = _args(grpo_assets, out, collective_timeout=timeout, **ONE_STEP_OFF)
-    results = two_nodes(argv, logs, 8187, env_extra={"MINDRLHF_KILL_AT": "0:2:grad_allreduce"}, check=False,
-                        workers_per_node=1)
+    results = two_nodes(argv, logs, 8187, env_extra={"MINDRLHF_KILL_AT": "0:2:grad_allreduce",
+                                                     **node_timeout_after(timeout)}, check=False, workers_per_node=1)
     late = assert_survivor_stopped(results, logs, 0, "step 2", timeout, checkpoint=1)
     # The generator samples step 3 (under a second of the tiny model), then waits at most collective_timeout.
     assert 0 <= late <= timeout + 10, late

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from grpo_runs import BYHAND, assert_same_updated_weights, assert_survivor_stopped
+from grpo_runs import BYHAND, assert_same_updated_weights, assert_survivor_stopped, node_timeout_after
 from grpo_runs import grpo_args as _args
 from grpo_runs import is_timing as _timing
 from grpo_runs import msrun as _msrun
@@ -429,7 +429,7 @@ def test_a_dead_worker_stops_the_job_and_resume_continues_exactly(grpo_assets, t
     with the one-line error (exit code 3) within collective_timeout of the death, as its log shows, both launches
     exit non-zero, and --resume reproduces the uninterrupted run. (A death during generation: the generator-kill
     test of tests/test_disaggregated.py; msrun killing a dead worker's node-mates is msrun's own behaviour.)"""
-    timeout = 10
+    timeout = 30  # above a rank's waits for the other while it compiles beside another launch (scripts/test.sh)
     base = dict(max_steps=2, chunk_size=4, lr=1e-3, tensorboard="false", train_dp=2, infer_dp=2,
                 collective_timeout=timeout, reward_funcs=["e2e_rewards:length_reward"])
     full = tmp_path / "full"
@@ -442,8 +442,8 @@ def test_a_dead_worker_stops_the_job_and_resume_continues_exactly(grpo_assets, t
     assert len(list(full.glob("completions_step_*.jsonl"))) == 2
     out, logs = tmp_path / "killed", tmp_path / "log_killed"
     argv = _args(grpo_assets, out, **base)
-    results = _two_nodes(argv, logs, 8153, env_extra={"MINDRLHF_KILL_AT": "1:2:grad_allreduce"}, check=False,
-                         workers_per_node=1)
+    results = _two_nodes(argv, logs, 8153, env_extra={"MINDRLHF_KILL_AT": "1:2:grad_allreduce",
+                                                      **node_timeout_after(timeout)}, check=False, workers_per_node=1)
     late = assert_survivor_stopped(results, logs, 1, r"step 2 \(grad_allreduce\)", timeout, checkpoint=1)
     assert 0 <= late <= timeout + 10, late
     assert [r["step"] for r in _metrics(out)] == [1]
@@ -525,7 +525,7 @@ def test_disaggregated_tp2_matches_one_process(grpo_assets, tmp_path):
     w1 = ms.load_checkpoint(str(one / "checkpoints" / "step_00000002" / "policy.ckpt"))
     gen = tmp_path / "gen"
     _msrun(4, _args(grpo_assets, gen, use_parallel="true", gen_workers=2, train_tp=2, infer_tp=2, **TP_JOB, **TP_EVAL,
-                    tensorboard="false"), tmp_path / "log_gen", 8137)
+                    tensorboard="false"), tmp_path / "log_gen", 8145)
     m2 = _metrics(gen)
     assert [r["step"] for r in m2] == [1, 2]
     assert set(EVAL_KEYS) <= set(m1[1]) and m1[1]["eval/mean_length"] > 0

@@ -251,13 +251,15 @@ def _assert_rows_close(want, got, stage):
 @pytest.mark.parametrize("stage,layout,port", [
     ("rm", {"train_tp": 2}, 8303), ("dpo", {"train_pp": 2, "train_micro_batches": 2}, 8305),
     ("orpo", {"train_dp": 2, "lora_rank": 4, "lora_alpha": 8}, 8307),
-    ("sft", {"train_pp": 2, "train_micro_batches": 2, "lora_rank": 4, "lora_alpha": 8}, 8323)],
+    ("sft", {"train_pp": 2, "train_micro_batches": 2, "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.1}, 8323)],
     ids=["rm-tp2", "dpo-pp2", "orpo-lora-dp2", "sft-lora-pp2"])
 def test_stage_under_msrun_equals_one_process(stage_assets, tmp_path, stage, layout, port):
     """Two msrun workers (RM tensor-parallel, DPO pipeline-parallel with 2 micro-batches, ORPO training LoRA adapters
     data-parallel: each worker a half of every step's pairs and of the validation pairs, and of the GSM8K questions of
     the evaluation by generation, 20 of them in batches of 16 and 4, only the adapters' gradients reduced; SFT
-    training LoRA adapters pipeline-parallel: each stage its layers' adapters; LoRA tensor-parallel is DPO's test
+    training LoRA adapters pipeline-parallel with adapter dropout: each stage its layers' adapters, each stage's
+    recomputing backward the masks of its forward, and one process with the pipeline's pieces as its micro-batches
+    draws the same masks; LoRA tensor-parallel is DPO's test
     below, which also kills and resumes) give one process's
     metrics (loss, grad_norm, the stage's metrics, eval, eval by generation) and final weights (LoRA: the adapters
     of the checkpoint, a PEFT adapter folder assembled from the shards, and output_dir/adapter: the same folder one
@@ -269,12 +271,15 @@ def test_stage_under_msrun_equals_one_process(stage_assets, tmp_path, stage, lay
     # the layouts reduce in different orders) would otherwise move by a full 2 * lr between the two runs.
     extra = {"max_steps": 2, "save_steps": 2, "eval_steps": 2, "lr": 1e-5}
     layout = dict(layout)  # the parameter's own dict stays as it is
-    lora = {k: layout.pop(k) for k in ("lora_rank", "lora_alpha") if k in layout}
+    lora = {k: layout.pop(k) for k in ("lora_rank", "lora_alpha", "lora_dropout") if k in layout}
     extra.update(lora)  # the one-process run trains the same adapters
     if stage == "orpo":  # the replicas share the evaluation's questions and sum their counts
         extra.update(eval_generation="true", eval_limit=20, eval_max_new_tokens=4)
     one = tmp_path / "one"
-    proc = _run(stage, _argv(stage, stage_assets, one, **extra))
+    # Adapter dropout draws a mask per micro-batch over its positions: the one process runs the pipeline's pieces
+    # (micro_batch_size 2 cut into train_micro_batches) as its micro-batches, so both draw the same masks.
+    pieces = {"micro_batch_size": 2 // layout["train_micro_batches"]} if "lora_dropout" in lora else {}
+    proc = _run(stage, _argv(stage, stage_assets, one, **extra, **pieces))
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = tmp_path / "two"
     proc, logs = _msrun_stage(stage, stage_assets, two, tmp_path / "log", port, **layout, **extra)
