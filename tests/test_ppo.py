@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from grpo_runs import SUITE_RECOMPUTE
+from grpo_runs import BYHAND, SUITE_RECOMPUTE
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -178,7 +178,7 @@ def test_two_workers_match_one_on_replayed_rollouts(ppo_assets, recorded, tmp_pa
 @pytest.mark.slow
 @pytest.mark.msrun
 @pytest.mark.byhand
-@pytest.mark.skipif(os.environ.get("MINDRLHF_BYHAND") != "1",
+@pytest.mark.skipif(not BYHAND,
                     reason="a launch more than CI's time holds (ORPO's LoRA dp2 test is CI's): MINDRLHF_BYHAND=1")
 def test_lora_two_workers_match_one_on_replayed_rollouts(ppo_assets, recorded, tmp_path):
     """PPO training LoRA adapters (actor and critic, the critic's score head in full) on two data-parallel workers,
@@ -387,7 +387,7 @@ def test_a_reward_path_typo_is_reported_before_any_model_loads(ppo_assets, tmp_p
 @pytest.mark.slow
 @pytest.mark.msrun
 @pytest.mark.byhand
-@pytest.mark.skipif(os.environ.get("MINDRLHF_BYHAND") != "1",
+@pytest.mark.skipif(not BYHAND,
                     reason="two more 2- and 4-worker launches than CI's time holds: MINDRLHF_BYHAND=1")
 def test_two_generators_two_trainers_equal_the_colocated_dp2_run(ppo_assets, tmp_path):
     """Disaggregated PPO, msrun world 4 with gen_workers 2 (infer_dp 2, train_dp 2) at max_staleness 0: the colocated
@@ -405,7 +405,7 @@ def test_two_generators_two_trainers_equal_the_colocated_dp2_run(ppo_assets, tmp
 @pytest.mark.slow
 @pytest.mark.msrun
 @pytest.mark.byhand
-@pytest.mark.skipif(os.environ.get("MINDRLHF_BYHAND") != "1",
+@pytest.mark.skipif(not BYHAND,
                     reason="a 4-worker launch more than CI's time holds: MINDRLHF_BYHAND=1")
 def test_tensor_parallel_generators_and_trainers_equal_one_process(ppo_assets, recorded, tmp_path):
     """Disaggregated PPO with tensor parallel sides, msrun world 4: 2 trainers in train_tp 2 (actor, critic, reference
