@@ -162,9 +162,9 @@ def test_logprob_head_stats_equal_the_full_softmax(tiny_llama_dir):
     want_entropy = -(np.exp(logp_all) * logp_all).sum(-1)
     want_correct = (logits.argmax(-1) == target).astype(np.float32)
     mb = {"input_ids": ids[:, :-1], "attention_mask": mask[:, :-1], "completion_ids": target}
-    plain = PipelineRunner(model, data_parallel_groups(0, 1), head=LogProbHead()).forward([mb])[0]
     for chunk in (model.chunk_rows, 5):
-        model.chunk_rows = chunk
+        model.set_chunk_rows(chunk)
+        plain = PipelineRunner(model, data_parallel_groups(0, 1), head=LogProbHead()).forward([mb])[0]
         logp, entropy, correct = PipelineRunner(model, data_parallel_groups(0, 1),
                                                 head=LogProbHead(stats=True)).forward([mb])[0]
         np.testing.assert_array_equal(logp, plain)

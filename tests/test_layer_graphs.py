@@ -215,8 +215,7 @@ def test_recompute_none_and_full_give_the_same_losses_and_gradients(tiny_qwen2_d
     from mindrlhf.parallel.pipeline import PipelineRunner
 
     model = load_model(tiny_qwen2_dir)
-    model.chunk_rows = 4  # several chunks outside the whole graph, so its one chunk is compared with a loop
-    model.chunked_logprob.chunk = 4
+    model.set_chunk_rows(4)  # several chunks outside the whole graph, so its one chunk is compared with a loop
 
     def loss(logp, weights):
         return (logp * weights).sum(), (weights.sum(),)

@@ -133,3 +133,16 @@ def test_chunked_token_logprob_equals_log_softmax_forward_and_backward(chunk):
         a, b = a.asnumpy(), b.asnumpy()
         assert np.linalg.norm(a) > 0
         assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)  # float32 summation order differs per chunk
+    # stats=True: the same log-probs and gradients (entropy and argmax hit are metrics: no gradient), the
+    # entropy and argmax hit of the same logits
+    stats = ChunkedTokenLogProb(chunk, stats=True)
+    logp, entropy, correct = stats(h, w, ids, inv_t)
+    np.testing.assert_array_equal(logp.asnumpy(), fused(h, w, ids, inv_t).asnumpy())
+    full = ops.log_softmax(ops.matmul(h, w.T) / 0.7, -1).asnumpy().astype(np.float64)
+    np.testing.assert_allclose(entropy.asnumpy(), -(np.exp(full) * full).sum(-1), rtol=1e-5)
+    np.testing.assert_array_equal(correct.asnumpy(), (full.argmax(-1) == ids.asnumpy()).astype(np.float32))
+    assert stats(h, w, Tensor(full.argmax(-1).astype(np.int32)), inv_t)[2].asnumpy().min() == 1.0
+    with_stats = ms.grad(lambda h, w: ((lambda o: (o[0] * weights).sum() + o[1].sum())(stats(h, w, ids, inv_t))),
+                         (0, 1))(h, w)
+    for a, b in zip(got, with_stats):
+        np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())

@@ -309,6 +309,59 @@ def take_rows(x: Tensor, start: int, chunk: int) -> Tensor:
     return x[start:start + chunk] if ops.isconstant(x.shape[0]) else x
 
 
+_MATMUL_BT, _MATMUL, _MATMUL_AT = ops.MatMul(transpose_b=True), ops.MatMul(), ops.MatMul(transpose_a=True)
+
+
+def _chunk_logits(h: Tensor, weight: Tensor, inv_t: Tensor) -> Tensor:
+    """float32 ``h·Wᵀ · inv_t`` of one chunk of rows."""
+    if h.dtype == ms.float32:  # scale the (rows, H) input, not the (rows, V) output
+        return _MATMUL_BT(h * inv_t, weight)
+    return _MATMUL_BT(h, weight).astype(ms.float32) * inv_t
+
+
+def _chunk_token_logp(h: Tensor, weight: Tensor, ids: Tensor, inv_t: Tensor) -> Tensor:
+    """One chunk's ``log softmax(h·Wᵀ · inv_t)[ids]`` (rows,)."""
+    logp = ops.log_softmax(_chunk_logits(h, weight, inv_t), -1)
+    return ops.gather_elements(logp, 1, ids.expand_dims(-1)).squeeze(-1)
+
+
+def _chunk_token_logp_stats(h: Tensor, weight: Tensor, ids: Tensor, inv_t: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """``_chunk_token_logp`` plus each row's entropy ``-Σ p·log p`` and 1.0 where ``ids`` is the argmax (ties count),
+    from the same logits (metrics: ``ChunkedTokenLogProb``'s backward gives them no gradient)."""
+    logp = ops.log_softmax(_chunk_logits(h, weight, inv_t), -1)
+    picked = ops.gather_elements(logp, 1, ids.expand_dims(-1)).squeeze(-1)
+    entropy = -(ops.exp(logp) * logp).sum(-1)
+    return picked, entropy, (picked >= logp.max(-1)).astype(ms.float32)
+
+
+def _chunk_grads(h: Tensor, weight: Tensor, ids: Tensor, g: Tensor, inv_t: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """One chunk's backward (``ChunkedTokenLogProb``'s formulas) for ``g`` = upstream gradient · inv_t (rows, 1):
+    (dh, g ⊙ h, the chunk's -pᵀ·(g ⊙ h) part of dW without its sign)."""
+    p = ops.softmax(_chunk_logits(h, weight, inv_t), -1).astype(h.dtype)
+    gh = g * h
+    return g * (ops.gather(weight, ids, 0) - _MATMUL(p, weight)), gh, _MATMUL_AT(p, gh)
+
+
+def _weight_grad(scaled: Tensor, token_ids: Tensor, softmax_part: Tensor) -> Tensor:
+    """dW = Σ_rows onehotᵀ·(g ⊙ h) - Σ_chunks pᵀ·(g ⊙ h)."""
+    return ops.unsorted_segment_sum(scaled, token_ids, softmax_part.shape[0]) - softmax_part
+
+
+# Each piece is its own graph, whoever calls it: from pynative (the layer-graph path, where the head runs
+# between graphs) MindSpore's pynative MatMul ran the head's (rows, H) x (V, H) products at ~55-65% of the
+# same product in a graph (bench/README.md, #40); inside a whole-model graph they are inlined. ``dynamic=1``:
+# a static graph for the first shape, one dynamic graph for every other (the last chunk's rows vary).
+_chunk_token_logp_graph = ms.jit(_chunk_token_logp, dynamic=1)
+_chunk_token_logp_stats_graph = ms.jit(_chunk_token_logp_stats, dynamic=1)
+_chunk_grads_graph = ms.jit(_chunk_grads, dynamic=1)
+_weight_grad_graph = ms.jit(_weight_grad, dynamic=1)
+
+
+def _join(parts) -> Tensor:
+    """The chunks' rows as one tensor."""
+    return parts[0] if len(parts) == 1 else ops.concat(parts)
+
+
 class ChunkedTokenLogProb(nn.Cell):
     """``log softmax(h·Wᵀ · inv_t)[token]`` for hidden rows h (N, H) and an output projection W (V, H),
     a chunk of rows at a time, with a hand-written backward that recomputes each chunk's logits.
@@ -322,44 +375,47 @@ class ChunkedTokenLogProb(nn.Cell):
 
     and the only (chunk, V)-sized work besides the matmuls is one softmax: on CPU, elementwise
     kernels over the vocabulary cost as much as the matmuls. One extra output-projection matmul
-    per backward is the price.
+    per backward is the price. Each chunk's forward and backward run as compiled graphs.
+
+    ``stats``: return ``(logp, entropy, correct)``, each row's entropy and argmax hit computed from the same
+    chunk of logits (SFT's metrics; no gradient reaches them), instead of a second pass over the vocabulary.
     """
 
-    def __init__(self, chunk_rows: int):
+    def __init__(self, chunk_rows: int, stats: bool = False):
         super().__init__()
         self.chunk = max(1, int(chunk_rows))
-        self.matmul_bt = ops.MatMul(transpose_b=True)
-        self.matmul = ops.MatMul()
-        self.matmul_at = ops.MatMul(transpose_a=True)
+        self.stats = bool(stats)
 
-    def _logits(self, h: Tensor, weight: Tensor, inv_t: Tensor) -> Tensor:
-        if h.dtype == ms.float32:  # scale the (rows, H) input, not the (rows, V) output
-            return self.matmul_bt(h * inv_t, weight)
-        return self.matmul_bt(h, weight).astype(ms.float32) * inv_t
-
-    def construct(self, hidden: Tensor, weight: Tensor, token_ids: Tensor, inv_t: Tensor) -> Tensor:
-        """hidden (N, H), weight (V, H), token_ids (N,) int32, inv_t: 1/temperature (0-d float32) → (N,)."""
-        out = []
+    def construct(self, hidden: Tensor, weight: Tensor, token_ids: Tensor, inv_t: Tensor):
+        """hidden (N, H), weight (V, H), token_ids (N,) int32, inv_t: 1/temperature (0-d float32) → (N,)
+        (with ``stats``: a tuple of three (N,))."""
+        logp, entropy, correct = [], [], []
         for s in row_chunks(hidden.shape[0], self.chunk):
-            logp = ops.log_softmax(self._logits(take_rows(hidden, s, self.chunk), weight, inv_t), -1)
-            ids = take_rows(token_ids, s, self.chunk)
-            out.append(ops.gather_elements(logp, 1, ids.expand_dims(-1)).squeeze(-1))
-        return out[0] if len(out) == 1 else ops.concat(out)
+            h, ids = take_rows(hidden, s, self.chunk), take_rows(token_ids, s, self.chunk)
+            if self.stats:
+                picked, e, k = _chunk_token_logp_stats_graph(h, weight, ids, inv_t)
+                entropy.append(e)
+                correct.append(k)
+            else:
+                picked = _chunk_token_logp_graph(h, weight, ids, inv_t)
+            logp.append(picked)
+        if not self.stats:
+            return _join(logp)
+        return _join(logp), _join(entropy), _join(correct)
 
     def bprop(self, hidden, weight, token_ids, inv_t, out, dout):
+        if self.stats:
+            dout = dout[0]  # entropy and argmax hit are metrics
         dh, scaled, dw = [], [], None
         for s in row_chunks(hidden.shape[0], self.chunk):
             h, ids = take_rows(hidden, s, self.chunk), take_rows(token_ids, s, self.chunk)
             g = (take_rows(dout, s, self.chunk) * inv_t).expand_dims(-1).astype(h.dtype)  # (rows, 1)
-            p = ops.softmax(self._logits(h, weight, inv_t), -1).astype(h.dtype)
-            dh.append(g * (ops.gather(weight, ids, 0) - self.matmul(p, weight)))
-            gh = g * h
+            dh_part, gh, part = _chunk_grads_graph(h, weight, ids, g, inv_t)
+            dh.append(dh_part)
             scaled.append(gh)
-            part = self.matmul_at(p, gh)
             dw = part if dw is None else dw + part
-        gh = scaled[0] if len(scaled) == 1 else ops.concat(scaled)
-        dw = ops.unsorted_segment_sum(gh, token_ids, weight.shape[0]) - dw
-        return (dh[0] if len(dh) == 1 else ops.concat(dh)), dw, ops.zeros_like(token_ids), ops.zeros_like(inv_t)
+        dw = _weight_grad_graph(_join(scaled), token_ids, dw)
+        return _join(dh), dw, ops.zeros_like(token_ids), ops.zeros_like(inv_t)
 
 
 class CausalLM(nn.Cell):
@@ -400,6 +456,7 @@ class CausalLM(nn.Cell):
         # Whole-vocabulary log-probs a chunk of rows at a time: ~64 MB of float32 logits per chunk.
         self.chunk_rows = max(1, (1 << 24) // config.vocab_size)
         self.chunked_logprob = ChunkedTokenLogProb(self.chunk_rows) if shard.tp == 1 else None
+        self.chunked_logprob_stats = ChunkedTokenLogProb(self.chunk_rows, stats=True) if shard.tp == 1 else None
         self.vocab_stats = VocabParallelTokenStats(config.vocab_size, shard.tp, shard.tp_rank, group=shard.tp_group)
         self.inv_freq = Tensor(rope_inv_freq(config))
         self.head_matmul = ops.MatMul(transpose_b=True)
@@ -408,6 +465,13 @@ class CausalLM(nn.Cell):
         self._use_layer_graphs = False
         self._layer_graphs_lora = None  # the LoRA spec the layer graphs' template was built with
         self.lora_spec = None  # a ``models.lora.LoRASpec`` once ``models.lora.apply_lora`` attached adapters
+
+    def set_chunk_rows(self, rows: int) -> None:
+        """Rows of logits formed at a time by every chunked head piece (tests set small chunks)."""
+        self.chunk_rows = max(1, int(rows))
+        for cell in (self.chunked_logprob, self.chunked_logprob_stats):
+            if cell is not None:
+                cell.chunk = self.chunk_rows
 
     # -- shared pieces -------------------------------------------------------------------------
     def rope(self, position_ids: Tensor) -> Tuple[Tensor, Tensor]:
@@ -533,6 +597,12 @@ class CausalLM(nn.Cell):
         distribution and whether the token is its argmax (float32 (B, C) each; metrics, no gradient)."""
         t, c = hidden.shape[1], completion_ids.shape[1]
         normed = self.model.norm(hidden[:, t - c:])
+        if self.chunked_logprob_stats is not None:  # the statistics from the log-probs' own logits
+            b, h = normed.shape[0], normed.shape[2]
+            inv_t = ops.fill(ms.float32, (), 1.0 / temperature)
+            logp, entropy, correct = self.chunked_logprob_stats(normed.reshape(b * c, h), self.head_table(),
+                                                                completion_ids.astype(ms.int32).reshape(-1), inv_t)
+            return logp.reshape(b, c), entropy.reshape(b, c), correct.reshape(b, c)
         entropy, correct = self.token_stats(ops.stop_gradient(normed), completion_ids, temperature)
         return self.head_logprobs(normed, completion_ids, temperature), entropy, correct
 
