@@ -30,7 +30,7 @@ from mindspore.common.initializer import initializer
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.models.config import DecoderConfig
 from mindrlhf.models.dtypes import DTYPE_ALIASES, VALID_DTYPES
-from mindrlhf.models.layer_graphs import LayerGraphs
+from mindrlhf.models.layer_graphs import LayerGraphs, per_tensor_graph
 from mindrlhf.models.lora import adapt_like, adapted_projections
 from mindrlhf.models.shard import ModelShard
 from mindrlhf.models.tp_layers import (
@@ -310,6 +310,7 @@ def take_rows(x: Tensor, start: int, chunk: int) -> Tensor:
 
 
 _MATMUL_BT, _MATMUL, _MATMUL_AT = ops.MatMul(transpose_b=True), ops.MatMul(), ops.MatMul(transpose_a=True)
+_REDUCE_MAX = ops.ReduceMax()
 
 
 def _chunk_logits(h: Tensor, weight: Tensor, inv_t: Tensor) -> Tensor:
@@ -331,7 +332,7 @@ def _chunk_token_logp_stats(h: Tensor, weight: Tensor, ids: Tensor, inv_t: Tenso
     logp = ops.log_softmax(_chunk_logits(h, weight, inv_t), -1)
     picked = ops.gather_elements(logp, 1, ids.expand_dims(-1)).squeeze(-1)
     entropy = -(ops.exp(logp) * logp).sum(-1)
-    return picked, entropy, (picked >= logp.max(-1)).astype(ms.float32)
+    return picked, entropy, (picked >= _REDUCE_MAX(logp, -1)).astype(ms.float32)
 
 
 def _chunk_grads(h: Tensor, weight: Tensor, ids: Tensor, g: Tensor, inv_t: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
@@ -347,14 +348,16 @@ def _weight_grad(scaled: Tensor, token_ids: Tensor, softmax_part: Tensor) -> Ten
     return ops.unsorted_segment_sum(scaled, token_ids, softmax_part.shape[0]) - softmax_part
 
 
-# Each piece is its own graph, whoever calls it: from pynative (the layer-graph path, where the head runs
-# between graphs) MindSpore's pynative MatMul ran the head's (rows, H) x (V, H) products at ~55-65% of the
-# same product in a graph (bench/README.md, #40); inside a whole-model graph they are inlined. ``dynamic=1``:
-# a static graph for the first shape, one dynamic graph for every other (the last chunk's rows vary).
-_chunk_token_logp_graph = ms.jit(_chunk_token_logp, dynamic=1)
-_chunk_token_logp_stats_graph = ms.jit(_chunk_token_logp_stats, dynamic=1)
-_chunk_grads_graph = ms.jit(_chunk_grads, dynamic=1)
-_weight_grad_graph = ms.jit(_weight_grad, dynamic=1)
+class CompiledChunks:
+    """The chunk pieces as compiled graphs (``layer_graphs.per_tensor_graph``), for pynative callers: where the head
+    runs between the layer graphs (``CausalLM.compiled_layers``), MindSpore's pynative MatMul ran its (rows, H) x
+    (V, H) products at ~55-65% of the same product in a graph (bench/README.md, #40). A whole-model graph inlines
+    the plain functions instead (it cannot call these Python wrappers)."""
+
+    token_logp = staticmethod(per_tensor_graph(_chunk_token_logp, "chunk_token_logp"))
+    token_logp_stats = staticmethod(per_tensor_graph(_chunk_token_logp_stats, "chunk_token_logp_stats"))
+    grads = staticmethod(per_tensor_graph(_chunk_grads, "chunk_grads"))
+    weight_grad = staticmethod(per_tensor_graph(_weight_grad, "weight_grad"))
 
 
 def _join(parts) -> Tensor:
@@ -375,7 +378,8 @@ class ChunkedTokenLogProb(nn.Cell):
 
     and the only (chunk, V)-sized work besides the matmuls is one softmax: on CPU, elementwise
     kernels over the vocabulary cost as much as the matmuls. One extra output-projection matmul
-    per backward is the price. Each chunk's forward and backward run as compiled graphs.
+    per backward is the price. In pynative under ``CausalLM.compiled_layers`` each chunk's forward and backward
+    run as compiled graphs (``CompiledChunks``).
 
     ``stats``: return ``(logp, entropy, correct)``, each row's entropy and argmax hit computed from the same
     chunk of logits (SFT's metrics; no gradient reaches them), instead of a second pass over the vocabulary.
@@ -385,19 +389,23 @@ class ChunkedTokenLogProb(nn.Cell):
         super().__init__()
         self.chunk = max(1, int(chunk_rows))
         self.stats = bool(stats)
+        self.compiled_chunks: Optional[CompiledChunks] = None  # set by CausalLM.compiled_layers (pynative only)
 
     def construct(self, hidden: Tensor, weight: Tensor, token_ids: Tensor, inv_t: Tensor):
         """hidden (N, H), weight (V, H), token_ids (N,) int32, inv_t: 1/temperature (0-d float32) → (N,)
         (with ``stats``: a tuple of three (N,))."""
+        pieces = self.compiled_chunks
         logp, entropy, correct = [], [], []
         for s in row_chunks(hidden.shape[0], self.chunk):
             h, ids = take_rows(hidden, s, self.chunk), take_rows(token_ids, s, self.chunk)
             if self.stats:
-                picked, e, k = _chunk_token_logp_stats_graph(h, weight, ids, inv_t)
+                picked, e, k = _chunk_token_logp_stats(h, weight, ids, inv_t) if pieces is None \
+                    else pieces.token_logp_stats(h, weight, ids, inv_t)
                 entropy.append(e)
                 correct.append(k)
             else:
-                picked = _chunk_token_logp_graph(h, weight, ids, inv_t)
+                picked = _chunk_token_logp(h, weight, ids, inv_t) if pieces is None \
+                    else pieces.token_logp(h, weight, ids, inv_t)
             logp.append(picked)
         if not self.stats:
             return _join(logp)
@@ -406,15 +414,18 @@ class ChunkedTokenLogProb(nn.Cell):
     def bprop(self, hidden, weight, token_ids, inv_t, out, dout):
         if self.stats:
             dout = dout[0]  # entropy and argmax hit are metrics
+        pieces = self.compiled_chunks
         dh, scaled, dw = [], [], None
         for s in row_chunks(hidden.shape[0], self.chunk):
             h, ids = take_rows(hidden, s, self.chunk), take_rows(token_ids, s, self.chunk)
             g = (take_rows(dout, s, self.chunk) * inv_t).expand_dims(-1).astype(h.dtype)  # (rows, 1)
-            dh_part, gh, part = _chunk_grads_graph(h, weight, ids, g, inv_t)
+            dh_part, gh, part = _chunk_grads(h, weight, ids, g, inv_t) if pieces is None \
+                else pieces.grads(h, weight, ids, g, inv_t)
             dh.append(dh_part)
             scaled.append(gh)
             dw = part if dw is None else dw + part
-        dw = _weight_grad_graph(_join(scaled), token_ids, dw)
+        dw = _weight_grad(_join(scaled), token_ids, dw) if pieces is None else pieces.weight_grad(_join(scaled),
+                                                                                                token_ids, dw)
         return _join(dh), dw, ops.zeros_like(token_ids), ops.zeros_like(inv_t)
 
 
@@ -552,7 +563,8 @@ class CausalLM(nn.Cell):
     def compiled_layers(self, static: bool = False, graph_kernel: bool = False):
         """Within this block (pynative only, never inside ``mindspore.jit``) the decoder layers run as
         two compiled graphs shared by all of them, recomputing each layer's forward in the backward
-        (``models.layer_graphs``): faster than pynative layers and lighter than a compiled model.
+        (``models.layer_graphs``): faster than pynative layers and lighter than a compiled model; the
+        vocabulary head's chunks run as compiled graphs too (``CompiledChunks``).
         ``static``: graphs compiled per input shape (a bounded number of them; ``LayerGraphs.static``)
         instead of one dynamic-shape pair; ``graph_kernel``: those static graphs compiled with MindSpore's
         graph-kernel fusion (``LayerGraphs.graph_kernel``)."""
@@ -562,10 +574,15 @@ class CausalLM(nn.Cell):
         self._use_layer_graphs = True
         self._layer_graphs.static = static
         self._layer_graphs.graph_kernel = graph_kernel
+        heads = [cell for cell in (self.chunked_logprob, self.chunked_logprob_stats) if cell is not None]
+        for cell in heads:
+            cell.compiled_chunks = CompiledChunks
         try:
             yield
         finally:
             self._use_layer_graphs = False
+            for cell in heads:
+                cell.compiled_chunks = None
 
     def _layer_template(self) -> nn.Cell:
         """The layer the shared graphs are compiled on: a ``DecoderLayer`` like this shard's, with the same LoRA

@@ -62,6 +62,23 @@ def jit_any_shape(fn: Callable, name: str) -> Callable:
     return call
 
 
+def per_tensor_graph(fn: Callable, name: str) -> Callable:
+    """``fn(tensor, ...)`` (tensor arguments only) for pynative callers, compiled with ``mindspore.jit`` once per
+    ranks and dtypes of its arguments, every dimension dynamic (``jit_any_shape``): MindSpore's CPU kernels run
+    several times faster in a graph than in pynative (the vocabulary head's chunks, the per-gradient loops of the
+    update; bench/README.md, #40). Explicit dynamic signatures rather than ``jit(dynamic=1)``, whose shape
+    detection crashed the process now and then (seen in the test suite: a segmentation fault in its compile)."""
+    graphs: Dict[Tuple, Callable] = {}
+
+    def call(*args):
+        key = tuple((a.ndim, a.dtype) for a in args)
+        if key not in graphs:
+            graphs[key] = jit_any_shape(fn, f"{name}_{len(graphs)}")
+        return graphs[key](*args)
+
+    return call
+
+
 def release_compiled(name: str) -> None:
     """Free the graphs ``jit_any_shape(fn, name)`` compiled: MindSpore otherwise keeps a compiled graph, and the
     buffers it holds, for the life of the process (a process that builds several trainers, such as a test

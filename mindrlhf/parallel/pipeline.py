@@ -33,7 +33,7 @@ from mindspore import Tensor, ops
 
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.models.heads import Head, LogProbHead
-from mindrlhf.models.layer_graphs import jit_any_shape, release_compiled
+from mindrlhf.models.layer_graphs import jit_any_shape, per_tensor_graph, release_compiled
 from mindrlhf.models.packing import PackedBatch, pack_shared_prompts
 from mindrlhf.parallel.groups import ParallelGroups
 
@@ -368,6 +368,15 @@ def _to_numpy(value):
     return tuple(v.asnumpy() for v in value) if isinstance(value, tuple) else value.asnumpy()
 
 
+def _add_float32(total: Tensor, g: Tensor) -> Tensor:
+    return total + g.astype(ms.float32)
+
+
+# A graph per gradient: MindSpore's pynative CPU kernels ran this sum 2-5x slower on SmolLM2's gradients
+# (bench/README.md, #40).
+_accumulate = per_tensor_graph(_add_float32, "add_float32")
+
+
 class _GradientSum:
     """Running sum of micro-batch gradients and losses; the scalar aux values kept per micro-batch, and the
     others (per-row outputs) appended to ``outputs`` when a list is given.
@@ -391,7 +400,7 @@ class _GradientSum:
         else:  # one tensor at a time, so each old partial sum is freed as its successor exists
             total, self.grads = list(self.grads), None
             for i, g in enumerate(grads):
-                total[i] = total[i] + g.astype(ms.float32)
+                total[i] = _accumulate(total[i], g)
             self.grads = tuple(total)
         if loss is not None:
             self.loss_sum += float(loss.asnumpy())

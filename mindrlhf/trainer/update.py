@@ -28,6 +28,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, amp, nn, ops
 
 from mindrlhf.models.heads import Head
+from mindrlhf.models.layer_graphs import per_tensor_graph
 from mindrlhf.models.lora import has_dropout, set_dropout_seeds
 from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import ParallelGroups, data_parallel_groups
@@ -55,6 +56,18 @@ class Objective(Protocol):
 
     def metrics(self, reduced: Dict[str, float]) -> Dict[str, float]:
         """The step's metrics from the reduced aux values (e.g. sums divided by a count)."""
+
+
+def _sum_squares_of(g: Tensor) -> Tensor:
+    """Σ g² in float32: rows first, then the row sums (MindSpore's CPU reduction of a whole tensor to one number
+    is 5-10x slower than the two steps; bench/README.md "Where an update's time goes"); the same float32 sums."""
+    return ops.sum(ops.sum(ops.square(g.astype(ms.float32)), -1))
+
+
+# A graph per gradient, not pynative kernels nor one graph over every gradient: on CPU MindSpore's pynative
+# kernels took ~1 s a step for SmolLM2's 272 gradients against 0.15-0.33 s in graphs, and one graph over all of
+# them took ~20 s to compile (bench/README.md, #40).
+_sum_squares_graph = per_tensor_graph(_sum_squares_of, "sum_squares_of")
 
 
 class Updater:
@@ -112,13 +125,10 @@ class Updater:
         # This rank's loss counts once per dp replica: on the last stage, tp rank 0.
         self.reports_loss = model.is_last and g.tp_rank == 0
         self.norm_weights = _norm_weights([p.name for p in self.params], g, model.config.tied_output)
-        self._sumsq_fn = ms.jit(self._sum_squares) if jit else self._sum_squares
 
     @staticmethod
     def _sum_squares(grads):
-        # Rows first, then the row sums: MindSpore's CPU full reduction of a tensor to one number is 5-10x
-        # slower than the two-step one (bench/README.md "Where an update's time goes"); same float32 sums.
-        return ops.stack([ops.sum(ops.sum(ops.square(g.astype(ms.float32)), -1)) for g in grads])
+        return ops.stack([_sum_squares_graph(g) for g in grads])
 
     def global_grad_norm(self, grads) -> float:
         """L2 norm of the whole model's gradient, the same number on every rank.
@@ -127,8 +137,7 @@ class Updater:
         pipeline copies of a tied embedding count once; summing over all ranks then counts every
         dp replica once, hence the division by dp.
         """
-        # A plain tuple of tensors is a jit constant (recompiles each call); mutable makes it an input.
-        sq = self._sumsq_fn(ms.mutable(tuple(grads))).asnumpy().astype(np.float64)
+        sq = self._sum_squares(grads).asnumpy().astype(np.float64)
         local = float(np.dot(sq, self.norm_weights))
         if self.groups.tp * self.groups.pp > 1:
             local = float(comm.all_sum(np.array([local], np.float32))[0]) / self.groups.dp
