@@ -274,8 +274,10 @@ def test_layer_graphs_train_the_adapters_like_pynative_and_jit(tmp_path, dropout
     base = [p for n, p in model.parameters_and_names() if ".lora_" not in n]
     assert base and not any(p.requires_grad for p in base)
     with model.compiled_layers():  # asking for the base's gradient gives nothing through the graphs
-        frozen = ms.grad(loss_fn, None, [model.model.layers[0].self_attn.q_proj.weight])()
+        frozen = ms.grad(loss_fn, None, [model.model.layers[0].self_attn.q_proj.weight, model.head_table()])()
     assert not np.any(frozen[0].asnumpy())
+    # the frozen output projection: the chunked head forms no dW product at all
+    assert model.chunked_logprob.weight_grad is False and not np.any(frozen[1].asnumpy())
     if dropout:
         dropped = float(model.sequence_logprobs(*[Tensor(a) for a in (ids, mask, comp)], 0.7).sum().asnumpy())
         assert abs(dropped - undropped) > 1e-3

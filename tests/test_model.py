@@ -146,3 +146,8 @@ def test_chunked_token_logprob_equals_log_softmax_forward_and_backward(chunk):
                          (0, 1))(h, w)
     for a, b in zip(got, with_stats):
         np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
+    # weight_grad False (a frozen output projection, as LoRA's base): the same dh, no dW
+    fused.weight_grad = False
+    dh, dw = ms.grad(lambda h, w: (fused(h, w, ids, inv_t) * weights).sum(), (0, 1))(h, w)
+    np.testing.assert_array_equal(dh.asnumpy(), got[0].asnumpy())
+    assert not dw.asnumpy().any()

@@ -343,6 +343,12 @@ def _chunk_grads(h: Tensor, weight: Tensor, ids: Tensor, g: Tensor, inv_t: Tenso
     return g * (ops.gather(weight, ids, 0) - _MATMUL(p, weight)), gh, _MATMUL_AT(p, gh)
 
 
+def _chunk_input_grad(h: Tensor, weight: Tensor, ids: Tensor, g: Tensor, inv_t: Tensor) -> Tensor:
+    """``_chunk_grads``' dh alone, for a frozen output projection (its dW product is skipped)."""
+    p = ops.softmax(_chunk_logits(h, weight, inv_t), -1).astype(h.dtype)
+    return g * (ops.gather(weight, ids, 0) - _MATMUL(p, weight))
+
+
 def _weight_grad(scaled: Tensor, token_ids: Tensor, softmax_part: Tensor) -> Tensor:
     """dW = Σ_rows onehotᵀ·(g ⊙ h) - Σ_chunks pᵀ·(g ⊙ h)."""
     return ops.unsorted_segment_sum(scaled, token_ids, softmax_part.shape[0]) - softmax_part
@@ -357,6 +363,7 @@ class CompiledChunks:
     token_logp = staticmethod(per_tensor_graph(_chunk_token_logp, "chunk_token_logp"))
     token_logp_stats = staticmethod(per_tensor_graph(_chunk_token_logp_stats, "chunk_token_logp_stats"))
     grads = staticmethod(per_tensor_graph(_chunk_grads, "chunk_grads"))
+    input_grad = staticmethod(per_tensor_graph(_chunk_input_grad, "chunk_input_grad"))
     weight_grad = staticmethod(per_tensor_graph(_weight_grad, "weight_grad"))
 
 
@@ -390,6 +397,8 @@ class ChunkedTokenLogProb(nn.Cell):
         self.chunk = max(1, int(chunk_rows))
         self.stats = bool(stats)
         self.compiled_chunks: Optional[CompiledChunks] = None  # set by CausalLM.compiled_layers (pynative only)
+        #: False for a frozen output projection (LoRA's base): the backward forms dh alone, no dW product.
+        self.weight_grad = True
 
     def construct(self, hidden: Tensor, weight: Tensor, token_ids: Tensor, inv_t: Tensor):
         """hidden (N, H), weight (V, H), token_ids (N,) int32, inv_t: 1/temperature (0-d float32) → (N,)
@@ -414,6 +423,9 @@ class ChunkedTokenLogProb(nn.Cell):
     def bprop(self, hidden, weight, token_ids, inv_t, out, dout):
         if self.stats:
             dout = dout[0]  # entropy and argmax hit are metrics
+        if not self.weight_grad:
+            return self._input_grad(hidden, weight, token_ids, inv_t, dout), ops.zeros_like(weight), \
+                ops.zeros_like(token_ids), ops.zeros_like(inv_t)
         pieces = self.compiled_chunks
         dh, scaled, dw = [], [], None
         for s in row_chunks(hidden.shape[0], self.chunk):
@@ -427,6 +439,17 @@ class ChunkedTokenLogProb(nn.Cell):
         dw = _weight_grad(_join(scaled), token_ids, dw) if pieces is None else pieces.weight_grad(_join(scaled),
                                                                                                 token_ids, dw)
         return _join(dh), dw, ops.zeros_like(token_ids), ops.zeros_like(inv_t)
+
+    def _input_grad(self, hidden, weight, token_ids, inv_t, dout):
+        """dh alone (a frozen output projection): no dW product."""
+        pieces = self.compiled_chunks
+        dh = []
+        for s in row_chunks(hidden.shape[0], self.chunk):
+            h, ids = take_rows(hidden, s, self.chunk), take_rows(token_ids, s, self.chunk)
+            g = (take_rows(dout, s, self.chunk) * inv_t).expand_dims(-1).astype(h.dtype)  # (rows, 1)
+            dh.append(_chunk_input_grad(h, weight, ids, g, inv_t) if pieces is None
+                      else pieces.input_grad(h, weight, ids, g, inv_t))
+        return _join(dh)
 
 
 class CausalLM(nn.Cell):
@@ -476,6 +499,16 @@ class CausalLM(nn.Cell):
         self._use_layer_graphs = False
         self._layer_graphs_lora = None  # the LoRA spec the layer graphs' template was built with
         self.lora_spec = None  # a ``models.lora.LoRASpec`` once ``models.lora.apply_lora`` attached adapters
+
+    def sync_head_gradient(self) -> None:
+        """Let the chunked log-prob head skip its output projection's gradient while that table is frozen
+        (``requires_grad`` False, as LoRA leaves the base): one vocabulary-sized product less per chunk in every
+        backward. Call after changing which parameters train; a stage without the vocabulary head keeps it."""
+        if not self.is_last or self.num_labels:
+            return
+        for cell in (self.chunked_logprob, self.chunked_logprob_stats):
+            if cell is not None:
+                cell.weight_grad = bool(self.head_table().requires_grad)
 
     def set_chunk_rows(self, rows: int) -> None:
         """Rows of logits formed at a time by every chunked head piece (tests set small chunks)."""

@@ -220,6 +220,7 @@ def apply_lora(model: nn.Cell, spec: LoRASpec) -> List[str]:
         cell.lora_A.weight.name, cell.lora_B.weight.name = f"{name}.lora_A.weight", f"{name}.lora_B.weight"
         cell.lora_enabled.name = f"{name}.lora_enabled"
     model.lora_spec = spec
+    model.sync_head_gradient()
     return [name for name, _ in targets]
 
 
