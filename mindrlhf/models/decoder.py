@@ -506,16 +506,18 @@ class CausalLM(nn.Cell):
         backward. Call after changing which parameters train; a stage without the vocabulary head keeps it."""
         if not self.is_last or self.num_labels:
             return
-        for cell in (self.chunked_logprob, self.chunked_logprob_stats):
-            if cell is not None:
-                cell.weight_grad = bool(self.head_table().requires_grad)
+        for cell in self._chunked_heads():
+            cell.weight_grad = bool(self.head_table().requires_grad)
 
     def set_chunk_rows(self, rows: int) -> None:
         """Rows of logits formed at a time by every chunked head piece (tests set small chunks)."""
         self.chunk_rows = max(1, int(rows))
-        for cell in (self.chunked_logprob, self.chunked_logprob_stats):
-            if cell is not None:
-                cell.chunk = self.chunk_rows
+        for cell in self._chunked_heads():
+            cell.chunk = self.chunk_rows
+
+    def _chunked_heads(self) -> Tuple[ChunkedTokenLogProb, ...]:
+        """The chunked vocabulary-head cells this shard has (none under tp)."""
+        return tuple(cell for cell in (self.chunked_logprob, self.chunked_logprob_stats) if cell is not None)
 
     # -- shared pieces -------------------------------------------------------------------------
     def rope(self, position_ids: Tensor) -> Tuple[Tensor, Tensor]:
@@ -571,11 +573,16 @@ class CausalLM(nn.Cell):
         under ``softmax(logits / temperature)``: chunked without tp, vocab-parallel under tp."""
         if self.chunked_logprob is None:
             return self.token_logprobs(self.logits(hidden), token_ids, temperature)
+        rows, table, ids, inv_t = self._chunked_head_inputs(hidden, token_ids, temperature)
+        return self.chunked_logprob(rows, table, ids, inv_t).reshape(token_ids.shape)
+
+    def _chunked_head_inputs(self, hidden: Tensor, token_ids: Tensor,
+                             temperature: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """A chunked head's arguments: (B, C, H) hidden states and (B, C) ids flattened to rows, the output
+        projection, and 1/temperature as a float32 scalar tensor."""
         b, c, h = hidden.shape
-        inv_t = ops.fill(ms.float32, (), 1.0 / temperature)
-        logp = self.chunked_logprob(hidden.reshape(b * c, h), self.head_table(),
-                                    token_ids.astype(ms.int32).reshape(-1), inv_t)
-        return logp.reshape(b, c)
+        return (hidden.reshape(b * c, h), self.head_table(), token_ids.astype(ms.int32).reshape(-1),
+                ops.fill(ms.float32, (), 1.0 / temperature))
 
     # -- per-stage pieces (pipeline parallel) --------------------------------------------------
     def stage_forward(self, inputs: Tensor, attention_mask: Tensor) -> Tensor:
@@ -607,7 +614,7 @@ class CausalLM(nn.Cell):
         self._use_layer_graphs = True
         self._layer_graphs.static = static
         self._layer_graphs.graph_kernel = graph_kernel
-        heads = [cell for cell in (self.chunked_logprob, self.chunked_logprob_stats) if cell is not None]
+        heads = self._chunked_heads()
         for cell in heads:
             cell.compiled_chunks = CompiledChunks
         try:
@@ -648,11 +655,10 @@ class CausalLM(nn.Cell):
         t, c = hidden.shape[1], completion_ids.shape[1]
         normed = self.model.norm(hidden[:, t - c:])
         if self.chunked_logprob_stats is not None:  # the statistics from the log-probs' own logits
-            b, h = normed.shape[0], normed.shape[2]
-            inv_t = ops.fill(ms.float32, (), 1.0 / temperature)
-            logp, entropy, correct = self.chunked_logprob_stats(normed.reshape(b * c, h), self.head_table(),
-                                                                completion_ids.astype(ms.int32).reshape(-1), inv_t)
-            return logp.reshape(b, c), entropy.reshape(b, c), correct.reshape(b, c)
+            rows, table, ids, inv_t = self._chunked_head_inputs(normed, completion_ids, temperature)
+            logp, entropy, correct = self.chunked_logprob_stats(rows, table, ids, inv_t)
+            shape = completion_ids.shape
+            return logp.reshape(shape), entropy.reshape(shape), correct.reshape(shape)
         entropy, correct = self.token_stats(ops.stop_gradient(normed), completion_ids, temperature)
         return self.head_logprobs(normed, completion_ids, temperature), entropy, correct
 

@@ -17,10 +17,10 @@ to the partial sum before the layer's reduce); see ``tp_layers`` for the replica
 as ``peft`` does (tests/test_lora.py checks the logits against peft on transformers, both ways);
 ``merged_weights`` gives the base weights with ``scaling * B A`` added, for a merged HF export;
 ``merge_adapter`` does the same to weights streamed from files (``convert_weight --reverse --adapter``).
-SFT, RM, DPO, ORPO and GRPO (beta 0) train them (``trainer.entry.load_policy(..., lora=cfg.model)``; the compiled
-layer graphs carry the same adapters through ``adapt_like``). ``adapters_disabled`` runs the base (DPO's reference:
-each adapter's ``lora_enabled`` switch, a graph input, set to 0); ``modules_to_save`` (a reward model's ``score``)
-are trained in full and saved with the adapters. PPO and GRPO's reference are next: see docs/design.md, "LoRA".
+SFT, RM, DPO, ORPO, GRPO and PPO train them (``trainer.entry.load_policy(..., lora=cfg.model)``; the compiled
+layer graphs carry the same adapters through ``adapt_like``). ``adapters_disabled`` runs the base (the reference of
+DPO, GRPO and PPO: each adapter's ``lora_enabled`` switch, a graph input, set to 0); ``modules_to_save`` (a reward
+model's ``score``) are trained in full and saved with the adapters. See docs/design.md, "LoRA".
 Adapter dropout (``LoRASpec.dropout`` > 0) is a hash mask (``models.hash_dropout``) whose per-module seeds
 ``set_dropout_seeds`` sets for a gradient pass (``trainer.update.Updater``) and turns off (-1) afterwards.
 """
