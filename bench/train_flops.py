@@ -26,8 +26,9 @@ weights) x (decoder positions, padding included: what is computed) + attention's
 pairs x heads x head_dim per layer, every pair the kernels form) + the vocabulary head's 2 x hidden x vocab per
 logit row where the head forms logits (the log-prob heads: completion positions; the reward model's score
 head: none); training = 3 x forward. With ``recompute full`` the layer graphs run each layer's forward (and
-the chunked head's) again in the backward: those FLOPs are printed apart ("+recompute") and are not in the
-GFLOP/s. The GFLOP/s are divided by the numpy peak measured next to the steps in the same child.
+the chunked head's) again in the backward, with ``selective`` attention's products and the head's: those FLOPs
+are printed apart ("+recompute") and are not in the GFLOP/s. The GFLOP/s are divided by the numpy peak measured
+next to the steps in the same child.
 
 Where the rest of the step goes: after the steps the child times the route's matmul (in ``mindspore.jit``) on
 each of the update's product shapes (forward ``x Wᵀ`` and the two gradient products of every linear layer, at
@@ -134,9 +135,10 @@ def update_flops(config, extents, layers: int):
             "head": sum(2.0 * r * head for _, _, r in extents)}
 
 
-def matmul_seconds(config, extents, layers: int, route: str, recompute: bool, min_time: float):
+def matmul_seconds(config, extents, layers: int, route: str, recompute: str, min_time: float):
     """Seconds the update's matmuls take at the rates ``route`` reaches on their shapes (see the docstring),
-    and the rates measured {(label, M, case): GFLOP/s}."""
+    and the rates measured {(label, M, case): GFLOP/s}. ``recompute``: the update's mode (``full`` runs the
+    linear layers' forward twice; ``full`` and ``selective`` attention's products and the head's)."""
     rates, seconds, lin_rates = {}, 0.0, []
     cases = ("nt", "nn", "tn")
     for tokens, _, rows in extents:
@@ -148,16 +150,16 @@ def matmul_seconds(config, extents, layers: int, route: str, recompute: bool, mi
                                  and linear_shapes_same(config, lb, label)), None)
                     rates[key] = same or _ms_rate(route, case, tokens, k, n, min_time)
                 lin_rates.append(rates[key])
-                runs = 2 if case == "nt" and recompute else 1
+                runs = 2 if case == "nt" and recompute == "full" else 1
                 seconds += runs * 2.0 * tokens * k * n * layers / (rates[key] * 1e9)
         if rows:
             for case in cases:
                 key = ("head", rows, case)
                 if key not in rates:
                     rates[key] = _ms_rate(route, case, rows, config.hidden_size, config.vocab_size, min_time)
-                runs = 2 if case == "nt" and recompute else 1
+                runs = 2 if case == "nt" and recompute in ("full", "selective") else 1  # the chunked head recomputes
                 seconds += runs * 2.0 * rows * config.hidden_size * config.vocab_size / (rates[key] * 1e9)
-    att = update_flops(config, extents, layers)["attention"] * (4 if recompute else 3)
+    att = update_flops(config, extents, layers)["attention"] * (4 if recompute in ("full", "selective") else 3)
     seconds += att / (statistics.mean(lin_rates) * 1e9)
     return seconds, {f"{lb} {m} {c}": round(v, 1) for (lb, m, c), v in rates.items()}
 
@@ -246,8 +248,7 @@ def run_stage(args) -> dict:
             by_kind[kind]["grad_norm"].append(float(res["grad_norm"]))
             times.append(by_kind[kind]["times"][-1])
             peaks.append(_numpy_peak())
-    recompute_full = updater.recompute == "full"
-    mm_s, rates = matmul_seconds(config, extents, layers, args.cpu_matmul, recompute_full, args.min_time)
+    mm_s, rates = matmul_seconds(config, extents, layers, args.cpu_matmul, updater.recompute, args.min_time)
     first = by_kind[kinds[0]]["times"]
     graphs = model.layer_graphs
     return {"stage": args.stage, "step_s": float(np.median(first[1:] or first)), "step_times": times,
@@ -305,7 +306,8 @@ def report(results, route: str) -> None:
         f = r["flops"]
         fwd = sum(f.values())
         train = 3 * fwd
-        extra = fwd if r["recompute"] == "full" else 0.0
+        extra = fwd if r["recompute"] == "full" else (f["attention"] + f["head"] if r["recompute"] == "selective"
+                                                     else 0.0)
         gfs = train / r["step_s"] / 1e9
         positions = sum(e[0] for e in r["extents"])
         share = r["matmul_s"] / r["step_s"]

@@ -9,8 +9,9 @@ import pytest
 from test_packing import _rows
 
 
-def _grads_both_ways(model, loss):
-    """Loss value and every parameter's gradient, with pynative layers and with the layer graphs."""
+def _grads_three_ways(model, loss):
+    """Loss value and every parameter's gradient, with pynative layers and with the layer graphs recomputing each
+    layer (recompute full) and keeping its linear outputs (recompute selective)."""
     import mindspore as ms
 
     params = model.trainable_params()
@@ -18,19 +19,22 @@ def _grads_both_ways(model, loss):
     plain = fn()
     with model.compiled_layers():
         graphs = fn()
-    return params, plain, graphs
+    with model.compiled_layers(keep=True):
+        kept = fn()
+    return params, plain, graphs, kept
 
 
-def _assert_same(params, plain, graphs):
-    (v_plain, g_plain), (v_graphs, g_graphs) = plain, graphs
-    np.testing.assert_allclose(v_graphs.asnumpy(), v_plain.asnumpy(), rtol=1e-5)
-    for p, a, b in zip(params, g_plain, g_graphs):
-        a, b = a.asnumpy(), b.asnumpy()
-        assert np.linalg.norm(a) > 0, p.name
-        # A key bias shifts all of a query's scores equally, which the softmax cancels: its true
-        # gradient is 0 and both paths hold rounding noise, so it gets a looser bound.
-        rtol = 1e-3 if p.name.endswith("k_proj.bias") else 1e-5
-        assert np.linalg.norm(a - b) <= rtol * np.linalg.norm(a), p.name
+def _assert_same(params, plain, *others):
+    v_plain, g_plain = plain
+    for v_graphs, g_graphs in others:
+        np.testing.assert_allclose(v_graphs.asnumpy(), v_plain.asnumpy(), rtol=1e-5)
+        for p, a, b in zip(params, g_plain, g_graphs):
+            a, b = a.asnumpy(), b.asnumpy()
+            assert np.linalg.norm(a) > 0, p.name
+            # A key bias shifts all of a query's scores equally, which the softmax cancels: its true
+            # gradient is 0 and both paths hold rounding noise, so it gets a looser bound.
+            rtol = 1e-3 if p.name.endswith("k_proj.bias") else 1e-5
+            assert np.linalg.norm(a - b) <= rtol * np.linalg.norm(a), p.name
 
 
 def _check_batch(model, seed: int, rows: slice) -> None:
@@ -49,17 +53,27 @@ def _check_batch(model, seed: int, rows: slice) -> None:
         logp = model.packed_logprobs(*(Tensor(a) for a in packed.arrays()), Tensor(comp), 0.7)
         return (logp * weights).sum()
 
-    _assert_same(*_grads_both_ways(model, padded_loss))
-    _assert_same(*_grads_both_ways(model, packed_loss))
-    with model.compiled_layers():  # forward only (log-prob passes)
+    _assert_same(*_grads_three_ways(model, padded_loss))
+    _assert_same(*_grads_three_ways(model, packed_loss))
+    with model.compiled_layers(keep=True):  # forward only (log-prob passes): nothing recorded, nothing kept
         got = model.sequence_logprobs(Tensor(ids), Tensor(mask), Tensor(comp), 0.7).asnumpy()
+        assert model.layer_graphs.kept_count == 0
     want = model.sequence_logprobs(Tensor(ids), Tensor(mask), Tensor(comp), 0.7).asnumpy()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("which", ["tiny_qwen2_dir", "tiny_llama_dir"])
+@pytest.fixture(scope="module")
+def tiny_qwen3_dir(tmp_path_factory):
+    """Qwen3: per-head q/k norms inside the attention piece."""
+    from mindrlhf.testing import make_tiny_qwen3
+
+    return make_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"), vocab_size=1000)
+
+
+@pytest.mark.parametrize("which", ["tiny_qwen2_dir", "tiny_llama_dir", "tiny_qwen3_dir"])
 def test_layer_graphs_equal_pynative_layers_packed_and_padded(which, request):
-    """Log-probs and all parameter gradients, for shared-prompt packed rows and for padded rows of
+    """Log-probs and all parameter gradients (the layer graphs recomputing each layer, and keeping its linear
+    outputs), for shared-prompt packed rows and for padded rows of
     prompts of different lengths; then a second, differently shaped batch through the same graphs
     (dynamic shapes: no stale shape, no recompilation needed for correctness)."""
     from mindrlhf.models import load_model
@@ -199,10 +213,11 @@ def test_a_released_frozen_model_frees_its_weights_and_reads_them_back(tiny_qwen
 
 
 @pytest.mark.parametrize("share", [True, False], ids=["packed", "padded"])
-def test_recompute_none_and_full_give_the_same_losses_and_gradients(tiny_qwen2_dir, share):
+def test_recompute_none_full_and_selective_give_the_same_losses_and_gradients(tiny_qwen2_dir, share):
     """``recompute none`` (``PipelineRunner(jit=True)``: the gradient pass one whole-model graph, compiled once
-    for every shape by ``layer_graphs.jit_any_shape``) and ``recompute full`` (the layer graphs, each layer's
-    forward recomputed) give pynative's loss, aux values and every gradient, for the log-prob head and the
+    for every shape by ``layer_graphs.jit_any_shape``), ``recompute full`` (the layer graphs, each layer's
+    forward recomputed) and ``recompute selective`` (the layer graphs keeping each layer's linear outputs: no kept
+    tensor left after a pass) give pynative's loss, aux values and every gradient, for the log-prob head and the
     statistics head (whose chunked pieces the whole graph takes as one chunk), on batches of three widths;
     the whole graph is compiled once for all of them, forward passes never use it, and it is freed with the
     runner."""
@@ -224,8 +239,9 @@ def test_recompute_none_and_full_give_the_same_losses_and_gradients(tiny_qwen2_d
         logp, entropy, correct = out
         return (logp * weights).sum() + 0.1 * (entropy * weights).sum(), ((correct * weights).sum(),)
 
-    ways = {"pynative": dict(jit=False), "full": dict(jit=False, layer_graphs=True), "none": dict(jit=True,
-                                                                                                  layer_graphs=True)}
+    ways = {"pynative": dict(jit=False), "full": dict(jit=False, layer_graphs=True),
+            "selective": dict(jit=False, layer_graphs=True, keep_activations=True),
+            "none": dict(jit=True, layer_graphs=True)}
     groups = data_parallel_groups(0, 1)
     runners = {w: (PipelineRunner(model, groups, loss, share_prompts=share, **kw),
                    PipelineRunner(model, groups, stats_loss, head=LogProbHead(0.7, stats=True), share_prompts=share,
@@ -248,6 +264,7 @@ def test_recompute_none_and_full_give_the_same_losses_and_gradients(tiny_qwen2_d
                     a, b = a.asnumpy(), b.asnumpy()
                     rtol = 1e-3 if p.name.endswith("k_proj.bias") else 1e-5  # see _assert_same
                     assert np.linalg.norm(a - b) <= rtol * np.linalg.norm(a), (seed, head, p.name)
+            assert model.layer_graphs.kept_count == 0
             # Forward passes run the layer graphs either way: the same arrays.
             for x, y in zip(*(np.atleast_1d(runners[w][head].forward([mb])[0]) for w in ("none", "full"))):
                 np.testing.assert_array_equal(x, y)

@@ -236,9 +236,9 @@ def test_gradients_reach_only_the_adapters(tmp_path):
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_layer_graphs_train_the_adapters_like_pynative_and_jit(tmp_path, dropout):
-    """The compiled layer graphs (recompute full) load every parameter of a layer into a template carrying the same
-    adapters and differentiate only the adapters: the loss and each adapter gradient equal the pynative and the
-    whole-model jit ones (<= 1e-5 relative), the base gets none, and the weights the graphs read are the layers'.
+    """The compiled layer graphs (recompute full and selective) load every parameter of a layer into a template carrying
+    the same adapters and differentiate only the adapters: the loss and each adapter gradient equal the pynative and
+    the whole-model jit ones (<= 1e-5 relative), the base gets none, and the weights the graphs read are the layers'.
     With adapter dropout on (seeds set as a gradient pass sets them) too: the backward's recomputed forward draws the
     forward's masks (a redrawn mask would give another gradient), and the masks change the loss."""
     from mindrlhf.models.lora import set_dropout_seeds
@@ -265,7 +265,9 @@ def test_layer_graphs_train_the_adapters_like_pynative_and_jit(tmp_path, dropout
     eager = grad_fn()
     with model.compiled_layers():
         graphs = grad_fn()
-    for other in (graphs, ms.jit(grad_fn)()):  # recompute full, recompute none
+    with model.compiled_layers(keep=True):
+        kept = grad_fn()
+    for other in (graphs, kept, ms.jit(grad_fn)()):  # recompute full, selective, none
         np.testing.assert_allclose(float(other[0].asnumpy()), float(eager[0].asnumpy()), rtol=1e-5)
         for p, want, got in zip(params, eager[1], other[1]):
             want, got = want.asnumpy(), got.asnumpy()
@@ -273,9 +275,10 @@ def test_layer_graphs_train_the_adapters_like_pynative_and_jit(tmp_path, dropout
             assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want), p.name
     base = [p for n, p in model.parameters_and_names() if ".lora_" not in n]
     assert base and not any(p.requires_grad for p in base)
-    with model.compiled_layers():  # asking for the base's gradient gives nothing through the graphs
-        frozen = ms.grad(loss_fn, None, [model.model.layers[0].self_attn.q_proj.weight, model.head_table()])()
-    assert not np.any(frozen[0].asnumpy())
+    for keep in (False, True):
+        with model.compiled_layers(keep=keep):  # asking for the base's gradient gives nothing through the graphs
+            frozen = ms.grad(loss_fn, None, [model.model.layers[0].self_attn.q_proj.weight, model.head_table()])()
+        assert not np.any(frozen[0].asnumpy())
     # the frozen output projection: the chunked head forms no dW product at all
     assert model.chunked_logprob.weight_grad is False and not np.any(frozen[1].asnumpy())
     if dropout:

@@ -1,6 +1,6 @@
-"""recompute auto | full | none (trainer.memory): the estimate by hand, the decision, the settings.
+"""recompute auto | full | selective | none (trainer.memory): the estimates by hand, the decision, the settings.
 
-That ``none`` and ``full`` give the same losses and gradients is tested on the runner in
+That ``none``, ``full`` and ``selective`` give the same losses and gradients is tested on the runner in
 test_layer_graphs.py (log-prob and statistics heads) and on a reward model's training in
 test_offline_stages.py."""
 from __future__ import annotations
@@ -16,6 +16,7 @@ from mindrlhf.trainer.memory import (
     MicroBatchExtent,
     activation_bytes,
     decoder_gflop,
+    kept_bytes,
     memory_budget,
     resolve_recompute,
     rollout_extent,
@@ -128,7 +129,7 @@ def test_auto_keeps_activations_on_the_tiny_job_and_recomputes_under_a_small_bud
     assert _updater(model, just).recompute == "none"
     assert _updater(model, just, reserved=need).recompute == "full"  # a second model, the first's planned kept
     caplog.clear()
-    for mode in ("full", "none"):
+    for mode in ("full", "selective", "none"):
         assert _updater(model, parse_grpo_args(job + ["--recompute", mode, "--memory_budget_gb", "0.000001"])
                         ).recompute == mode
     assert not caplog.records
@@ -147,12 +148,21 @@ def test_decoder_work_by_hand():
         2 * (2 * weights_tp * 6 + 2 * 2 * 4 * 1 * 18) / 1e9, rel=1e-12)
 
 
+def test_selective_kept_bytes_by_hand():
+    extent = MicroBatchExtent.padded(2, 3)  # 6 tokens
+    # per layer and token: q 8, k 4, v 4, the attention output 8, gate 16, up 16 values
+    assert kept_bytes(SMALL, extent, layers=2) == 2 * 6 * (8 + 4 + 4 + 8 + 16 + 16) * 4
+    # tp = 2: q, k, v, gate and up halve; the attention output is the full width (after o_proj's reduce)
+    assert kept_bytes(SMALL, extent, layers=2, tp=2, dtype_bytes=2) == 2 * 6 * (4 + 2 + 2 + 8 + 8 + 8) * 2
+
+
 def test_auto_recomputes_through_static_layer_graphs_when_the_decoder_work_pays(tiny_qwen2_dir, caplog,
                                                                                 monkeypatch):
     """With static-shape layer graphs (CPU's default) ``auto`` picks ``full`` for SmolLM2's GRPO micro-batch even
     with memory to spare (as fast, a third of the memory: bench/README.md), keeps ``none`` for the tiny peer job
     (dispatch-bound: a compile per shape costs more than it saves), and with dynamic layer graphs decides by
-    memory as before. The config reaches the decision through ``build_updater``."""
+    memory as before; it never picks ``selective``, which is taken as given with its kept bytes. The config
+    reaches the decision through ``build_updater``."""
     from mindrlhf.configs.grpo_configs import parse_args as parse_grpo_args
     from mindrlhf.models import load_model
     from mindrlhf.trainer import memory
@@ -169,6 +179,11 @@ def test_auto_recomputes_through_static_layer_graphs_when_the_decoder_work_pays(
     assert resolve_recompute("auto", SMOLLM2, smol, layers=30, static_layers=True, **kw) == ("full", 0)
     [line] = [r.getMessage() for r in caplog.records]
     assert line.startswith("recompute auto -> full for the policy: its largest micro-batch (766 positions, ")
+    kept = kept_bytes(SMOLLM2, smol, layers=30)
+    assert 0.3 * 2 ** 30 < kept < 0.5 * 2 ** 30  # 766 positions x 30 layers x 4,608 float32 values
+    tight = dict(kw, budget_gb=0.1 * kept / 2 ** 30)  # selective is what the user asked for: no budget check
+    assert resolve_recompute("selective", SMOLLM2, smol, layers=30, static_layers=True, **tight) == ("selective",
+                                                                                                      kept)
     assert resolve_recompute("auto", SMOLLM2, smol, layers=30, **kw)[0] == "none"  # dynamic: fits 16 GiB
     assert resolve_recompute("auto", peer_tiny, tiny, layers=4, static_layers=True, **kw)[0] == "none"
     assert resolve_recompute("none", SMOLLM2, smol, layers=30, static_layers=True, **kw)[0] == "none"
@@ -189,7 +204,7 @@ def test_recompute_settings_are_checked_and_train_jit_says_what_replaced_it(tmp_
     from mindrlhf.errors import MindRLHFError
 
     assert parse_grpo_args([]).parallel.recompute == "auto"
-    with pytest.raises(MindRLHFError, match=r"recompute = 'some' is not one of auto\|full\|none"):
+    with pytest.raises(MindRLHFError, match=r"recompute = 'some' is not one of auto\|full\|selective\|none"):
         parse_grpo_args(["--recompute", "some"])
     with pytest.raises(MindRLHFError, match="memory_budget_gb"):
         parse_grpo_args(["--memory_budget_gb", "-1"])

@@ -157,11 +157,12 @@ def _check_primitives(out: Path, dp: int, tp: int) -> None:
         np.testing.assert_array_equal(res["gather_grad"], weights[:, 3 * t:3 * (t + 1)])
 
 
-def _run_layout(tmp_path: Path, layout, port: int, cases, jit: bool, infer=None, sharded=(), share=False) -> Path:
+def _run_layout(tmp_path: Path, layout, port: int, cases, jit: bool, infer=None, sharded=(), share=False,
+                selective=False) -> Path:
     out = tmp_path / "out"
     argv = ["--dp", str(layout.dp), "--tp", str(layout.tp), "--pp", str(layout.pp),
             "--micro", str(layout.micro_batches), "--out", str(out)] + (["--jit"] if jit else []) + \
-        (["--share"] if share else [])
+        (["--share"] if share else []) + (["--selective"] if selective else [])
     if infer is not None:
         argv += ["--infer", str(infer.dp), str(infer.tp)]
     for name, ckpt_dir in sharded:
@@ -339,10 +340,11 @@ def test_dp2_tp2_matches_single_process(tiny_qwen2_dir, tiny_llama_dir, tiny_rew
 def test_shared_prompt_packing_under_tp2_and_pp2_matches_single_process(tiny_qwen2_dir, tiny_llama4_dir, tmp_path,
                                                                         pp):
     """Rows sharing prompts, packed on each tp rank (tp=2), or padded on pipeline stages (pp=2 falls
-    back): loss, log-probs and gradient slices equal the single-process padded step."""
+    back), trained through the layer graphs keeping each layer's linear outputs (recompute selective): loss,
+    log-probs and gradient slices equal the single-process padded step."""
     layout = ParallelLayout(tp=2) if pp == 1 else ParallelLayout(pp=2, micro_batches=1)
     _run_layout(tmp_path, layout, 8279 + pp, _cases(tiny_qwen2_dir, tiny_llama4_dir, shared=True), jit=False,
-                share=True)
+                share=True, selective=True)
 
 
 @pytest.mark.slow

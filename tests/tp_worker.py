@@ -44,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a case: its name, an HF model folder and the batch .npz (repeatable)")
     p.add_argument("--jit", action="store_true", help="compile the loss+gradient step with mindspore.jit")
     p.add_argument("--share", action="store_true", help="pack rows that share a prompt (share_prompts)")
+    p.add_argument("--selective", action="store_true",
+                   help="train through the layer graphs keeping each layer's linear outputs (recompute selective)")
     p.add_argument("--infer", nargs=2, type=int, default=None, metavar=("DP", "TP"),
                    help="also reshard each case's model in memory into this generation layout and write the shards")
     p.add_argument("--sharded", nargs=2, action="append", default=[], metavar=("NAME", "DIR"),
@@ -132,7 +134,8 @@ def main(argv=None) -> int:
             fn, keys, count = score_loss, ("advantages",), float(batch["input_ids"].shape[0])
         else:
             fn, keys, count = loss_fn, ("completion_mask", "advantages", "ref_logp"), batch["completion_mask"].sum()
-        runner = PipelineRunner(model, groups, fn, head=head_for(config), jit=args.jit, share_prompts=args.share)
+        runner = PipelineRunner(model, groups, fn, head=head_for(config), jit=args.jit, share_prompts=args.share,
+                                layer_graphs=args.selective, keep_activations=args.selective)
         grads, loss, _ = runner.loss_and_grads(micro, keys, extra=(Tensor(np.float32(count)),))
         reducer = grad_reducer(runner.params, layout.dp, groups.dp_group)
         if reducer is not None:

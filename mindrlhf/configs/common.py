@@ -20,7 +20,7 @@ from mindrlhf.rewards.manager import REWARD_ERRORS, reward_spec_name
 LR_SCHEDULES = ("cosine", "linear", "constant")
 DEVICE_TARGETS = ("CPU", "Ascend", "GPU")
 #: ``recompute`` values (``trainer.memory`` acts on them).
-RECOMPUTE_MODES = ("auto", "full", "none")
+RECOMPUTE_MODES = ("auto", "full", "selective", "none")
 LAYER_GRAPH_SHAPES = ("auto", "static", "dynamic")
 
 
@@ -191,10 +191,12 @@ class TrainLayoutConfig:
         "static-shape (layer_graph_shapes, CPU's default) and the largest micro-batch's decoder forward is at "
         "least 20 GFLOP (as fast there, far less memory); otherwise none when its estimated activations fit "
         "memory_budget_gb, else full; the decision and its figures are logged once. full: the decoder layers "
-        "run as two shared compiled graphs and each layer's forward "
-        "is recomputed in its backward (only layer inputs are kept; least memory). none: the whole forward + "
-        "backward is one compiled graph, compiled once for all input shapes, that keeps every activation "
-        "(faster, more memory). The same numbers either way (gradients equal to float rounding). Log-prob "
+        "run as two shared compiled graphs and each layer's forward is recomputed in its backward (only layer "
+        "inputs are kept; least memory). selective: the same layer graphs, each layer's forward also keeping its "
+        "linear layers' outputs, so the backward recomputes only the norms, RoPE, attention's core and the "
+        "activation (faster than full, most with LoRA, for more memory; never picked by auto). none: the whole "
+        "forward + backward is one compiled graph, compiled once for all input shapes, that keeps every "
+        "activation (more memory). The same numbers either way (gradients equal to float rounding). Log-prob "
         "passes and frozen models (reference, reward model) always run the layer graphs. Replaces train_jit "
         "(true = none, false = full). Time and memory of each: bench/README.md (recompute.py, peer_trl.py).",
         choices=RECOMPUTE_MODES)

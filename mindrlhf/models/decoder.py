@@ -162,17 +162,21 @@ class Attention(nn.Cell):
         self.rotation = Tensor(rot, dtype)
         self.matmul = ops.MatMul()
 
-    def project(self, x: Tensor, rope: Tuple[Tensor, ...]) -> Tuple[Tensor, Tensor, Tensor]:
-        """q (B, T, H, d) carrying the 1/sqrt(d) score scale, k (B, T, KV, d) after RoPE, and v.
-
-        ``rope``: ``CausalLM.rope_tables`` (cos/sin already per head and scaled for q)."""
-        b, t, _ = x.shape
-        hk, d = self.num_kv_heads, self.head_dim
+    def qkv(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """The q, k and v projections of ``x`` (B, T, hidden) as they leave the linear layers (B, T, width)."""
         if self.copy is not None:
             x = self.copy(x)
-        q = self.q_proj(x).reshape(b, t, self.num_heads, d)
-        k = self.k_proj(x).reshape(b, t, hk, d)
-        v = self.v_proj(x).reshape(b, t, hk, d)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def position(self, q: Tensor, k: Tensor, v: Tensor, rope: Tuple[Tensor, ...]) -> Tuple[Tensor, Tensor, Tensor]:
+        """The projections (``qkv``) split into heads, q and k normed (``qk_norm``) and rotated: q (B, T, H, d)
+        carrying the 1/sqrt(d) score scale, k (B, T, KV, d) after RoPE, and v. ``rope``: ``CausalLM.rope_tables``
+        (cos/sin already per head and scaled for q)."""
+        b, t, _ = q.shape
+        hk, d = self.num_kv_heads, self.head_dim
+        q = q.reshape(b, t, self.num_heads, d)
+        k = k.reshape(b, t, hk, d)
+        v = v.reshape(b, t, hk, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos_q, sin_q, cos_k, sin_k = rope
@@ -187,8 +191,12 @@ class Attention(nn.Cell):
         With ``kv_cache = (k_cache, v_cache, index)`` (the sampler's ``CachedDecoder``) this step's K/V
         are written into the flat caches (B*KV*S, d) at rows ``index`` (B, KV, T) and the queries attend
         over the whole cache; ``bias`` is then (B, 1, 1, T, S)."""
-        b, t, _ = x.shape
-        q, k, v = self.project(x, rope)
+        return self.output(*self.qkv(x), rope, bias, kv_cache)
+
+    def output(self, q: Tensor, k: Tensor, v: Tensor, rope: Tuple[Tensor, ...], bias, kv_cache=None) -> Tensor:
+        """The attention block's output (o_proj's) from the projections ``qkv`` gives; the rest as ``construct``."""
+        b, t, _ = q.shape
+        q, k, v = self.position(q, k, v, rope)
         if kv_cache is not None:
             k_cache, v_cache, index = kv_cache
             self.scatter(k_cache, index, k.transpose(0, 2, 1, 3))
@@ -256,9 +264,17 @@ class MLP(nn.Cell):
         self.down_proj = RowParallelLinear(i, h, bias, tp, group=group, dtype=dtype)
 
     def construct(self, x: Tensor) -> Tensor:
+        return self.down(*self.gate_up(x))
+
+    def gate_up(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        """The gate and up projections of ``x``."""
         if self.copy is not None:
             x = self.copy(x)
-        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.gate_proj(x), self.up_proj(x)
+
+    def down(self, gate: Tensor, up: Tensor) -> Tensor:
+        """``down(silu(gate) * up)``: the block's output from ``gate_up``'s."""
+        return self.down_proj(ops.silu(gate) * up)
 
 
 class DecoderLayer(nn.Cell):
@@ -269,10 +285,36 @@ class DecoderLayer(nn.Cell):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype, shard)
 
+    #: The layer's maths in four pieces, each ending in linear layers' outputs, and the parameters each holds
+    #: (name prefixes). ``forward_kept`` runs them in order and returns the tensors between them, from which
+    #: ``models.layer_graphs`` differentiates each piece on its own (the linear layers' forward never runs
+    #: again in the backward; only the norms, RoPE, attention's core and the activation are recomputed).
+    PIECES = (("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+              ("self_attn.q_norm", "self_attn.k_norm", "self_attn.o_proj"),
+              ("post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj"),
+              ("mlp.down_proj",))
+
     def construct(self, x, rope, bias, kv_cache=None):
         """Pre-norm residual block; ``kv_cache`` as in ``Attention.construct`` (the sampler's path)."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, bias, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.forward_kept(x, rope, bias, kv_cache)[0]
+
+    def forward_kept(self, x, rope, bias, kv_cache=None):
+        """The layer's output and the tensors between its ``PIECES``: the q/k/v projections, the attention
+        block's output, the MLP's gate and up projections."""
+        q, k, v = self.attention_inputs(x)
+        attn = self.self_attn.output(q, k, v, rope, bias, kv_cache)
+        h, gate, up = self.mlp_inputs(x, attn)
+        return h + self.mlp.down(gate, up), (q, k, v, attn, gate, up)
+
+    def attention_inputs(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """Piece 1: the q/k/v projections of the normed input."""
+        return self.self_attn.qkv(self.input_layernorm(x))
+
+    def mlp_inputs(self, x: Tensor, attn: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """Piece 3: the residual stream after attention and the MLP's gate and up projections of it, normed."""
+        h = x + attn
+        gate, up = self.mlp.gate_up(self.post_attention_layernorm(h))
+        return h, gate, up
 
 
 class _OtherStage(nn.Cell):
@@ -527,7 +569,7 @@ class CausalLM(nn.Cell):
         return ops.cos(emb), ops.sin(emb)
 
     def rope_tables(self, position_ids: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(cos_q, sin_q, cos_k, sin_k) for ``Attention.project``, made once per forward for all layers:
+        """(cos_q, sin_q, cos_k, sin_k) for ``Attention.position``, made once per forward for all layers:
         (B, T, heads, d) in the compute dtype, q's carrying the 1/sqrt(d) score scale. Materialised
         per head because MindSpore's CPU kernels multiply equal shapes far faster than broadcasts."""
         cos, sin = self.rope(position_ids)
@@ -600,20 +642,23 @@ class CausalLM(nn.Cell):
         return x
 
     @contextlib.contextmanager
-    def compiled_layers(self, static: bool = False, graph_kernel: bool = False):
+    def compiled_layers(self, static: bool = False, graph_kernel: bool = False, keep: bool = False):
         """Within this block (pynative only, never inside ``mindspore.jit``) the decoder layers run as
         two compiled graphs shared by all of them, recomputing each layer's forward in the backward
         (``models.layer_graphs``): faster than pynative layers and lighter than a compiled model; the
         vocabulary head's chunks run as compiled graphs too (``CompiledChunks``).
         ``static``: graphs compiled per input shape (a bounded number of them; ``LayerGraphs.static``)
         instead of one dynamic-shape pair; ``graph_kernel``: those static graphs compiled with MindSpore's
-        graph-kernel fusion (``LayerGraphs.graph_kernel``)."""
+        graph-kernel fusion (``LayerGraphs.graph_kernel``); ``keep``: forwards that record gradients keep their
+        linear layers' outputs and the backward recomputes only the rest (``LayerGraphs.keep``, ``recompute
+        selective``)."""
         if self._layer_graphs is None or self._layer_graphs_lora is not self.lora_spec:
             self._layer_graphs = LayerGraphs(self._layer_template())
             self._layer_graphs_lora = self.lora_spec
         self._use_layer_graphs = True
         self._layer_graphs.static = static
         self._layer_graphs.graph_kernel = graph_kernel
+        self._layer_graphs.keep = keep
         heads = self._chunked_heads()
         for cell in heads:
             cell.compiled_chunks = CompiledChunks
@@ -621,6 +666,8 @@ class CausalLM(nn.Cell):
             yield
         finally:
             self._use_layer_graphs = False
+            self._layer_graphs.keep = False
+            self._layer_graphs.release_kept()
             for cell in heads:
                 cell.compiled_chunks = None
 

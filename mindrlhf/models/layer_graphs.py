@@ -8,6 +8,13 @@ and backward (the forward recomputed, then its vector-Jacobian product) — and 
 loads its weights into the template before running either graph. Only each layer's input
 survives between the forward and the backward (activation checkpointing at layer granularity).
 
+With ``keep`` (``recompute selective``) a forward that records gradients runs a third graph that also returns
+the tensors between the layer's ``DecoderLayer.PIECES`` (its linear layers' outputs), and a fourth graph
+differentiates each piece from them on its own: the linear layers' forward products never run again, only
+the norms, RoPE, attention's core and the activation are recomputed (Megatron's selective recomputation;
+``ms.grad`` of a piece drops the products whose values its gradient does not use). The kept tensors wait
+in ``LayerGraphs`` between a layer's forward and its backward.
+
 Two kinds of graphs (``LayerGraphs.static``): *dynamic* graphs declare every input dimension dynamic, so
 one compile serves every sequence length; *static* graphs are compiled for one input shape each (the
 trainer's rows are padded to multiples of 32, so a run sees few shapes) and run MindSpore's static-shape
@@ -160,8 +167,8 @@ class LayerGraphs:
         self.trainable = tuple(bool(w.requires_grad) for w in self.weights)
         self.static = False
         self.max_static = max_static
-        self._graphs: Dict[bool, Tuple] = {}
-        self._static_graphs: Dict[Tuple, Tuple] = {}  # (packed, fused, input shapes) -> (forward, backward)
+        self._graphs: Dict[bool, Tuple[Dict, Dict]] = {}  # packed -> ({kind: dynamic graph}, {kind: function})
+        self._static_graphs: Dict[Tuple, Dict] = {}  # (packed, fused, input shapes) -> {kind: graph}
         self._static_names: List[str] = []
         self._bound_logged = False
         # MindSpore keeps compiled graphs (and their buffers) for the process's life: free the static ones
@@ -170,7 +177,16 @@ class LayerGraphs:
         # (exit 134) in a process that had imported torch first.
         weakref.finalize(self, _release_names, self._static_names).atexit = False
         self._layer_weights: Dict[int, Tuple] = {}
-        self._cells = {True: _GraphLayer(self, packed=True), False: _GraphLayer(self, packed=False)}
+        self._pieces = _piece_weights(template, self.weights, self.trainable)
+        by_piece = [id(w) for piece in self._pieces for w in piece]  # backward_kept's gradient order
+        self._piece_order = tuple(by_piece.index(id(w)) for w, t in zip(self.weights, self.trainable) if t)
+        #: Forward passes that record gradients keep the pieces' outputs for the backward (``recompute
+        #: selective``); set per use by ``CausalLM.compiled_layers``.
+        self.keep = False
+        self._kept: Dict[int, Tuple] = {}  # a kept forward's key -> its pieces' outputs, until its backward
+        self._next_key = 0
+        self._cells = {(packed, keep): (_KeptGraphLayer if keep else _GraphLayer)(self, packed=packed)
+                       for packed in (True, False) for keep in (True, False)}
 
     @property
     def static_shapes(self) -> int:
@@ -180,7 +196,20 @@ class LayerGraphs:
     def run(self, layer: nn.Cell, x: Tensor, rope: Tuple[Tensor, ...], bias) -> Tensor:
         """``layer(x, rope, bias)`` computed by the shared graphs (differentiable in pynative)."""
         packed = isinstance(bias, tuple)
-        return self._cells[packed](x, *rope, *(bias if packed else (bias,)), *self._weights_of(layer))
+        args = (*rope, *(bias if packed else (bias,)), *self._weights_of(layer))
+        if not (self.keep and _recording_gradients()):
+            return self._cells[(packed, False)](x, *args)
+        self._next_key += 1  # the key goes in as a tensor: the backward gets its inputs back, not these objects
+        return self._cells[(packed, True)](x, Tensor([self._next_key], ms.int32), *args)
+
+    def release_kept(self) -> None:
+        """Drop kept tensors whose backward never ran (a forward recorded under a gradient it did not reach)."""
+        self._kept.clear()
+
+    @property
+    def kept_count(self) -> int:
+        """How many layer forwards' kept tensors wait for their backward."""
+        return len(self._kept)
 
     def _weights_of(self, layer: nn.Cell) -> Tuple:
         key = id(layer)
@@ -200,10 +229,12 @@ class LayerGraphs:
         for t, w in zip(self.weights, weights):
             ops.assign(t, w)
 
-    def _functions(self, packed: bool, suffix: str):
-        """Fresh forward and backward functions of the template, named for MindSpore's compile cache."""
+    def _functions(self, packed: bool, suffix: str) -> Dict[str, Callable]:
+        """Fresh functions of the template (forward, backward; forward_kept, backward_kept), named for
+        MindSpore's compile cache."""
         layer = self.template
         weights = tuple(w for w, trainable in zip(self.weights, self.trainable) if trainable)
+        w1, w2, w3, w4 = self._pieces
 
         def forward(x, rope, bias):
             return layer(x, rope, bias)
@@ -214,48 +245,128 @@ class LayerGraphs:
         def backward(x, rope, bias, dout):
             return ms.grad(weighted_sum, 0, weights)(x, rope, bias, dout)
 
+        def forward_kept(x, rope, bias):
+            return layer.forward_kept(x, rope, bias)
+
+        # The pieces of ``backward_kept``: each the sum of a piece's outputs times their gradients, whose gradient is
+        # the piece's vector-Jacobian product. Module-level-like (every tensor an argument, no closure over the
+        # graph's tensors): closures failed to compile in the dynamic-shape graphs of packed rows.
+        def mlp_output(gate, up, dout):
+            return (layer.mlp.down(gate, up) * dout).sum()
+
+        def mlp_inputs(x, attn, dout, dgate, dup):
+            h, gate, up = layer.mlp_inputs(x, attn)
+            return (h * dout).sum() + (gate * dgate).sum() + (up * dup).sum()
+
+        def attention(q, k, v, rope, bias, dattn):
+            return (layer.self_attn.output(q, k, v, rope, bias) * dattn).sum()
+
+        def attention_inputs(x, dq, dk, dv):
+            q, k, v = layer.attention_inputs(x)
+            return (q * dq).sum() + (k * dk).sum() + (v * dv).sum()
+
+        def backward_kept(x, kept, rope, bias, dout):
+            q, k, v, attn, gate, up = kept  # last piece first
+            (dgate, dup), g4 = ms.grad(mlp_output, (0, 1), w4)(gate, up, dout)
+            (dx, dattn), g3 = ms.grad(mlp_inputs, (0, 1), w3)(x, attn, dout, dgate, dup)
+            (dq, dk, dv), g2 = ms.grad(attention, (0, 1, 2), w2)(q, k, v, rope, bias, dattn)
+            dx1, g1 = ms.grad(attention_inputs, 0, w1)(x, dq, dk, dv)
+            return dx + dx1, g1 + g2 + g3 + g4
+
+        functions = dict(forward=forward, backward=backward, forward_kept=forward_kept, backward_kept=backward_kept)
         # Each template's graphs are distinct by design; distinct names keep MindSpore from warning
         # that one function "has been compiled again" (it keys functions by name and source line), and
-        # let ``release_compiled`` free one static pair by its name.
-        for fn in (forward, backward):
-            fn.__name__ = f"{'packed' if packed else 'padded'}_layer_{fn.__name__}_{id(self):x}{suffix}"
-        return forward, backward
+        # let ``release_compiled`` free one static set by its name.
+        for kind, fn in functions.items():
+            fn.__name__ = f"{'packed' if packed else 'padded'}_layer_{kind}_{id(self):x}{suffix}"
+        return functions
 
-    def _compiled(self, packed: bool, x: Tensor, rope, bias):
-        """(forward, backward) graphs for packed or padded rows, compiled on first use: static for this
-        input shape when ``static`` and the bound allows, else the dynamic ones."""
+    def _graph(self, kind: str, x: Tensor, rope, bias, kept=None) -> Callable:
+        """The compiled ``kind`` graph (``_functions``) for packed or padded rows, compiled on first call: static
+        for this input shape when ``static`` and the bound allows, else the dynamic one."""
+        packed = isinstance(bias, tuple)
+        graphs = None
         if self.static:
             fused = bool(self.graph_kernel)
             key = (packed, fused, _shape_key(x, rope, bias))
-            if key in self._static_graphs:
-                return self._static_graphs[key]
-            if len(self._static_graphs) < self.max_static:
-                forward, backward = self._functions(packed, f"_{'gk' if fused else 's'}{len(self._static_graphs)}")
-                self._static_names.extend((forward.__name__, backward.__name__))
-                pair = (ms.jit(forward), ms.jit(backward))
-                self._static_graphs[key] = tuple(_FusedOnFirstCall(g) for g in pair) if fused else pair
+            graphs = self._static_graphs.get(key)
+            if graphs is None and len(self._static_graphs) < self.max_static:
+                functions = self._functions(packed, f"_{'gk' if fused else 's'}{len(self._static_graphs)}")
+                self._static_names.extend(fn.__name__ for fn in functions.values())
+                graphs = {k: (_FusedOnFirstCall(ms.jit(fn)) if fused else ms.jit(fn)) for k, fn in functions.items()}
+                self._static_graphs[key] = graphs
                 log.info("layer graphs: static graphs for input %s (%d of %d)", tuple(x.shape),
-                          len(self._static_graphs), self.max_static)
-                return self._static_graphs[key]
-            if not self._bound_logged:
+                         len(self._static_graphs), self.max_static)
+            if graphs is None and not self._bound_logged:
                 self._bound_logged = True
                 log.info("layer graphs: %d input shapes have static graphs (the bound); further shapes run the "
                          "dynamic-shape graphs", self.max_static)
-        if packed not in self._graphs:
-            forward, backward = self._functions(packed, "")
-            sig = dict(x=dynamic_signature(x), rope=dynamic_signature(rope), bias=dynamic_signature(bias))
-            self._graphs[packed] = (ms.enable_dynamic(**sig)(ms.jit(forward)),
-                                    ms.enable_dynamic(dout=dynamic_signature(x), **sig)(ms.jit(backward)))
-        return self._graphs[packed]
+        if graphs is None:
+            if packed not in self._graphs:
+                self._graphs[packed] = ({}, self._functions(packed, ""))
+            graphs, functions = self._graphs[packed]
+            if kind not in graphs:
+                sig = dict(x=dynamic_signature(x), rope=dynamic_signature(rope), bias=dynamic_signature(bias))
+                if kind.startswith("backward"):
+                    sig["dout"] = dynamic_signature(x)
+                if kept is not None:
+                    sig["kept"] = dynamic_signature(kept)
+                graphs[kind] = ms.enable_dynamic(**sig)(ms.jit(functions[kind]))
+        return graphs[kind]
 
     def forward(self, x: Tensor, rope, bias, weights) -> Tensor:
         self._load(weights)
-        return self._compiled(isinstance(bias, tuple), x, rope, bias)[0](x, *_inputs(rope, bias))
+        return self._graph("forward", x, rope, bias)(x, *_inputs(rope, bias))
 
     def backward(self, x: Tensor, rope, bias, weights, dout: Tensor):
         """(input gradient, gradients of the trainable weights) for upstream gradient ``dout``."""
         self._load(weights)
-        return self._compiled(isinstance(bias, tuple), x, rope, bias)[1](x, *_inputs(rope, bias), dout)
+        return self._graph("backward", x, rope, bias)(x, *_inputs(rope, bias), dout)
+
+    def forward_kept(self, x: Tensor, rope, bias, weights, key: int) -> Tensor:
+        """``forward``, keeping the pieces' outputs under ``key`` for ``backward_kept``."""
+        self._load(weights)
+        out, kept = self._graph("forward_kept", x, rope, bias)(x, *_inputs(rope, bias))
+        self._kept[key] = kept
+        return out
+
+    def backward_kept(self, x: Tensor, rope, bias, weights, key: int, dout: Tensor):
+        """``backward`` from the tensors ``forward_kept`` kept under ``key`` (released here)."""
+        kept = self._kept.pop(key, None)
+        if kept is None:
+            raise MindRLHFError("layer graphs: a layer's backward found no kept forward tensors (released before the "
+                                "backward ran); run the gradient pass inside one compiled_layers block")
+        self._load(weights)
+        dx, dweights = self._graph("backward_kept", x, rope, bias, kept)(x, ms.mutable(tuple(kept)),
+                                                                          *_inputs(rope, bias), dout)
+        # Wait for it: left to run ahead, pynative queued the layers' backward graphs behind each other and a SmolLM2
+        # gradient pass took 21-23 s instead of 15 (bench/README.md); what it waits on is not known.
+        dx.asnumpy()
+        return dx, tuple(dweights[i] for i in self._piece_order)
+
+
+def _recording_gradients() -> bool:
+    """Whether pynative is recording this forward for a gradient (MindSpore 2.10's executor; outside a custom-bprop
+    cell's ``construct``, where it reads False)."""
+    from mindspore.common.api import _pynative_executor
+
+    return bool(_pynative_executor.requires_grad())
+
+
+def _piece_weights(template: nn.Cell, weights: Sequence, trainable: Sequence[bool]) -> Tuple[Tuple, ...]:
+    """The template's trainable parameters by ``DecoderLayer.PIECES`` (name prefixes), each piece's in the
+    order of ``weights``; every trainable parameter in exactly one piece."""
+    names = {id(w): name for name, w in template.parameters_and_names()}
+    pieces = tuple([] for _ in template.PIECES)
+    for w, t in zip(weights, trainable):
+        if not t:
+            continue
+        owners = [i for i, prefixes in enumerate(template.PIECES) if names[id(w)].startswith(prefixes)]
+        if len(owners) != 1:
+            raise MindRLHFError(f"layer graphs: parameter {names[id(w)]} is in {len(owners)} of the layer's pieces "
+                                "(DecoderLayer.PIECES); name it in exactly one")
+        pieces[owners[0]].append(w)
+    return tuple(tuple(p) for p in pieces)
 
 
 def _release_names(names: List[str]) -> None:
@@ -312,3 +423,19 @@ class _GraphLayer(nn.Cell):
         if signature != self._zeros[0]:
             self._zeros = (signature, tuple(ops.zeros(shape, dtype) for shape, dtype in signature))
         return self._zeros[1]
+
+
+class _KeptGraphLayer(_GraphLayer):
+    """``_GraphLayer`` keeping the pieces' outputs (``LayerGraphs.keep``): inputs (x, key, then as
+    ``_GraphLayer``); ``key`` (an int32 tensor of one value) names the kept tensors for the backward."""
+
+    def construct(self, x, key, *args):
+        rope, bias, weights = self._split(args)
+        return self.graphs.forward_kept(x, rope, bias, weights, self.graphs._next_key)  # ``key``'s value
+
+    def bprop(self, x, key, *args):
+        inputs, dout = args[:-2], args[-1]
+        rope, bias, weights = self._split(inputs)
+        dx, dweights = self.graphs.backward_kept(x, rope, bias, weights, int(key.asnumpy()[0]), dout)
+        return ((dx, ops.zeros_like(key)) + self._constant_grads(inputs[:4 + self.num_bias])
+                + self._weight_grads(weights, dweights))

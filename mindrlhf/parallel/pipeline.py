@@ -123,7 +123,8 @@ class PipelineRunner:
 
     def __init__(self, model, groups: ParallelGroups, loss_fn: Optional[LossFn] = None, *, head: Optional[Head] = None,
                  jit: bool = False, p2p_backend: str = "auto", share_prompts: bool = False,
-                 layer_graphs: bool = False, static_layer_graphs: bool = False, graph_kernel: bool = False):
+                 layer_graphs: bool = False, static_layer_graphs: bool = False, graph_kernel: bool = False,
+                 keep_activations: bool = False):
         """``head``: default ``LogProbHead()`` (completion log-probs at temperature 1). ``jit``: compile
         each gradient piece whole, once for every shape of its inputs (``models.layer_graphs.jit_any_shape``):
         nothing recomputed, every activation kept (``recompute none``). ``share_prompts``: pack rows that
@@ -131,7 +132,8 @@ class PipelineRunner:
         model's shared compiled layer graphs (``CausalLM.compiled_layers``) in forward passes, and in
         gradient passes unless ``jit``; ``static_layer_graphs``: those graphs compiled per input shape (a
         bounded number; ``models.layer_graphs``), else for all shapes at once; ``graph_kernel``: the static
-        ones compiled with graph-kernel fusion (``LayerGraphs.graph_kernel``)."""
+        ones compiled with graph-kernel fusion (``LayerGraphs.graph_kernel``); ``keep_activations``: gradient
+        passes through the layer graphs keep each layer's linear outputs (``recompute selective``)."""
         self.model, self.groups = model, groups
         self.head = head if head is not None else LogProbHead()
         self.loss_fn = loss_fn
@@ -153,6 +155,7 @@ class PipelineRunner:
         self.static_layer_graphs = static_layer_graphs
         #: Graph-kernel fusion of the static layer graphs (no setting: measured, not wired; bench/README.md, #40).
         self.graph_kernel = graph_kernel
+        self.keep_activations = keep_activations
         self._fns: Dict[str, Callable] = {}
         self._builders = self._pieces()
         # Names of the whole-model graphs compiled for this runner: freed by ``release_graphs`` or when the runner
@@ -206,7 +209,8 @@ class PipelineRunner:
         """The layer graphs for a forward pass, and for a gradient pass unless it is one compiled graph (a
         whole-model graph traces the plain layers)."""
         if self._layer_graphs and not (grads and self._jit):
-            return self.model.compiled_layers(static=self.static_layer_graphs, graph_kernel=self.graph_kernel)
+            return self.model.compiled_layers(static=self.static_layer_graphs, graph_kernel=self.graph_kernel,
+                                              keep=grads and self.keep_activations)
         return contextlib.nullcontext()
 
     def _get(self, name: str) -> Callable:

@@ -1,9 +1,12 @@
 """Recompute or keep activations: the ``recompute`` setting every stage's update shares.
 
-Two ways to run the training backward (``parallel.PipelineRunner``):
+Three ways to run the training backward (``parallel.PipelineRunner``):
 
 - ``full``: the decoder layers run as the two shared layer graphs (``models.layer_graphs``); each layer's
   forward is recomputed in its backward, so only each layer's input is kept. Least memory.
+- ``selective``: the same layer graphs, but each layer's forward also keeps its linear layers' outputs
+  (``DecoderLayer.forward_kept``), so the backward recomputes only the norms, RoPE, attention's core and the
+  activation, never a projection (``kept_bytes`` per micro-batch).
 - ``none``: the whole forward + backward is one compiled graph (``layer_graphs.jit_any_shape``) that keeps
   every intermediate tensor: nothing is recomputed, at several times the memory (a compiled CPU graph holds
   all of its intermediates at once, not only those the backward needs).
@@ -14,7 +17,9 @@ layer graphs (CPU's default) it picks ``full`` whenever the decoder's forward ov
 ``STATIC_FULL_GFLOP``: there the static-shape kernels make the recomputing layer graphs about as fast as the
 whole-model graph (SFT on SmolLM2 faster, GRPO's update within 10%) at a third of its memory, so keeping every
 activation buys nothing. Below it (tiny models) a step is dispatch-bound, each new shape's compile costs more
-than the static kernels win back, and the memory rule decides as before.
+than the static kernels win back, and the memory rule decides as before. ``auto`` never picks ``selective``: it
+saves 2-13% of a step for 0.45-1.4 GiB more (a full fine-tune gains least, LoRA most: bench/README.md), a trade
+only the user can make.
 
 The estimate counts the tensors a compiled decoder layer forms per token and per attention score, forward
 and backward (see ``activation_bytes``); the head's share and one overall factor are fitted to two measured
@@ -116,6 +121,14 @@ def activation_bytes(config, extent: MicroBatchExtent, *, layers: int, tp: int =
     return int(CALIBRATION * (layers * per_layer + head))
 
 
+def kept_bytes(config, extent: MicroBatchExtent, *, layers: int, tp: int = 1, dtype_bytes: int = 4) -> int:
+    """Bytes ``recompute selective`` keeps for one micro-batch of ``extent`` on a rank owning ``layers`` decoder
+    layers of a ``tp``-way shard: per layer and token the outputs of ``DecoderLayer.forward_kept`` (q, k, v, the
+    attention block's output, the MLP's gate and up)."""
+    h, _, q, kv, inter = _shard_widths(config, tp)
+    return layers * extent.tokens * (q + 2 * kv + h + 2 * inter) * dtype_bytes
+
+
 def decoder_gflop(config, extent: MicroBatchExtent, *, layers: int, tp: int = 1) -> float:
     """GFLOP of the decoder layers' forward over ``extent`` on a rank owning ``layers`` layers of a ``tp``-way
     shard: the projections (2 per weight and position) and attention's two products (2 x 2 x head dims per
@@ -162,15 +175,18 @@ def memory_budget(device_target: str, workers: int, budget_gb: float = 0.0) -> T
 def resolve_recompute(setting: str, config, extent: MicroBatchExtent, *, layers: int, tp: int, dtype_bytes: int,
                       device_target: str, workers: int, budget_gb: float = 0.0, reserved: int = 0,
                       what: str = "policy", static_layers: bool = False) -> Tuple[str, int]:
-    """``(mode, bytes)``: ``full`` or ``none`` for ``setting`` and the activation bytes that plans to keep (0 with
-    ``full``). ``auto`` picks ``full`` when ``static_layers`` (static-shape layer graphs) and the decoder's work
-    reaches ``STATIC_FULL_GFLOP``; otherwise it decides by the estimate against the budget less ``reserved``
-    (what models trained earlier in this process plan to keep: a compiled graph holds its buffers for the
-    process's life). It logs the decision once with its figures. ``setting`` is one of
+    """``(mode, bytes)``: ``full``, ``selective`` or ``none`` for ``setting`` and the activation bytes that plans to
+    keep (0 with ``full``). ``auto`` picks ``full`` when ``static_layers`` (static-shape layer graphs) and the
+    decoder's work reaches ``STATIC_FULL_GFLOP``; otherwise it decides between ``none`` and ``full`` by the estimate
+    against the budget less ``reserved`` (what models trained earlier in this process plan to keep: a compiled graph
+    holds its buffers for the process's life). It logs the decision once with its figures. ``setting`` is one of
     ``configs.common.RECOMPUTE_MODES`` (the config checks it)."""
     if setting == "full":
         return "full", 0
-    need = activation_bytes(config, extent, layers=layers, tp=tp, dtype_bytes=dtype_bytes)
+    kw = dict(layers=layers, tp=tp, dtype_bytes=dtype_bytes)
+    if setting == "selective":
+        return "selective", kept_bytes(config, extent, **kw)
+    need = activation_bytes(config, extent, **kw)
     if setting == "none":
         return "none", need
     work = decoder_gflop(config, extent, layers=layers, tp=tp)

@@ -83,7 +83,8 @@ class Updater:
                  betas: Sequence[float], eps: float, max_grad_norm: float, jit: bool = True,
                  groups: Optional[ParallelGroups] = None, masters: Optional[Sequence[Parameter]] = None,
                  loss_scale_init: float = 65536.0, loss_scale_window: int = 1000, share_prompts: bool = False,
-                 layer_graphs: bool = False, static_layer_graphs: bool = False, head: Optional[Head] = None):
+                 layer_graphs: bool = False, static_layer_graphs: bool = False, head: Optional[Head] = None,
+                 keep_activations: bool = False):
         """``masters``: float32 master weights in the order of the model's trainable parameters (see
         ``AdamW``). ``loss_scale_init`` / ``loss_scale_window``: dynamic loss scaling, float16 only.
         ``share_prompts``: pack completions that share a prompt (``models.packing``). ``jit``: the gradient
@@ -91,16 +92,18 @@ class Updater:
         as shared compiled graphs (``models.layer_graphs``) in forward passes, and in the gradient pass
         without ``jit``; ``static_layer_graphs``: those graphs compiled per input shape (``PipelineRunner``).
         ``head``: what the objective is differentiated on (``models.heads``; default: completion
-        log-probs at temperature 1)."""
+        log-probs at temperature 1). ``keep_activations``: the layer graphs of the gradient pass keep each
+        layer's linear outputs (``recompute selective``)."""
         for name, how in objective.aux:
             if how not in REDUCTIONS:
                 raise ValueError(f"objective aux {name!r}: reduction {how!r} is not one of {REDUCTIONS}")
         self.model = model
         self.objective = objective
         #: ``none``: the gradient pass is one compiled whole-model graph keeping every activation (``jit``);
-        #: ``full``: layers recomputed in the backward (layer graphs) or pynative layers.
-        self.recompute = "none" if jit else "full"
-        #: Estimated activation bytes the whole-model graph keeps (set by ``build_updater``; 0 with ``full``).
+        #: ``selective``: the layer graphs keeping each layer's linear outputs; ``full``: layers recomputed in the
+        #: backward (layer graphs) or pynative layers.
+        self.recompute = "none" if jit else ("selective" if keep_activations and layer_graphs else "full")
+        #: Estimated bytes the whole-model graph keeps allocated (set by ``build_updater``; 0 unless ``none``).
         self.activation_bytes = 0
         self.max_grad_norm = max_grad_norm
         self.groups = groups or data_parallel_groups(comm.rank(), comm.world_size())
@@ -112,7 +115,7 @@ class Updater:
 
         self.runner = PipelineRunner(model, self.groups, scaled_loss, head=head, jit=jit,
                                      share_prompts=share_prompts, layer_graphs=layer_graphs,
-                                     static_layer_graphs=static_layer_graphs)
+                                     static_layer_graphs=static_layer_graphs, keep_activations=keep_activations)
         self.params = self.runner.params
         # Decay matrices only: biases and norm scales (1-D) are not weight-decayed.
         self.optimizer = AdamW(self.params, masters=masters, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -286,15 +289,17 @@ def build_updater(cfg, model: nn.Cell, objective: Objective, *, extent: MicroBat
     # Every worker must run the same graphs (the same collectives in the same order): if any worker's budget
     # is too small, all recompute.
     if p.recompute == "auto" and comm.world_size() > 1 and comm.all_sum(np.array([mode == "full"], np.float32))[0]:
-        if mode == "none":
+        if mode != "full":
             log.info("recompute auto -> full for the %s: another worker's budget is too small", what)
         mode, kept = "full", 0
     updater = Updater(model, objective, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
                       eps=o.adam_eps, max_grad_norm=o.max_grad_norm, jit=mode == "none", groups=groups,
                       masters=masters, loss_scale_init=o.loss_scale_init, loss_scale_window=o.loss_scale_window,
                       share_prompts=share_prompts, layer_graphs=p.layer_graphs,
-                      static_layer_graphs=static_layer_graphs(p), head=head)
-    updater.activation_bytes = kept
+                      static_layer_graphs=static_layer_graphs(p), head=head, keep_activations=mode == "selective")
+    # What stays allocated for the run: the whole-model graph's buffers (``none``); selective's kept tensors are
+    # freed by each backward, before another model trains.
+    updater.activation_bytes = kept if mode == "none" else 0
     return updater
 
 
