@@ -399,7 +399,12 @@ class _GraphLayer(nn.Cell):
         inputs, dout = args[:-2], args[-1]  # args[-2] is the forward's output
         rope, bias, weights = self._split(inputs)
         dx, dweights = self.graphs.backward(x, rope, bias, weights, dout)
-        return (dx,) + self._constant_grads(inputs[:4 + self.num_bias]) + self._weight_grads(weights, dweights)
+        return (dx,) + self._other_grads(inputs, weights, dweights)
+
+    def _other_grads(self, inputs, weights, dweights) -> Tuple:
+        """A gradient per input after the rows ``x`` (and a kept forward's key): zeros for the rope tables and masks,
+        then the weights' (``_weight_grads``)."""
+        return self._constant_grads(inputs[:4 + self.num_bias]) + self._weight_grads(weights, dweights)
 
     def _weight_grads(self, weights, dweights) -> Tuple:
         """A gradient per weight input: the graph's for the trainable ones, zeros for a frozen base's (nothing
@@ -437,5 +442,4 @@ class _KeptGraphLayer(_GraphLayer):
         inputs, dout = args[:-2], args[-1]
         rope, bias, weights = self._split(inputs)
         dx, dweights = self.graphs.backward_kept(x, rope, bias, weights, int(key.asnumpy()[0]), dout)
-        return ((dx, ops.zeros_like(key)) + self._constant_grads(inputs[:4 + self.num_bias])
-                + self._weight_grads(weights, dweights))
+        return (dx, ops.zeros_like(key)) + self._other_grads(inputs, weights, dweights)
