@@ -64,6 +64,8 @@ from typing import Sequence
 
 import numpy as np
 
+from mindrlhf.configs.common import RECOMPUTE_MODES
+
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 STAGE_NAMES = ("sft", "rm", "dpo", "grpo")
@@ -108,12 +110,13 @@ def linear_shapes(config):
     return (("q", h, q), ("k", h, kv), ("v", h, kv), ("o", q, h), ("gate", h, i), ("up", h, i), ("down", i, h))
 
 
-def micro_extent(mb, packed_group: int = 0):
+def micro_extent(mb, packed_group: int = 0, logits: bool = True):
     """(decoder positions, attention score pairs per head, logit rows) of one micro-batch as the update
     computes it; ``packed_group``: completions per prompt packed behind one prompt copy (``models.packing``),
-    with ``prompt_width`` columns of prompt."""
+    with ``prompt_width`` columns of prompt; ``logits``: whether the head forms vocabulary logits at the completion
+    positions (not the reward model's score head, whose rows have completions too)."""
     ids = mb["input_ids"]
-    logit_rows = int(mb["completion_ids"].size) if "completion_ids" in mb else 0
+    logit_rows = int(mb["completion_ids"].size) if "completion_ids" in mb and logits else 0
     if not packed_group:
         b, t = ids.shape
         return b * t, b * t * t, logit_rows
@@ -214,7 +217,10 @@ def build_stage(stage: str, steps: int, work_dir: str, cpu_matmul: str = "ms", f
     cfg, trainer = peer_trl.build_ours_stage(spec)
     rows = trainer.dataset.global_indices(0, 0)
     micro, scalars = trainer.prepare(trainer.dataset.batch(0, 0), rows)
-    return cfg, trainer, trainer.model, micro, scalars, 0
+    # A preference pair's two rows are packed behind one copy of their prompt (the reward model's and DPO's
+    # updaters share prompts): count the positions the packed rows compute, not the padded pair rows.
+    pairs = stage in ("rm", "dpo") and trainer.updater.runner.share_prompts
+    return cfg, trainer, trainer.model, micro, scalars, 2 if pairs else 0
 
 
 def run_stage(args) -> dict:
@@ -235,7 +241,7 @@ def run_stage(args) -> dict:
     # so their gradient norms must be equal.
     updater.set_lr(0.0 if len(kinds) > 1 else 1e-9)
     config, layers = model.config, len(model.layer_range)
-    extents = [micro_extent(mb, group) for mb in micro]
+    extents = [micro_extent(mb, group, logits=args.stage != "rm") for mb in micro]
     times, peaks, by_kind = [], [_numpy_peak()], {k: {"times": [], "grad_norm": []} for k in kinds}
     for i in range(args.steps):
         for kind in kinds if i % 2 == 0 else kinds[::-1]:  # alternate the order: neither kind always goes first
@@ -292,11 +298,13 @@ def header(route: str, repeats: int) -> float:
     return peak
 
 
-def report(results, route: str) -> None:
+def report(results, route: str, peak: float) -> None:
+    """The table of each stage's update; ``peak``: the header's numpy peak (measured before any stage ran: a child's
+    own peak, measured between its steps, can come out far lower beside MindSpore's runtime threads)."""
     print(f"\n## SmolLM2 update per stage (route {route}); GFLOP/s = 3 x forward FLOPs / step time, "
-          "fraction of the numpy peak measured next to the steps")
+          "fraction of the header's numpy peak and of the one measured next to the steps in the stage's child")
     cols = ("stage", "micro-batches x rows", "positions", "recompute", "step s", "train GFLOP", "+recompute GFLOP",
-            "GFLOP/s", "of peak", "matmul s (share)", "rest s", "load")
+            "GFLOP/s", "of peak (header / child)", "matmul s (share)", "rest s", "load")
     print("| " + " | ".join(cols) + " |")
     print("|" + " --- |" * len(cols))
     for r in results:
@@ -313,8 +321,8 @@ def report(results, route: str) -> None:
         share = r["matmul_s"] / r["step_s"]
         print(f"| {r['stage']} | {r['micro_batches']} x {r['rows'] // r['micro_batches']} | {positions} | "
               f"{r['recompute']} | {r['step_s']:.2f} | {train / 1e9:.1f} | {extra / 1e9:.1f} | {gfs:.0f} | "
-              f"{gfs / r['peak']:.0%} | {r['matmul_s']:.2f} ({share:.0%}) | {r['step_s'] - r['matmul_s']:.2f} | "
-              f"{r['load']} |", flush=True)
+              f"{gfs / peak:.0%} / {gfs / r['peak']:.0%} | {r['matmul_s']:.2f} ({share:.0%}) | "
+              f"{r['step_s'] - r['matmul_s']:.2f} | {r['load']} |", flush=True)
     print("\nforward GFLOP by part (linear / attention / head); the numpy peak in the child; every step's time; "
           "the route's matmul rates on the update's shapes, median (range), GFLOP/s:")
     for r in results:
@@ -343,7 +351,8 @@ def report(results, route: str) -> None:
                       f"{norms} | {r['static_shapes']} | {r['peak_rss_gib']:.2f} |")
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line of the parent and of each stage's child (``--stage``)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stages", default=",".join(STAGE_NAMES), help=f"comma-separated, of {', '.join(STAGE_NAMES)}")
     ap.add_argument("--steps", type=int, default=3, help="updates per stage (the first, compiling, is left out)")
@@ -359,10 +368,27 @@ def main(argv=None) -> int:
     ap.add_argument("--graph_kernel_flags", default=None,
                     help="graph_kernel_flags of the fused layer graphs (static+gk); default: "
                          "models.layer_graphs.GRAPH_KERNEL_FLAGS")
-    ap.add_argument("--recompute", choices=("auto", "full", "none"), default="",
+    ap.add_argument("--recompute", choices=RECOMPUTE_MODES, default=None,
                     help="the stages' recompute mode (default: the CLI's, auto)")
     ap.add_argument("--stage", help=argparse.SUPPRESS)
     ap.add_argument("--work_dir", help=argparse.SUPPRESS)
+    return ap
+
+
+def child_args(args: argparse.Namespace, stage: str, work_dir: str) -> list:
+    """The arguments of ``stage``'s child process: the parent's settings; the recompute mode only when one was
+    given (the child then builds the stage with the CLI's default, as a user's run does)."""
+    out = ["--stage", stage, "--work_dir", work_dir, "--steps", str(args.steps), "--cpu_matmul", args.cpu_matmul,
+           "--min_time", str(args.min_time), "--layer_graph_shapes", args.layer_graph_shapes]
+    if args.recompute:
+        out += ["--recompute", args.recompute]
+    if args.graph_kernel_flags is not None:
+        out.append(f"--graph_kernel_flags={args.graph_kernel_flags}")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if args.stage:  # a child: one stage, its result as the last line
         print(RESULT_TAG + json.dumps(run_stage(args)), flush=True)
@@ -371,15 +397,11 @@ def main(argv=None) -> int:
     bad = [s for s in stages if s not in STAGE_NAMES]
     if bad:
         ap.error(f"--stages: {bad} not among {STAGE_NAMES}")
-    header(args.cpu_matmul, args.repeats)
+    peak = header(args.cpu_matmul, args.repeats)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for stage in stages:
-            cmd = [sys.executable, __file__, "--stage", stage, "--work_dir", tmp, "--steps", str(args.steps),
-                   "--cpu_matmul", args.cpu_matmul, "--min_time", str(args.min_time),
-                   "--layer_graph_shapes", args.layer_graph_shapes, "--recompute", args.recompute]
-            if args.graph_kernel_flags is not None:
-                cmd.append(f"--graph_kernel_flags={args.graph_kernel_flags}")
+            cmd = [sys.executable, __file__, *child_args(args, stage, tmp)]
             proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
             line = next((x for x in proc.stdout.splitlines() if x.startswith(RESULT_TAG)), None)
             if proc.returncode or line is None:
@@ -389,7 +411,7 @@ def main(argv=None) -> int:
             else:
                 results.append(json.loads(line[len(RESULT_TAG):]))
             print(f"[{stage} done, load {_load()}]", flush=True)
-    report(results, args.cpu_matmul)
+    report(results, args.cpu_matmul, peak)
     print(f"load at the end: {_load()}")
     return 0 if all("error" not in r for r in results) else 1
 

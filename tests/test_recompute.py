@@ -5,11 +5,15 @@ test_layer_graphs.py (log-prob and statistics heads) and on a reward model's tra
 test_offline_stages.py."""
 from __future__ import annotations
 
+import importlib.util
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
+from mindrlhf.configs.common import RECOMPUTE_MODES
 from mindrlhf.trainer.memory import (
     CALIBRATION,
     HEAD_BYTES,
@@ -21,6 +25,8 @@ from mindrlhf.trainer.memory import (
     resolve_recompute,
     rollout_extent,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 # A small decoder config, numbers chosen so every term is visible.
 SMALL = SimpleNamespace(hidden_size=8, head_dim=4, num_attention_heads=2, num_key_value_heads=1,
@@ -242,3 +248,33 @@ def test_prompt_completion_extent_is_the_widest_micro_batch_the_rows_can_form():
     (mb,) = prompt_completion_micro_batches([prompts[i] for i in [*set(longest), *rest]],
                                             [completions[i] for i in [*set(longest), *rest]], 4, 0)
     assert mb["input_ids"].size == extent.tokens and mb["completion_ids"].size == extent.logit_rows
+
+
+def _train_flops():
+    spec = importlib.util.spec_from_file_location("train_flops", REPO / "bench" / "train_flops.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("mode", [None, *RECOMPUTE_MODES])
+def test_train_flops_children_accept_every_recompute_mode(mode):
+    """bench/train_flops.py passed ``--recompute ""`` to every stage's child when no mode was given, which the child's
+    parser refused (each stage failed with rc 2); and it did not offer ``selective``. Each child's arguments now parse
+    with the child's parser, with the mode given or the CLI's default."""
+    train_flops = _train_flops()
+    parent = train_flops.parser().parse_args([] if mode is None else ["--recompute", mode])
+    child = train_flops.parser().parse_args(train_flops.child_args(parent, "sft", "/tmp/x"))
+    assert (child.stage, child.recompute, child.steps) == ("sft", mode, parent.steps)
+
+
+def test_train_flops_counts_packed_pairs_and_no_logits_for_a_score_head():
+    """bench/train_flops.py counted the reward model's and DPO's pairs as padded rows (they are packed behind one
+    prompt copy since the RM's pairs are) and vocabulary logits for the reward model's score head. By hand: 4 rows
+    ``[prompt 7 | completion 4][:-1]`` (width 10), two rows per prompt."""
+    train_flops = _train_flops()
+    mb = {"input_ids": np.zeros((4, 10), np.int32), "completion_ids": np.zeros((4, 4), np.int32)}
+    assert train_flops.micro_extent(mb) == (40, 400, 16)  # padded: 4 x 10 positions, 10 x 10 pairs a row
+    # packed: 2 rows of 7 + 2 x 3 positions; the prompt sees itself (7 x 7), each completion the prompt and itself
+    assert train_flops.micro_extent(mb, 2) == (26, 2 * (49 + 2 * 3 * 10), 16)
+    assert train_flops.micro_extent(mb, 2, logits=False)[2] == 0
