@@ -270,7 +270,8 @@ def test_train_flops_children_accept_every_recompute_mode(mode):
 
 def test_train_flops_counts_packed_pairs_and_no_logits_for_a_score_head():
     """bench/train_flops.py counted the reward model's and DPO's pairs as padded rows (they are packed behind one
-    prompt copy since the RM's pairs are) and vocabulary logits for the reward model's score head. By hand: 4 rows
+    prompt copy; ``build_stage`` now gives their micro-batches a group of 2: 3,568 positions a step on the peer job
+    instead of 5,104) and vocabulary logits for the reward model's score head. The counts by hand: 4 rows
     ``[prompt 7 | completion 4][:-1]`` (width 10), two rows per prompt."""
     train_flops = _train_flops()
     mb = {"input_ids": np.zeros((4, 10), np.int32), "completion_ids": np.zeros((4, 4), np.int32)}
