@@ -27,6 +27,7 @@ from mindspore import Tensor, ops
 
 from mindrlhf.algorithms import ppo as ppo_math
 from mindrlhf.algorithms.losses import aggregate_loss, policy_loss
+from mindrlhf.checkpoint.run_dir import CRITIC_ADAPTER_DIR
 from mindrlhf.configs.ppo import PPOConfig, PPOModelConfig, parse_ppo_args
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.parallel import comm
@@ -41,8 +42,6 @@ from mindrlhf.utils.cli import run_cli
 
 log = logging.getLogger("mindrlhf")
 
-#: Where a LoRA run writes the critic's adapter (PEFT's folder, SEQ_CLS) at the end, beside the actor's ``adapter``.
-CRITIC_ADAPTER_DIR = "critic_adapter"
 
 #: Plots written beside metrics.jsonl with each checkpoint.
 PPO_CURVES = (("objective/scores", "reward.png", "PPO: mean score", "score"),

@@ -495,12 +495,13 @@ def test_ppo_lora_trains_the_adapters_of_actor_and_critic_on_frozen_bases(ppo_as
     the critic's adapter folders; step 1's checkpoint resumed gives step 2's adapters of both models exactly."""
     import mindspore as ms
 
+    from mindrlhf.checkpoint.run_dir import CRITIC_ADAPTER_DIR
     from mindrlhf.configs.ppo import parse_ppo_args
     from mindrlhf.models import load_model
     from mindrlhf.models.heads import LogProbHead
     from mindrlhf.models.lora import adapter_weights, lora_modules, merged_weights, read_adapter
     from mindrlhf.models.weights import get_weights
-    from mindrlhf.ppo import CRITIC_ADAPTER_DIR, build_trainer
+    from mindrlhf.ppo import build_trainer
     from mindrlhf.trainer.entry import setup_runtime
     from mindrlhf.trainer.rollout import PhaseTimer
     from mindrlhf.trainer.update import AdaptersOff, build_frozen_runner

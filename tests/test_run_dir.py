@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 
 import mindspore as ms
 import numpy as np
@@ -12,6 +14,13 @@ import pytest
 from mindrlhf.checkpoint.manager import CheckpointManager
 from mindrlhf.checkpoint.run_dir import check_run_dirs, clear_previous_run, read_run_id, write_run_id
 from mindrlhf.errors import MindRLHFError
+
+
+def decide(*args, **kwargs):
+    """``check_run_dirs``' decision, its folders' locks released at once (as the run's end releases them)."""
+    start = check_run_dirs(*args, **kwargs)
+    start.release()
+    return start
 
 
 def _save(ckpt_dir, run_id, *steps):
@@ -29,8 +38,8 @@ def test_a_fresh_start_where_a_run_is_needs_overwrite(tmp_path):
     out = tmp_path / "out"
     _save(out / "checkpoints", "A", 1, 2)
     with pytest.raises(MindRLHFError, match=r"already holds a run \(checkpoints of steps 1, 2 in "):
-        check_run_dirs(out, out / "checkpoints", resume="", overwrite=False)
-    start = check_run_dirs(out, out / "checkpoints", resume="", overwrite=True)
+        decide(out, out / "checkpoints", resume="", overwrite=False)
+    start = decide(out, out / "checkpoints", resume="", overwrite=True)
     assert start.checkpoint is None and CheckpointManager(str(out / "checkpoints")).list_steps() == [1, 2]
 
 
@@ -42,15 +51,15 @@ def test_resume_into_a_checkpoint_dir_holding_another_run_is_refused(tmp_path):
     (r_step,) = _save(other, "runR", 1)
     with pytest.raises(MindRLHFError, match=rf"--save_ckpt_dir {shared} holds another run's checkpoints \(run runA: "
                                             rf"steps 1, 2, 3\); resuming {r_step} \(run runR\) there would mix"):
-        check_run_dirs(tmp_path / "oB", shared, resume=str(r_step), overwrite=False)
+        decide(tmp_path / "oB", shared, resume=str(r_step), overwrite=False)
     # Naming a checkpoint of that directory is the user's explicit choice: allowed.
-    start = check_run_dirs(tmp_path / "oA", shared, resume=str(shared / "step_00000002"), overwrite=False)
+    start = decide(tmp_path / "oA", shared, resume=str(shared / "step_00000002"), overwrite=False)
     assert (start.checkpoint.name, start.run_id) == ("step_00000002", "runA")
     # "latest" in a directory of two runs is ambiguous.
     _save(shared, "runC", 7)
     with pytest.raises(MindRLHFError, match=r"--resume latest: .* holds checkpoints of 2 runs \(run runA: steps 1, 2, "
                                             r"3; run runC: steps 7\); pass the step folder"):
-        check_run_dirs(tmp_path / "oA", shared, resume="latest", overwrite=False)
+        decide(tmp_path / "oA", shared, resume="latest", overwrite=False)
 
 
 def test_resume_with_no_checkpoint_keeps_the_history(tmp_path):
@@ -59,9 +68,9 @@ def test_resume_with_no_checkpoint_keeps_the_history(tmp_path):
     _metrics(out, [1, 2, 3])
     with pytest.raises(MindRLHFError, match=rf"--resume: no checkpoint in {out / 'checkpoints'}, but "
                                             rf"{out / 'metrics.jsonl'} holds 3 steps of a run"):
-        check_run_dirs(out, out / "checkpoints", resume="latest", overwrite=False)
+        decide(out, out / "checkpoints", resume="latest", overwrite=False)
     # No history at all: a job script that always passes --resume starts fresh.
-    start = check_run_dirs(tmp_path / "new", tmp_path / "new" / "checkpoints", resume="latest", overwrite=False)
+    start = decide(tmp_path / "new", tmp_path / "new" / "checkpoints", resume="latest", overwrite=False)
     assert start.checkpoint is None
 
 
@@ -71,9 +80,9 @@ def test_resume_into_an_output_dir_of_another_run_is_refused(tmp_path):
     _metrics(out, [1, 2])
     write_run_id(out, "runY")
     with pytest.raises(MindRLHFError, match=r"holds the metrics of run runY, not of run runX"):
-        check_run_dirs(out, tmp_path / "ck", resume=str(step), overwrite=False)
+        decide(out, tmp_path / "ck", resume=str(step), overwrite=False)
     write_run_id(out, "runX")
-    assert check_run_dirs(out, tmp_path / "ck", resume=str(step), overwrite=False).run_id == "runX"
+    assert decide(out, tmp_path / "ck", resume=str(step), overwrite=False).run_id == "runX"
     assert read_run_id(out) == "runX"
 
 
@@ -81,10 +90,10 @@ def test_an_output_dir_that_cannot_be_written_fails_before_anything_loads(tmp_pa
     # Issue 24 item 9: --output_dir /proc/x used to fail with a traceback after the model loaded.
     with pytest.raises(MindRLHFError, match=r"--output_dir /proc/x cannot be written \(No such file or directory\); "
                                             r"choose a directory you can write to"):
-        check_run_dirs("/proc/x", "/proc/x/checkpoints", resume="", overwrite=False)
+        decide("/proc/x", "/proc/x/checkpoints", resume="", overwrite=False)
     (tmp_path / "afile").write_text("x")
     with pytest.raises(MindRLHFError, match="is a file, not a directory"):
-        check_run_dirs(tmp_path / "afile", tmp_path / "ck", resume="", overwrite=False)
+        decide(tmp_path / "afile", tmp_path / "ck", resume="", overwrite=False)
 
 
 def test_overwrite_removes_the_whole_previous_run_and_says_so(tmp_path, caplog):
@@ -115,7 +124,7 @@ def test_a_checkpoint_folder_without_a_manifest_is_unusable_not_another_run(tmp_
     _, step2 = _save(ck, "A", 1, 2)
     (step2 / "manifest.json").unlink()
     with caplog.at_level(logging.WARNING):
-        start = check_run_dirs(tmp_path / "out", ck, resume="latest", overwrite=False)
+        start = decide(tmp_path / "out", ck, resume="latest", overwrite=False)
     assert (start.checkpoint.name, start.run_id) == ("step_00000001", "A")
     assert any(f"checkpoint {step2} is unusable (no manifest.json" in r.getMessage() for r in caplog.records)
     # With two real runs beside it, the suggestion names an intact checkpoint, never the unusable folder.
@@ -123,7 +132,7 @@ def test_a_checkpoint_folder_without_a_manifest_is_unusable_not_another_run(tmp_
     (ck / "step_00000004").mkdir()
     with pytest.raises(MindRLHFError, match=rf"holds checkpoints of 2 runs \(run A: steps 1; run B: steps 3\); pass "
                                             rf"the step folder to resume, e.g. --resume {ck / 'step_00000003'}$"):
-        check_run_dirs(tmp_path / "out", ck, resume="latest", overwrite=False)
+        decide(tmp_path / "out", ck, resume="latest", overwrite=False)
 
 
 def test_resume_of_a_missing_step_names_one_that_exists(tmp_path):
@@ -133,10 +142,10 @@ def test_resume_of_a_missing_step_names_one_that_exists(tmp_path):
     with pytest.raises(MindRLHFError, match=rf"^--resume {ck / 'step_00000009'}: no such checkpoint folder \(the "
                                             rf"newest intact checkpoint in {ck} is {ck / 'step_00000002'}\); pass "
                                             rf"--resume latest or an existing step folder$"):
-        check_run_dirs(tmp_path / "out", ck, resume=str(ck / "step_00000009"), overwrite=False)
+        decide(tmp_path / "out", ck, resume=str(ck / "step_00000009"), overwrite=False)
     with pytest.raises(MindRLHFError, match=rf"no such checkpoint folder \({tmp_path / 'o2' / 'ck'} holds no intact "
                                             rf"checkpoint\)"):
-        check_run_dirs(tmp_path / "o2", tmp_path / "o2" / "ck", resume=str(tmp_path / "nope"), overwrite=False)
+        decide(tmp_path / "o2", tmp_path / "o2" / "ck", resume=str(tmp_path / "nope"), overwrite=False)
 
 
 def test_a_model_is_the_same_by_content_wherever_it_is(tmp_path):
@@ -184,3 +193,29 @@ def test_a_run_folder_given_as_a_model_is_its_newest_intact_checkpoint(tmp_path,
                                             rf"\(in {empty / 'checkpoints'}\); let the run save one, or pass a "
                                             r"model folder$"):
         model_of_run(empty)
+
+
+def test_a_folder_in_use_is_refused_and_free_again_after_release(tmp_path):
+    """The run lock: a second start on a folder whose lock is held is refused naming the holder; the check's
+    refusal releases what it took; ``release`` removes the lock file; a lock file left by a dead holder (no lock on
+    it) does not block."""
+    from mindrlhf.checkpoint.run_dir import LOCK_FILE
+
+    out = tmp_path / "out"
+    first = check_run_dirs(out, out / "checkpoints", resume="", overwrite=False)
+    holder = json.loads((out / LOCK_FILE).read_text())
+    assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
+    in_use = rf"^--output_dir {out} is in use by another run \(pid {os.getpid()} on host .* since .*\); "
+    with pytest.raises(MindRLHFError, match=in_use + r"wait for it to end, or choose another --output_dir$"):
+        check_run_dirs(out, out / "checkpoints", resume="", overwrite=False)
+    first.release()
+    assert not (out / LOCK_FILE).exists()
+    # A checkpoint directory outside output_dir is locked too, and named by its flag.
+    elsewhere = tmp_path / "ck"
+    held = check_run_dirs(tmp_path / "a", elsewhere, resume="", overwrite=False)
+    with pytest.raises(MindRLHFError, match=rf"^--save_ckpt_dir {elsewhere} is in use by another run"):
+        check_run_dirs(tmp_path / "b", elsewhere, resume="", overwrite=False)
+    assert not (tmp_path / "b").exists()  # the refused start removed the folder it made
+    held.release()
+    (out / LOCK_FILE).write_text(json.dumps({"pid": 999999999, "host": "gone"}) + "\n")  # its holder died
+    check_run_dirs(out, out / "checkpoints", resume="", overwrite=False).release()

@@ -18,16 +18,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Dict, List
 
 import pytest
+import yaml
 
 from grpo_runs import SUITE_RECOMPUTE, grpo_args
-from mindrlhf.checkpoint.run_dir import RUN_OUTPUTS, clear_previous_run
+from mindrlhf.checkpoint.run_dir import LOCK_FILE, RUN_OUTPUTS, clear_previous_run
 from mindrlhf.data.report import REASONS, SKIPPED_ROWS_FILE
 from mindrlhf.trainer.base import SKIPPED_ROWS_LOGGED
 
@@ -94,6 +99,32 @@ def child_run(stage: str, argv: List[str]) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=900)
 
 
+def child_start(stage: str, argv: List[str], log: Path) -> subprocess.Popen:
+    """``mindrlhf-<stage>`` started in a child process that runs on while the test goes on (stderr into ``log``)."""
+    from grpo_runs import launch_env
+
+    with open(log, "w") as err:
+        return subprocess.Popen([sys.executable, "-m", f"mindrlhf.{stage}", *map(str, argv)], cwd=REPO,
+                                env=launch_env(), stdout=subprocess.DEVNULL, stderr=err)
+
+
+def stopped_holding_the_lock(proc: subprocess.Popen, folder: Path, log: Path, timeout: float = 300) -> None:
+    """Wait until ``proc`` holds ``folder``'s run lock (its PID in the lock file), then stop it there (SIGSTOP), so
+    a second launch meets the folder in use however fast the first one would have finished."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if json.loads((folder / LOCK_FILE).read_text())["pid"] == proc.pid:
+                os.kill(proc.pid, signal.SIGSTOP)
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"{proc.args} did not lock {folder} in {timeout} s")
+
+
 def snapshot(folder: Path) -> Dict[str, str]:
     """relative path -> md5 of every file under ``folder``."""
     return {str(p.relative_to(folder)): hashlib.md5(p.read_bytes()).hexdigest()
@@ -120,6 +151,53 @@ def runs(assets, tmp_path_factory) -> Dict[str, Path]:
         (root / f"{stage}.log").write_text(proc.stderr)  # beside the run, not in it
         assert (out[stage] / "checkpoints" / "step_00000001" / "manifest.json").is_file()
     return out
+
+
+def _steps(out: Path) -> List[int]:
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_second_launch_into_a_folder_in_use_is_refused_before_it_writes(assets, tmp_path):
+    """Two launches into one output_dir mixed their runs: the second rewrote run.json and config.yaml and appended
+    its rows to the first run's metrics (steps 1, 2, 1, 3), and two concurrent --resume launches both trained steps
+    3 and 4. The first launch now holds the folder's lock; a second one, fresh or resumed, is one line naming the
+    holder and changes no file; a holder killed with SIGKILL leaves its lock file but not the lock."""
+    out = tmp_path / "sft"
+    argv = stage_argv("sft", assets, out, max_steps=2, seed=1)
+    first = child_start("sft", argv, tmp_path / "first.log")
+    stopped_holding_the_lock(first, out, tmp_path / "first.log")
+    holder = f"is in use by another run (pid {first.pid} on host {socket.gethostname()} since "
+    try:
+        before = snapshot(out)
+        second = child_run("sft", stage_argv("sft", assets, out, max_steps=2, seed=2, lr=5e-4))
+        assert second.returncode == 2, second.stderr[-3000:]
+        (line,) = [x for x in second.stderr.splitlines() if x.startswith("error: ")]
+        assert line.startswith(f"error: --output_dir {out} {holder}") and ": sft.py --model " in line, line
+        assert line.endswith("; wait for it to end, or choose another --output_dir"), line
+        assert snapshot(out) == before
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    assert first.wait(timeout=600) == 0, (tmp_path / "first.log").read_text()[-3000:]
+    assert _steps(out) == [1, 2] and yaml.safe_load((out / "config.yaml").read_text())["train"]["seed"] == 1
+    assert not (out / LOCK_FILE).exists()  # a run that ends removes it
+
+    # Two resumes of the finished run to step 4: the second is refused while the first runs.
+    resumed = stage_argv("sft", assets, out, max_steps=4, seed=1, resume="latest")
+    third = child_start("sft", resumed, tmp_path / "third.log")
+    stopped_holding_the_lock(third, out, tmp_path / "third.log")
+    before = snapshot(out)
+    fourth = child_run("sft", resumed)
+    assert fourth.returncode == 2 and f"error: --output_dir {out} is in use by another run (pid {third.pid} " in \
+        fourth.stderr, fourth.stderr[-3000:]
+    assert snapshot(out) == before
+    # The holder dies without a word (SIGKILL while stopped): its lock file stays, the lock went with it.
+    os.kill(third.pid, signal.SIGKILL)
+    third.wait(timeout=60)
+    assert json.loads((out / LOCK_FILE).read_text())["pid"] == third.pid
+    fifth = child_run("sft", resumed)
+    assert fifth.returncode == 0, fifth.stderr[-3000:]
+    assert _steps(out) == [1, 2, 3, 4] and not (out / LOCK_FILE).exists()
 
 
 @pytest.mark.slow
@@ -433,3 +511,17 @@ def test_every_skipped_prompt_row_is_named_too(stage, assets, tmp_path):
     listed = [json.loads(line) for line in (out / SKIPPED_ROWS_FILE).read_text().splitlines()]
     assert [(r["path"], r["line"], r["reason"]) for r in listed] == [(str(data), n, r) for n, r in zip((3, 4, 5), bad)]
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_overwrite_removes_the_previous_runs_adapter_folders(tmp_path):
+    """--overwrite_output_dir left the previous LoRA run's adapter/ and critic_adapter/ behind (RUN_OUTPUTS did not
+    name them), so `mindrlhf-eval --model o/adapter` evaluated the previous run after a full fine-tune replaced it."""
+    out = tmp_path / "out"
+    for folder in ("adapter", "critic_adapter"):
+        (out / folder).mkdir(parents=True)
+        (out / folder / "adapter_config.json").write_text("{}\n")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "notes.txt").write_text("the user's own file\n")
+    removed = clear_previous_run(out, out / "checkpoints")
+    assert {out / "adapter", out / "critic_adapter", out / "metrics.jsonl"} <= set(removed)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]

@@ -5,7 +5,9 @@ TensorBoard events, completion dumps, plots) and its checkpoint directory (``ste
 each naming its run id in its manifest). The rules every stage follows:
 
 - ``check_run_dirs`` runs first, on every worker, and writes nothing but the (empty) directories,
-  which ``RunStart.undo`` removes again when the start fails: output and checkpoint directories inside
+  which ``RunStart.undo`` removes again when the start fails, and the job's main process takes each directory's
+  ``RunLock`` before it reads what is there, so a second launch into a folder in use is refused before it writes
+  anything (the lock goes with its holder, also when it is killed): output and checkpoint directories inside
   an input model are refused; a fresh start where another run's history is is refused (unless
   ``overwrite``); a ``--resume`` is resolved to one checkpoint of one run of this stage, read with the
   same models (refused when it would mix two runs or two stages, when a model changed, or when it finds
@@ -16,10 +18,16 @@ each naming its run id in its manifest). The rules every stage follows:
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
+import os
 import shutil
+import socket
+import sys
 import tempfile
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,8 +46,82 @@ RUN_FILE = "run.json"  # {"run_id": ..., "stage": ...}: which run the output dir
 METRICS_FILE = "metrics.jsonl"
 # What a run writes into its output_dir (besides the checkpoints); --overwrite_output_dir removes these.
 # The default data's mindrecord (data/) and the compile cache are caches of inputs, not history: kept.
+#: The folders a LoRA run ends with in its output_dir: the policy's PEFT adapter, and PPO's critic's beside it.
+ADAPTER_DIR, CRITIC_ADAPTER_DIR = "adapter", "critic_adapter"
+ADAPTER_DIRS = (ADAPTER_DIR, CRITIC_ADAPTER_DIR)
 RUN_OUTPUTS = (METRICS_FILE, RUN_FILE, "config.yaml", "tensorboard", "completions_step_*.jsonl", "*.png",
-               "skipped_rows.jsonl")
+               "skipped_rows.jsonl", *ADAPTER_DIRS)
+#: The lock file of a run folder in use (``RunLock``); it exists only while its holder runs, or after it was killed.
+LOCK_FILE = ".mindrlhf.lock"
+
+
+class RunLock:
+    """An exclusive lock on one run folder: ``fcntl.flock`` on ``LOCK_FILE`` inside it, which the kernel releases
+    when the holder exits however it ends (a SIGKILLed holder leaves the file, never the lock). The holder writes its
+    PID, host and command line into the file, so a refused launch can name it; ``release`` removes the file.
+
+    ``flock`` is advisory and local to one machine's kernel (on NFS it may lock nothing across hosts): it keeps two
+    launches on one machine, or on a filesystem that forwards flock, out of each other's folder."""
+
+    def __init__(self, folder: PathLike, flag: str = "--output_dir"):
+        self.folder, self.flag = Path(folder), flag
+        self.path = self.folder / LOCK_FILE
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> None:
+        """Take the lock, or raise one line naming the process that holds it."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as err:
+                os.close(fd)
+                if err.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise MindRLHFError(f"{self.flag} {self.folder}: cannot lock {self.path} ({err.strerror}); "
+                                        f"choose a directory on a filesystem that supports file locks") from None
+                raise MindRLHFError(f"{self.flag} {self.folder} is in use by another run ({self.holder()}); wait "
+                                    f"for it to end, or choose another {self.flag}") from None
+            # The previous holder may have removed the file between our open and our lock: then we hold a lock on
+            # a file nobody else can find, and must lock the one at the path instead.
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started,
+                                 "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}).encode("utf-8") + b"\n")
+        self._fd = fd
+
+    def holder(self) -> str:
+        """``pid 123 on host h since 2026-12-02 10:00:00: mindrlhf-sft ...``, from the lock file ('' fields unknown)."""
+        try:
+            found = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return "its holder did not say who it is yet"
+        command = str(found.get("command", ""))
+        command = command if len(command) <= 120 else command[:117] + "..."
+        return f"pid {found.get('pid')} on host {found.get('host')} since {found.get('started')}: {command}"
+
+    def release(self) -> None:
+        """Remove the lock file and release the lock (removed first, so no launch can lock the file we leave)."""
+        if self._fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError:
+            pass  # a folder that became read-only: the lock still goes with the descriptor
+        os.close(self._fd)
+        self._fd = None
+
+
+def takes_run_locks() -> bool:
+    """Whether this process locks the run's folders: the job's first worker (msrun's ``RANK_ID`` 0, read before
+    the cluster is set up) or the only process. The other workers write nothing of the run's history."""
+    return os.environ.get("RANK_ID", "0") == "0"
 
 
 def read_run(output_dir: PathLike) -> Dict[str, str]:
@@ -123,16 +205,25 @@ def _ensure_writable(name: str, path: Path) -> List[Path]:
 class RunStart:
     """What ``check_run_dirs`` decided: a fresh start, or a resume from ``checkpoint`` (of ``run_id``).
     ``models``: on a resume, the identity of each input model (``checkpoint.manifest.model_identity``), found
-    equal to the checkpoint's; ``created``: the directories the check created."""
+    equal to the checkpoint's; ``created``: the directories the check created; ``locks``: the folders' ``RunLock``s
+    this process holds until ``release``."""
 
     checkpoint: Optional[Path] = None
     run_id: str = ""
     models: Optional[Dict[str, Dict[str, object]]] = None
     created: List[Path] = field(default_factory=list)
+    locks: List[RunLock] = field(default_factory=list)
+
+    def release(self) -> None:
+        """The run ended (or failed): release its folders' locks."""
+        for lock in reversed(self.locks):
+            lock.release()
+        self.locks = []
 
     def undo(self) -> None:
-        """A start that failed (a bad data file, a missing model) leaves no empty directory behind: remove the
-        directories the check created, innermost first, where they are still empty."""
+        """A start that failed (a bad data file, a missing model) leaves no empty directory behind: release the
+        locks, then remove the directories the check created, innermost first, where they are still empty."""
+        self.release()
         for path in reversed(self.created):
             try:
                 path.rmdir()
@@ -182,11 +273,24 @@ def check_run_dirs(output_dir: PathLike, ckpt_dir: PathLike, *, resume: str, ove
             raise MindRLHFError(f"{name} {path} is a file, not a directory; choose a directory path")
     models = dict(models or {})
     _check_not_inside_inputs(dirs, models)
-    start = _resolve_start(output_dir, ckpt_dir, resume, overwrite, stage, next(iter(models), "--model"))
-    if start.checkpoint is not None:
-        start.models = _same_models(start.checkpoint, models)
-    for name, path in dirs.items():
-        start.created += _ensure_writable(name, path)
+    created: List[Path] = []
+    locks: List[RunLock] = []
+    try:
+        for name, path in dirs.items():
+            created += _ensure_writable(name, path)
+        if takes_run_locks():
+            # The checkpoint directory is its own folder to lock only when it is not inside output_dir.
+            for name, path in dirs.items():
+                if name == "--output_dir" or not is_inside(path, output_dir):
+                    locks.append(RunLock(path, name))
+                    locks[-1].acquire()
+        start = _resolve_start(output_dir, ckpt_dir, resume, overwrite, stage, next(iter(models), "--model"))
+        if start.checkpoint is not None:
+            start.models = _same_models(start.checkpoint, models)
+    except BaseException:
+        RunStart(created=created, locks=locks).undo()
+        raise
+    start.created, start.locks = created, locks
     return start
 
 

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from mindrlhf.checkpoint.hf_io import config_with_dtype
 from mindrlhf.checkpoint.manager import CheckpointManager, load_parameters_into
+from mindrlhf.checkpoint.run_dir import ADAPTER_DIR
 from mindrlhf.data.report import (
     SKIPPED_ROWS_FILE,
     SKIPPED_ROWS_LOGGED,  # noqa: F401  (its old home: tests read it here)
@@ -44,8 +45,6 @@ from mindrlhf.utils import faults
 
 log = logging.getLogger(__name__)
 
-#: Where a LoRA run writes its adapters (PEFT's folder format) at the end of training, inside ``output_dir``.
-ADAPTER_DIR = "adapter"
 
 
 def log_data_report(cfg, report: ConversionReport, what: str) -> ConversionReport:

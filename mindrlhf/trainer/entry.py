@@ -299,6 +299,7 @@ def run_stage(spec: StageSpec, argv: Optional[Sequence[str]] = None) -> int:
     finally:
         if not started:
             start.undo()  # a failed start leaves no empty output or checkpoint directory behind
+        start.release()  # the run's folders are free for the next launch
     if comm.is_main() and history:
         log.info("%s", trainer.finished(history))
     return 0
