@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -45,7 +46,8 @@ MODEL_FLAG = {"sft": "--model", "rm": "--model", "dpo": "--model", "ppo": "--mod
 
 
 def _flags(args: Dict[str, object]) -> List[str]:
-    return [x for k, v in args.items() for x in (f"--{k}", str(v))]
+    return [x for k, v in args.items()
+            for x in (f"--{k}", *(map(str, v) if isinstance(v, (list, tuple)) else [str(v)]))]
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +153,82 @@ def runs(assets, tmp_path_factory) -> Dict[str, Path]:
         (root / f"{stage}.log").write_text(proc.stderr)  # beside the run, not in it
         assert (out[stage] / "checkpoints" / "step_00000001" / "manifest.json").is_file()
     return out
+
+
+@pytest.fixture(scope="module")
+def lora_runs(assets, tmp_path_factory) -> Dict[str, Path]:
+    """Each stage's one-step LoRA run (rank 4, alpha 8, every projection), with its checkpoint at step 1."""
+    root = tmp_path_factory.mktemp("lora_runs")
+    out = {}
+    for stage in STAGES:
+        out[stage] = root / stage
+        proc = child_run(stage, stage_argv(stage, assets, out[stage], lora_rank=4, lora_alpha=8))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert (out[stage] / "checkpoints" / "step_00000001" / "adapter_config.json").is_file()
+    return out
+
+
+#: A resume's LoRA change, and the part of the one-line refusal that names it.
+LORA_CHANGES = {
+    "targets": ({"lora_target_modules": ["q_proj", "v_proj"]}, "lora_target_modules down_proj gate_proj k_proj o_proj "
+                "q_proj up_proj v_proj (14 projections) -> q_proj v_proj (4 projections)"),
+    "alpha": ({"lora_alpha": 64}, "lora_alpha 8 -> 64"),
+    "rank": ({"lora_rank": 8}, "lora_rank 4 -> 8"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_lora_resume_keeps_its_settings_and_a_finished_one_writes_nothing(lora_runs, runs, assets, capsys, caplog,
+                                                                            stage):
+    """A LoRA --resume with other lora_target_modules rewrote the run's adapter with 8 tensors instead of 28 (later
+    checkpoints dropped the other factors), with another lora_alpha it rewrote adapter_config.json over factors
+    trained at the old alpha, and a resume that trained nothing still rewrote config.yaml and adapter/. Now each
+    change is one line naming the field, a LoRA <-> full mismatch names --lora_rank, and a resume of a finished run
+    (same settings) changes no file."""
+    import logging
+
+    out = lora_runs[stage]
+    before = snapshot(out)
+    step = out / "checkpoints" / "step_00000001"
+    lora = {"lora_rank": 4, "lora_alpha": 8}
+    for change, said in LORA_CHANGES.values():
+        capsys.readouterr()
+        assert run_stage(stage, stage_argv(stage, assets, out, resume="latest", **{**lora, **change})) == 2
+        assert refused(capsys) == (f"error: --resume {step}: the run's adapters were trained with other LoRA settings "
+                                   f"({said}); a resumed run keeps them: pass the run's values (its config.yaml), or "
+                                   f"start a new run in another --output_dir")
+        assert snapshot(out) == before
+    assert run_stage(stage, stage_argv(stage, assets, out, resume="latest")) == 2
+    assert refused(capsys) == (f"error: --resume {step}: the run trained LoRA adapters (rank 4, alpha 8), and this "
+                               f"launch is a full fine-tune; pass --lora_rank 4 --lora_alpha 8 to continue it, or "
+                               f"start a new run in another --output_dir")
+    full = runs[stage]
+    full_before = snapshot(full)
+    assert run_stage(stage, stage_argv(stage, assets, full, resume="latest", **lora)) == 2
+    assert refused(capsys) == (f"error: --resume {full / 'checkpoints' / 'step_00000001'}: the run is a full "
+                               f"fine-tune, and this launch trains LoRA adapters (lora_rank 4); drop --lora_rank and "
+                               f"--lora_init_from to continue it, or start a new run in another --output_dir")
+    assert snapshot(full) == full_before
+    with caplog.at_level(logging.WARNING):  # the same settings at the run's end: nothing to train, nothing written
+        assert run_stage(stage, stage_argv(stage, assets, out, resume="latest", seed=7, **lora)) == 0
+    assert any("already reached --max_steps 1; nothing to train" in r.getMessage() for r in caplog.records)
+    assert snapshot(out) == before
+
+
+@pytest.mark.slow
+def test_a_lora_resume_with_another_dropout_is_warned(lora_runs, assets, tmp_path, caplog):
+    """DPO resumed with lora_dropout 0 -> 0.3 said nothing; the factors are the same, the masks from here on not."""
+    import logging
+
+    out = tmp_path / "dpo"
+    shutil.copytree(lora_runs["dpo"], out)
+    with caplog.at_level(logging.WARNING):
+        assert run_stage("dpo", stage_argv("dpo", assets, out, resume="latest", max_steps=2, lora_rank=4,
+                                           lora_alpha=8, lora_dropout=0.3)) == 0
+    assert any(f"--resume {out / 'checkpoints' / 'step_00000001'}: lora_dropout 0 -> 0.3: the same adapters train on "
+               "with another dropout" in r.getMessage() for r in caplog.records)
+    assert _steps(out) == [1, 2]
 
 
 def _steps(out: Path) -> List[int]:
@@ -525,3 +603,120 @@ def test_overwrite_removes_the_previous_runs_adapter_folders(tmp_path):
     removed = clear_previous_run(out, out / "checkpoints")
     assert {out / "adapter", out / "critic_adapter", out / "metrics.jsonl"} <= set(removed)
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def _flip(path: Path) -> None:
+    """One bit of ``path`` flipped in its middle (same size)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+def test_a_damaged_adapter_or_another_base_is_never_used_in_silence(lora_runs, assets, tmp_path, capsys, caplog):
+    """A bit-flipped checkpoints/step_N/adapter_model.safetensors was evaluated, merged and trained from with rc 0
+    (the adapter reader never checked the manifest), and an adapter was applied to another base of the same shapes
+    although the checkpoint's state.json records its base's checksum. Now damage is one line for each; another base
+    is one line where the adapter's recorded base changed under it, and a warning where the user named the base."""
+    import logging
+
+    from mindrlhf.evaluation.gsm8k_eval import main as evaluate
+    from mindrlhf.tools.convert_weight import main as convert
+
+    step = tmp_path / "step_00000001"
+    shutil.copytree(lora_runs["sft"] / "checkpoints" / "step_00000001", step)
+    weights = step / "adapter_model.safetensors"
+    _flip(weights)
+    damaged = (f"error: {weights}: the checkpoint is damaged (adapter_model.safetensors checksum mismatch against "
+               f"{step / 'manifest.json'})")
+    capsys.readouterr()
+    assert evaluate(["--model", str(step), "--limit", "1"]) == 2
+    assert refused(capsys).startswith(damaged)
+    assert convert(["--reverse", "--input_path", str(assets["model"]), "--adapter", str(step), "--output_path",
+                    str(tmp_path / "merged"), "--no_progress"]) == 2
+    assert refused(capsys).startswith(damaged)
+    assert run_stage("sft", stage_argv("sft", assets, tmp_path / "again", lora_init_from=step)) == 2
+    assert refused(capsys).startswith(damaged)
+    assert not any((tmp_path / name).exists() for name in ("merged", "again"))
+
+    # Another base of the same shapes: a LoRA run on a copy of the model, whose weights then change.
+    base = _changed_copy(assets["model"], tmp_path / "base", change=False)
+    out = tmp_path / "on_copy"
+    proc = child_run("sft", stage_argv("sft", assets, out, model=base, lora_rank=4))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    step = out / "checkpoints" / "step_00000001"
+    _flip(base / "model.safetensors")
+    capsys.readouterr()
+    assert evaluate(["--model", str(step), "--limit", "1"]) == 2
+    line = refused(capsys)
+    sha, here, real = r"\(sha256 [0-9a-f]{12}\)", re.escape(str(base)), re.escape(str(base.resolve()))
+    assert re.fullmatch(rf"error: the adapters in {re.escape(str(step))} were trained on {real} {sha}, and {here} now "
+                        rf"holds another model \({real} {sha}\); restore the base they were trained on, or pass "
+                        rf"--base_model to apply them to another model", line), line
+    asked = "is another model ("
+    with caplog.at_level(logging.WARNING):
+        assert evaluate(["--model", str(step), "--base_model", str(base), "--limit", "1"]) == 0
+        assert convert(["--reverse", "--input_path", str(base), "--adapter", str(step), "--output_path",
+                        str(tmp_path / "merged"), "--no_progress"]) == 0
+        assert run_stage("sft", stage_argv("sft", assets, tmp_path / "again", model=base, lora_init_from=step)) == 0
+    warned = [r.getMessage() for r in caplog.records if f"the adapters in {step} were trained on " in r.getMessage()]
+    assert [w.split(asked)[0].rsplit(", and ", 1)[1] for w in warned] == [
+        f"--base_model {base} ", f"--input_path {base} ", f"--model {base} "], warned
+    assert all(w.endswith("; applying them to it as asked") for w in warned)
+
+
+#: The flags that make each stage evaluate its policy by generation at every step (four new tokens).
+EVAL_FLAGS = {"sft": {"eval_generation": "true", "eval_max_new_tokens": 4, "eval_limit": 2},
+              "dpo": {"eval_generation": "true", "eval_max_new_tokens": 4, "eval_limit": 2},
+              "grpo": {"eval_steps": 1, "eval_limit": 2}, "ppo": {"eval_steps": 1, "eval_limit": 2}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", EVAL_FLAGS)
+def test_a_bad_eval_input_fails_before_the_previous_run_is_replaced(runs, assets, tmp_path, capsys, stage):
+    """With --overwrite_output_dir true and a malformed --eval_file, the old run's checkpoints, config and metrics
+    were removed, step 1 trained, then the first evaluation failed; --eval_num_generations 100000 was accepted and
+    failed after step 1 allocating 61 GiB. Both are now one line before anything is removed or trained."""
+    bad = tmp_path / "bad.jsonl"
+    rows = [json.loads(line) for line in GSM8K.read_text().splitlines()[:1]]
+    bad.write_text(json.dumps({"question": rows[0]["question"], "answer": rows[0]["answer"]}) + "\n{not json\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"question": "How many?", "answer": "no final answer"}) + "\n")
+    out = runs[stage]
+    before = snapshot(out)
+    replace = {**EVAL_FLAGS[stage], "overwrite_output_dir": "true"}
+    capsys.readouterr()
+    assert run_stage(stage, stage_argv(stage, assets, out, eval_file=bad, **replace)) == 2
+    assert refused(capsys).startswith(f"error: {bad} line 2: malformed JSON (")
+    assert run_stage(stage, stage_argv(stage, assets, out, eval_file=empty, **replace)) == 2
+    assert refused(capsys) == (f"error: eval_file {empty}: no question to evaluate (1 rows without a '#### N' final "
+                               f"answer); give GSM8K-style question/answer rows, or '' for the packaged sample")
+    assert run_stage(stage, stage_argv(stage, assets, out, eval_num_generations=100000, **replace)) == 2
+    line = refused(capsys)
+    assert re.fullmatch(r"error: eval_num_generations = 100000: the evaluation samples 2 questions x 100000 "
+                        r"completions at once, whose KV cache alone needs at least [\d.]+ GiB, more than this "
+                        r"worker's [\d.]+ GiB \(.*\); use at most \d+", line), line
+    assert snapshot(out) == before
+
+
+@pytest.mark.slow
+def test_an_evaluation_that_fails_mid_run_keeps_the_step_it_follows(assets, tmp_path):
+    """The evaluation ran inside the step, before its checkpoint and row were written, so an evaluation that failed
+    (here: its file damaged after the start's check) lost the step. The step's row and checkpoint come first now."""
+    from mindrlhf.checkpoint.manager import CheckpointManager
+    from mindrlhf.errors import MindRLHFError
+    from mindrlhf.sft import SFT
+    from mindrlhf.trainer.entry import setup_runtime
+
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(line + "\n" for line in GSM8K.read_text().splitlines()[:2]))
+    out = tmp_path / "sft"
+    cfg = SFT.parse(stage_argv("sft", assets, out, max_steps=2, save_steps=2, eval_file=questions,
+                               **{**EVAL_FLAGS["sft"], "eval_steps": 1}))
+    trainer = SFT.build(cfg, setup_runtime(cfg))
+    trainer.check_inputs()
+    questions.write_text("{not json\n")  # damaged while the run trains
+    with pytest.raises(MindRLHFError, match=rf"^{questions} line 1: malformed JSON"):
+        trainer.train()
+    assert _steps(out) == [1]
+    assert CheckpointManager(str(out / "checkpoints")).latest_complete()[0] == 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
@@ -18,6 +19,8 @@ from mindrlhf.errors import MindRLHFError
 
 PathLike = Union[str, Path]
 MANIFEST = "manifest.json"
+STATE = "state.json"  # a checkpoint's counters and the identity of its input models (checkpoint.manager writes it)
+log = logging.getLogger(__name__)
 
 # Files already checked in this process, by (path, size, mtime): a model is opened more than once per load
 # (its config, then its weights), and a file that did not change need not be hashed twice.
@@ -144,3 +147,35 @@ def describe(identity: Mapping) -> str:
     if identity.get("path") == DEFAULT_MODEL:
         return "its default (no path)"
     return f"{identity['path']} (sha256 {str(identity.get('sha256', ''))[:12]})"
+
+
+def trained_base(adapter_dir: PathLike) -> Optional[Dict[str, object]]:
+    """The identity of the base model a LoRA checkpoint's adapters were trained on (its ``state.json``'s first input
+    model, the trained one), or None: a PEFT folder that is no training checkpoint, or a base recorded without a
+    checksum (the packaged default)."""
+    try:
+        models = json.loads((Path(adapter_dir) / STATE).read_text(encoding="utf-8")).get("models")
+    except (OSError, ValueError, AttributeError):
+        return None
+    base = next(iter(models.values()), None) if isinstance(models, dict) and models else None
+    return base if isinstance(base, dict) and base.get("sha256") else None
+
+
+def check_adapter_base(adapter_dir: PathLike, base: str, files: List[Path], *, flag: str, explicit: bool) -> None:
+    """Adapters go on the base they were trained on: when ``adapter_dir`` (a LoRA training checkpoint) recorded its
+    base and ``base`` (read from ``files``) is another model, raise one line, or only warn when the user named that
+    base with ``flag`` (``explicit``: the same weights in another dtype or format are other files, and may be meant);
+    the line for a recorded base that changed names ``flag`` as the way to insist."""
+    recorded = trained_base(adapter_dir)
+    if recorded is None:
+        return
+    same, found = same_model(recorded, base, files)
+    if same:
+        return
+    trained = f"the adapters in {adapter_dir} were trained on {describe(recorded)}"
+    if explicit:
+        log.warning("%s, and %s %s is another model (%s); applying them to it as asked", trained, flag, base,
+                    describe(found))
+        return
+    raise MindRLHFError(f"{trained}, and {base} now holds another model ({describe(found)}); restore the base they "
+                        f"were trained on, or pass {flag} to apply them to another model")

@@ -233,6 +233,11 @@ def _load(model, tokenizer, batch_rows: int, progress: bool, dtype: str, jit: bo
         raise MindRLHFError(f"evaluate: model must be a path, a CausalLM or a Sampler, got {type(model).__name__}")
     path = resolve_model_path(model, progress=progress)
     base, adapter = adapter_base(path, base_model)
+    if adapter is not None:  # a LoRA checkpoint's adapters go on the base they were trained on
+        from mindrlhf.checkpoint.hf_io import model_files
+        from mindrlhf.checkpoint.manifest import check_adapter_base
+
+        check_adapter_base(adapter, str(base), model_files(base), flag="--base_model", explicit=base_model is not None)
     require_causal_lm(checkpoint_config(base), base, "--model", answers, fix)  # before any weights are read
     if tokenizer is None:
         tokenizer = resolve_tokenizer(base, *tokenizer_args)

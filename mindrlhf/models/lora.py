@@ -106,6 +106,11 @@ def lora_modules(model: nn.Cell) -> List[Tuple[str, nn.Cell]]:
     return [(name, cell) for name, cell in _adaptable(model) if cell.lora_A is not None]
 
 
+def adapted_by(model: nn.Cell, spec: LoRASpec) -> List[str]:
+    """The module names of ``model``'s projections that ``spec``'s targets adapt (whatever the model carries now)."""
+    return [name for name, _ in _adaptable(model) if spec.matches(name)]
+
+
 def _module_of(name: str) -> str:
     return name.rsplit(".", 1)[0]
 
@@ -582,11 +587,13 @@ def adapter_files(model: nn.Cell, base_model_name_or_path: Optional[str] = None,
 def read_adapter(adapter_dir: Union[str, Path]) -> Tuple[LoRASpec, Dict[str, np.ndarray]]:
     """A PEFT adapter directory's spec and its tensors (float32, the model's names: the PEFT prefix removed)."""
     from mindrlhf.checkpoint.hf_io import iter_safetensors, read_json
+    from mindrlhf.checkpoint.manifest import verify_files
 
     path = Path(adapter_dir)
     if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_WEIGHTS).is_file():
         raise MindRLHFError(f"{path}: not a PEFT adapter directory (needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}); "
                             "save it with peft's save_pretrained or mindrlhf.models.lora.save_adapter")
+    verify_files([path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS])  # a training checkpoint's: against its manifest
     spec = spec_from_peft(read_json(path / ADAPTER_CONFIG), str(path / ADAPTER_CONFIG))
     tensors = {}
     for name, array in iter_safetensors(path / ADAPTER_WEIGHTS):

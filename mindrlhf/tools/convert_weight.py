@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mindrlhf.checkpoint import hf_io
+from mindrlhf.checkpoint.manifest import check_adapter_base
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.models.family import LM_HEAD, SCORE, cli_names, family_of_cli_name, get_family
 from mindrlhf.tokenizer import TOKENIZER_FILES
@@ -250,6 +251,8 @@ def ms_to_hf(args: argparse.Namespace) -> int:
         from mindrlhf.models import lora  # imports MindSpore: only when merging
 
         spec, adapter = lora.read_adapter(adapter_dir)
+        # --input_path names the base explicitly: another base than the adapters' recorded one is warned about.
+        check_adapter_base(adapter_dir, str(ckpt), hf_io.model_files(ckpt), flag="--input_path", explicit=True)
         if SCORE in adapter and SCORE not in source.specs:  # a reward model's / critic's adapter on its causal LM
             config = _classifier_config(config, adapter[SCORE].shape[0], ckpt, label)
             skip.add(LM_HEAD)  # a *ForSequenceClassification model has the score head instead

@@ -310,6 +310,7 @@ class Trainer:
         if done > limit:
             raise MindRLHFError(f"--resume {path}: the checkpoint is at step {done}, past --max_steps {limit}; "
                                 f"raise --max_steps to train on, or resume an earlier checkpoint")
+        self.check_lora_resume(path)
         self.warn_config_changes(path)
         self.warn_recompute_change(path, state.get("recompute") or {})
         self.run_id = self.ckpt.run_id = str(state.get("run_id") or self.run_id)
@@ -329,6 +330,45 @@ class Trainer:
         if self.step == limit:
             log.warning("--resume %s: the run already reached --max_steps %d; nothing to train (raise --max_steps "
                         "to train on)", path, limit)
+
+    def check_lora_resume(self, path: Path) -> None:
+        """A resume trains what the checkpoint trained: a full fine-tune's weights, or LoRA adapters of the same
+        rank, alpha, rsLoRA and targets (other values would load factors trained under another scaling, or drop
+        some: refused, naming the field); a changed ``lora_dropout`` keeps the factors and is warned about. PPO's
+        critic takes the actor's settings, so the actor's adapter_config.json in the checkpoint speaks for both."""
+        from mindrlhf.checkpoint.hf_io import read_json
+        from mindrlhf.models.lora import ADAPTER_CONFIG, adapted_by, lora_modules, spec_from_peft
+
+        saved_file, now = path / ADAPTER_CONFIG, getattr(self.model, "lora_spec", None)
+        fresh = "or start a new run in another --output_dir"
+        if not saved_file.is_file():
+            if now is not None:
+                raise MindRLHFError(f"--resume {path}: the run is a full fine-tune, and this launch trains LoRA "
+                                    f"adapters (lora_rank {now.r}); drop --lora_rank and --lora_init_from to "
+                                    f"continue it, {fresh}")
+            return
+        saved = spec_from_peft(read_json(saved_file), str(saved_file))
+        if now is None:
+            raise MindRLHFError(f"--resume {path}: the run trained LoRA adapters (rank {saved.r}, alpha "
+                                f"{saved.alpha:g}), and this launch is a full fine-tune; pass --lora_rank {saved.r} "
+                                f"--lora_alpha {saved.alpha:g} to continue it, {fresh}")
+        changed = [f"{name} {was} -> {is_}" for name, was, is_ in (
+            ("lora_rank", saved.r, now.r), ("lora_alpha", f"{saved.alpha:g}", f"{now.alpha:g}"),
+            ("use_rslora", saved.use_rslora, now.use_rslora)) if was != is_]
+        trained, adapted = adapted_by(self.model, saved), [name for name, _ in lora_modules(self.model)]
+        if trained != adapted:
+            def short(names: List[str]) -> str:
+                kinds = sorted({n.rsplit(".", 1)[-1] for n in names})
+                return " ".join(kinds) + f" ({len(names)} projections)"
+            changed.append(f"lora_target_modules {short(trained)} -> {short(adapted)}")
+        if changed:
+            raise MindRLHFError(f"--resume {path}: the run's adapters were trained with other LoRA settings "
+                                f"({'; '.join(changed)}); a resumed run keeps them: pass the run's values (its "
+                                f"config.yaml), {fresh}")
+        if saved.dropout != now.dropout:
+            log.warning("--resume %s: lora_dropout %g -> %g: the same adapters train on with another dropout, so the "
+                        "resumed steps are not what the original run would have computed", path, saved.dropout,
+                        now.dropout)
 
     def warn_config_changes(self, path: Path) -> None:
         """Name every field that changes the math and differs from the checkpoint's config."""
@@ -385,10 +425,20 @@ class Trainer:
         return f"{line}; {self.next_command.format(checkpoint=found[1])}" if found else line
 
     # -- the loop ---------------------------------------------------------------------------------
+    def check_inputs(self) -> None:
+        """Read and check what the run reads only later (an evaluation's questions), so that a bad input fails
+        before a previous run is replaced or a step is trained (``entry.run_stage`` calls it after building)."""
+
+    def evaluate_step(self) -> Dict[str, float]:
+        """The evaluations due after the step just trained, as metrics of its row (none by default)."""
+        return {}
+
     def train(self) -> List[Dict[str, float]]:
         """Run from ``self.step`` (0, or where ``resume`` left it) until ``total_steps``; checkpoints every
         ``save_steps`` and at the end."""
         t = self.cfg.train
+        if self.step >= self.total_steps:  # a resume of a finished run: nothing to train, so nothing is written
+            return []
         if self.data_reports and comm.is_main():
             # Written here, not as the rows are read: run_stage replaces a previous run (--overwrite_output_dir,
             # which removes its skipped_rows.jsonl with its other outputs) only after the trainer is built, and a
@@ -404,6 +454,13 @@ class Trainer:
                 faults.enter_step(self.step + 1)
                 metrics = self.train_one_step()
                 metrics.setdefault("step_time", time.perf_counter() - t0)
+                try:
+                    metrics.update(self.evaluate_step())
+                except MindRLHFError:
+                    # An evaluation that fails (its data, its memory) must not lose the step it follows.
+                    logger.log(self.step, metrics)
+                    self.save_checkpoint()
+                    raise
                 history.append(metrics)
                 if self.step % t.logging_steps == 0 or self.step == self.total_steps:
                     logger.log(self.step, metrics)

@@ -201,14 +201,17 @@ class GenerationWorker:
     """A generator rank of a disaggregated job: it holds the sampler (its weights only: no optimizer, no
     reference, no rewards) and its replica's share of the prompts, and loops: sample the step's prompts with the
     step's seeds (``rollout.sample_batches``, as a colocated rank would), send them, wait for the new weights.
-    ``run_stage`` drives it like a trainer: ``resume`` is a no-op (the trainers broadcast where the run starts)
-    and ``train`` returns no metrics (rank 0, a trainer, logs them)."""
+    ``run_stage`` drives it like a trainer: ``check_inputs`` and ``resume`` are no-ops (the trainers broadcast where
+    the run starts) and ``train`` returns no metrics (rank 0, a trainer, logs them)."""
 
     def __init__(self, cfg, *, sampler: Sampler, dataset, layout: RunLayout, config, num_generations: int,
                  rollouts_per_step: int, stop_ids: List[int]):
         self.cfg, self.sampler, self.dataset, self.layout, self.config = cfg, sampler, dataset, layout, config
         self.num_generations, self.rollouts_per_step, self.stop_ids = num_generations, rollouts_per_step, stop_ids
         self.link = RolloutLink.of_job(cfg, layout, dataset.batch_size, rollouts_per_step, num_generations)
+
+    def check_inputs(self) -> None:
+        """Nothing to check: the trainers read the run's evaluation inputs."""
 
     def resume(self, path) -> None:
         """Nothing to load: the trainers resume and broadcast the step, data position and weights."""

@@ -162,7 +162,7 @@ def load_policy(path: str, config, layout: RunLayout, dtype: str, *, load: bool 
     if lora is not None and lora.lora:
         model = load_shard(path, layout.train, layout.rank, dtype=dtype, **kw) if load else \
             CausalLM(config, dtype, shard)
-        attach_lora(model, lora, seed)
+        attach_lora(model, lora, seed, base=path if load else None)
         return model, None
     if not load:
         return CausalLM(config, dtype, shard), None
@@ -192,9 +192,10 @@ def lora_spec(model_cfg, seed: int = 0):
 SEQ_CLS_MODULES = ("classifier", "score")
 
 
-def attach_lora(model, model_cfg, seed: int = 0) -> None:
+def attach_lora(model, model_cfg, seed: int = 0, base: Optional[str] = None) -> None:
     """Freeze ``model`` and give it the adapters the model group asks for: ``lora_init_from``'s (a PEFT adapter
-    folder, whose adapter_config.json sets rank, alpha and targets) or new ones with PEFT's init."""
+    folder, whose adapter_config.json sets rank, alpha and targets) or new ones with PEFT's init. ``base``: the
+    path ``model`` was loaded from (a LoRA checkpoint's adapters trained on another base are warned about)."""
     from dataclasses import replace
 
     from mindrlhf.models.lora import apply_lora, lora_modules, read_adapter, set_adapter_weights
@@ -203,6 +204,11 @@ def attach_lora(model, model_cfg, seed: int = 0) -> None:
     tensors = None
     if m.lora_init_from:
         spec, tensors = read_adapter(m.lora_init_from)
+        if base is not None:  # the user chose the adapter and the base: another base than its own is warned about
+            from mindrlhf.checkpoint.hf_io import model_files
+            from mindrlhf.checkpoint.manifest import check_adapter_base
+
+            check_adapter_base(m.lora_init_from, base, model_files(base), flag="--model", explicit=True)
         spec = replace(spec, seed=seed)  # the factors are the folder's; the run's seed draws the dropout masks
         if m.lora_rank and m.lora_rank != spec.r:
             raise MindRLHFError(f"lora_rank = {m.lora_rank} but lora_init_from {m.lora_init_from} holds rank-{spec.r} "
@@ -279,11 +285,14 @@ def run_stage(spec: StageSpec, argv: Optional[Sequence[str]] = None) -> int:
         spec.precheck(cfg)
         layout = setup_runtime(cfg)
         trainer = spec.build(cfg, layout)
+        trainer.check_inputs()
         if start.checkpoint is not None:
             trainer.resume(start.checkpoint)
         started = True
-        # Everything is validated and loaded: only now may the previous run go and this one's files begin.
-        if comm.is_main():
+        # Everything is validated and loaded: only now may the previous run go and this one's files begin. A resume
+        # of a run that already reached max_steps trains nothing and writes nothing (its config stays the one that
+        # trained).
+        if comm.is_main() and trainer.step < trainer.total_steps:
             # What each input model was, for the checkpoints (a resume with another model is refused).
             trainer.input_models = start.models or identify_models(models)
             if t.overwrite_output_dir and start.checkpoint is None:

@@ -139,6 +139,13 @@ def decoder_gflop(config, extent: MicroBatchExtent, *, layers: int, tp: int = 1)
     return layers * per_layer / 1e9
 
 
+def decode_bytes(config, rows: int, positions: int, dtype_bytes: int) -> int:
+    """A lower bound on what sampling ``rows`` sequences of ``positions`` tokens at once holds: their KV cache (every
+    layer's keys and values in the compute dtype) and one step's float32 logits."""
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype_bytes
+    return rows * (positions * kv + config.vocab_size * 4)
+
+
 def _mem_available() -> Optional[int]:
     """MemAvailable of /proc/meminfo in bytes (Linux), else None."""
     try:

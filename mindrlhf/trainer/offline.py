@@ -118,6 +118,12 @@ class OfflineTrainer(Trainer):
                **self.stage_metrics(res, rows), "num_tokens": float(self.num_tokens),
                "epoch": self.step / len(self.dataset)}
         out.update(self.update_metrics())
+        return out
+
+    def evaluate_step(self) -> Dict[str, float]:
+        """Every ``eval_steps`` steps and after the last: the validation rows' loss and, with ``eval_generation``,
+        the policy's generations."""
+        out: Dict[str, float] = {}
         every = self.cfg.data.eval_steps
         if (every and self.step % every == 0) or self.step == self.total_steps:
             if self.has_validation:

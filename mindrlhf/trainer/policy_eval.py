@@ -15,9 +15,13 @@ from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
+from mindrlhf.errors import MindRLHFError
 from mindrlhf.generation import Sampler
 from mindrlhf.parallel import comm
 from mindrlhf.rewards import RewardManager
+
+#: How many questions ``evaluate`` hands the sampler at once (its ``batch_size``), each with eval_num_generations rows.
+EVAL_BATCH = 16
 
 #: ``evaluate``'s summary keys logged as ``eval/*`` metrics.
 EVAL_METRICS = {"eval/accuracy": "accuracy", "eval/format_rate": "format_rate",
@@ -45,6 +49,37 @@ class PolicyEvaluation:
         and the prompt style's format reward)."""
         return None
 
+    @property
+    def evaluates_policy(self) -> bool:
+        """Whether this run evaluates its policy by generation (the stage's switch)."""
+        return False
+
+    def check_inputs(self) -> None:
+        """Before anything of the run is written: the evaluation's questions are read and checked (a bad eval_file
+        fails now, not after the first steps) and its sampling batch must fit in memory."""
+        super().check_inputs()
+        if not self.evaluates_policy:
+            return
+        from mindrlhf.evaluation.gsm8k_eval import DEFAULT_DATA, load_questions
+        from mindrlhf.trainer.memory import decode_bytes, memory_budget
+
+        t = self.cfg.train
+        data = t.eval_file or DEFAULT_DATA
+        questions, skipped = load_questions(data, limit=t.eval_limit)
+        if not questions:
+            raise MindRLHFError(f"eval_file {data}: no question to evaluate ({skipped} rows without a '#### N' final "
+                                f"answer); give GSM8K-style question/answer rows, or '' for the packaged sample")
+        k, batch = t.eval_num_generations, min(EVAL_BATCH, len(questions))
+        length = int(self.eval_generation_settings()["max_new_tokens"])
+        dtype_bytes = 4 if self.cfg.model.dtype == "float32" else 2
+        need = decode_bytes(self.model.config, batch * k, length, dtype_bytes)
+        budget, where = memory_budget(self.cfg.parallel.device_target, 1)
+        if need > budget:
+            most = max(1, k * budget // need)
+            raise MindRLHFError(f"eval_num_generations = {k}: the evaluation samples {batch} questions x {k} "
+                                f"completions at once, whose KV cache alone needs at least {need / 2 ** 30:.1f} GiB, "
+                                f"more than this worker's {budget / 2 ** 30:.1f} GiB ({where}); use at most {most}")
+
     def eval_replicas(self) -> Tuple[int, int, bool]:
         """``(replica, replicas, representative)``: this rank's data-parallel replica of the sampler, how many there
         are, and whether this rank speaks for its replica's counts (tp rank 0). One process: ``(0, 1, True)``."""
@@ -68,6 +103,7 @@ class PolicyEvaluation:
             reduce = lambda v: comm.all_sum(v if representative else np.zeros_like(v))  # noqa: E731
         try:
             summary = evaluate(sampler, self.tokenizer, data_path=t.eval_file or None, limit=t.eval_limit,
+                               batch_size=EVAL_BATCH,
                                mode="greedy" if k == 1 else "maj", k=k, seed=t.seed,
                                prompt_style=self.prompt_style or DEFAULT_PROMPT_STYLE, rewards=self.eval_rewards(),
                                progress=False, shard=(replica, replicas), reduce=reduce,

@@ -574,10 +574,18 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         # The last step too: a run shorter than log_completions_steps still shows what it generated.
         if scored.texts is not None and every and (step % every == 0 or step == self.total_steps) and comm.is_main():
             self._dump_completions(step, scored)
-        every = self.cfg.train.eval_steps
-        if every and (step % every == 0 or step == self.total_steps):
-            metrics.update(self.evaluate_policy())
         return metrics
+
+    @property
+    def evaluates_policy(self) -> bool:
+        return bool(self.cfg.train.eval_steps)
+
+    def evaluate_step(self) -> Dict[str, float]:
+        """Every ``eval_steps`` steps and after the last: the policy's GSM8K evaluation (``trainer.policy_eval``)."""
+        every = self.cfg.train.eval_steps
+        if every and (self.step % every == 0 or self.step == self.total_steps):
+            return self.evaluate_policy()
+        return {}
 
     # -- evaluation while training (trainer.policy_eval) -------------------------------------------
     def eval_sampler(self) -> Sampler:
