@@ -77,6 +77,15 @@ def test_impossible_settings_are_one_line_errors(argv, words):
     assert words in _error(argv)
 
 
+@pytest.mark.parametrize("parse", [parse_args, PPOConfig.parse_args], ids=["grpo", "ppo"])
+def test_a_negative_gen_workers_is_the_one_field_named(parse):
+    """infer_dp follows gen_workers only when gen_workers is valid: the error names the field given, not a derived
+    infer_dp the user never set."""
+    with pytest.raises(MindRLHFError) as err:
+        parse(["--use_parallel", "true", "--gen_workers", "-1"])
+    assert str(err.value) == "invalid config (command line): gen_workers = -1 must be >= 0"
+
+
 def test_tensor_and_pipeline_layouts_are_accepted_on_both_sides():
     """Trainers in train_tp x train_pp and generators in infer_dp x infer_tp (infer_dp defaults to
     gen_workers / infer_tp); the world is both sides."""
