@@ -459,6 +459,31 @@ def test_one_step_off_evaluates_the_weights_of_the_step_it_logs(one_step_off):
 
 @pytest.mark.slow
 @pytest.mark.msrun
+def test_a_one_step_off_checkpoint_resumed_as_one_process_warns_that_its_rows_in_flight_are_dropped(
+        grpo_assets, one_step_off, tmp_path, caplog):
+    """The one-step-off run's step-2 checkpoint (its in_flight.ckpt holds update 1, which step 3's rows were being
+    sampled with) resumed colocated in this process: it trains to the end (rc 0), and one warning line names the
+    change and that step 3 samples afresh, so the resumed steps differ from the uninterrupted run. The other
+    direction (a synchronous checkpoint resumed one step off) has its own warning."""
+    import logging
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(one_step_off, out)  # the module's run stays as it is for the other tests
+    step2 = out / "checkpoints" / "step_00000002"
+    argv = _args(grpo_assets, out, **dict(ONE_STEP_OFF, gen_workers=0, max_staleness=0))
+    with caplog.at_level(logging.WARNING, logger="mindrlhf"):
+        assert _run_inprocess(argv + ["--resume", str(step2)]) == 0
+    said = [r.getMessage() for r in caplog.records if "in-flight" in r.getMessage()]
+    assert said == [f"--resume {step2}: gen_workers 1 -> 0, max_staleness 1 -> 0: the checkpoint's in-flight "
+                    "rollout (step 3's rows, sampled by the weights of step 1) is dropped; step 3 samples afresh, so "
+                    "the resumed steps differ from the uninterrupted run (resume with --gen_workers 1 "
+                    "--max_staleness 1 to continue it exactly)"], said
+    assert [r["step"] for r in _metrics(out)] == [1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
 def test_a_killed_generator_stops_the_trainers_and_resume_finishes_the_run(grpo_assets, one_step_off, tmp_path):
     """The dead-worker rule with generator ranks (issue 43): the one-step-off job on two nodes (the trainer on node 0,
     the generator on node 1), the generator SIGKILLed while it samples step 3 (the trainer is training step 2):
