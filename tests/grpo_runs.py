@@ -316,6 +316,31 @@ def small_filesystem(path: Path, size_bytes: int):
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
+@contextlib.contextmanager
+def read_only_dir(path: Path):
+    """An existing empty folder at ``path`` that this process cannot write into: its mode 0555, or, as root (who
+    writes through any mode), a read-only tmpfs mounted there."""
+    import shutil
+
+    import pytest
+
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        try:
+            yield path
+        finally:
+            path.chmod(0o755)
+        return
+    if shutil.which("mount") is None:
+        pytest.skip("a read-only folder as root needs mount")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
 def check_score_export(ckpt_file: Path, model, hf_dir: Path, seed: int = 2) -> None:
     """convert_weight --reverse exports a sequence-classification checkpoint file (a reward model's policy.ckpt, a
     PPO critic's critic.ckpt) to an HF Qwen2ForSequenceClassification directory that transformers loads with the

@@ -472,7 +472,8 @@ def test_data_sft_mode_skips_and_names_bad_rows(tmp_path, capsys):
     assert data_main(["--sft", "--data_path", str(bad_only), "--output", str(tmp_path / "none.jsonl")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: no usable rows in {bad_only} ({bad_only}: 3 rows read, 0 "
-                                               "written, 3 skipped (malformed JSON: 2, missing field: 1)"), err
+                                               "written, 3 skipped (malformed JSON: 2, missing field: 1) -> nothing "
+                                               "written); the first skipped: line 1 (malformed JSON): "), err
     assert not (tmp_path / "none.jsonl").exists()
 
 

@@ -77,6 +77,15 @@ def test_impossible_settings_are_one_line_errors(argv, words):
     assert words in _error(argv)
 
 
+@pytest.mark.parametrize("parse", [parse_args, PPOConfig.parse_args], ids=["grpo", "ppo"])
+def test_a_negative_gen_workers_is_the_one_field_named(parse):
+    """infer_dp follows gen_workers only when gen_workers is valid: the error names the field given, not a derived
+    infer_dp the user never set."""
+    with pytest.raises(MindRLHFError) as err:
+        parse(["--use_parallel", "true", "--gen_workers", "-1"])
+    assert str(err.value) == "invalid config (command line): gen_workers = -1 must be >= 0"
+
+
 def test_tensor_and_pipeline_layouts_are_accepted_on_both_sides():
     """Trainers in train_tp x train_pp and generators in infer_dp x infer_tp (infer_dp defaults to
     gen_workers / infer_tp); the world is both sides."""
@@ -446,6 +455,31 @@ def test_one_step_off_evaluates_the_weights_of_the_step_it_logs(one_step_off):
     want, generators = (eval_row(mindrlhf_eval(ckpt / f"step_{n:08d}", limit, 12, funcs)) for n in (2, 1))
     assert logged == want
     assert logged != generators  # the evaluation tells the two weights apart
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+def test_a_one_step_off_checkpoint_resumed_as_one_process_warns_that_its_rows_in_flight_are_dropped(
+        grpo_assets, one_step_off, tmp_path, caplog):
+    """The one-step-off run's step-2 checkpoint (its in_flight.ckpt holds update 1, which step 3's rows were being
+    sampled with) resumed colocated in this process: it trains to the end (rc 0), and one warning line names the
+    change and that step 3 samples afresh, so the resumed steps differ from the uninterrupted run. The other
+    direction (a synchronous checkpoint resumed one step off) has its own warning."""
+    import logging
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(one_step_off, out)  # the module's run stays as it is for the other tests
+    step2 = out / "checkpoints" / "step_00000002"
+    argv = _args(grpo_assets, out, **dict(ONE_STEP_OFF, gen_workers=0, max_staleness=0))
+    with caplog.at_level(logging.WARNING, logger="mindrlhf"):
+        assert _run_inprocess(argv + ["--resume", str(step2)]) == 0
+    said = [r.getMessage() for r in caplog.records if "in-flight" in r.getMessage()]
+    assert said == [f"--resume {step2}: gen_workers 1 -> 0, max_staleness 1 -> 0: the checkpoint's in-flight "
+                    "rollout (step 3's rows, sampled by the weights of step 1) is dropped; step 3 samples afresh, so "
+                    "the resumed steps differ from the uninterrupted run (resume with --gen_workers 1 "
+                    "--max_staleness 1 to continue it exactly)"], said
+    assert [r["step"] for r in _metrics(out)] == [1, 2, 3]
 
 
 @pytest.mark.slow

@@ -1,11 +1,14 @@
 """Misuses that used to end in a traceback (issue #39, item 4) now end in one ``error: ...`` line and exit 2:
 a reward model (``*ForSequenceClassification``: a score head, no ``lm_head``) given where a causal LM must
 generate or give token log-probs (DPO/PPO/GRPO's reference, ``mindrlhf-eval``, ``mindrlhf-data --pairs``), and
-``mindrlhf-data --pairs`` on a GSM8K file with a malformed or non-UTF-8 row or with ``--temperature 0``.
-Every check runs before any weights are read, so each case takes a fraction of a second."""
+``mindrlhf-data --pairs`` on a GSM8K file with a malformed or non-UTF-8 row or with ``--temperature 0``; a
+safetensors file cut short past its header (``mindrlhf-eval``, ``convert_weight --reverse --adapter``); a
+``mindrlhf-eval --output`` that cannot be written. Every check runs before any weights are read, so each case takes
+a fraction of a second."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -120,3 +123,85 @@ def test_pairs_with_temperature_zero_names_no_missing_flag(assets, tmp_path, cap
     assert err == ["error: --temperature 0.0: pairs come from sampled completions; use a temperature > 0 "
                    "(default 1.0)"]
     assert not out.exists()
+
+
+def _truncated_copy(src: Path, dst: Path, name: str) -> Path:
+    """A copy of the folder ``src`` whose safetensors file ``name`` is cut in the middle of its tensor data (a copy
+    or download that stopped): its header is whole, so only the tensor reads would find it."""
+    import shutil
+
+    from mindrlhf.checkpoint.hf_io import read_safetensors_header
+
+    shutil.copytree(src, dst)
+    file = dst / name
+    _, data_start = read_safetensors_header(file)
+    with open(file, "r+b") as f:
+        f.truncate(data_start + (file.stat().st_size - data_start) // 2)
+    return file
+
+
+@pytest.fixture(scope="module")
+def adapter(assets, tmp_path_factory) -> Path:
+    """A LoRA adapter folder (PEFT's format) on the tiny actor."""
+    from mindrlhf.models import load_model
+    from mindrlhf.models.lora import LoRASpec, adapter_weights, apply_lora, save_adapter, set_adapter_weights
+    from mindrlhf.testing import lora_numpy_init
+
+    model = load_model(assets["model"])
+    apply_lora(model, LoRASpec(r=4, alpha=8, target_modules=("q_proj", "v_proj")))
+    set_adapter_weights(model, {k: lora_numpy_init(k, v.shape, 3) for k, v in adapter_weights(model).items()})
+    return save_adapter(model, tmp_path_factory.mktemp("lora") / "adapter")
+
+
+@pytest.mark.parametrize("case", ["eval --model HF_DIR", "eval --model ADAPTER", "convert_weight --reverse --adapter"])
+def test_a_truncated_safetensors_file_is_one_line(assets, adapter, tmp_path, capsys, case):
+    """A safetensors file cut short past its header (a model's or an adapter's) was a SafetensorError traceback
+    ("incomplete metadata, file not fully covered") once the first tensor was read; now it is one line naming the
+    file, that it is truncated and what to do, and nothing is written."""
+    from mindrlhf.evaluation import gsm8k_eval
+    from mindrlhf.tools import convert_weight
+
+    out = tmp_path / "out"
+    eval_flags = ["--limit", "1", "--max_new_tokens", "2", "--output", str(out / "eval.jsonl"), "--no_progress"]
+    if case == "eval --model HF_DIR":
+        bad = _truncated_copy(assets["model"], tmp_path / "model", "model.safetensors")
+        main, argv = gsm8k_eval.main, ["--model", str(bad.parent)] + eval_flags
+    elif case == "eval --model ADAPTER":
+        bad = _truncated_copy(adapter, tmp_path / "adapter", "adapter_model.safetensors")
+        main, argv = gsm8k_eval.main, ["--model", str(bad.parent), "--base_model", str(assets["model"])] + eval_flags
+    else:
+        bad = _truncated_copy(adapter, tmp_path / "adapter", "adapter_model.safetensors")
+        main, argv = convert_weight.main, ["--reverse", "--input_path", str(assets["model"]), "--adapter",
+                                           str(bad.parent), "--output_path", str(out / "merged"), "--no_progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"error: {bad}: the safetensors file is truncated: {bad.stat().st_size} bytes, its "
+                             "header describes "), err
+    assert err[0].endswith("; re-download or re-save it (or use another checkpoint)"), err
+    written = sorted(p.name for p in out.rglob("*") if p.is_file()) if out.exists() else []
+    assert not written, written
+
+
+def test_eval_output_that_cannot_be_written_is_refused_before_the_model_loads(assets, tmp_path, capsys):
+    """``mindrlhf-eval --output`` in a read-only folder was an OSError traceback once the model had loaded (the
+    results' temporary file opened then); a folder that is a file, a traceback from mkdir. Both are now one line
+    naming the path, before anything loads: a damaged model given beside them is not read."""
+    from grpo_runs import read_only_dir
+    from mindrlhf.evaluation import gsm8k_eval
+
+    # The model would fail as it loads: the output's error coming first shows the check runs before the loading.
+    damaged = _truncated_copy(assets["model"], tmp_path / "model", "model.safetensors").parent
+    a_file = tmp_path / "results"
+    a_file.write_text("not a folder\n")
+    with read_only_dir(tmp_path / "read_only") as read_only:
+        for output, why in ((read_only / "eval.jsonl", "Read-only file system" if os.geteuid() == 0 else
+                             "Permission denied"),
+                            (a_file / "eval.jsonl", f"{a_file} is a file, not a folder")):
+            argv = ["--model", str(damaged), "--limit", "1", "--max_new_tokens", "2", "--output", str(output),
+                    "--no_progress"]
+            assert gsm8k_eval.main(argv) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert err == [f"error: --output {output} cannot be written ({why}); choose a writable path"], err
+        assert not any(read_only.iterdir())
+    assert a_file.read_text() == "not a folder\n"

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mindrlhf.data import read_pair_rows, read_sft_rows
+from mindrlhf.data import read_pair_rows, read_prompt_rows, read_sft_rows
 from mindrlhf.data.text_rows import BOUNDARY_WARNING
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.tokenizer import Tokenizer
@@ -220,6 +220,23 @@ def test_strict_raises_at_the_first_bad_row_naming_file_and_line(tmp_path, tok):
         _sft(path, tok, strict=True, max_length=32)
     rows, report = _sft(_jsonl(tmp_path / "ok.jsonl", [good]), tok, strict=True)
     assert len(rows) == 1 and not report.skipped
+
+
+@pytest.mark.parametrize("read", ["sft", "pairs", "prompts"])
+def test_a_file_with_no_usable_row_names_its_first_skipped_row(read, tmp_path, tok):
+    """Every row skipped: the one-line error gives the counts by reason and names the first row by its line and
+    reason (a blank line is not a row), so the user knows where to look."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text('\n{"question": "q"}\n{oops\n', encoding="utf-8")
+    reader = {"sft": _sft, "pairs": _pairs,
+              "prompts": lambda p, t: read_prompt_rows(p, t, max_prompt_length=64, show_progress=False)}[read]
+    with pytest.raises(MindRLHFError) as err:
+        reader(path, tok)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"no usable rows in {path} ({path}: 2 rows read, 0 kept, 2 skipped (malformed JSON: "
+                              "1, missing field: 1)); the first skipped: line 2 (missing field): keys ['question'] "
+                              "match no "), message
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path, tok):

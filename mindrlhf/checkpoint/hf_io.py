@@ -119,7 +119,9 @@ def _as_le_bytes(arr: np.ndarray) -> memoryview:
 # reading safetensors (HF directories and MindSpore .safetensors)
 # ---------------------------------------------------------------------------------------------
 def read_safetensors_header(path: PathLike) -> Tuple[Dict[str, Any], int]:
-    """Return ``(header, data_start)`` of a safetensors file without reading tensor data."""
+    """Return ``(header, data_start)`` of a safetensors file without reading tensor data. A file whose size is not
+    the one its header describes (cut short by a copy or a save, or with bytes appended) is a one-line error here,
+    before any model is built: the ``safetensors`` reader would only fail at the first read, with a traceback."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -130,8 +132,16 @@ def read_safetensors_header(path: PathLike) -> Tuple[Dict[str, Any], int]:
             if n > 100_000_000:
                 raise ValueError(f"header length {n} is implausible")
             header = json.loads(f.read(n).decode("utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError) as err:
+            size = os.fstat(f.fileno()).st_size
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        data_end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, UnicodeDecodeError, TypeError, KeyError, IndexError) as err:
         raise MindRLHFError(f"{path}: not a readable safetensors file ({err}); re-download or re-save it") from None
+    if size != 8 + n + data_end:
+        what = "truncated" if size < 8 + n + data_end else "damaged (bytes past its last tensor)"
+        raise MindRLHFError(f"{path}: the safetensors file is {what}: {size} bytes, its header describes "
+                            f"{8 + n + data_end}; re-download or re-save it (or use another checkpoint)")
     return header, 8 + n
 
 

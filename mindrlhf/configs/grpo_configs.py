@@ -564,7 +564,9 @@ class RolloutConfig(TrainingConfig):
         """With generator ranks (``gen_workers``) and no infer_dp given, the generators' layout follows them
         (gen_workers / infer_tp replicas over the gen_workers ranks)."""
         p = self.parallel
-        if p.gen_workers and "infer_dp" not in self.explicitly_set() and p.gen_workers % p.infer_tp == 0:
+        # Only from a valid gen_workers: a negative one would make infer_dp negative too, and its range error
+        # would then name a field the user never set beside the one they did.
+        if p.gen_workers > 0 and "infer_dp" not in self.explicitly_set() and p.gen_workers % p.infer_tp == 0:
             p.infer_dp = p.gen_workers // p.infer_tp
 
     def _check_combinations(self, errors: List[str]) -> None:

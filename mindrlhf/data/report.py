@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
+from mindrlhf.errors import MindRLHFError
 from mindrlhf.utils.fs import write_text_atomic
 
 #: A training run's list of every row its data readers skipped, in its output_dir: one JSON object a line,
@@ -55,9 +56,13 @@ class SkippedRow:
     detail: str
     path: Optional[str] = None
 
+    @property
+    def where(self) -> str:
+        """``path:line`` (a reader of several files), else ``line N``."""
+        return f"{self.path}:{self.line}" if self.path else f"line {self.line}"
+
     def __str__(self) -> str:
-        where = f"{self.path}:{self.line}" if self.path else f"line {self.line}"
-        return f"{where}: skipped ({REASONS[self.reason]}): {self.detail}"
+        return f"{self.where}: skipped ({REASONS[self.reason]}): {self.detail}"
 
     def to_json(self) -> str:
         """The row as one line of ``SKIPPED_ROWS_FILE``."""
@@ -95,6 +100,17 @@ class ConversionReport:
             lines.append(f"... and {len(self.skipped) - limit} more{where}")
         return lines
 
+    def no_usable_rows(self, source: Union[str, Path], fix: str) -> MindRLHFError:
+        """The one-line error of a file none of whose rows is usable: its summary, its first skipped row by line and
+        reason (the counts alone do not say which row to look at), and ``fix``."""
+        first = ""
+        if self.skipped:
+            row = self.skipped[0]
+            where = f"line {row.line}" if row.path in (None, str(source)) else row.where  # the file is named already
+            # A detail can quote the row; the error stays one line.
+            first = f"; the first skipped: {where} ({REASONS[row.reason]}): {' '.join(row.detail.split())}"
+        return MindRLHFError(f"no usable rows in {source} ({self.summary()}){first}; {fix}")
+
     def summary(self) -> str:
         """One line: rows read, written (kept) and skipped by reason, and the counted warnings."""
         counts = self.skipped_by_reason()
@@ -113,14 +129,12 @@ def converter_report(source: Union[str, Path], rows_read: int, skipped: Sequence
                      strict: bool, fix: str) -> Tuple[ConversionReport, bool]:
     """A converter's report of what it read and skipped, and whether it goes on to write: not under ``strict``
     when any row was skipped (it returns the report, which names them). Nothing usable at all is a one-line error
-    naming the file, the counts and ``fix``."""
-    from mindrlhf.errors import MindRLHFError
-
+    naming the file, the counts, the first skipped row and ``fix`` (``ConversionReport.no_usable_rows``)."""
     report = ConversionReport(str(source), None, rows_read=rows_read, skipped=list(skipped))
     if strict and skipped:
         return report, False
     if not kept:
-        raise MindRLHFError(f"no usable rows in {source} ({report.summary()}); {fix}")
+        raise report.no_usable_rows(source, fix)
     return report, True
 
 

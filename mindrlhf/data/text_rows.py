@@ -370,8 +370,8 @@ class _Reader:
         return self.report
 
     def no_rows(self) -> MindRLHFError:
-        return MindRLHFError(f"no usable rows in {self.path} ({self.report.summary()}); check the file's format "
-                             f"(the {self.kind} formats: {', '.join(self.formats)}) and max_length")
+        return self.report.no_usable_rows(self.path, f"check the file's format (the {self.kind} formats: "
+                                          f"{', '.join(self.formats)}) and max_length")
 
 
 # ---------------------------------------------------------------------------------------------- SFT
@@ -688,8 +688,8 @@ def read_prompt_rows(path: PathLike, tokenizer: "Tokenizer", *, max_prompt_lengt
     reader = _PromptReader(path, tokenizer, _PROMPT_FORMATS, "prompt", strict, show_progress, build)
     report = reader.read(parse)
     if not prompt_ids:
-        raise MindRLHFError(f"no usable rows in {reader.path} ({report.summary()}); each row needs a 'prompt' (a text "
-                            "or a list of messages) of at most max_prompt_length tokens")
+        raise report.no_usable_rows(reader.path, "each row needs a 'prompt' (a text or a list of messages) of at "
+                                    "most max_prompt_length tokens")
     names: List[str] = []
     for extra in kept:  # every key of any row, in the order they first appear
         names += [key for key in extra["columns"] if key not in names]

@@ -497,7 +497,7 @@ def _add_rewards(sums: Dict[str, list], rewards, texts: List[str], batch: Sequen
 
 def _check_output(output: PathLike, inputs: Dict[str, Any], overwrite: bool) -> Path:
     """The results file: never an input or a file inside an input folder (``--overwrite`` included),
-    never an existing file unless ``overwrite``."""
+    never an existing file unless ``overwrite``, and a place this process can write (checked by writing there)."""
     path = Path(output)
     if path.is_dir():
         raise MindRLHFError(f"--output {path} is a directory; pass a file path such as {path / 'eval.jsonl'}")
@@ -512,7 +512,19 @@ def _check_output(output: PathLike, inputs: Dict[str, Any], overwrite: bool) -> 
                                 f"inputs (--overwrite never replaces an input)")
     if path.exists() and not overwrite:
         raise MindRLHFError(f"--output {path} already exists; pass --overwrite to replace it or choose another file")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    # Written to now, before the model loads: a read-only place must not be found after the whole evaluation.
+    probe = path.with_name(path.name + ".tmp")  # where evaluate writes the results as they come
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = probe.exists()
+        with open(probe, "a", encoding="utf-8"):
+            pass
+        if not existed:
+            probe.unlink()
+    except OSError as err:
+        file = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+        why = f"{file} is a file, not a folder" if file is not None else err.strerror or str(err)
+        raise MindRLHFError(f"--output {path} cannot be written ({why}); choose a writable path") from None
     return path
 
 

@@ -475,6 +475,8 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         """A one-step-off checkpoint's weights in flight, for ``train`` to send again (rank 0's; a checkpoint
         without them, e.g. of a synchronous run, resumes with the next step sampled by the current weights)."""
         if not self.one_step_off:
+            if "in_flight_version" in state and not self.replaying:  # replayed rows are the recording's anyway
+                self._warn_in_flight_dropped(path, state)
             return
         if "in_flight_version" not in state:
             log.warning("--resume %s: the checkpoint holds no weights in flight (a max_staleness 0 run's, or the "
@@ -486,6 +488,24 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         arrays = ({n: p.asnumpy() for n, p in ms.load_checkpoint(str(path / "in_flight.ckpt")).items()}
                   if comm.is_main() else {})
         self.in_flight = (int(state["in_flight_version"]), arrays)
+
+    def _warn_in_flight_dropped(self, path: Path, state) -> None:
+        """A one-step-off checkpoint resumed synchronously or colocated: its next step's rows were being sampled by
+        the weights in flight, which this run does not use. One warning line naming the change, as the other
+        direction has (``load_extra_tensors``); the math changes, so it must not pass silently."""
+        import yaml
+
+        saved_path = path / "config.yaml"
+        saved = yaml.safe_load(saved_path.read_text(encoding="utf-8")) if saved_path.is_file() else None
+        saved = type(self.cfg).regroup(saved or {}).get("parallel", {})
+        p, done = self.cfg.parallel, int(state["step"])
+        changes = [f"{name} {saved[name]} -> {getattr(p, name)}" for name in ("gen_workers", "max_staleness")
+                   if name in saved and saved[name] != getattr(p, name)] or [f"max_staleness 1 -> {p.max_staleness}"]
+        how = " ".join(f"--{name} {saved[name]}" for name in ("gen_workers", "max_staleness") if name in saved)
+        log.warning("--resume %s: %s: the checkpoint's in-flight rollout (step %d's rows, sampled by the weights of "
+                    "step %d) is dropped; step %d samples afresh, so the resumed steps differ from the uninterrupted "
+                    "run (resume with %s to continue it exactly)", path, ", ".join(changes), done + 1,
+                    int(state["in_flight_version"]), done + 1, how or "the run's gen_workers and max_staleness")
 
     def load_stage_state(self, state) -> None:
         # Checkpoints from before dynamic sampling: every step read rollouts_per_step batches.
