@@ -27,7 +27,13 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 
-from mindrlhf.algorithms import get_advantage_estimator, get_is_mode, informative_groups, policy_loss
+from mindrlhf.algorithms import (
+    get_advantage_estimator,
+    get_is_mode,
+    informative_groups,
+    off_policy_sequence_mask,
+    policy_loss,
+)
 from mindrlhf.configs import GRPOConfig, parse_args
 from mindrlhf.data import PromptDataset
 from mindrlhf.errors import MindRLHFError
@@ -91,6 +97,7 @@ class LossSettings:
     is_mode: str = "sequence_mask"
     is_cap: float = 3.0
     loss_params: Dict[str, float] = field(default_factory=dict)
+    off_policy_mask_threshold: float = 0.0
 
     @classmethod
     def from_config(cls, cfg) -> "LossSettings":
@@ -100,7 +107,7 @@ class LossSettings:
         return cls(loss_type, agg, a.epsilon_low, a.epsilon_high, a.beta, a.kl_estimator, g.max_completion_length,
                    g.temperature if g.temperature > 0 else 1.0, cfg.needs_old_logprobs,
                    a.importance_sampling_correction, a.importance_sampling_mode, a.importance_sampling_cap,
-                   cfg.policy_loss_params)
+                   cfg.policy_loss_params, a.off_policy_mask_threshold)
 
 
 class GRPOObjective:
@@ -109,7 +116,8 @@ class GRPOObjective:
 
     inputs = ("completion_mask", "advantages", "old_logp", "ref_logp", "sampler_logp")
     aux = tuple((k, "sum") for k in TOKEN_MEANS) + (("tokens", "sum"), ("is_ratio_sum", "sum"),
-                                                    ("is_ratio_count", "sum")) + EXTREMES
+                                                    ("is_ratio_count", "sum"), ("masked_seqs", "sum"),
+                                                    ("seqs", "sum")) + EXTREMES
 
     def __init__(self, settings: LossSettings):
         self.settings = settings
@@ -124,12 +132,19 @@ class GRPOObjective:
         gap = ops.where(valid, ops.stop_gradient(old).astype(ms.float32) - sampler_logp, 0.0)
         mask = valid.astype(ms.float32)
         weights = get_is_mode(s.is_mode)(gap, mask, s.is_cap)
+        present = (mask.sum(axis=-1, keepdims=True) > 0).astype(ms.float32)
+        # The sampler's log-probs (TRL's choice under vLLM) see both the updates' drift and the rollout mismatch.
+        keep = (off_policy_sequence_mask(advantages, logp, sampler_logp, mask, s.off_policy_mask_threshold)
+                if s.off_policy_mask_threshold > 0 else present)
+        term = weights if s.is_correction else None
+        if s.off_policy_mask_threshold > 0:  # the policy term's factors: the IS correction and the mask
+            term = keep if term is None else term * keep
         loss, metrics = policy_loss(
             logp, old, advantages, completion_mask, ref_logp=ref_logp if s.beta > 0 else None,
             loss_type=s.loss_type, epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high, beta=s.beta,
             kl_estimator=s.kl_estimator, loss_agg_mode=s.loss_agg_mode,
             max_completion_length=s.max_completion_length, global_num_tokens=num_tokens, global_num_seqs=num_seqs,
-            is_weights=weights if s.is_correction else None,
+            is_weights=term,
             behav_logp=sampler_logp if s.loss_type == "decoupled" else None, behav_cap=s.is_cap,
             loss_params=s.loss_params)
         # Means are over this micro-batch; weighted by its token count, the step forms exact global means.
@@ -140,7 +155,7 @@ class GRPOObjective:
         weights = ops.broadcast_to(weights, counted.shape)
         inf = float("inf")
         aux = tuple(metrics[k] * tokens for k in TOKEN_MEANS) + (tokens,)
-        aux += ((weights * counted).sum(), counted.sum())
+        aux += ((weights * counted).sum(), counted.sum(), ((1.0 - keep) * present).sum(), present.sum())
         aux += (ops.abs(gap).max(), ops.where(counted > 0, weights, -inf).max(),
                 ops.where(counted > 0, weights, inf).min())
         return loss, aux
@@ -150,6 +165,8 @@ class GRPOObjective:
         out = {k: reduced[k] / tokens for k in TOKEN_MEANS}
         count = reduced["is_ratio_count"]
         out["sampling/importance_sampling_ratio/mean"] = reduced["is_ratio_sum"] / count if count else 0.0
+        if self.settings.off_policy_mask_threshold > 0:
+            out["sampling/off_policy_masked_ratio"] = reduced["masked_seqs"] / max(reduced["seqs"], 1.0)
         for k, _ in EXTREMES:  # no valid token anywhere: 0
             out[k] = reduced[k] if math.isfinite(reduced[k]) else 0.0
         return out

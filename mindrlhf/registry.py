@@ -123,6 +123,7 @@ POLICY_LOSSES: Registry = Registry(
 #: The hyper-parameters each built-in policy loss reads beyond the clip range: its keyword arguments, which are
 #: also the GRPO config's field names (``configs.AlgorithmConfig``); a test ties the three together.
 POLICY_LOSS_PARAMS: Dict[str, Tuple[str, ...]] = {
+    "grpo": ("delta", "clip_ratio_c"),
     "cispo": ("cispo_ratio_max",),
     "sapo": ("sapo_temperature_pos", "sapo_temperature_neg"),
     "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),

@@ -40,6 +40,11 @@ CASES = [
     ("luspo", "luspo", dict(epsilon=0.05, epsilon_high=0.01, importance_sampling_level="sequence")),
     ("vespo", "vespo", dict()),
     ("vespo_params", "vespo", dict(vespo_k_pos=1.5, vespo_lambda_pos=2.0, vespo_k_neg=2.5, vespo_lambda_neg=1.0)),
+    ("grpo", "grpo", dict(epsilon=0.2)),
+    ("grpo_delta", "grpo", dict(epsilon=0.2, delta=1.25)),
+    ("dapo_delta", "dapo", dict(epsilon=0.2, epsilon_high=0.28, delta=1.3)),
+    # Off-policy sequence masking without vLLM: TRL measures the KL from old_per_token_logps.
+    ("grpo_off_policy_mask", "grpo", dict(epsilon=0.2, off_policy_mask_threshold=0.02)),
 ]
 
 
@@ -56,13 +61,16 @@ class _LossOnly:
 
     _compute_loss = GRPOTrainer._compute_loss
     get_gamma_weights = staticmethod(GRPOTrainer.get_gamma_weights)
+    get_off_policy_mask = staticmethod(GRPOTrainer.get_off_policy_mask)
 
     def __init__(self, args: GRPOConfig, logp: torch.Tensor, accelerator: Accelerator):
         self.args, self._logp, self.accelerator = args, logp, accelerator
         self.loss_type, self.beta = args.loss_type, args.beta
-        self.epsilon_low, self.epsilon_high = args.epsilon, args.epsilon_high
+        # As GRPOTrainer.__init__ reads them: epsilon_high falls back to epsilon.
+        self.epsilon_low = args.epsilon
+        self.epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
         self.importance_sampling_level = args.importance_sampling_level
-        self.top_entropy_quantile, self.off_policy_mask_threshold = 1.0, None
+        self.top_entropy_quantile, self.off_policy_mask_threshold = 1.0, args.off_policy_mask_threshold
         self.use_vllm, self.aux_loss_enabled, self._entropy_bonus_enabled = False, False, False
         self.current_gradient_accumulation_steps, self.max_completion_length = 1, args.max_completion_length
         self.model = SimpleNamespace(training=True)

@@ -27,6 +27,7 @@ from mindrlhf.algorithms import (
     group_advantages,
     kl_penalty,
     loss_denominators,
+    off_policy_sequence_mask,
     policy_loss,
 )
 from mindrlhf.errors import MindRLHFError
@@ -592,6 +593,44 @@ def test_cispo_hand_values_and_gradient():
     assert grad[0, 0] == pytest.approx(-1.2 / 5, rel=1e-6)  # clipped weight, gradient kept
 
 
+#: grpo's two bounds on HAND_LOGP (ratios 1.5 0.7 1.1 | 0.6 1.3, A = 1 | -2, eps 0.2): the tokens' losses
+#: -min(rA, clip(r)A) are -1.2 (clipped) -0.7 -1.1 | 1.6 (clipped) 2.6; a bound of 1.25 on the second row's ratio 1.3
+#: (delta) or on its loss -c A = 2.5 (clip_ratio_c) takes 2.6 to 2.5 and its gradient 2.6 to 0. delta 1.4 lies above
+#: 1.3 and changes nothing; neither bound touches the positive advantage's clipped ratio 1.5.
+GRPO_BOUNDS = {
+    "none": ({}, [-1.2, -0.7, -1.1, 1.6, 2.6], [0.0, -0.7, -1.1, 0.0, 2.6]),
+    "delta": ({"delta": 1.25}, [-1.2, -0.7, -1.1, 1.6, 2.5], [0.0, -0.7, -1.1, 0.0, 0.0]),
+    "delta_above": ({"delta": 1.4}, [-1.2, -0.7, -1.1, 1.6, 2.6], [0.0, -0.7, -1.1, 0.0, 2.6]),
+    "dual_clip": ({"clip_ratio_c": 1.25}, [-1.2, -0.7, -1.1, 1.6, 2.5], [0.0, -0.7, -1.1, 0.0, 0.0]),
+    "both": ({"delta": 1.4, "clip_ratio_c": 1.25}, [-1.2, -0.7, -1.1, 1.6, 2.5], [0.0, -0.7, -1.1, 0.0, 0.0]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GRPO_BOUNDS))
+def test_grpo_two_sided_and_dual_clip_hand_values(case):
+    """INTELLECT-2's delta caps the unclipped ratio, dual-clip PPO's c caps a negative advantage's loss at -c A;
+    each by hand on the five tokens (token mean), values and gradients."""
+    params, losses, grads = GRPO_BOUNDS[case]
+    loss, _, grad = hand_grad("grpo", epsilon_low=0.2, epsilon_high=0.2, loss_params=params)
+    assert loss == pytest.approx(sum(losses) / 5, rel=1e-6)
+    np.testing.assert_allclose(grad[HAND_MASK > 0], np.array(grads) / 5, rtol=1e-5, atol=1e-7)
+    assert grad[1, 2] == 0.0
+
+
+def test_off_policy_sequence_mask_by_hand():
+    """Off-policy sequence masking: a sequence with a negative advantage is dropped when its mean per-token KL from
+    the sampler, mean(sampler logp - logp), exceeds the threshold; a positive advantage is always kept; padding
+    counts in neither the sum nor the mean."""
+    logp = np.array([[-1.0, -1.0, -1.0], [-1.0, -1.0, -9.0], [-2.0, -2.0, -2.0], [-1.0, -1.0, -1.0]])
+    sampler = np.array([[-0.7, -0.8, -1.0], [-0.9, -1.0, 0.0], [-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
+    mask = np.array([[1, 1, 1], [1, 1, 0], [1, 1, 1], [0, 0, 0]], np.float64)
+    adv = np.array([-1.0, -1.0, 2.0, -1.0])
+    # Mean KL per sequence: 0.5/3 = 0.167, 0.1/2 = 0.05 (the padded -9 / 0 pair ignored), 1.0, none (0).
+    keep = off_policy_sequence_mask(t(adv), t(logp), t(sampler), t(mask), 0.1).asnumpy()
+    assert keep.shape == (4, 1) and keep[:, 0].tolist() == [0.0, 1.0, 1.0, 1.0]
+    assert off_policy_sequence_mask(t(adv), t(logp), t(sampler), t(mask), 0.2).asnumpy()[:, 0].tolist() == [1.0] * 4
+
+
 def np_sapo(logp, adv, mask, tau_pos, tau_neg):
     r, a = np.exp(logp), np.broadcast_to(adv[:, None], logp.shape)
     tau = np.where(a > 0, tau_pos, tau_neg)
@@ -761,6 +800,10 @@ def trl_case_kwargs(case):
         return dict(loss_agg_mode="seq-mean-token-mean", loss_params=f)
     if case["loss_type"] == "luspo":
         return dict(loss_agg_mode="seq-mean-token-mean", epsilon_low=f["epsilon"], epsilon_high=f["epsilon_high"])
+    if case["loss_type"] in ("grpo", "dapo"):  # TRL's grpo is our default aggregation, its dapo a token mean
+        return dict(loss_agg_mode="seq-mean-token-mean" if case["loss_type"] == "grpo" else "token-mean",
+                    epsilon_low=f["epsilon"], epsilon_high=f.get("epsilon_high", f["epsilon"]),
+                    loss_params={"delta": f.get("delta", 0.0)})
     return dict(loss_agg_mode="token-mean", loss_params=f)  # vespo, whose fields are ours by name
 
 
@@ -768,8 +811,14 @@ def trl_case_kwargs(case):
 def test_loss_equals_trl_reference(name):
     case, data = TRL_REF["cases"][name], TRL_REF["inputs"]
     logp, old, mask = (np.array(data[k], np.float64) for k in ("logp", "old_logp", "mask"))
-    loss, metrics, grad = ms_loss_grad(logp, old, np.array(data["advantages"]), mask, loss_type=case["loss_type"],
-                                       **trl_case_kwargs(case))
+    loss_type = "grpo" if case["loss_type"] == "dapo" else case["loss_type"]  # TRL's dapo: our grpo, token-mean
+    adv, kw = np.array(data["advantages"]), trl_case_kwargs(case)
+    threshold = case["fields"].get("off_policy_mask_threshold")
+    if threshold is not None:  # TRL's sampling log-probs are the old ones without vLLM
+        keep = off_policy_sequence_mask(t(adv), t(logp), t(old), t(mask), threshold)
+        kw["is_weights"] = keep
+        assert 0 < float(keep.sum()) < len(adv)  # the case drops a sequence and keeps one
+    loss, metrics, grad = ms_loss_grad(logp, old, adv, mask, loss_type=loss_type, **kw)
     assert loss == pytest.approx(case["loss"], rel=1e-5, abs=2e-6)  # float32 against TRL's float64
     np.testing.assert_allclose(grad, np.array(case["grad"]), rtol=2e-5, atol=1e-7)
     for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):

@@ -310,6 +310,12 @@ RULES = [
     (dict(loss_type="luspo", loss_agg_mode="seq-mean-token-sum-norm"), ["loss_type = 'luspo'", "not "
                                                                         "'seq-mean-token-sum-norm'"]),
     (dict(loss_type="clip_cov", clip_cov_lb=5.0, clip_cov_ub=1.0), ["clip_cov_lb = 5.0 >= clip_cov_ub = 1.0"]),
+    (dict(delta=1.0), ["delta = 1.0 caps a ratio at or below 1", "use a value > 1 (e.g. 4), or 0 for off"]),
+    (dict(clip_ratio_c=0.5), ["clip_ratio_c = 0.5 caps a ratio at or below 1", "(e.g. 3)"]),
+    (dict(delta=4.0, loss_type="sapo"), ["delta = 4.0 applies to loss_type grpo (and TRL's dapo / bnpo / dr_grpo), "
+                                         "not 'sapo'"]),
+    (dict(clip_ratio_c=3.0, loss_type="gspo"), ["clip_ratio_c = 3.0 applies to loss_type grpo"]),
+    (dict(delta=-1.0), ["delta = -1.0 must be >= 0"]),
     (dict(loss_type="vespo", importance_sampling_correction=True), ["loss_type = 'vespo' with "
                                                                     "importance_sampling_correction = true"]),
     (dict(sapo_temperature_pos=0.0), ["sapo_temperature_pos = 0.0 must be > 0"]),

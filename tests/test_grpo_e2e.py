@@ -186,13 +186,14 @@ def test_three_steps_metrics_finite_and_on_policy(grpo_assets, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "gmpo", "clip_cov", "kl_cov", "luspo", "vespo"])
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "gmpo", "clip_cov", "kl_cov", "luspo", "vespo", "dapo", "grpo"])
 def test_each_new_policy_loss_trains_two_steps(grpo_assets, tmp_path, loss_type):
     """Two steps of two updates each (num_iterations 2: the second update is off-policy, so the ratio moves), with
     the loss's own hyper-parameters reaching it: finite loss and grad norm, and the policy changes."""
     out = tmp_path / "run"
     extra = {"clip_cov": {"clip_cov_ratio": 0.2, "clip_cov_lb": -10.0, "clip_cov_ub": 10.0},
-             "kl_cov": {"kl_cov_ratio": 0.2}}.get(loss_type, {})
+             "kl_cov": {"kl_cov_ratio": 0.2}, "dapo": {"delta": 1.05, "clip_ratio_c": 1.05},
+             "grpo": {"off_policy_mask_threshold": 1e-4}}.get(loss_type, {})
     assert _run_inprocess(_args(grpo_assets, out, max_steps=2, num_iterations=2, max_completion_length=8,
                                 tensorboard="false", log_completions_steps=0,
                                 reward_funcs=["e2e_rewards:length_reward"],
@@ -203,6 +204,8 @@ def test_each_new_policy_loss_trains_two_steps(grpo_assets, tmp_path, loss_type)
         for k in ("loss", "grad_norm", "kl", "reward"):
             assert math.isfinite(r[k]), (loss_type, k, r[k])
         assert r["grad_norm"] > 0
+        if loss_type == "grpo":  # the masked share of completions is logged
+            assert 0.0 <= r["sampling/off_policy_masked_ratio"] <= 1.0
     import mindspore as ms
 
     ckpts = CheckpointManager(str(out / "checkpoints"), 2)

@@ -174,10 +174,24 @@ def _seq_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 @register_policy_loss("grpo")
-def grpo_loss(log_ratio, advantages, mask, epsilon_low, epsilon_high):
-    """GRPO/PPO token-level clipped surrogate with ratio r_t = exp(logp_t − old_logp_t)."""
+def grpo_loss(log_ratio, advantages, mask, epsilon_low, epsilon_high, *, delta=0.0, clip_ratio_c=0.0):
+    """GRPO/PPO token-level clipped surrogate with ratio r_t = exp(logp_t − old_logp_t),
+
+        ℓ_t = −min(min(r_t, δ)·A, clip(r_t, 1−ε_low, 1+ε_high)·A),
+
+    with two optional bounds (0 = off). ``delta`` δ: INTELLECT-2's two-sided clip (Prime Intellect 2025,
+    arXiv:2505.07291, section 3.2; TRL 1.16's ``delta``), which caps the unclipped ratio too, so a negative-advantage
+    token whose ratio ran far above 1 + ε_high cannot give an unbounded loss. ``clip_ratio_c`` c: dual-clip PPO
+    (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement Learning", arXiv:1912.09729,
+    eq. 5; verl's ``clip_ratio_c``, AReaL's ``c_clip``): a negative-advantage token's loss is at most −c·A, and its
+    gradient is then 0."""
     ratio = ops.exp(log_ratio)
-    return _clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high), ratio
+    unclipped = ops.minimum(ratio, delta) if delta > 0 else ratio
+    clipped = ops.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    per_token = -ops.minimum(unclipped * advantages, clipped * advantages)
+    if clip_ratio_c > 0:
+        per_token = ops.where(advantages < 0, ops.minimum(per_token, -clip_ratio_c * advantages), per_token)
+    return per_token, ratio
 
 
 @register_policy_loss("gspo")
@@ -403,6 +417,22 @@ def is_sequence_mask(log_ratio, mask, cap):
     """One ratio per sequence; a sequence whose ratio exceeds ``cap`` gets weight 0: (B, 1)."""
     ratio = _bounded_exp((log_ratio * mask).sum(axis=-1, keepdims=True))
     return ops.where(ratio > cap, 0.0, ratio)
+
+
+def off_policy_sequence_mask(advantages: Tensor, logp: Tensor, sampler_logp: Tensor, mask: Tensor,
+                             threshold: float) -> Tensor:
+    """Off-policy sequence masking (DeepSeek-V3.2's technical report, 2025; TRL 1.16's
+    ``GRPOTrainer.get_off_policy_mask``): (B, 1), 0 for a sequence with a negative advantage whose mean per-token
+    KL from the sampling policy, mean_t (log π_sampler − sg(log π_θ)), exceeds ``threshold``, else 1. Such a sequence
+    teaches the policy away from text it no longer finds likely, the update least to be trusted; a positive
+    advantage's sequence is always kept. No gradient."""
+    valid = mask > 0
+    kl = ops.where(valid, sampler_logp - ops.stop_gradient(logp), 0.0)
+    tokens = ops.maximum(valid.astype(kl.dtype).sum(axis=-1, keepdims=True), 1.0)
+    low_kl = kl.sum(axis=-1, keepdims=True) / tokens <= threshold
+    if advantages.ndim == 1:
+        advantages = advantages.reshape(-1, 1)
+    return ops.logical_or(advantages >= 0, low_kl).astype(kl.dtype)
 
 
 def policy_loss(

@@ -130,6 +130,16 @@ class AlgorithmConfig:
         0.2, "Upper clip: the ratio is clipped above at 1 + epsilon_high. Range >= 0. DAPO's clip-higher "
         "uses 0.28 (with epsilon_low 0.2) to keep exploration; GSPO uses ~4e-4. Range [0, 10].",
         ge=0.0, le=10.0)
+    delta: float = config_field(
+        0.0, "loss_type grpo (and TRL's dapo / bnpo / dr_grpo): INTELLECT-2's two-sided clip, the unclipped ratio "
+        "capped at delta too, so a token with a negative advantage whose ratio ran far above 1 + epsilon_high gives "
+        "a bounded loss (TRL's delta; INTELLECT-2 uses 4, above 1 + epsilon_high). 0 = off. Range 0 or > 1.",
+        ge=0.0)
+    clip_ratio_c: float = config_field(
+        0.0, "loss_type grpo (and TRL's dapo / bnpo / dr_grpo): dual-clip PPO, a token with a negative advantage "
+        "loses at most -clip_ratio_c * A (no gradient beyond it; verl's clip_ratio_c, typically 3; AReaL's c_clip). "
+        "0 = off. Range 0 or > 1.",
+        ge=0.0)
     cispo_ratio_max: float = config_field(
         5.0, "loss_type cispo: the cap eps_max of the detached importance weight min(r, eps_max) (TRL's epsilon_high "
         "under loss_type cispo; ScaleRL's recommended 5). Range > 0.",
@@ -214,6 +224,12 @@ class AlgorithmConfig:
         3.0, "The cap C of importance_sampling_mode (TRL's vllm_importance_sampling_clip_max), and of the behaviour "
         "weight of loss_type decoupled (AReaL's behav_imp_weight_cap). Range >= 1.",
         ge=1.0)
+    off_policy_mask_threshold: float = config_field(
+        0.0, "Off-policy sequence masking (DeepSeek-V3.2; TRL's off_policy_mask_threshold): a completion with a "
+        "negative advantage whose mean per-token KL from the sampler, mean(sampler logp - logp), exceeds this drops "
+        "out of the policy term (its KL term stays); completions with a positive advantage always train. Logged as "
+        "sampling/off_policy_masked_ratio. 0 = off. Range >= 0.",
+        ge=0.0)
     sync_ref_model: bool = config_field(
         False, "Update the reference model from the policy every ref_model_sync_steps steps (TR-DPO style), "
         "mixed by ref_model_mixup_alpha. Requires beta > 0 (otherwise there is no reference).")
@@ -240,6 +256,14 @@ class AlgorithmConfig:
         if need is not None and self.loss_agg_mode != need:
             errors.append(f"loss_type = {self.loss_type!r} is a mean over sequences and needs loss_agg_mode = "
                           f"{need!r}, not {self.loss_agg_mode!r}; leave loss_agg_mode at its default")
+        for name in ("delta", "clip_ratio_c"):
+            value = getattr(self, name)
+            if 0 < value <= 1:
+                errors.append(f"{name} = {value} caps a ratio at or below 1, which clips every on-policy token; use a "
+                              f"value > 1 (e.g. {4 if name == 'delta' else 3}), or 0 for off")
+            elif value and self.loss_type != "grpo" and self.loss_type not in TRL_LOSS_TYPES:
+                errors.append(f"{name} = {value} applies to loss_type grpo (and TRL's dapo / bnpo / dr_grpo), not "
+                              f"{self.loss_type!r}; set {name} 0 or use loss_type grpo")
         if self.loss_type == "clip_cov" and self.clip_cov_lb >= self.clip_cov_ub:
             errors.append(f"clip_cov_lb = {self.clip_cov_lb} >= clip_cov_ub = {self.clip_cov_ub}: no token can be "
                           "picked; set clip_cov_lb below clip_cov_ub")
