@@ -158,7 +158,7 @@ def test_bad_table_rows_are_skipped_and_named_by_row_number(tmp_path, tok, caplo
 def test_folders_and_files_that_are_not_rows_are_one_line_errors(tmp_path, tok):
     """A DatasetDict folder names the split folders to pass; a folder datasets did not write, a missing file and a
     file that is not parquet are refused in one line."""
-    from mindrlhf.trainer.rollout import prompt_file_format
+    from mindrlhf.trainer.sampling import prompt_file_format
 
     splits = tmp_path / "gsm8k"
     write_saved(splits / "train", SFT_ROWS, shards=1)
