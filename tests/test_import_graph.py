@@ -125,3 +125,17 @@ def test_no_model_imports_a_layout_or_a_tool():
                for name, targets in import_graph().items() if name.split(".")[:2] == ["mindrlhf", "models"]}
     assert not {name: targets for name, targets in crossed.items() if targets}, {
         name: targets for name, targets in crossed.items() if targets}
+
+
+def test_no_code_edits_sys_path():
+    """docs/CONTRIBUTING.md: the package, examples, tools and bench import the installed package, and the tests'
+    helpers come through ``pythonpath = tests``; a bench script's sibling is found because ``python bench/x.py``
+    puts bench/ first on the module path."""
+    edits = []
+    for folder in ("mindrlhf", "bench", "examples", "tests", "scripts", ".ci"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+            edits += [f"{path.relative_to(REPO)}:{node.lineno}" for node in ast.walk(tree)
+                      if isinstance(node, ast.Attribute) and node.attr == "path"
+                      and isinstance(node.value, ast.Name) and node.value.id == "sys"]
+    assert not edits, "sys.path used at " + ", ".join(edits)
