@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Dict, Optional, Sequence, Tuple
@@ -91,6 +91,7 @@ class LossSettings:
     is_correction: bool = False
     is_mode: str = "sequence_mask"
     is_cap: float = 3.0
+    loss_params: Dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, cfg) -> "LossSettings":
@@ -99,7 +100,8 @@ class LossSettings:
         loss_type, agg = cfg.policy_loss
         return cls(loss_type, agg, a.epsilon_low, a.epsilon_high, a.beta, a.kl_estimator, g.max_completion_length,
                    g.temperature if g.temperature > 0 else 1.0, cfg.needs_old_logprobs,
-                   a.importance_sampling_correction, a.importance_sampling_mode, a.importance_sampling_cap)
+                   a.importance_sampling_correction, a.importance_sampling_mode, a.importance_sampling_cap,
+                   cfg.policy_loss_params)
 
 
 class GRPOObjective:
@@ -129,7 +131,8 @@ class GRPOObjective:
             kl_estimator=s.kl_estimator, loss_agg_mode=s.loss_agg_mode,
             max_completion_length=s.max_completion_length, global_num_tokens=num_tokens, global_num_seqs=num_seqs,
             is_weights=weights if s.is_correction else None,
-            behav_logp=sampler_logp if s.loss_type == "decoupled" else None, behav_cap=s.is_cap)
+            behav_logp=sampler_logp if s.loss_type == "decoupled" else None, behav_cap=s.is_cap,
+            loss_params=s.loss_params)
         # Means are over this micro-batch; weighted by its token count, the step forms exact global means.
         tokens = mask.sum()
         metrics["sampling/sampling_logp_difference/mean"] = ops.abs(gap).sum() / ops.maximum(tokens, 1.0)

@@ -115,8 +115,23 @@ def _where(fn: Callable) -> str:
 
 # --- the algorithm registries (functions in mindrlhf.algorithms, which imports MindSpore) --------
 POLICY_LOSSES: Registry = Registry(
-    "policy loss", module="mindrlhf.algorithms.losses", builtins=("grpo", "gspo", "gspo-token", "decoupled"),
-    hints={"dapo": "DAPO is loss_type='grpo' with epsilon_high > epsilon_low and loss_agg_mode='token-mean'"})
+    "policy loss", module="mindrlhf.algorithms.losses",
+    builtins=("grpo", "gspo", "gspo-token", "decoupled", "cispo", "sapo", "gmpo", "clip_cov", "kl_cov", "luspo",
+              "vespo"),
+    hints={"dapo": "DAPO is loss_type='grpo' with epsilon_high > epsilon_low and loss_agg_mode='token-mean'",
+           "geo_mean": "verl's geo_mean is loss_type='gmpo'"})
+#: The hyper-parameters each built-in policy loss reads beyond the clip range: its keyword arguments, which are
+#: also the GRPO config's field names (``configs.AlgorithmConfig``); a test ties the three together.
+POLICY_LOSS_PARAMS: Dict[str, Tuple[str, ...]] = {
+    "cispo": ("cispo_ratio_max",),
+    "sapo": ("sapo_temperature_pos", "sapo_temperature_neg"),
+    "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
+    "kl_cov": ("kl_cov_ratio", "kl_cov_coef"),
+    "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+}
+#: Losses defined on one value per sequence whose formula fixes the aggregation (their papers' and peers' mean
+#: over sequences); any other ``loss_agg_mode`` would weight the sequences by length again.
+POLICY_LOSS_AGGREGATION: Dict[str, str] = {"gmpo": "seq-mean-token-mean", "luspo": "seq-mean-token-mean"}
 IS_MODES: Registry = Registry(
     "importance sampling mode", module="mindrlhf.algorithms.losses",
     builtins=("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"))

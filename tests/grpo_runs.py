@@ -93,7 +93,7 @@ def grpo_args(assets, out: Path, **overrides) -> list:
 
 def assert_same_updated_weights(w1: dict, w2: dict, lr: float) -> None:
     """Two runs that should compute the same update (in another float summation order) agree on
-    their updated weights (name -> MindSpore tensor).
+    their updated weights (name -> MindSpore tensor or numpy array).
 
     Adam divides each element by sqrt(v) + eps, so an element whose gradient is near zero can move
     by a fraction of lr on float noise alone. So: almost every element agrees to 1e-6, and none is
@@ -104,7 +104,7 @@ def assert_same_updated_weights(w1: dict, w2: dict, lr: float) -> None:
     assert set(w1) == set(w2)
     off = total = 0
     for name in w1:
-        a, b = w1[name].asnumpy(), w2[name].asnumpy()
+        a, b = (np.asarray(w[name].asnumpy() if hasattr(w[name], "asnumpy") else w[name]) for w in (w1, w2))
         assert a.shape == b.shape, name
         off += int((~np.isclose(b, a, rtol=1e-5, atol=1e-6)).sum())
         total += a.size

@@ -6,7 +6,9 @@ central finite differences of that numpy loss, or against the analytic derivativ
 """
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import mindspore as ms
 import numpy as np
@@ -536,7 +538,8 @@ def test_policy_loss_in_jit_matches_pynative(batch, tmp_path, monkeypatch):
     def unknown_loss(lp):  # the registry look-up raises the one-line error inside a graph too
         return policy_loss(lp, old, adv, mask, loss_type="ppo")[0]
 
-    known = "unknown policy loss 'ppo'; choose one of decoupled, grpo, gspo, gspo-token"
+    known = ("unknown policy loss 'ppo'; choose one of cispo, clip_cov, decoupled, gmpo, grpo, gspo, gspo-token, "
+             "kl_cov, luspo, sapo, vespo")
     with pytest.raises(MindRLHFError, match=known):
         ms.jit(unknown_loss)(t(b["logp"]))
 
@@ -544,13 +547,231 @@ def test_policy_loss_in_jit_matches_pynative(batch, tmp_path, monkeypatch):
 def test_policy_loss_argument_errors(batch):
     b = batch
     args = (t(b["logp"]), t(b["old"]), t(b["adv"]), t(b["mask"]))
-    assert set(POLICY_LOSSES) == {"grpo", "gspo", "gspo-token", "decoupled"}
+    assert set(POLICY_LOSSES) == {"grpo", "gspo", "gspo-token", "decoupled", "cispo", "sapo", "gmpo", "clip_cov",
+                                  "kl_cov", "luspo", "vespo"}
     with pytest.raises(MindRLHFError, match="beta=0.1 > 0 needs ref_logp"):
         policy_loss(*args, beta=0.1)
-    known = "unknown policy loss 'ppo'; choose one of decoupled, grpo, gspo, gspo-token"
+    known = ("unknown policy loss 'ppo'; choose one of cispo, clip_cov, decoupled, gmpo, grpo, gspo, gspo-token, "
+             "kl_cov, luspo, sapo, vespo")
     with pytest.raises(MindRLHFError, match=known):
         policy_loss(*args, loss_type="ppo")
     with pytest.raises(MindRLHFError, match="unknown KL estimator 'kl'"):
         policy_loss(*args, kl_estimator="kl")
     with pytest.raises(MindRLHFError, match="needs max_completion_length"):
         policy_loss(*args, loss_agg_mode="seq-mean-token-sum-norm")
+    for loss_type in ("gmpo", "luspo"):
+        with pytest.raises(MindRLHFError, match=f"^loss_type='{loss_type}' is a mean over sequences and needs "
+                                                "loss_agg_mode='seq-mean-token-mean', got 'token-mean'$"):
+            policy_loss(*args, loss_type=loss_type, loss_agg_mode="token-mean")
+
+
+# --- CISPO, SAPO, GMPO, Clip-Cov, KL-Cov, LUSPO, VESPO: float64 hand computations -------------------------
+# One hand-made case: 2 completions (3 and 2 valid tokens), old log-probs 0 so r_t = exp(logp_t), with ratios on
+# both sides of every clip bound used below and both advantage signs; token-mean over the 5 valid tokens unless
+# a test says otherwise. Gradients of losses with a stop-gradient weight are written out analytically.
+HAND_LOGP = np.log(np.array([[1.5, 0.7, 1.1], [0.6, 1.3, 1.0]]))
+HAND_MASK = np.array([[1, 1, 1], [1, 1, 0]], np.float64)
+HAND_ADV = np.array([1.0, -2.0])
+HAND_A = np.broadcast_to(HAND_ADV[:, None], HAND_LOGP.shape)
+
+
+def hand_grad(loss_type, logp=HAND_LOGP, adv=HAND_ADV, mask=HAND_MASK, **kw):
+    kw.setdefault("loss_agg_mode", "token-mean")
+    return ms_loss_grad(logp, np.zeros_like(logp), adv, mask, loss_type=loss_type, **kw)
+
+
+def test_cispo_hand_values_and_gradient():
+    """CISPO (MiniMax-M1, arXiv:2506.13585): -sg(min(r, cap)) * A * logp. A token above the cap keeps a gradient
+    of -cap * A (PPO's clip would zero it), and r < 1 - eps is not clipped at all."""
+    r = np.exp(HAND_LOGP)
+    w = np.minimum(r, 1.2)  # 1.5 -> 1.2; 0.6 stays (no lower bound)
+    want = (np.where(HAND_MASK > 0, -w * HAND_A * HAND_LOGP, 0.0)).sum() / 5
+    loss, _, grad = hand_grad("cispo", loss_params={"cispo_ratio_max": 1.2})
+    assert loss == pytest.approx(want, rel=1e-6)
+    np.testing.assert_allclose(grad, np.where(HAND_MASK > 0, -w * HAND_A / 5, 0.0), rtol=1e-5, atol=1e-8)
+    assert grad[0, 0] == pytest.approx(-1.2 / 5, rel=1e-6)  # clipped weight, gradient kept
+
+
+def np_sapo(logp, adv, mask, tau_pos, tau_neg):
+    r, a = np.exp(logp), np.broadcast_to(adv[:, None], logp.shape)
+    tau = np.where(a > 0, tau_pos, tau_neg)
+    per = -(1.0 / (1.0 + np.exp(-tau * (r - 1.0)))) * 4.0 / tau * a
+    return np.where(mask > 0, per, 0.0).sum() / mask.sum()
+
+
+def test_sapo_hand_values_and_gradient():
+    """SAPO (arXiv:2511.20347): -sigmoid(tau (r - 1)) 4/tau A, tau by the advantage's sign; at r = 1 the gate is
+    2/tau with slope 1 (the plain policy gradient), far from 1 it flattens instead of cutting off."""
+    kw = {"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05}
+    loss, _, grad = hand_grad("sapo", loss_params=kw)
+    fn = lambda lp: np_sapo(lp, HAND_ADV, HAND_MASK, 1.0, 1.05)  # noqa: E731
+    assert loss == pytest.approx(fn(HAND_LOGP), rel=1e-5, abs=2e-6)  # float32; a sum of terms of both signs
+    np.testing.assert_allclose(grad, finite_diff(fn, HAND_LOGP), rtol=1e-5, atol=1e-7)
+    # r = 1 (the padded-out third token of row 2 aside): d/dlogp of -f(r) A at r = 1 is -f'(1) A = -A.
+    assert grad[1, 2] == 0.0
+    on_policy = hand_grad("sapo", logp=np.zeros((2, 3)), loss_params=kw)[2]
+    np.testing.assert_allclose(on_policy, np.where(HAND_MASK > 0, -HAND_A / 5, 0.0), rtol=1e-6)
+    # Sharper temperatures damp the far-off-policy token r = 1.5 (A > 0) much more.
+    sharp = hand_grad("sapo", loss_params={"sapo_temperature_pos": 8.0, "sapo_temperature_neg": 8.0})[2]
+    assert abs(sharp[0, 0]) < 0.2 * abs(grad[0, 0])
+
+
+def np_gmpo(logp, adv, mask, el, eh):
+    lr = np.where(mask > 0, logp, 0.0)
+    s = np.sign(adv)[:, None]
+    kept = s * np.minimum(s * lr, s * np.clip(lr, -el, eh))
+    seq = -adv * np.exp((kept * mask).sum(-1) / mask.sum(-1))
+    return seq.mean()
+
+
+def test_gmpo_hand_values_and_gradient():
+    """GMPO (arXiv:2507.20673; verl geo_mean): -A exp(mean_t of the sign-pessimistic log-ratio clipped to
+    [-eps_low, eps_high]), a mean over sequences. With eps 0.4: row 1 (A > 0) clips log 1.5 = 0.405 to 0.4 (no
+    gradient) but keeps log 0.7; row 2 (A < 0) keeps log 0.6 = -0.51 unclipped (the pessimistic side)."""
+    loss, metrics, grad = hand_grad("gmpo", loss_agg_mode="seq-mean-token-mean", epsilon_low=0.4, epsilon_high=0.4)
+    fn = lambda lp: np_gmpo(lp, HAND_ADV, HAND_MASK, 0.4, 0.4)  # noqa: E731
+    assert loss == pytest.approx(fn(HAND_LOGP), rel=1e-6)
+    np.testing.assert_allclose(grad, finite_diff(fn, HAND_LOGP), rtol=1e-5, atol=1e-8)
+    g1 = math.exp((0.4 + math.log(0.7) + math.log(1.1)) / 3)  # row 1's geometric mean, first token clipped
+    assert grad[0, 0] == 0.0 and grad[0, 1] == pytest.approx(-g1 / 3 / 2, rel=1e-5)
+    assert metrics["clip_ratio/high_mean"] == pytest.approx(1 / 5)  # log 1.5 > 0.4 with A > 0
+    assert metrics["clip_ratio/low_mean"] == pytest.approx(1 / 5)   # log 0.6 < -0.4 with A < 0
+
+
+def np_cov(adv, logp, mask):
+    m = mask > 0
+    a = np.broadcast_to(adv[:, None], logp.shape)
+    return (a - a[m].mean()) * (logp - logp[m].mean())
+
+
+def test_kl_cov_hand_values_and_gradient():
+    """KL-Cov (arXiv:2505.22617; verl kl_cov): -A r plus coef |log r| on the max(floor(ratio N), 1) tokens of
+    largest covariance (A - mean A)(logp - mean logp); here N = 5, ratio 0.4 -> the 2 largest."""
+    cov = np_cov(HAND_ADV, HAND_LOGP, HAND_MASK)
+    order = np.argsort(-np.where(HAND_MASK > 0, cov, -np.inf), axis=None)[:2]
+    chosen = np.zeros(HAND_LOGP.size, bool)
+    chosen[order] = True
+    chosen = chosen.reshape(HAND_LOGP.shape)
+    assert chosen[0, 0] and chosen[1, 0]  # r = 1.5 with A > 0, r = 0.6 with A < 0: the two far-off tokens
+    r = np.exp(HAND_LOGP)
+    per = -HAND_A * r + np.where(chosen, 0.5 * np.abs(HAND_LOGP), 0.0)
+    loss, _, grad = hand_grad("kl_cov", loss_params={"kl_cov_ratio": 0.4, "kl_cov_coef": 0.5})
+    assert loss == pytest.approx(np.where(HAND_MASK > 0, per, 0.0).sum() / 5, rel=1e-6)
+    want = -HAND_A * r + np.where(chosen, 0.5 * np.sign(HAND_LOGP), 0.0)
+    np.testing.assert_allclose(grad, np.where(HAND_MASK > 0, want / 5, 0.0), rtol=1e-5, atol=1e-8)
+    # The default ratio 2e-4 still treats one token (max(floor(0.001), 1)): the largest covariance.
+    small = hand_grad("kl_cov", loss_params={"kl_cov_ratio": 2e-4, "kl_cov_coef": 0.5})[2]
+    assert (np.abs(small - np.where(HAND_MASK > 0, -HAND_A * r / 5, 0.0)) > 1e-6).sum() == 1
+
+
+def test_clip_cov_hand_values_and_gradient():
+    """Clip-Cov (arXiv:2505.22617; verl clip_cov): PPO's clipped surrogate with the tokens chosen among the
+    unclipped ones whose covariance lies in (lb, ub) set to 0. With every such token chosen (ratio 1), the pick
+    is the whole eligible set, as verl's random pick is then."""
+    cov = np_cov(HAND_ADV, HAND_LOGP, HAND_MASK)
+    r = np.exp(HAND_LOGP)
+    plain, clipped = -HAND_A * r, -HAND_A * np.clip(r, 0.8, 1.2)
+    unclipped = (clipped <= plain) & (HAND_MASK > 0)
+    lb, ub = -0.45, 0.2  # covariances: 0.51, -0.40, 0.14 / 0.88, -0.51; the two eligible: -0.40, 0.14
+    eligible = unclipped & (cov > lb) & (cov < ub)
+    assert eligible.sum() == 2 and not eligible[1, 0]  # r = 0.6, A < 0 is clipped (cov 0.88): never eligible
+    per = np.where(eligible, 0.0, np.maximum(plain, clipped))
+    dper = np.where(eligible | ~unclipped, 0.0, -HAND_A * r)
+    params = {"clip_cov_ratio": 1.0, "clip_cov_lb": lb, "clip_cov_ub": ub}
+    loss, _, grad = hand_grad("clip_cov", loss_params=params)
+    assert loss == pytest.approx(np.where(HAND_MASK > 0, per, 0.0).sum() / 5, rel=1e-6)
+    np.testing.assert_allclose(grad, np.where(HAND_MASK > 0, dper / 5, 0.0), rtol=1e-5, atol=1e-8)
+    # Ratio 0.2: max(floor(0.2 * 5), 1) = 1 of the 2 eligible tokens loses its gradient, the other keeps it.
+    one = hand_grad("clip_cov", loss_params=dict(params, clip_cov_ratio=0.2))[2]
+    zeroed = eligible & (np.abs(one) < 1e-12)
+    assert zeroed.sum() == 1
+    np.testing.assert_allclose(one[~zeroed], np.where(HAND_MASK > 0, np.where(~unclipped, 0.0, -HAND_A * r) / 5,
+                                                      0.0)[~zeroed], rtol=1e-5, atol=1e-8)
+    # Bounds that exclude every token: the grpo loss exactly.
+    none = hand_grad("clip_cov", loss_params=dict(params, clip_cov_lb=10.0, clip_cov_ub=20.0))
+    grpo = hand_grad("grpo")
+    assert none[0] == pytest.approx(grpo[0], rel=1e-7)
+    np.testing.assert_allclose(none[2], grpo[2], rtol=1e-6)
+
+
+def test_luspo_hand_values_and_gradient():
+    """LUSPO (TRL luspo): GSPO's clipped sequence loss times the sequence length, a mean over sequences. Row 1:
+    s = exp(mean log r) = (1.5*0.7*1.1)^(1/3) = 1.0504 inside [0.8, 1.2]; row 2: s = (0.6*1.3)^(1/2) = 0.883."""
+    s1, s2 = (1.5 * 0.7 * 1.1) ** (1 / 3), (0.6 * 1.3) ** 0.5
+    want = (3 * -s1 * 1.0 + 2 * -s2 * -2.0) / 2
+    loss, _, grad = hand_grad("luspo", loss_agg_mode="seq-mean-token-mean")
+    assert loss == pytest.approx(want, rel=1e-6)
+    # d(-|y| s A)/dlogp_t = -|y| s A / |y| = -s A per token, over 2 sequences.
+    np.testing.assert_allclose(grad, np.where(HAND_MASK > 0, [[-s1 / 2] * 3, [2 * s2 / 2] * 3], 0.0), rtol=1e-5)
+    # epsilon_high 0.02: row 1's s = 1.05 > 1.02 with A > 0 is clipped: value 3 * -1.02, no gradient.
+    loss, _, grad = hand_grad("luspo", loss_agg_mode="seq-mean-token-mean", epsilon_high=0.02)
+    assert loss == pytest.approx((3 * -1.02 + 2 * -s2 * -2.0) / 2, rel=1e-6) and (grad[0] == 0).all()
+
+
+def np_vespo(logp, adv, mask, k_pos, l_pos, k_neg, l_neg):
+    log_w = np.clip(np.where(mask > 0, logp, 0.0).sum(-1, keepdims=True), math.log(1e-8), 20.0)
+    a = adv[:, None]
+    k, lam = np.where(a >= 0, k_pos, k_neg), np.where(a >= 0, l_pos, l_neg)
+    return np.exp(lam + k * log_w - lam * np.exp(log_w))
+
+
+def test_vespo_hand_values_and_gradient():
+    """VESPO (TRL vespo): -sg(phi(w)) A logp with phi(w) = exp(lam + k log w - lam w), w = exp(sum_t log r_t);
+    phi(1) = 1 and phi falls off on both sides of w = 1, more steeply for the negative advantage's (k, lam)."""
+    params = dict(vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0)
+    phi = np_vespo(HAND_LOGP, HAND_ADV, HAND_MASK, 2.0, 3.0, 3.0, 2.0)
+    loss, _, grad = hand_grad("vespo", loss_params=params)
+    per = -phi * HAND_A * HAND_LOGP
+    assert loss == pytest.approx(np.where(HAND_MASK > 0, per, 0.0).sum() / 5, rel=1e-6)
+    np.testing.assert_allclose(grad, np.where(HAND_MASK > 0, -phi * HAND_A / 5, 0.0), rtol=1e-5, atol=1e-8)
+    w1 = 1.5 * 0.7 * 1.1  # row 1: phi = exp(3 + 2 log w - 3 w)
+    assert phi[0, 0] == pytest.approx(math.exp(3 + 2 * math.log(w1) - 3 * w1)) and phi[0, 0] < 1.0
+    on_policy = hand_grad("vespo", logp=np.zeros((2, 3)), loss_params=params)[2]  # w = 1: phi = 1
+    np.testing.assert_allclose(on_policy, np.where(HAND_MASK > 0, -HAND_A / 5, 0.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "gmpo", "clip_cov", "kl_cov", "luspo", "vespo"])
+def test_new_losses_in_jit_match_pynative(loss_type, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a failed graph compile writes rank_0/om/analyze_fail.ir into the cwd
+    old, adv, mask = t(np.zeros((2, 3))), t(HAND_ADV), t(HAND_MASK)
+    agg = "seq-mean-token-mean" if loss_type in ("gmpo", "luspo") else "token-mean"
+    params = {"clip_cov": {"clip_cov_ratio": 0.2, "clip_cov_lb": -0.45, "clip_cov_ub": 0.2},
+              "kl_cov": {"kl_cov_ratio": 0.4}}
+
+    def f(lp):
+        return policy_loss(lp, old, adv, mask, loss_type=loss_type, loss_agg_mode=agg,
+                           loss_params=params.get(loss_type))[0]
+
+    np.testing.assert_allclose(float(ms.jit(f)(t(HAND_LOGP))), float(f(t(HAND_LOGP))), rtol=1e-6)
+    np.testing.assert_allclose(ms.jit(ms.grad(f))(t(HAND_LOGP)).asnumpy(), ms.grad(f)(t(HAND_LOGP)).asnumpy(),
+                               rtol=1e-6, atol=1e-9)
+
+
+# --- TRL 1.16's own losses on recorded inputs (tests/make_trl_loss_reference.py, run in TRL's venv) --------
+TRL_LOSS_REFERENCE = Path(__file__).resolve().parent / "data" / "trl_loss_reference.json"
+TRL_REF = json.loads(TRL_LOSS_REFERENCE.read_text(encoding="utf-8"))
+
+
+def trl_case_kwargs(case):
+    """policy_loss's arguments for a TRL case: TRL's aggregation for its loss type and its fields by our names."""
+    f = case["fields"]
+    if case["loss_type"] == "cispo":  # TRL's epsilon_high is CISPO's cap; aggregated over the batch's tokens
+        return dict(loss_agg_mode="token-mean", loss_params={"cispo_ratio_max": f["epsilon_high"]})
+    if case["loss_type"] == "sapo":
+        return dict(loss_agg_mode="seq-mean-token-mean", loss_params=f)
+    if case["loss_type"] == "luspo":
+        return dict(loss_agg_mode="seq-mean-token-mean", epsilon_low=f["epsilon"], epsilon_high=f["epsilon_high"])
+    return dict(loss_agg_mode="token-mean", loss_params=f)  # vespo, whose fields are ours by name
+
+
+@pytest.mark.parametrize("name", sorted(TRL_REF["cases"]))
+def test_loss_equals_trl_reference(name):
+    case, data = TRL_REF["cases"][name], TRL_REF["inputs"]
+    logp, old, mask = (np.array(data[k], np.float64) for k in ("logp", "old_logp", "mask"))
+    loss, metrics, grad = ms_loss_grad(logp, old, np.array(data["advantages"]), mask, loss_type=case["loss_type"],
+                                       **trl_case_kwargs(case))
+    assert loss == pytest.approx(case["loss"], rel=1e-5, abs=2e-6)  # float32 against TRL's float64
+    np.testing.assert_allclose(grad, np.array(case["grad"]), rtol=2e-5, atol=1e-7)
+    for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+        if key in case["metrics"]:  # luspo: TRL's clip fractions of the sequence ratio
+            assert metrics[key] == pytest.approx(case["metrics"][key]), key

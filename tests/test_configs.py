@@ -305,6 +305,15 @@ RULES = [
     (dict(kl_estimator="k4"), ["kl_estimator = 'k4' is not one of k1|k2|k3"]),
     (dict(loss_type="gspo_token"), ["loss_type = 'gspo_token'", "did you mean 'gspo-token'"]),
     (dict(loss_agg_mode="token_mean"), ["loss_agg_mode = 'token_mean'", "did you mean 'token-mean'"]),
+    (dict(loss_type="gmpo", loss_agg_mode="token-mean"),
+     ["loss_type = 'gmpo' is a mean over sequences and needs loss_agg_mode = 'seq-mean-token-mean'"]),
+    (dict(loss_type="luspo", loss_agg_mode="seq-mean-token-sum-norm"), ["loss_type = 'luspo'", "not "
+                                                                        "'seq-mean-token-sum-norm'"]),
+    (dict(loss_type="clip_cov", clip_cov_lb=5.0, clip_cov_ub=1.0), ["clip_cov_lb = 5.0 >= clip_cov_ub = 1.0"]),
+    (dict(loss_type="vespo", importance_sampling_correction=True), ["loss_type = 'vespo' with "
+                                                                    "importance_sampling_correction = true"]),
+    (dict(sapo_temperature_pos=0.0), ["sapo_temperature_pos = 0.0 must be > 0"]),
+    (dict(clip_cov_ratio=0.0), ["clip_cov_ratio = 0.0 must be > 0"]),
     (dict(scale_rewards="std"), ["scale_rewards = 'std' is not one of group|batch|none"]),
     (dict(ref_model_sync_steps=0), ["ref_model_sync_steps = 0 must be >= 1"]),
     (dict(ref_model_mixup_alpha=0.0), ["ref_model_mixup_alpha = 0.0 must be > 0"]),

@@ -186,6 +186,32 @@ def test_three_steps_metrics_finite_and_on_policy(grpo_assets, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "gmpo", "clip_cov", "kl_cov", "luspo", "vespo"])
+def test_each_new_policy_loss_trains_two_steps(grpo_assets, tmp_path, loss_type):
+    """Two steps of two updates each (num_iterations 2: the second update is off-policy, so the ratio moves), with
+    the loss's own hyper-parameters reaching it: finite loss and grad norm, and the policy changes."""
+    out = tmp_path / "run"
+    extra = {"clip_cov": {"clip_cov_ratio": 0.2, "clip_cov_lb": -10.0, "clip_cov_ub": 10.0},
+             "kl_cov": {"kl_cov_ratio": 0.2}}.get(loss_type, {})
+    assert _run_inprocess(_args(grpo_assets, out, max_steps=2, num_iterations=2, max_completion_length=8,
+                                tensorboard="false", log_completions_steps=0,
+                                reward_funcs=["e2e_rewards:length_reward"],
+                                loss_type=loss_type, beta=0.04, **extra)) == 0
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        for k in ("loss", "grad_norm", "kl", "reward"):
+            assert math.isfinite(r[k]), (loss_type, k, r[k])
+        assert r["grad_norm"] > 0
+    import mindspore as ms
+
+    ckpts = CheckpointManager(str(out / "checkpoints"), 2)
+    first = ms.load_checkpoint(str(ckpts.step_dir(1) / "policy.ckpt"))
+    second = ms.load_checkpoint(str(ckpts.step_dir(2) / "policy.ckpt"))
+    assert any(not np.array_equal(first[k].asnumpy(), second[k].asnumpy()) for k in first)
+
+
+@pytest.mark.slow
 def test_beta_zero_builds_no_reference_and_beta_positive_logs_kl(grpo_assets, tmp_path, monkeypatch):
     from mindrlhf import grpo
     from mindrlhf.configs import parse_args

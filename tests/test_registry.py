@@ -5,13 +5,14 @@ Runs without MindSpore where it can: the configs must read their choices without
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import subprocess
 import sys
 
 import pytest
 
 from mindrlhf import registry
-from mindrlhf.configs import AlgorithmConfig, grpo_configs
+from mindrlhf.configs import AlgorithmConfig, GRPOConfig, grpo_configs
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.registry import Registry
 from mindrlhf.rewards import REWARD_FUNCS
@@ -76,6 +77,16 @@ def test_every_config_choice_is_its_registry():
         for name in reg.builtins:
             assert callable(reg.get(name))
     assert _choices("loss_type") == registry.POLICY_LOSSES.names() + tuple(grpo_configs.TRL_LOSS_TYPES)
+    # Each loss's hyper-parameters are keyword arguments of its function and GRPO config fields of the same
+    # default, and reach the loss through the config.
+    fields = {f.name: f for f in dataclasses.fields(AlgorithmConfig)}
+    assert set(registry.POLICY_LOSS_PARAMS) | set(registry.POLICY_LOSS_AGGREGATION) <= set(registry.POLICY_LOSSES)
+    for name, params in registry.POLICY_LOSS_PARAMS.items():
+        signature = inspect.signature(registry.POLICY_LOSSES.get(name)).parameters
+        for param in params:
+            assert signature[param].kind is inspect.Parameter.KEYWORD_ONLY, (name, param)
+            assert fields[param].default == signature[param].default, (name, param)
+        assert tuple(GRPOConfig.from_dict({"loss_type": name}).policy_loss_params) == params
     assert set(grpo_configs.TRL_LOSS_TYPES).isdisjoint(registry.POLICY_LOSSES.names())
     assert set(grpo_configs.TRL_LOSS_TYPES.values()) <= set(registry.LOSS_AGG_MODES)
     assert _choices("importance_sampling_mode") == registry.IS_MODES.names()

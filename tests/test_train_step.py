@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from grpo_runs import assert_same_updated_weights
 from mindrlhf.trainer.experience import Experience, left_pad, right_pad
 
 
@@ -55,9 +56,9 @@ def test_extra_completion_padding_does_not_change_the_update(tiny_qwen2_dir, los
     assert narrow["grad_norm"] > 0 and narrow["kl"] > 0
     for key in ("loss", "grad_norm", "kl"):
         assert wide[key] == pytest.approx(narrow[key], rel=1e-5, abs=1e-8), key
-    assert set(narrow_w) == set(wide_w)
-    for name in narrow_w:
-        np.testing.assert_allclose(wide_w[name], narrow_w[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    # The same update to float rounding: Adam's division lets an element with a near-zero gradient move by a fraction
+    # of lr on summation-order noise (2.6e-7 on one of 4096 q_proj elements on an AMD Zen 5 box).
+    assert_same_updated_weights(narrow_w, wide_w, lr=1e-3)
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])

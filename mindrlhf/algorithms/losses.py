@@ -1,7 +1,8 @@
-"""Policy losses (GRPO, GSPO, GSPO-token) and the one loss-aggregation helper.
+"""Policy losses (GRPO, GSPO, GSPO-token, decoupled, CISPO, SAPO, GMPO, Clip-Cov, KL-Cov, LUSPO, VESPO) and the one
+loss-aggregation helper.
 
 Every policy loss is a small registered function ``fn(log_ratio, advantages, mask, epsilon_low,
-epsilon_high) -> (per_token_loss, ratio)`` of the masked, detached-old log-ratio
+epsilon_high, **params) -> (per_token_loss, ratio)`` of the masked, detached-old log-ratio
 ``logp − sg(old_logp)``; ``ratio`` is the importance ratio that was clipped (per token, or per
 sequence as ``(B, 1)``) and feeds the clip metrics. ``policy_loss`` adds the KL term, aggregates
 with ``aggregate_loss`` and computes the metrics.
@@ -13,14 +14,15 @@ pass ``global_num_tokens``/``global_num_seqs`` as 0-d Tensors to avoid a recompi
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple, Union
+import math
+from typing import Callable, Dict, Mapping, Optional, Tuple, Union
 
 from mindspore import Tensor, ops
 
 from mindrlhf.algorithms.kl import get_kl_estimator
 from mindrlhf.algorithms.registry import check_registered, lookup
 from mindrlhf.errors import MindRLHFError
-from mindrlhf.registry import IS_MODES, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+from mindrlhf.registry import IS_MODES, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSS_AGGREGATION, POLICY_LOSSES
 
 #: Log-ratios (policy vs old, policy vs reference) are clamped to ±this before ``exp`` (as verl does):
 #: exp(20) ≈ 4.9e8 is far outside any clip range, yet one off-policy outlier can no longer overflow
@@ -123,9 +125,36 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
 
 
 # --- policy losses -------------------------------------------------------------------------------
-PolicyLoss = Callable[[Tensor, Tensor, Tensor, float, float], Tuple[Tensor, Tensor]]
-#: Decorator: register ``fn(log_ratio, advantages, mask, eps_low, eps_high) -> (loss, ratio)`` under ``name``.
-register_policy_loss = POLICY_LOSSES.register
+PolicyLoss = Callable[..., Tuple[Tensor, Tensor]]
+
+
+def register_policy_loss(name: str, *, reads_logp: bool = False) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Decorator: register ``fn(log_ratio, advantages, mask, eps_low, eps_high, **params) -> (loss, ratio)``
+    under ``name``. ``params`` are its hyper-parameters (``registry.POLICY_LOSS_PARAMS``), passed by keyword.
+    ``reads_logp``: it is also given the masked log-probs themselves (``logp=``), for a loss whose value is
+    ``A·logp`` (CISPO's, VESPO's) rather than a function of the ratio only."""
+    def wrap(fn: PolicyLoss) -> PolicyLoss:
+        POLICY_LOSSES.register(name)(fn)
+        fn.reads_logp = bool(reads_logp)
+        return fn
+
+    return wrap
+
+
+@ops.constexpr
+def _reads_logp(loss_type: str) -> bool:
+    # constexpr: the attribute is read in Python at graph-compile time, not parsed into the graph.
+    # An unknown name is False here: the registry look-up beside it raises the one-line error.
+    return bool(getattr(POLICY_LOSSES.entries.get(loss_type), "reads_logp", False))
+
+
+@ops.constexpr
+def _check_loss_agg(loss_type: str, loss_agg_mode: str) -> bool:
+    need = POLICY_LOSS_AGGREGATION.get(loss_type)
+    if need is not None and loss_agg_mode != need:
+        raise MindRLHFError(f"loss_type={loss_type!r} is a mean over sequences and needs loss_agg_mode={need!r}, "
+                            f"got {loss_agg_mode!r}")
+    return True
 
 
 def get_policy_loss(name: str) -> PolicyLoss:
@@ -189,6 +218,151 @@ def decoupled_loss(log_ratio, advantages, mask, epsilon_low, epsilon_high, behav
     return per_token * weight.astype(per_token.dtype), ratio
 
 
+@register_policy_loss("cispo", reads_logp=True)
+def cispo_loss(log_ratio, advantages, mask, epsilon_low, epsilon_high, *, logp=None, cispo_ratio_max=5.0):
+    """CISPO (MiniMax-M1, arXiv:2506.13585, section 3.1): clip the importance weight, not the update, and keep
+    every token's gradient:
+
+        ℓ_t = −sg(min(r_t, ε_max)) · A · log π_θ(y_t),   r_t = exp(log_ratio_t),
+
+    with TRL 1.16's one-sided bound (``GRPOTrainer._compute_loss``, ``loss_type="cispo"``, whose
+    ``epsilon_high`` is ε_max = ``cispo_ratio_max``; ScaleRL recommends 5). The clip range ε is not used."""
+    ratio = ops.exp(log_ratio)
+    weight = ops.stop_gradient(ops.minimum(ratio, cispo_ratio_max))
+    return -weight * advantages * logp, ratio
+
+
+@register_policy_loss("sapo")
+def sapo_loss(log_ratio, advantages, mask, epsilon_low, epsilon_high, *, sapo_temperature_pos=1.0,
+              sapo_temperature_neg=1.05):
+    """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization", arXiv:2511.20347): a smooth gate in place of
+    the hard clip,
+
+        ℓ_t = −f(r_t) · A,   f(r) = σ(τ·(r − 1)) · 4/τ,   τ = τ_pos if A > 0 else τ_neg,
+
+    as TRL 1.16 (``loss_type="sapo"``) and verl (``compute_policy_loss_sapo``) compute it: f(1) = 2/τ and
+    f'(1) = 1, so on-policy it is the plain policy gradient. The clip range ε is not used."""
+    ratio = ops.exp(log_ratio)
+    tau = ops.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg).astype(ratio.dtype)
+    return -ops.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * advantages, ratio
+
+
+@register_policy_loss("gmpo")
+def gmpo_loss(log_ratio, advantages, mask, epsilon_low, epsilon_high):
+    """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv:2507.20673; verl's ``geo_mean``,
+    ``compute_policy_loss_geo_mean``): the geometric mean of the token ratios, each clipped in log space on the
+    pessimistic side of its advantage's sign,
+
+        ℓ_i = −A_i · exp(mean_t sgn(A)·min(sgn(A)·log r_t, sgn(A)·clip(log r_t, −ε_low, ε_high))),
+
+    one value per sequence, broadcast over its tokens (aggregated seq-mean-token-mean: verl's mean over
+    sequences). GMPO's clip range is wider than PPO's because it is in log space (the paper uses ε = 0.4).
+    The returned ratio is ``1 + log r_t``, so the clip metrics count exactly the tokens whose log-ratio left
+    [−ε_low, ε_high] on the clipped side."""
+    _check_seq_advantages("gmpo", advantages.shape)
+    sign = ops.sign(advantages)
+    clipped = ops.clamp(log_ratio, -epsilon_low, epsilon_high)
+    pessimistic = sign * ops.minimum(sign * log_ratio, sign * clipped)
+    seq_loss = -advantages * ops.exp(_seq_mean(pessimistic, mask))
+    return ops.broadcast_to(seq_loss, log_ratio.shape), 1.0 + log_ratio
+
+
+def _covariance(advantages: Tensor, logp: Tensor, mask: Tensor) -> Tensor:
+    """Per token (A − mean A)·(logp − mean logp), means over the valid tokens; no gradient (Cui et al. 2025,
+    arXiv:2505.22617: the centred product whose large values drive the entropy collapse)."""
+    adv = ops.broadcast_to(advantages, mask.shape)
+    cov = (adv - masked_mean(adv, mask)) * (logp - masked_mean(logp, mask))
+    return ops.stop_gradient(cov)
+
+
+def _rank(keys: Tensor) -> Tensor:
+    """Each element's 0-based rank in ascending order of ``keys`` (ties broken by the sort): a permutation."""
+    flat = keys.reshape(-1)
+    return ops.argsort(ops.argsort(flat)).reshape(keys.shape)
+
+
+def _pick_count(ratio: float, mask: Tensor) -> Tensor:
+    """max(⌊ratio · valid tokens⌋, 1): how many tokens Clip-Cov / KL-Cov treat, as verl counts them."""
+    return ops.maximum(ops.floor(ratio * mask.sum()), 1.0)
+
+
+#: Weyl-sequence keys frac(n·φ) stand in for verl's ``torch.randperm`` in Clip-Cov's choice among the eligible
+#: tokens: spread over the batch like a random pick, but the same on every run and inside a compiled graph.
+_GOLDEN = 0.6180339887498949
+
+
+@register_policy_loss("clip_cov", reads_logp=True)
+def clip_cov_loss(log_ratio, advantages, mask, epsilon_low, epsilon_high, *, logp=None, clip_cov_ratio=2e-4,
+                  clip_cov_lb=1.0, clip_cov_ub=5.0):
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language
+    Models", arXiv:2505.22617, section 4; verl's ``compute_policy_loss_clip_cov``): the PPO clipped surrogate,
+    with the gradient of max(⌊clip_cov_ratio · tokens⌋, 1) tokens removed (their loss set to 0), chosen among the
+    unclipped valid tokens whose covariance ``(A − Ā)(logp − l̄ogp)`` lies in (clip_cov_lb, clip_cov_ub).
+    verl picks them with ``torch.randperm``; here the pick is by fixed Weyl keys (``_GOLDEN``), so a run
+    repeats exactly. The means and the count are over the micro-batch, as verl computes them."""
+    ratio = ops.exp(log_ratio)
+    plain = -advantages * ratio
+    clipped = -advantages * ops.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    valid = mask > 0
+    cov = _covariance(advantages, logp, mask)
+    eligible = ops.logical_and(ops.logical_and(valid, clipped <= plain),
+                               ops.logical_and(cov > clip_cov_lb, cov < clip_cov_ub))
+    index = ops.arange(mask.size, dtype=ratio.dtype).reshape(mask.shape) + 1.0
+    key = ops.where(eligible, index * _GOLDEN - ops.floor(index * _GOLDEN), 2.0)
+    dropped = ops.logical_and(eligible, _rank(key).astype(ratio.dtype) < _pick_count(clip_cov_ratio, mask))
+    return ops.where(dropped, 0.0, ops.maximum(plain, clipped)), ratio
+
+
+@register_policy_loss("kl_cov", reads_logp=True)
+def kl_cov_loss(log_ratio, advantages, mask, epsilon_low, epsilon_high, *, logp=None, kl_cov_ratio=2e-4,
+                kl_cov_coef=1.0):
+    """KL-Cov (Cui et al. 2025, arXiv:2505.22617, section 4; verl's ``compute_policy_loss_kl_cov``): the
+    unclipped surrogate −A·r_t, plus ``kl_cov_coef``·|log r_t| on the max(⌊kl_cov_ratio · tokens⌋, 1) valid
+    tokens of largest covariance ``(A − Ā)(logp − l̄ogp)`` (means and count over the micro-batch, as verl's).
+    No ratio clip: the KL term on the high-covariance tokens replaces it. The clip range ε is not used."""
+    ratio = ops.exp(log_ratio)
+    cov = _covariance(advantages, logp, mask)
+    key = ops.where(mask > 0, -cov, float("inf"))  # ascending rank of −cov: the largest covariance first
+    chosen = _rank(key).astype(ratio.dtype) < _pick_count(kl_cov_ratio, mask)
+    penalty = ops.where(chosen, kl_cov_coef * ops.abs(log_ratio), 0.0)
+    return -advantages * ratio + penalty, ratio
+
+
+@register_policy_loss("luspo")
+def luspo_loss(log_ratio, advantages, mask, epsilon_low, epsilon_high):
+    """LUSPO (arXiv:2602.05261, "Length-Unbiased Sequence Policy Optimization"; TRL 1.16's ``loss_type="luspo"``
+    with ``importance_sampling_level="sequence"``): GSPO's clipped sequence loss scaled by the sequence's length
+    |y_i|, so under seq-mean-token-mean each sequence counts Σ_t ℓ_i = |y_i|·ℓ_i, TRL's
+    ``(per_token_loss * mask).sum(-1).mean()``."""
+    _check_seq_advantages("luspo", advantages.shape)
+    per_token, ratio = gspo_loss(log_ratio, advantages, mask, epsilon_low, epsilon_high)
+    return per_token * mask.sum(axis=-1, keepdims=True), ratio
+
+
+#: VESPO's floor on the sequence weight w, log(1e-8), as TRL (``get_gamma_weights``) and the VESPO code clamp it.
+_VESPO_LOG_W_MIN = math.log(1e-8)
+
+
+@register_policy_loss("vespo", reads_logp=True)
+def vespo_loss(log_ratio, advantages, mask, epsilon_low, epsilon_high, *, logp=None, vespo_k_pos=2.0,
+               vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0):
+    """VESPO (arXiv:2602.10693, "Variational Sequence-Level Soft Policy Optimization"; TRL 1.16's
+    ``loss_type="vespo"``, ``GRPOTrainer.get_gamma_weights``): a token-level gradient weighted by a smooth
+    Gamma-shaped function of the sequence's importance weight w = exp(Σ_t log r_t),
+
+        ℓ_t = −sg(φ(w)) · A · log π_θ(y_t),   φ(w) = exp(λ + k·log w − λ·w)  (φ(1) = 1),
+
+    with (k, λ) = (k_pos, λ_pos) for A ≥ 0 else (k_neg, λ_neg), log w clamped to [log 1e-8, 20]. The clip
+    range ε is not used. Returns φ's argument w per sequence (B, 1) as the ratio."""
+    log_w = ops.clamp((log_ratio * mask).sum(axis=-1, keepdims=True), _VESPO_LOG_W_MIN, LOG_RATIO_BOUND)
+    w = ops.exp(log_w)
+    nonneg = advantages >= 0
+    k = ops.where(nonneg, vespo_k_pos, vespo_k_neg).astype(w.dtype)
+    lam = ops.maximum(ops.where(nonneg, vespo_lambda_pos, vespo_lambda_neg).astype(w.dtype), 1e-4)
+    phi = ops.stop_gradient(ops.exp(lam + k * log_w - lam * w))
+    return -phi * advantages * logp, w
+
+
 # --- rollout/train mismatch: importance-sampling weights ----------------------------------------
 #: ``fn(log_ratio (B, T), mask (B, T), cap) -> weights``: per token (B, T) or per sequence (B, 1).
 ISWeights = Callable[[Tensor, Tensor, float], Tensor]
@@ -250,6 +424,7 @@ def policy_loss(
     is_weights: Optional[Tensor] = None,
     behav_logp: Optional[Tensor] = None,
     behav_cap: Optional[float] = None,
+    loss_params: Optional[Mapping[str, float]] = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """Clipped policy-gradient loss plus an optional KL penalty, aggregated to a scalar.
 
@@ -262,9 +437,11 @@ def policy_loss(
     (``IS_MODES``, (B, T) or (B, 1), no gradient) multiply the policy term before the KL is added:
     the rollout/train mismatch correction. ``behav_logp`` / ``behav_cap``: the behaviour policy's (the sampler's)
     log-probs and the cap of their weight, read by "decoupled" only (``old_logp`` is then the proximal policy's).
+    ``loss_params``: the loss's own hyper-parameters by name (``registry.POLICY_LOSS_PARAMS``; defaults: the papers').
 
     Loss types (``POLICY_LOSSES``): "grpo" (token ratio), "gspo" (sequence ratio), "gspo-token", "decoupled"
-    (AReaL's decoupled PPO: "grpo" on the proximal ratio times the proximal/behaviour weight).
+    (AReaL's decoupled PPO: "grpo" on the proximal ratio times the proximal/behaviour weight), "cispo", "sapo",
+    "gmpo", "clip_cov", "kl_cov", "luspo", "vespo" (each function's docstring gives its formula and source).
     Recipes: DAPO = ``loss_type="grpo"``, ``epsilon_high > epsilon_low`` (clip-higher, e.g. 0.2/0.28)
     and ``loss_agg_mode="token-mean"``; there is no "dapo" loss type, because the rest of DAPO
     (dynamic sampling, overlong shaping) lives in the trainer and rewards, not in the loss.
@@ -277,6 +454,7 @@ def policy_loss(
     """
     loss_fn = get_policy_loss(loss_type)
     check_registered(KL_ESTIMATORS.kind, kl_estimator)  # validate even when beta == 0
+    _check_loss_agg(loss_type, loss_agg_mode)
     _check_beta(beta, ref_logp is not None)
     dtype = logp.dtype
     valid = mask > 0
@@ -291,7 +469,12 @@ def policy_loss(
         behav = ops.where(valid, ops.stop_gradient(old_logp) - ops.stop_gradient(behav_logp.astype(dtype)), 0.0)
         per_token, ratio = loss_fn(log_ratio, advantages, mask, epsilon_low, epsilon_high, behav, behav_cap)
     else:
-        per_token, ratio = loss_fn(log_ratio, advantages, mask, epsilon_low, epsilon_high)
+        params = {} if loss_params is None else loss_params
+        if _reads_logp(loss_type):  # a keyword of its own: a Tensor merged into the params dict breaks a graph
+            per_token, ratio = loss_fn(log_ratio, advantages, mask, epsilon_low, epsilon_high,
+                                       logp=ops.where(valid, logp, 0.0), **params)
+        else:
+            per_token, ratio = loss_fn(log_ratio, advantages, mask, epsilon_low, epsilon_high, **params)
     if is_weights is not None:
         per_token = per_token * ops.stop_gradient(is_weights.astype(dtype))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from dataclasses import dataclass
-from typing import ClassVar, List, Optional, Sequence, Tuple, Union
+from typing import ClassVar, Dict, List, Optional, Sequence, Tuple, Union
 
 from mindrlhf.configs.base import config_field
 from mindrlhf.configs.common import (
@@ -34,6 +34,8 @@ from mindrlhf.registry import (
     KL_ESTIMATOR_FORMULAS,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
+    POLICY_LOSS_AGGREGATION,
+    POLICY_LOSS_PARAMS,
     POLICY_LOSSES,
     SCALE_REWARDS,
     STAGES,
@@ -102,8 +104,16 @@ class AlgorithmConfig:
         "0 above importance_sampling_cap (not with importance_sampling_correction). TRL's "
         "names are accepted and mean loss grpo with an aggregation: bnpo = token-mean, dapo = token-mean, dr_grpo = "
         "seq-mean-token-sum-norm (TRL's grpo is ours with the default seq-mean-token-mean); loss_agg_mode must then "
-        "be left at its default or equal that aggregation. Log-ratios are clamped to +-20 before exp (verl's "
-        "bound), so one off-policy outlier cannot overflow the update.",
+        "be left at its default or equal that aggregation. cispo = MiniMax-M1's -sg(min(r, cispo_ratio_max)) * A * "
+        "logp (every token keeps its gradient; TRL aggregates it token-mean); sapo = -sigmoid(tau (r - 1)) 4/tau * A, "
+        "a soft gate for the clip (sapo_temperature_pos / _neg); gmpo = GMPO (verl's geo_mean): -A * the geometric "
+        "mean of the token ratios, each clipped in log space to [-epsilon_low, epsilon_high] (the paper's 0.4); "
+        "clip_cov / kl_cov = grpo's clip, resp. no clip, with the gradient of a few high-covariance tokens cut, resp. "
+        "penalised by kl_cov_coef |log r| (Clip-Cov / KL-Cov, verl's names); luspo = gspo scaled by each "
+        "completion's length (TRL's luspo at sequence level); vespo = -sg(phi(w)) * A * logp, phi a Gamma-shaped "
+        "weight of the completion's ratio w (TRL's vespo; aggregated token-mean there). gmpo and luspo need "
+        "loss_agg_mode seq-mean-token-mean. Log-ratios are clamped to +-20 before exp (verl's bound), so one "
+        "off-policy outlier cannot overflow the update.",
         choices=LOSS_TYPES)
     loss_agg_mode: str = config_field(
         "seq-mean-token-mean", "How per-token losses become one number: seq-mean-token-mean = mean over each "
@@ -120,6 +130,48 @@ class AlgorithmConfig:
         0.2, "Upper clip: the ratio is clipped above at 1 + epsilon_high. Range >= 0. DAPO's clip-higher "
         "uses 0.28 (with epsilon_low 0.2) to keep exploration; GSPO uses ~4e-4. Range [0, 10].",
         ge=0.0, le=10.0)
+    cispo_ratio_max: float = config_field(
+        5.0, "loss_type cispo: the cap eps_max of the detached importance weight min(r, eps_max) (TRL's epsilon_high "
+        "under loss_type cispo; ScaleRL's recommended 5). Range > 0.",
+        gt=0.0)
+    sapo_temperature_pos: float = config_field(
+        1.0, "loss_type sapo: the gate's temperature tau for tokens with a positive advantage (TRL's and the SAPO "
+        "paper's default 1.0); larger = closer to a hard clip. Range > 0.",
+        gt=0.0)
+    sapo_temperature_neg: float = config_field(
+        1.05, "loss_type sapo: tau for tokens with advantage <= 0 (default 1.05: negative updates damped a little "
+        "faster, as SAPO argues). Range > 0.",
+        gt=0.0)
+    clip_cov_ratio: float = config_field(
+        2e-4, "loss_type clip_cov: fraction of a micro-batch's tokens whose gradient is cut (at least one), picked "
+        "among the unclipped tokens with covariance (A - mean A)(logp - mean logp) in (clip_cov_lb, clip_cov_ub) "
+        "(verl's clip_cov_ratio). Range (0, 1].",
+        gt=0.0, le=1.0)
+    clip_cov_lb: float = config_field(
+        1.0, "loss_type clip_cov: lower bound of the covariance of the tokens it may cut (verl's clip_cov_lb).")
+    clip_cov_ub: float = config_field(
+        5.0, "loss_type clip_cov: upper bound of that covariance (verl's clip_cov_ub); must exceed clip_cov_lb.")
+    kl_cov_ratio: float = config_field(
+        2e-4, "loss_type kl_cov: fraction of a micro-batch's tokens (at least one), those of largest covariance, that "
+        "get the penalty kl_cov_coef * |log r| (verl's kl_cov_ratio). Range (0, 1].",
+        gt=0.0, le=1.0)
+    kl_cov_coef: float = config_field(
+        1.0, "loss_type kl_cov: coefficient of that |log r| penalty (verl's ppo_kl_coef). Range >= 0.",
+        ge=0.0)
+    vespo_k_pos: float = config_field(
+        2.0, "loss_type vespo: the power k of phi(w) = exp(lambda + k log w - lambda w) for advantages >= 0; larger "
+        "damps completions with w < 1 more (TRL's vespo_k_pos). Range >= 0.",
+        ge=0.0)
+    vespo_lambda_pos: float = config_field(
+        3.0, "loss_type vespo: the decay lambda of phi for advantages >= 0; larger damps w > 1 more (TRL's "
+        "vespo_lambda_pos). Range > 0.",
+        gt=0.0)
+    vespo_k_neg: float = config_field(
+        3.0, "loss_type vespo: k for negative advantages (TRL's vespo_k_neg). Range >= 0.",
+        ge=0.0)
+    vespo_lambda_neg: float = config_field(
+        2.0, "loss_type vespo: lambda for negative advantages (TRL's vespo_lambda_neg). Range > 0.",
+        gt=0.0)
     advantage_estimator: str = config_field(
         "grpo", "Advantage estimator: grpo = reward minus its group's mean, divided as scale_rewards says (group std: "
         "GRPO; batch std: LitePPO; none: Dr.GRPO); dr_grpo = grpo with no division (the same as scale_rewards none); "
@@ -184,6 +236,17 @@ class AlgorithmConfig:
             errors.append(f"loss_type = {self.loss_type!r} (TRL's name) means loss_agg_mode = "
                           f"{TRL_LOSS_TYPES[self.loss_type]!r}, but loss_agg_mode = {self.loss_agg_mode!r}; drop one "
                           "of them")
+        need = POLICY_LOSS_AGGREGATION.get(self.loss_type)
+        if need is not None and self.loss_agg_mode != need:
+            errors.append(f"loss_type = {self.loss_type!r} is a mean over sequences and needs loss_agg_mode = "
+                          f"{need!r}, not {self.loss_agg_mode!r}; leave loss_agg_mode at its default")
+        if self.loss_type == "clip_cov" and self.clip_cov_lb >= self.clip_cov_ub:
+            errors.append(f"clip_cov_lb = {self.clip_cov_lb} >= clip_cov_ub = {self.clip_cov_ub}: no token can be "
+                          "picked; set clip_cov_lb below clip_cov_ub")
+        if self.loss_type == "vespo" and self.importance_sampling_correction:
+            errors.append("loss_type = 'vespo' with importance_sampling_correction = true: VESPO folds the sampler's "
+                          "weight into its own sequence weight, which is not built here; set "
+                          "importance_sampling_correction false")
         if self.loss_type == "decoupled" and self.importance_sampling_correction:
             errors.append("loss_type = 'decoupled' with importance_sampling_correction = true: the decoupled loss "
                           "already weights each token by proximal/behaviour; set importance_sampling_correction false")
@@ -687,6 +750,11 @@ class GRPOConfig(RolloutConfig):
         if a.loss_type in TRL_LOSS_TYPES:
             return "grpo", TRL_LOSS_TYPES[a.loss_type]
         return a.loss_type, a.loss_agg_mode
+
+    @property
+    def policy_loss_params(self) -> Dict[str, float]:
+        """The hyper-parameters of the run's policy loss by name (``registry.POLICY_LOSS_PARAMS``)."""
+        return {name: getattr(self.algorithm, name) for name in POLICY_LOSS_PARAMS.get(self.policy_loss[0], ())}
 
     @property
     def advantage_estimator(self) -> str:
