@@ -40,9 +40,6 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
 # (label, M, K, N) of y = x Wᵀ with x (M, K), W (N, K); ``{t}`` is --tokens, ``{h}`` --head_rows
 SMOLLM2 = (("q/o proj", "{t}", 576, 576), ("k/v proj", "{t}", 576, 192), ("gate/up", "{t}", 576, 1536),
            ("down", "{t}", 1536, 576), ("vocab head", "{h}", 576, 49152), ("decode gate/up", 8, 576, 1536),

@@ -17,13 +17,11 @@ from __future__ import annotations
 import argparse
 import csv
 import re
-import sys
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
 MATMULS = ("MatMul", "BatchMatMul", "MatMulExt", "BatchMatMulExt", "Dense")
 
 
@@ -60,9 +58,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work_dir", help="where the stage's outputs and the profile go (default: a temp dir)")
     args = ap.parse_args(argv)
 
-    sys.path.insert(0, str(BENCH))
     import mindspore as ms
-    from train_flops import build_stage
+    from train_flops import build_stage  # a sibling script: `python bench/profile_step.py` puts bench/ on the path
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="profile_step_"))
     flags = ["--recompute", args.recompute]

@@ -66,8 +66,7 @@ import numpy as np
 
 from mindrlhf.configs.common import RECOMPUTE_MODES
 
-BENCH = Path(__file__).resolve().parent
-REPO = BENCH.parent
+REPO = Path(__file__).resolve().parents[1]
 STAGE_NAMES = ("sft", "rm", "dpo", "grpo")
 RESULT_TAG = "TRAIN_FLOPS_RESULT "
 
@@ -198,7 +197,7 @@ def build_stage(stage: str, steps: int, work_dir: str, cpu_matmul: str = "ms", f
     """``(cfg, trainer, model, micro, scalars, group)``: ``stage`` built through its own code path (``flags``:
     extra config flags, e.g. ``--recompute none``) with one update's micro-batches (``group``: completions
     packed per prompt, 0 for the offline stages)."""
-    sys.path.insert(0, str(BENCH))
+    # Sibling bench scripts: ``python bench/<script>.py`` puts bench/ first on the module path.
     import peer_trl
 
     if cpu_matmul != "ms":
@@ -273,7 +272,6 @@ def header(route: str, repeats: int) -> float:
     import mindspore as ms
 
     ms.set_device("CPU")
-    sys.path.insert(0, str(BENCH))
     from mindrlhf.models import cpu_matmul
 
     if route == "openblas":

@@ -59,7 +59,8 @@ from mindrlhf.trainer.entry import (
 from mindrlhf.trainer.experience import Experience, concat_experiences
 from mindrlhf.trainer.memory import rollout_extent
 from mindrlhf.trainer.metrics import EVAL_CURVE, Curve
-from mindrlhf.trainer.rollout import PhaseTimer, RolloutTrainer, ScoredRollout, load_prompt_dataset, rollout_precheck
+from mindrlhf.trainer.rollout import PhaseTimer, RolloutTrainer, ScoredRollout, rollout_precheck
+from mindrlhf.trainer.sampling import load_prompt_dataset
 from mindrlhf.trainer.schedule import run_steps
 from mindrlhf.trainer.update import AdaptersOff, build_frozen_runner, build_updater
 from mindrlhf.utils.cli import run_cli

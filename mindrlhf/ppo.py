@@ -36,7 +36,8 @@ from mindrlhf.trainer.disaggregated import build_generator
 from mindrlhf.trainer.entry import StageSpec, load_policy, load_reference, load_tokenizer, resolve_weights, run_stage
 from mindrlhf.trainer.experience import Experience
 from mindrlhf.trainer.metrics import EVAL_CURVE
-from mindrlhf.trainer.rollout import MiniBatch, PhaseTimer, RolloutTrainer, load_prompt_dataset, rollout_precheck
+from mindrlhf.trainer.rollout import MiniBatch, PhaseTimer, RolloutTrainer, rollout_precheck
+from mindrlhf.trainer.sampling import load_prompt_dataset
 from mindrlhf.trainer.schedule import lr_at
 from mindrlhf.utils.cli import run_cli
 

@@ -114,7 +114,7 @@ def sequences(rows, max_length: int = 0) -> Dict[str, list]:
 
 def default_train_file(cfg: SFTConfig) -> str:
     """The packaged GSM8K sample as conversational SFT rows, written once into output_dir/data."""
-    from mindrlhf.data.gsm8k import write_sft_rows
+    from mindrlhf.data.rlhf_data import write_sft_rows
     from mindrlhf.resources import GSM8K_TRAIN_SAMPLE
 
     out = Path(cfg.train.output_dir) / "data" / "gsm8k_sft_sample.jsonl"

@@ -3,7 +3,7 @@
 Each rank builds its tp shard of an HF model, attaches the LoRA spec, loads the full adapter arrays given
 (its slices are cut by ``set_adapter_weights``), and writes the loss and the gradient of every trainable
 parameter (by name) of ``-sum(completion log-probs)``, the adapters assembled from the shards
-(``gather_adapter_weights``) and the merged model (``merged_weights`` of the shard) to ``<out>/rank{r}.npz``;
+(``gather_adapter_weights``) and the merged model (``gather_merged_weights`` of the shard) to ``<out>/rank{r}.npz``;
 rank 0 writes the assembled adapters as a PEFT folder, ``<out>/adapter_tp``. With ``--dropout`` p > 0 also the loss
 and gradients with the adapter dropout's seeds on (``drop_loss``, ``drop_grad/...``: a row-parallel shard must draw
 its columns' slice of one process's mask).
@@ -38,8 +38,6 @@ def main() -> int:
     from mindrlhf.models.lora import (
         LoRASpec,
         apply_lora,
-        gather_adapter_weights,
-        merged_weights,
         save_adapter,
         set_adapter_weights,
         set_dropout_seeds,
@@ -47,6 +45,7 @@ def main() -> int:
     from mindrlhf.parallel import comm
     from mindrlhf.parallel.groups import init_run_layout
     from mindrlhf.parallel.layout import ParallelLayout
+    from mindrlhf.parallel.resharding import gather_adapter_weights, gather_merged_weights
     from mindrlhf.parallel.sharding import rank_state
 
     ms.set_device("CPU")
@@ -70,7 +69,7 @@ def main() -> int:
     result = {"loss": loss.asnumpy(), **{"grad/" + q.name: g.asnumpy() for q, g in zip(params, grads)}}
     adapters = gather_adapter_weights(model, layout, groups.rank)  # collectives: every rank
     result.update({"adapter/" + k: v for k, v in adapters.items()})
-    result.update({"merged/" + k: v for k, v in merged_weights(model, layout, groups.rank).items()})
+    result.update({"merged/" + k: v for k, v in gather_merged_weights(model, layout, groups.rank).items()})
     if comm.is_main():
         save_adapter(model, Path(args.out) / "adapter_tp", weights=adapters)
     if args.dropout:

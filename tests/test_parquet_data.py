@@ -158,7 +158,7 @@ def test_bad_table_rows_are_skipped_and_named_by_row_number(tmp_path, tok, caplo
 def test_folders_and_files_that_are_not_rows_are_one_line_errors(tmp_path, tok):
     """A DatasetDict folder names the split folders to pass; a folder datasets did not write, a missing file and a
     file that is not parquet are refused in one line."""
-    from mindrlhf.trainer.rollout import prompt_file_format
+    from mindrlhf.trainer.sampling import prompt_file_format
 
     splits = tmp_path / "gsm8k"
     write_saved(splits / "train", SFT_ROWS, shards=1)
@@ -270,8 +270,7 @@ def test_question_files_read_a_verl_parquet_as_the_gsm8k_jsonl(tmp_path, data_di
     GSM8K JSONL it came from: the same questions, worked answers, final answers and row numbers, and mindrlhf-data
     --sft writes the same rows. A verl row without extra_info asks its prompt's user message, answered by its
     reward_model.ground_truth."""
-    from mindrlhf.data.gsm8k import write_sft_rows
-    from mindrlhf.data.rlhf_data import read_records
+    from mindrlhf.data.rlhf_data import read_records, write_sft_rows
     from mindrlhf.evaluation.gsm8k_eval import load_questions
 
     write = write_parquet if layout == "parquet" else write_saved

@@ -137,7 +137,7 @@ def test_the_stages_name_the_skipped_rows(tmp_path, grpo_assets, prompt_files, c
     from mindrlhf.models.config import DecoderConfig
     from mindrlhf.parallel.groups import init_run_layout
     from mindrlhf.parallel.layout import ParallelLayout
-    from mindrlhf.trainer.rollout import load_prompt_dataset
+    from mindrlhf.trainer.sampling import load_prompt_dataset
 
     lines = prompt_files["trl"].read_text().splitlines()[:4]
     path = _write(tmp_path / "p.jsonl", [lines[0], "{oops", lines[1], {"prompt": 3}, lines[2], lines[3]])
@@ -161,7 +161,7 @@ def test_the_stages_name_the_skipped_rows(tmp_path, grpo_assets, prompt_files, c
 def test_a_prompt_file_is_jsonl_by_its_name_or_first_byte(tmp_path, grpo_assets):
     """``.jsonl`` / ``.json`` names, or a first byte ``{`` (after a BOM or blank lines), are JSON lines; a
     mindrecord (its binary header) and a missing file of another name go to the mindrecord reader."""
-    from mindrlhf.trainer.rollout import prompt_file_format
+    from mindrlhf.trainer.sampling import prompt_file_format
 
     text = tmp_path / "prompts.txt"
     text.write_text('\ufeff\n{"prompt": "x"}\n', encoding="utf-8")

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from mindrlhf.checkpoint.manager import CheckpointManager
-from mindrlhf.checkpoint.run_dir import check_run_dirs, clear_previous_run, read_run_id, write_run_id
+from mindrlhf.checkpoint.run_dir import check_run_dirs, clear_previous_run
+from mindrlhf.checkpoint.run_record import read_run_id, write_run_id
 from mindrlhf.errors import MindRLHFError
 
 
@@ -176,7 +177,7 @@ def test_a_run_folder_given_as_a_model_is_its_newest_intact_checkpoint(tmp_path,
     """Issue 41: the walkthrough hard-coded checkpoints/step_00000100 in every command after SFT, so shortening SFT
     broke them all. A run's output folder given as a model stands for that run's newest intact checkpoint (said once
     in the log); any other path is itself."""
-    from mindrlhf.checkpoint.run_dir import model_of_run
+    from mindrlhf.checkpoint.run_record import model_of_run
 
     run = tmp_path / "sft"
     step1, step2, step3 = _save(run / "checkpoints", "A", 1, 2, 3)

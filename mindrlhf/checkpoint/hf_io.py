@@ -557,9 +557,9 @@ class WeightSource:
 
 def _weights_path(path: PathLike) -> Path:
     """The file or HF directory a model path loads from: a training run's folder stands for its newest intact
-    checkpoint (``run_dir.model_of_run``), and a training checkpoint folder (``step_N/``) loads its
+    checkpoint (``run_record.model_of_run``), and a training checkpoint folder (``step_N/``) loads its
     ``policy.ckpt``."""
-    from mindrlhf.checkpoint.run_dir import model_of_run
+    from mindrlhf.checkpoint.run_record import model_of_run  # here, not on import: it reads checkpoints with MindSpore
 
     path = model_of_run(path)
     if path.is_dir() and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():

@@ -33,16 +33,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Union
 
-import yaml
-
+from mindrlhf.checkpoint.hf_io import model_files
 from mindrlhf.checkpoint.manager import CheckpointManager
 from mindrlhf.checkpoint.manifest import DEFAULT_MODEL, describe, model_identity, read_manifest, same_model
+from mindrlhf.checkpoint.run_record import RUN_FILE, read_run
 from mindrlhf.errors import MindRLHFError
-from mindrlhf.utils.fs import is_inside, write_text_atomic
+from mindrlhf.utils.fs import is_inside
 
 log = logging.getLogger(__name__)
 PathLike = Union[str, Path]
-RUN_FILE = "run.json"  # {"run_id": ..., "stage": ...}: which run the output directory's history belongs to
 METRICS_FILE = "metrics.jsonl"
 # What a run writes into its output_dir (besides the checkpoints); --overwrite_output_dir removes these.
 # The default data's mindrecord (data/) and the compile cache are caches of inputs, not history: kept.
@@ -122,53 +121,6 @@ def takes_run_locks() -> bool:
     """Whether this process locks the run's folders: the job's first worker (msrun's ``RANK_ID`` 0, read before
     the cluster is set up) or the only process. The other workers write nothing of the run's history."""
     return os.environ.get("RANK_ID", "0") == "0"
-
-
-def read_run(output_dir: PathLike) -> Dict[str, str]:
-    """``output_dir/run.json``: the run id and stage its history belongs to ({} when there is none)."""
-    try:
-        found = json.loads((Path(output_dir) / RUN_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return {k: str(v) for k, v in found.items()} if isinstance(found, dict) else {}
-
-
-def read_run_id(output_dir: PathLike) -> str:
-    """The run id recorded in ``output_dir/run.json`` ('' when there is none)."""
-    return read_run(output_dir).get("run_id", "")
-
-
-def write_run_id(output_dir: PathLike, run_id: str, stage: str = "") -> None:
-    """Record that ``output_dir``'s history belongs to run ``run_id`` of ``stage``."""
-    write_text_atomic(Path(output_dir) / RUN_FILE, json.dumps({"run_id": run_id, "stage": stage}) + "\n",
-                      "the run file")
-
-
-_SAID: set = set()  # run folders whose resolution was logged (a model path is opened several times per load)
-
-
-def model_of_run(path: PathLike) -> Path:
-    """A model path as given, or, for a training run's output folder (``run.json`` beside ``checkpoints/``), that
-    run's newest intact checkpoint folder: ``--model output/sft`` follows the SFT run, however many steps it ran
-    (the choice is logged once). Other paths are returned as they are."""
-    folder = Path(path)
-    if not ((folder / RUN_FILE).is_file() and folder.is_dir()):
-        return folder
-    ckpt_dir = folder / "checkpoints"
-    try:  # the run may have saved elsewhere (--save_ckpt_dir): its config.yaml says where
-        saved = (yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8")) or {}).get("train", {})
-        ckpt_dir = Path(saved.get("save_ckpt_dir") or ckpt_dir)
-    except (OSError, ValueError, AttributeError):
-        pass
-    run_id = read_run_id(folder) or None
-    found = CheckpointManager(str(ckpt_dir)).latest_complete(run_id)
-    if found is None:
-        raise MindRLHFError(f"{folder} is a training run's folder with no intact checkpoint (in {ckpt_dir}); let the "
-                            f"run save one, or pass a model folder")
-    if folder.resolve() not in _SAID:
-        _SAID.add(folder.resolve())
-        log.info("%s is a training run: using its newest intact checkpoint %s (step %d)", folder, found[1], found[0])
-    return found[1]
 
 
 def _history(output_dir: Path) -> int:
@@ -296,8 +248,6 @@ def check_run_dirs(output_dir: PathLike, ckpt_dir: PathLike, *, resume: str, ove
 
 def _loaded_files(path: str) -> List[Path]:
     """The files the loader reads for a model path (none for a role's default, '')."""
-    from mindrlhf.checkpoint.hf_io import model_files
-
     return model_files(path) if path != DEFAULT_MODEL else []
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional, Tuple
 
 if TYPE_CHECKING:  # only for the annotation; keeps this module import-light for the reward code
-    from mindrlhf.data.report import ConversionReport
     from mindrlhf.tokenizer import Tokenizer
 
 # A prompt style is a system prompt and the reward that checks a completion follows it.
@@ -143,91 +142,6 @@ def sft_row(question: str, answer: str, style: str = DEFAULT_PROMPT_STYLE) -> di
     ``#### <number>``, the ``gsm8k`` style's format)."""
     prompt = [{"role": "system", "content": style_system_prompt(style)}, {"role": "user", "content": question}]
     return {"prompt": prompt, "completion": [{"role": "assistant", "content": strip_calculator_notes(answer)}]}
-
-
-def write_sft_rows(gsm8k_jsonl, out, *, limit: int = 0, offset: int = 0, style: str = DEFAULT_PROMPT_STYLE,
-                   strict: bool = False) -> "ConversionReport":
-    """Write GSM8K's ``{"question", "answer"}`` rows (``rlhf_data.read_records``: JSONL, parquet, a datasets folder)
-    as conversational SFT rows (``sft_row``), atomically:
-    the usable rows after the first ``offset``, at most ``limit`` (0 = all); returns the report.
-
-    Bad rows (malformed JSON or not UTF-8, no question or answer, no numeric final answer after ``####``) are
-    skipped with their line and reason, as ``rlhf_data`` skips them; with ``strict`` nothing is written when any
-    is (``report.output_path`` is None)."""
-    import json
-    from pathlib import Path
-
-    from mindrlhf.data.report import converter_report
-    from mindrlhf.data.rlhf_data import read_records
-    from mindrlhf.errors import MindRLHFError
-    from mindrlhf.utils.fs import write_text_atomic
-
-    source = Path(gsm8k_jsonl)
-    if not source.exists():
-        raise MindRLHFError(f"input file not found: {source}; pass GSM8K question/answer rows (JSONL, parquet or a "
-                            "datasets save_to_disk folder) with --data_path")
-    records, skipped, read = read_records(source, "gsm8k", "question", "answer")
-    report, write = converter_report(source, read, skipped, len(records), strict=strict,
-                                     fix="pass a GSM8K jsonl with question and answer ('... #### N') fields")
-    if not write:
-        return report
-    rows = records[offset:offset + limit] if limit else records[offset:]
-    if not rows:
-        raise MindRLHFError(f"{source} has no rows after offset {offset} ({len(records)} usable rows); "
-                            "lower --offset")
-    lines = [json.dumps(sft_row(r["question"], r["answer"], style), ensure_ascii=False) for _, r, _ in rows]
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(Path(out), "\n".join(lines) + "\n")
-    report.output_path, report.rows_written = str(out), len(lines)
-    return report
-
-
-def sft_rows_main(argv=None) -> int:
-    """``mindrlhf-data --sft``: GSM8K (question/answer jsonl) → conversational SFT rows for ``mindrlhf-sft``."""
-    import argparse
-    import json
-    import sys
-    from pathlib import Path
-
-    from mindrlhf.errors import MindRLHFError
-    from mindrlhf.utils.cli import run_cli
-
-    def run(args) -> int:
-        p = argparse.ArgumentParser(prog="mindrlhf-data --sft", description=sft_rows_main.__doc__)
-        p.add_argument("--output", required=True, help="the SFT jsonl to write (prompt/completion message lists)")
-        p.add_argument("--data_path", default=None, help="GSM8K question/answer rows: a JSONL file, a .parquet "
-                       "file or a datasets save_to_disk folder, verl's GSM8K layout included (default: the packaged "
-                       "training sample)")
-        p.add_argument("--limit", type=int, default=0, help="rows to write (0 = all)")
-        p.add_argument("--offset", type=int, default=0, help="skip this many rows first")
-        p.add_argument("--prompt_style", default=DEFAULT_PROMPT_STYLE, choices=sorted(PROMPT_STYLES),
-                       help="system prompt style (as GRPO's prompt_style)")
-        p.add_argument("--strict", action="store_true", help="exit 1 without writing when any row is skipped")
-        p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
-        a = p.parse_args(args)
-        if a.limit < 0 or a.offset < 0:
-            raise MindRLHFError(f"--limit {a.limit} / --offset {a.offset} must be >= 0")
-        if a.data_path and Path(a.output).resolve() == Path(a.data_path).resolve():  # --overwrite included
-            raise MindRLHFError(f"--output {a.output} is the --data_path input; choose another --output")
-        if Path(a.output).exists() and not a.overwrite:
-            raise MindRLHFError(f"{a.output} exists; pass --overwrite to replace it, or choose another --output")
-        from mindrlhf.resources import GSM8K_TRAIN_SAMPLE
-
-        source = a.data_path or GSM8K_TRAIN_SAMPLE
-        report = write_sft_rows(source, a.output, limit=a.limit, offset=a.offset, style=a.prompt_style,
-                                strict=a.strict)
-        # Each skipped row and the summary on stderr: stdout stays the one JSON line scripts read.
-        for row in report.skipped:
-            print(row, file=sys.stderr)
-        print(report.summary(), file=sys.stderr)
-        if a.strict and report.skipped:
-            print(f"error: --strict: {len(report.skipped)} rows skipped; nothing written", file=sys.stderr)
-            return 1
-        print(json.dumps({"output": str(a.output), "rows": report.rows_written, "skipped": len(report.skipped),
-                          "source": str(source)}))
-        return 0
-
-    return run_cli(run, argv)
 
 
 def final_answer(value: object, dataset_type: str = "gsm8k") -> Tuple[Optional[str], str]:

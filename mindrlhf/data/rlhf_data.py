@@ -1,4 +1,5 @@
-"""Convert a JSONL question/answer file (GSM8K, OpenR1-Math, generic) into a prompt mindrecord.
+"""Convert a JSONL question/answer file (GSM8K, OpenR1-Math, generic) into a prompt mindrecord, and GSM8K's
+question/answer rows into conversational SFT rows (``write_sft_rows``, ``mindrlhf-data --sft``).
 
     python -m mindrlhf.data.rlhf_data --vocab_path VOCAB --merges_file_path MERGES \\
         --file_path gsm8k/train.jsonl --output_path gsm8k_train.mindrecord
@@ -13,6 +14,7 @@ byte-identical ``.mindrecord`` and ``.mindrecord.db`` (MindRecord stores the fil
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -26,12 +28,16 @@ from mindrlhf.data.gsm8k import (
     PROMPT_STYLES,
     build_prompt,
     final_answer,
+    question_answer_row,
+    sft_row,
     style_system_prompt,
 )
 from mindrlhf.data.report import ConversionReport, SkippedRow, converter_report
 from mindrlhf.errors import MindRLHFError
+from mindrlhf.resources import GSM8K_TRAIN_SAMPLE
 from mindrlhf.tokenizer import Tokenizer, resolve_tokenizer
 from mindrlhf.utils.cli import run_cli
+from mindrlhf.utils.fs import write_text_atomic
 
 # (question field, answer field) per dataset type; --question_field / --answer_field override them.
 DATASET_FIELDS: Dict[str, Tuple[str, str]] = {
@@ -61,7 +67,6 @@ def read_records(
     GSM8K layout read as ``data.gsm8k.question_answer_row`` maps it) into ``(line, record, solution)`` rows
     (``record`` the row's object), skipped rows (line and reason: malformed JSON or not UTF-8, a missing question
     or answer, no final answer) and the count of rows read. Blank lines are ignored."""
-    from mindrlhf.data.gsm8k import question_answer_row
     from mindrlhf.data.row_files import open_rows
 
     rows: List[Tuple[int, dict, str]] = []
@@ -192,6 +197,73 @@ def convert_to_mindrecord(
     report.output_path = str(output)
     report.rows_written = len(kept)
     return report
+
+
+def write_sft_rows(gsm8k_jsonl, out, *, limit: int = 0, offset: int = 0, style: str = DEFAULT_PROMPT_STYLE,
+                   strict: bool = False) -> ConversionReport:
+    """Write GSM8K's ``{"question", "answer"}`` rows (``read_records``: JSONL, parquet, a datasets folder)
+    as conversational SFT rows (``sft_row``), atomically:
+    the usable rows after the first ``offset``, at most ``limit`` (0 = all); returns the report.
+
+    Bad rows (malformed JSON or not UTF-8, no question or answer, no numeric final answer after ``####``) are
+    skipped with their line and reason, as the mindrecord conversion skips them; with ``strict`` nothing is
+    written when any is (``report.output_path`` is None)."""
+    source = Path(gsm8k_jsonl)
+    if not source.exists():
+        raise MindRLHFError(f"input file not found: {source}; pass GSM8K question/answer rows (JSONL, parquet or a "
+                            "datasets save_to_disk folder) with --data_path")
+    records, skipped, read = read_records(source, "gsm8k", "question", "answer")
+    report, write = converter_report(source, read, skipped, len(records), strict=strict,
+                                     fix="pass a GSM8K jsonl with question and answer ('... #### N') fields")
+    if not write:
+        return report
+    rows = records[offset:offset + limit] if limit else records[offset:]
+    if not rows:
+        raise MindRLHFError(f"{source} has no rows after offset {offset} ({len(records)} usable rows); "
+                            "lower --offset")
+    lines = [json.dumps(sft_row(r["question"], r["answer"], style), ensure_ascii=False) for _, r, _ in rows]
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(Path(out), "\n".join(lines) + "\n")
+    report.output_path, report.rows_written = str(out), len(lines)
+    return report
+
+
+def sft_rows_main(argv=None) -> int:
+    """``mindrlhf-data --sft``: GSM8K (question/answer jsonl) → conversational SFT rows for ``mindrlhf-sft``."""
+    def run(args) -> int:
+        p = argparse.ArgumentParser(prog="mindrlhf-data --sft", description=sft_rows_main.__doc__)
+        p.add_argument("--output", required=True, help="the SFT jsonl to write (prompt/completion message lists)")
+        p.add_argument("--data_path", default=None, help="GSM8K question/answer rows: a JSONL file, a .parquet "
+                       "file or a datasets save_to_disk folder, verl's GSM8K layout included (default: the packaged "
+                       "training sample)")
+        p.add_argument("--limit", type=int, default=0, help="rows to write (0 = all)")
+        p.add_argument("--offset", type=int, default=0, help="skip this many rows first")
+        p.add_argument("--prompt_style", default=DEFAULT_PROMPT_STYLE, choices=sorted(PROMPT_STYLES),
+                       help="system prompt style (as GRPO's prompt_style)")
+        p.add_argument("--strict", action="store_true", help="exit 1 without writing when any row is skipped")
+        p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+        a = p.parse_args(args)
+        if a.limit < 0 or a.offset < 0:
+            raise MindRLHFError(f"--limit {a.limit} / --offset {a.offset} must be >= 0")
+        if a.data_path and Path(a.output).resolve() == Path(a.data_path).resolve():  # --overwrite included
+            raise MindRLHFError(f"--output {a.output} is the --data_path input; choose another --output")
+        if Path(a.output).exists() and not a.overwrite:
+            raise MindRLHFError(f"{a.output} exists; pass --overwrite to replace it, or choose another --output")
+        source = a.data_path or GSM8K_TRAIN_SAMPLE
+        report = write_sft_rows(source, a.output, limit=a.limit, offset=a.offset, style=a.prompt_style,
+                                strict=a.strict)
+        # Each skipped row and the summary on stderr: stdout stays the one JSON line scripts read.
+        for row in report.skipped:
+            print(row, file=sys.stderr)
+        print(report.summary(), file=sys.stderr)
+        if a.strict and report.skipped:
+            print(f"error: --strict: {len(report.skipped)} rows skipped; nothing written", file=sys.stderr)
+            return 1
+        print(json.dumps({"output": str(a.output), "rows": report.rows_written, "skipped": len(report.skipped),
+                          "source": str(source)}))
+        return 0
+
+    return run_cli(run, argv)
 
 
 def load_tokenizer(vocab_path: Optional[str], merges_file_path: Optional[str], tokenizer_config: Optional[str],

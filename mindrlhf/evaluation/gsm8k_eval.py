@@ -206,7 +206,7 @@ def resolve_model_path(model: Optional[PathLike], progress: bool = False) -> Pat
         raise MindRLHFError(f"--model {path} not found; pass a Hugging Face model directory, a training checkpoint "
                             f"folder (checkpoints/step_N) or a MindSpore "
                             f".ckpt/.safetensors file with config.json next to it (or omit --model for SmolLM2)")
-    from mindrlhf.checkpoint.run_dir import model_of_run
+    from mindrlhf.checkpoint.run_record import model_of_run
 
     return model_of_run(path)  # a training run's folder: its newest intact checkpoint
 

@@ -11,12 +11,9 @@ Pure Python, no MindSpore: configs and converters import it cheaply.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 from mindrlhf.errors import MindRLHFError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from mindrlhf.models.config import DecoderConfig
 
 # How tensor parallelism splits a tensor (Megatron): column = dim 0 (output features), row = dim 1
 # (input features), vocab = dim 0 (vocabulary rows), replicated = every rank holds all of it.
@@ -35,6 +32,24 @@ DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
 def is_derived_buffer(name: str) -> bool:
     """True for tensors that are derived from the config (skipped silently on load)."""
     return name.endswith(DERIVED_SUFFIXES)
+
+
+class DecoderDims(Protocol):
+    """The fields of a decoder's config that the tensor table reads (``models.config.DecoderConfig`` has them).
+
+    Named here rather than imported from ``models.config``: the config reads its family from this module."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    num_labels: int
 
 
 @dataclass(frozen=True)
@@ -77,7 +92,7 @@ class ModelFamily:
         return mlp_bias if self.mlp_bias is None else self.mlp_bias
 
     # -- tensors ---------------------------------------------------------------------------------
-    def tensors(self, config: "DecoderConfig") -> Dict[str, "TensorSpec"]:
+    def tensors(self, config: DecoderDims) -> Dict[str, "TensorSpec"]:
         """HF name -> ``TensorSpec`` of every parameter of the model ``config`` describes, in model order."""
         out: Dict[str, TensorSpec] = {EMBED: TensorSpec((config.vocab_size, config.hidden_size), VOCAB)}
         for i in range(config.num_hidden_layers):
@@ -126,8 +141,8 @@ class TensorSpec:
 class _LayerTensor:
     suffix: str                                               # under model.layers.{i}.
     split: str
-    shape: Callable[["DecoderConfig"], Tuple[int, ...]]
-    present: Callable[[ModelFamily, "DecoderConfig"], bool] = lambda fam, c: True
+    shape: Callable[[DecoderDims], Tuple[int, ...]]
+    present: Callable[[ModelFamily, DecoderDims], bool] = lambda fam, c: True
 
 
 def _q(c) -> int:

@@ -315,7 +315,7 @@ def _require_whole(model: nn.Cell, what: str, fix: str) -> None:
 def adapter_shapes(config, spec: LoRASpec) -> Dict[str, Tuple[int, ...]]:
     """Every adapter factor and module to save of the WHOLE model ``config`` describes with ``spec``'s adapters
     (all pipeline stages), by name, with its full (unsharded) shape, in model order: the same list on every rank,
-    so the shards can be assembled tensor by tensor (``parallel.resharding.assemble``)."""
+    so the shards can be assembled tensor by tensor (``parallel.resharding.gather_adapter_weights``)."""
     from mindrlhf.models.family import COLUMN, ROW, split_kind
 
     out: Dict[str, Tuple[int, ...]] = {}
@@ -331,16 +331,6 @@ def adapter_shapes(config, spec: LoRASpec) -> Dict[str, Tuple[int, ...]]:
         if not name.startswith("model.") and any(module == t or module.endswith("." + t) for t in spec.modules_to_save):
             out[name] = tuple(shape)
     return out
-
-
-def gather_adapter_weights(model: nn.Cell, layout, rank: int) -> Dict[str, np.ndarray]:
-    """The full (unsharded) adapters of a tp/pp-sharded model, float32, on every rank: what ``adapter_weights`` gives
-    for the whole model on one process. A collective: every rank of ``layout`` (a ``parallel.layout.ParallelLayout``)
-    calls it. Each split factor is assembled from its tp slices, each stage's adapters from the stage holding them."""
-    from mindrlhf.parallel.resharding import assemble
-
-    shapes = adapter_shapes(model.config, model.lora_spec)
-    return dict(assemble(adapter_weights(model), list(shapes), model.config, layout, rank, shapes=shapes))
 
 
 def adapter_weights(model: nn.Cell) -> Dict[str, np.ndarray]:
@@ -396,27 +386,32 @@ def _merged(weight: np.ndarray, a: np.ndarray, b: np.ndarray, scaling: float) ->
     return (weight + scaling * (b.astype(np.float64) @ a.astype(np.float64))).astype(np.float32)
 
 
-def merged_weights(model: nn.Cell, layout=None, rank: int = 0) -> Dict[str, np.ndarray]:
-    """The base model's weights (HF names, float32) with every adapter merged: ``W + scaling * B A``
-    (a plain ``CausalLM`` of the same config loads them: a merged export). A tp/pp shard needs its ``layout`` (a
-    ``parallel.layout.ParallelLayout``) and global ``rank``: every rank calls it (the base and the adapters are
-    assembled with collectives) and every rank gets the whole merged model."""
-    if layout is not None and layout.tp * layout.pp > 1:
-        from mindrlhf.parallel.resharding import assemble, model_names
+def base_parameters(model: nn.Cell) -> Iterator[Tuple[str, Parameter]]:
+    """The base model's parameters of an adapted ``model`` (HF names): all but the LoRA factors and switches."""
+    for name, param in model.parameters_and_names():
+        if ".lora_A." not in name and ".lora_B." not in name and not is_switch(name):
+            yield name, param
 
-        spec = model.lora_spec
-        adapters = gather_adapter_weights(model, layout, rank)
-        base = {name: param for name, param in model.parameters_and_names()
-                if ".lora_A." not in name and ".lora_B." not in name and not is_switch(name)}
-        out = {}
-        for name, value in assemble(base, model_names(model.config), model.config, layout, rank):
-            module = _module_of(name)
-            if f"{module}.lora_A.weight" in adapters and name.endswith(".weight"):
-                value = _merged(value, adapters[f"{module}.lora_A.weight"], adapters[f"{module}.lora_B.weight"],
-                                spec.scaling)
-            out[name] = value  # a module to save (score) is a parameter of the model: its trained value
-        return out
-    _require_whole(model, "merged_weights", "pass its layout and global rank")
+
+def merge_into(base: Iterable[Tuple[str, np.ndarray]], adapters: Dict[str, np.ndarray], scaling: float
+               ) -> Dict[str, np.ndarray]:
+    """Whole base weights ``(HF name, float32 array)`` with each adapter of ``adapters`` (whole factors by the model's
+    names, ``adapter_weights``' keys) merged into its projection: ``W + scaling * B A``. A module to save (score) is
+    a parameter of the model: its trained value is the base's."""
+    out = {}
+    for name, value in base:
+        module = _module_of(name)
+        if f"{module}.lora_A.weight" in adapters and name.endswith(".weight"):
+            value = _merged(value, adapters[f"{module}.lora_A.weight"], adapters[f"{module}.lora_B.weight"], scaling)
+        out[name] = value
+    return out
+
+
+def merged_weights(model: nn.Cell) -> Dict[str, np.ndarray]:
+    """The base model's weights (HF names, float32) with every adapter merged: ``W + scaling * B A``
+    (a plain ``CausalLM`` of the same config loads them: a merged export). A tp/pp shard's whole merged model is
+    ``parallel.resharding.gather_merged_weights`` (a collective)."""
+    _require_whole(model, "merged_weights", "use parallel.resharding.gather_merged_weights(model, layout, rank)")
     return merged_shard_weights(model)
 
 
@@ -550,14 +545,16 @@ def save_adapter(model: nn.Cell, out_dir: Union[str, Path], base_model_name_or_p
                  weights: Optional[Dict[str, np.ndarray]] = None) -> Path:
     """Write ``model``'s adapters as a PEFT adapter directory (``peft.PeftModel.from_pretrained`` loads
     it onto the transformers model); returns the directory. ``weights``: the whole model's adapters when ``model``
-    is a tp/pp shard (``gather_adapter_weights``, a collective every rank calls before one rank writes)."""
+    is a tp/pp shard (``parallel.resharding.gather_adapter_weights``, a collective every rank calls before one rank
+    writes)."""
     from mindrlhf.checkpoint.hf_io import StreamingSafetensorsWriter, write_json_atomic
 
     spec = getattr(model, "lora_spec", None)
     if spec is None:
         raise MindRLHFError("save_adapter: the model has no LoRA adapters; apply_lora or load_adapter first")
     if weights is None:
-        _require_whole(model, "save_adapter", "pass weights=gather_adapter_weights(model, layout, rank)")
+        _require_whole(model, "save_adapter",
+                       "pass weights=parallel.resharding.gather_adapter_weights(model, layout, rank)")
         weights = adapter_weights(model)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

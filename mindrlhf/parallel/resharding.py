@@ -25,6 +25,7 @@ from mindspore import Tensor
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.models.config import DecoderConfig
 from mindrlhf.models.family import LM_HEAD, SCORE
+from mindrlhf.models.lora import adapter_shapes, adapter_weights, base_parameters, merge_into, merged_weights
 from mindrlhf.parallel import comm
 from mindrlhf.parallel.layout import ParallelLayout
 from mindrlhf.parallel.sharding import _index, _interval, param_shape, shard_tensor, split_dim
@@ -96,6 +97,26 @@ def assemble(tensors: Mapping[str, object], names: Iterable[str], config: Decode
 def model_names(config: DecoderConfig) -> list:
     """Every parameter name of the full model, in model order (the order all ranks assemble in)."""
     return list(config.expected_shapes())
+
+
+def gather_adapter_weights(model: ms.nn.Cell, layout: ParallelLayout, rank: int) -> Dict[str, np.ndarray]:
+    """The full (unsharded) LoRA adapters of a tp/pp-sharded model, float32, on every rank: what
+    ``models.lora.adapter_weights`` gives for the whole model on one process. A collective: every rank of ``layout``
+    calls it. Each split factor is assembled from its tp slices, each stage's adapters from the stage holding them."""
+    shapes = adapter_shapes(model.config, model.lora_spec)
+    return dict(assemble(adapter_weights(model), list(shapes), model.config, layout, rank, shapes=shapes))
+
+
+def gather_merged_weights(model: ms.nn.Cell, layout: ParallelLayout, rank: int) -> Dict[str, np.ndarray]:
+    """The whole base model of a tp/pp-sharded LoRA model (HF names, float32) with every adapter merged, on every
+    rank: what ``models.lora.merged_weights`` gives on one process. A collective: every rank of ``layout`` calls it
+    (the base and the adapters are assembled, then merged on each rank)."""
+    if layout.tp * layout.pp == 1:  # dp replicas each hold the whole model
+        return merged_weights(model)
+    adapters = gather_adapter_weights(model, layout, rank)
+    base = dict(base_parameters(model))
+    return merge_into(assemble(base, model_names(model.config), model.config, layout, rank), adapters,
+                      model.lora_spec.scaling)
 
 
 def reshard_arrays(src: ms.nn.Cell, src_layout: ParallelLayout, dst_layout: ParallelLayout, rank: int,

@@ -2,7 +2,7 @@
 
 ``mindrlhf-data --pairs ...`` builds GSM8K preference pairs from a model's own wrong answers
 (``evaluation.gsm8k_pairs``); ``mindrlhf-data --sft ...`` writes GSM8K as conversational SFT rows
-(``data.gsm8k.sft_rows_main``); anything else is ``rlhf_data.py``'s GSM8K → prompt mindrecord conversion.
+(``data.rlhf_data.sft_rows_main``); anything else is ``rlhf_data.py``'s GSM8K → prompt mindrecord conversion.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.remove("--pairs")
         return pairs(args)
     if "--sft" in args:
-        from mindrlhf.data.gsm8k import sft_rows_main
+        from mindrlhf.data.rlhf_data import sft_rows_main
 
         args.remove("--sft")
         return sft_rows_main(args)

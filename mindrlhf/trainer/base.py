@@ -225,7 +225,7 @@ class Trainer:
         """LoRA on a tp/pp-sharded model: the whole adapters of ``model`` (default the policy; a collective, every
         rank calls it), for the PEFT folder rank 0 writes; ``None`` otherwise (the folder is written from the model
         itself)."""
-        from mindrlhf.models.lora import gather_adapter_weights
+        from mindrlhf.parallel.resharding import gather_adapter_weights
 
         if not (self.lora and self.sharded):
             return None

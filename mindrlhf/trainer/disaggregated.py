@@ -47,6 +47,7 @@ from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import RunLayout
 from mindrlhf.parallel.resharding import assemble, model_names
 from mindrlhf.parallel.sharding import param_shape, shard_tensor
+from mindrlhf.trainer.sampling import load_prompt_dataset, sample_batches, sampling_params
 from mindrlhf.utils import faults
 
 log = logging.getLogger(__name__)
@@ -200,7 +201,7 @@ class RolloutLink:
 class GenerationWorker:
     """A generator rank of a disaggregated job: it holds the sampler (its weights only: no optimizer, no
     reference, no rewards) and its replica's share of the prompts, and loops: sample the step's prompts with the
-    step's seeds (``rollout.sample_batches``, as a colocated rank would), send them, wait for the new weights.
+    step's seeds (``sampling.sample_batches``, as a colocated rank would), send them, wait for the new weights.
     ``run_stage`` drives it like a trainer: ``check_inputs`` and ``resume`` are no-ops (the trainers broadcast where
     the run starts) and ``train`` returns no metrics (rank 0, a trainer, logs them)."""
 
@@ -218,7 +219,6 @@ class GenerationWorker:
 
     def train(self) -> list:
         """Sample every step of the run for the trainers; returns ``[]`` (no metrics here)."""
-        from mindrlhf.trainer.rollout import sample_batches, sampling_params
 
         step, drawn, total, weights = self.link.start()
         if total == 0:
@@ -265,7 +265,6 @@ def build_generator(cfg, layout: RunLayout, tokenizer, config, *, num_generation
     from mindrlhf.generation.factory import build_sampler
     from mindrlhf.models import CausalLM
     from mindrlhf.parallel.resharding import load_shard
-    from mindrlhf.trainer.rollout import load_prompt_dataset
 
     dtype = cfg.model.dtype
     if cfg.generator_checkpoint():

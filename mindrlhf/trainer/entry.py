@@ -14,7 +14,8 @@ import mindspore as ms
 import numpy as np
 
 from mindrlhf.checkpoint.manager import CheckpointManager
-from mindrlhf.checkpoint.run_dir import check_run_dirs, clear_previous_run, identify_models, write_run_id
+from mindrlhf.checkpoint.run_dir import check_run_dirs, clear_previous_run, identify_models
+from mindrlhf.checkpoint.run_record import write_run_id
 from mindrlhf.errors import MindRLHFError, WorkerLostError
 from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import RunLayout, init_run_layout
@@ -90,10 +91,10 @@ def _disaggregated_runtime(cfg) -> RunLayout:
 
 def resolve_weights(path: str) -> str:
     """The model weights a stage was given (a training run's folder: its newest intact checkpoint,
-    ``checkpoint.run_dir.model_of_run``); the embedded SmolLM2 default (converted once into a user cache,
+    ``checkpoint.run_record.model_of_run``); the embedded SmolLM2 default (converted once into a user cache,
     ``checkpoint.smollm2``) when ``path`` is ''."""
     if path:
-        from mindrlhf.checkpoint.run_dir import model_of_run
+        from mindrlhf.checkpoint.run_record import model_of_run
 
         return str(model_of_run(path))
     from mindrlhf.checkpoint.smollm2 import prepare_smollm2
