@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
@@ -295,3 +296,28 @@ def test_ppo_critic_exports_as_a_sequence_classifier(ppo_runs, tmp_path, run_nam
     critic = load_model(checkpoint / "critic.ckpt")
     assert critic.config.num_labels == 1
     check_score_export(checkpoint / "critic.ckpt", critic, tmp_path / "critic_hf", seed=3)
+
+
+@pytest.mark.slow
+def test_grpo_trains_on_math_style_prompts_checked_by_math_verify(grpo_assets, tmp_path):
+    """A MATH-style prompt file (LaTeX solutions: roots, sets, intervals) trains: the solutions reach the accuracy
+    reward as written, and each dumped completion's accuracy is math-verify's verdict on it (rewards.math_gold)."""
+    from mindrlhf.rewards import accuracy_reward
+    from mindrlhf.rewards.builtin import math_gold
+
+    problems = [("Simplify $\\sqrt{8}/2$.", "$\\sqrt{2}$"), ("List the divisors of 6 below 4.", "$\\{1,2,3\\}$"),
+                ("Solve $x^2 < 1$.", "$(-1, 1)$"), ("Expand $(x+1)^2$.", "$x^2+2x+1$")]
+    rows = [{"prompt": [{"role": "user", "content": q + " Put the answer in \\boxed{}."}], "solution": s}
+            for q, s in problems]
+    data = _write(tmp_path / "math.jsonl", rows)
+    out = tmp_path / "run"
+    argv = grpo_args(grpo_assets, out, max_steps=1, num_generations=2, reward_funcs=["accuracy", "boxed"])
+    argv[argv.index("--mind_dataset_dir"):argv.index("--mind_dataset_dir") + 2] = ["--train_file", str(data)]
+    proc = run_cli(argv, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dumped = [json.loads(line) for line in (out / "completions_step_1.jsonl").read_text().splitlines()]
+    assert {r["solution"] for r in dumped} <= {s for _, s in problems} and dumped
+    assert all(math_gold(r["solution"]) is not None for r in dumped)
+    assert [r["rewards"]["accuracy"] for r in dumped] == accuracy_reward([r["completion"] for r in dumped],
+                                                                         [r["solution"] for r in dumped])
+    assert math.isfinite(read_rows(out)[0]["rewards/accuracy/mean"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -430,3 +431,28 @@ def test_config_refuses_two_reward_funcs_of_one_name_before_anything_loads():
         parse_args(["--overlong_buffer_length", "16", "--reward_funcs", "accuracy", "my.rewards:overlong"])
     assert parse_args(["--reward_funcs", "accuracy", "my.rewards:length_parity"]).reward.reward_funcs == [
         "accuracy", "my.rewards:length_parity"]
+
+
+# --- answers that are mathematics: math-verify, as TRL's accuracy_reward ------------------------------------------
+#: How TRL 1.16's accuracy_reward scores 26 tricky (solution, completion) pairs (tests/make_trl_accuracy_reference.py,
+#: run in TRL's virtualenv with math-verify).
+TRL_ACCURACY = json.loads((Path(__file__).resolve().parent / "data" / "trl_accuracy_reference.json").read_text())
+
+
+@pytest.mark.parametrize("name", sorted(TRL_ACCURACY["cases"]))
+def test_accuracy_scores_tricky_answers_as_trl(name):
+    """Equivalent fractions and roots, LaTeX spellings, sets, intervals, expressions, units, percentages and infinity
+    score as TRL's accuracy_reward scores them (its boxed-first LaTeX extraction: a bare number or an unbraced
+    \\frac34 is no answer to a mathematical solution)."""
+    case = TRL_ACCURACY["cases"][name]
+    assert accuracy_reward([case["completion"]], [case["solution"]]) == [case["trl"]]
+
+
+def test_math_verify_is_asked_only_for_solutions_that_are_not_numbers(gsm8k_answers):
+    """GSM8K's answers and plain numbers keep the number path (math-verify is never called for them); LaTeX
+    mathematics goes to math-verify, a finite number in LaTeX or text stays a number."""
+    from mindrlhf.rewards.builtin import math_gold
+
+    assert not any(math_gold(a) is not None for a in gsm8k_answers[:200])
+    assert not any(math_gold(s) is not None for s in ("18", "1,450,000", "$5$", "The answer is 18", "-3.5"))
+    assert all(math_gold(s) is not None for s in ("$\\sqrt{2}$", "$\\{1,2\\}$", "$[0,1)$", "$\\pi$", "$10\\%$"))

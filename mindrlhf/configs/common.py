@@ -325,7 +325,9 @@ class RewardConfig:
     failing one does. Each stage extends it with its own reward terms."""
 
     reward_funcs: List[str] = config_field(
-        ["accuracy", "gsm8k_format"], "Reward functions, by registry name (accuracy: the GSM8K answer matches; "
+        ["accuracy", "gsm8k_format"], "Reward functions, by registry name (accuracy: the final answer matches the "
+        "solution, numbers numerically, LaTeX mathematics such as $\\sqrt{2}$ or $\\{1,2\\}$ by math-verify as TRL's "
+        "accuracy_reward; "
         "gsm8k_format: the answer ends with its only '#### <number>' line, the default prompt style's format; format: "
         "<think>...</think><answer>...</answer>, the 'tags' prompt style's; boxed: a \\boxed{} answer matches) or by "
         "dotted path 'package.module:function' for user functions. The step reward is their weighted sum "

@@ -35,17 +35,64 @@ def _normalise_text(s: str) -> str:
     return " ".join(s.split()).lower()
 
 
+#: math-verify's time limits in seconds (its parse and verify use SIGALRM, so only in the main thread), as TRL's.
+PARSE_TIMEOUT, VERIFY_TIMEOUT = 10, 5
+
+
+def math_gold(solution: str) -> Optional[list]:
+    """A solution that is mathematics rather than a number, parsed by math-verify (a set, an interval, an
+    expression, a root, π, ∞, a percentage, an equation: anything but a finite number), or None. A number, a
+    GSM8K answer (``#### N``) and text math-verify cannot read keep the number path, so GSM8K scores as before."""
+    # A LaTeX percentage (MATH's "10\\%") is a fraction to math-verify, where our number path would read 10.
+    if "####" in solution or (parse_number(solution) is not None and "\\%" not in solution):
+        return None
+    import threading
+
+    import sympy
+    from math_verify import parse
+
+    main = threading.current_thread() is threading.main_thread()
+    gold = parse(solution, parsing_timeout=PARSE_TIMEOUT if main else None)
+    if not gold or (isinstance(gold[0], sympy.Number) and gold[0].is_finite):
+        return None
+    return gold
+
+
+def math_verified(gold: list, text: str) -> bool:
+    """Whether ``text``'s first LaTeX answer (a ``\\boxed{}`` first, then ``$…$``; never a bare number, so the
+    model must write its answer as mathematics) equals ``gold`` by math-verify, with the extraction settings of TRL's
+    ``accuracy_reward`` (units normalised away)."""
+    import threading
+
+    from latex2sympy2_extended import NormalizationConfig
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    main = threading.current_thread() is threading.main_thread()
+    answer = parse(text, extraction_config=[LatexExtractionConfig(normalization_config=NormalizationConfig(units=True),
+                                                                  boxed_match_priority=0,
+                                                                  try_extract_without_anchor=False)],
+                   extraction_mode="first_match", parsing_timeout=PARSE_TIMEOUT if main else None)
+    return bool(verify(gold, answer, timeout_seconds=VERIFY_TIMEOUT if main else None))
+
+
 @register_reward("accuracy")
 def accuracy_reward(completions: Sequence, solution: Sequence, **kwargs) -> List[Optional[float]]:
-    """1.0 when the completion's final answer equals the solution (numerically, rel. tol 1e-6), else 0.0.
+    """1.0 when the completion's final answer equals the solution, else 0.0.
 
-    ``solution`` may be a number (``"18"``) or a full GSM8K answer (``"…#### 18"``). A solution that
-    is not a number is compared as normalised text; an empty/missing solution gives None.
+    ``solution`` may be a number (``"18"``) or a full GSM8K answer (``"…#### 18"``): the completion's final answer
+    must equal it numerically (rel. tol 1e-6). A solution that is mathematics rather than a number (``$\\sqrt{2}$``,
+    ``$\\{1,2,3\\}$``, ``\\boxed{(0, 1]}``; ``math_gold``) is checked by math-verify as TRL's ``accuracy_reward``
+    checks it (``math_verified``); any other solution is compared as normalised text. An empty/missing solution
+    gives None.
     """
     rewards: List[Optional[float]] = []
     for completion, sol in zip(completions, solution):
         if sol is None or (isinstance(sol, str) and not sol.strip()):
             rewards.append(None)
+            continue
+        maths = math_gold(sol) if isinstance(sol, str) else None
+        if maths is not None:
+            rewards.append(1.0 if math_verified(maths, completion_text(completion)) else 0.0)
             continue
         predicted = extract_answer(completion_text(completion))
         gold = _gold(sol)
