@@ -31,6 +31,7 @@ from mindrlhf.algorithms import (
     get_advantage_estimator,
     get_is_mode,
     informative_groups,
+    normalize_then_sum_advantages,
     off_policy_sequence_mask,
     policy_loss,
 )
@@ -276,7 +277,11 @@ class GRPOTrainer(RolloutTrainer):
                              policy_version=np.concatenate(versions)[picked][self._share_rows(len(picked))])
 
     def _with_advantages(self, everything: Experience) -> Experience:
-        everything.advantages = self._estimate(everything.rewards)
+        if self.cfg.algorithm.multi_objective_aggregation == "normalize_then_sum":  # GDPO: per function first
+            everything.advantages = np.asarray(normalize_then_sum_advantages(
+                everything.reward_per_fn, self.rewards.weights, self.cfg.algorithm.num_generations), np.float32)
+        else:
+            everything.advantages = self._estimate(everything.rewards)
         return everything
 
     def _estimate(self, rewards: np.ndarray) -> np.ndarray:

@@ -150,6 +150,8 @@ PREFERENCE_LOSSES: Registry = Registry(
 #: Fixed choices of the algorithm code (plain branches, not registries), here so configs read them without MindSpore.
 LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 SCALE_REWARDS = ("group", "batch", "none")
+#: How several reward functions become one advantage (TRL's multi_objective_aggregation; GDPO normalises first).
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 # --- the stage table --------------------------------------------------------------------------------

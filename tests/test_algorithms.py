@@ -824,3 +824,33 @@ def test_loss_equals_trl_reference(name):
     for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
         if key in case["metrics"]:  # luspo: TRL's clip fractions of the sequence ratio
             assert metrics[key] == pytest.approx(case["metrics"][key]), key
+
+
+def test_normalize_then_sum_advantages_by_hand():
+    """GDPO (TRL's normalize_then_sum): each function normalised in its group (unbiased std + 1e-4), weighted and
+    summed, then normalised over the batch. A function 1000x wider than the other no longer decides alone, a NaN is
+    left out of its function's statistics and of the sum, a row no function scored gets advantage 0."""
+    from mindrlhf.algorithms import normalize_then_sum_advantages
+
+    per_fn = np.array([[1.0, 1000.0], [0.0, 3000.0], [1.0, 2000.0],   # group 1
+                       [0.0, np.nan], [1.0, 5000.0], [np.nan, np.nan]])  # group 2
+    weights = np.array([1.0, 0.5])
+    eps = 1e-4
+
+    def z(values):  # one group's column, NaNs left out
+        v = values[~np.isnan(values)]
+        return (values - v.mean()) / (v.std(ddof=1) + eps) if v.size > 1 else (values - v.mean()) / (np.nan + eps)
+
+    summed = np.zeros(6)
+    for g in (slice(0, 3), slice(3, 6)):
+        for k in range(2):
+            col = z(per_fn[g, k])
+            summed[g] += weights[k] * np.nan_to_num(col, nan=0.0)
+    summed[5] = np.nan
+    scored = summed[:5]
+    want = np.append((scored - scored.mean()) / (scored.std(ddof=1) + eps), 0.0)
+    got = normalize_then_sum_advantages(per_fn, weights, 3)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert got[5] == 0.0 and abs(got[:5].mean()) < 1e-9
+    # By hand for group 1's first function: values 1, 0, 1 have mean 2/3, std 0.57735: z = 0.57732, -1.15465.
+    assert z(per_fn[0:3, 0])[1] == pytest.approx(-1.1546, abs=1e-4)

@@ -311,6 +311,10 @@ RULES = [
                                                                         "'seq-mean-token-sum-norm'"]),
     (dict(loss_type="clip_cov", clip_cov_lb=5.0, clip_cov_ub=1.0), ["clip_cov_lb = 5.0 >= clip_cov_ub = 1.0"]),
     (dict(delta=1.0), ["delta = 1.0 caps a ratio at or below 1", "use a value > 1 (e.g. 4), or 0 for off"]),
+    (dict(multi_objective_aggregation="normalize_then_sum", scale_rewards="batch"),
+     ["multi_objective_aggregation = 'normalize_then_sum' forms GDPO's advantages itself", "scale_rewards = 'batch'"]),
+    (dict(multi_objective_aggregation="normalize_then_sum", advantage_estimator="rloo"),
+     ["advantage_estimator = 'rloo'"]),
     (dict(clip_ratio_c=0.5), ["clip_ratio_c = 0.5 caps a ratio at or below 1", "(e.g. 3)"]),
     (dict(delta=4.0, loss_type="sapo"), ["delta = 4.0 applies to loss_type grpo (and TRL's dapo / bnpo / dr_grpo), "
                                          "not 'sapo'"]),

@@ -186,25 +186,29 @@ def test_three_steps_metrics_finite_and_on_policy(grpo_assets, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "gmpo", "clip_cov", "kl_cov", "luspo", "vespo", "dapo", "grpo"])
-def test_each_new_policy_loss_trains_two_steps(grpo_assets, tmp_path, loss_type):
+@pytest.mark.parametrize("variant", ["cispo", "sapo", "gmpo", "clip_cov", "kl_cov", "luspo", "vespo", "dapo", "grpo",
+                                       "gdpo"])
+def test_each_new_loss_and_variant_trains_two_steps(grpo_assets, tmp_path, variant):
     """Two steps of two updates each (num_iterations 2: the second update is off-policy, so the ratio moves), with
-    the loss's own hyper-parameters reaching it: finite loss and grad norm, and the policy changes."""
+    the loss's own hyper-parameters reaching it: finite loss and grad norm, and the policy changes. Also grpo's bounds
+    (dapo with delta and clip_ratio_c), off-policy sequence masking and GDPO's advantages."""
     out = tmp_path / "run"
     extra = {"clip_cov": {"clip_cov_ratio": 0.2, "clip_cov_lb": -10.0, "clip_cov_ub": 10.0},
              "kl_cov": {"kl_cov_ratio": 0.2}, "dapo": {"delta": 1.05, "clip_ratio_c": 1.05},
-             "grpo": {"off_policy_mask_threshold": 1e-4}}.get(loss_type, {})
-    assert _run_inprocess(_args(grpo_assets, out, max_steps=2, num_iterations=2, max_completion_length=8,
-                                tensorboard="false", log_completions_steps=0,
-                                reward_funcs=["e2e_rewards:length_reward"],
-                                loss_type=loss_type, beta=0.04, **extra)) == 0
+             "grpo": {"off_policy_mask_threshold": 1e-4},
+             "gdpo": {"loss_type": "grpo", "multi_objective_aggregation": "normalize_then_sum",
+                      "reward_funcs": ["e2e_rewards:length_reward", "gsm8k_format"]}}.get(variant, {})
+    args = dict(max_steps=2, num_iterations=2, max_completion_length=8, tensorboard="false", log_completions_steps=0,
+                reward_funcs=["e2e_rewards:length_reward"], loss_type=variant, beta=0.04)
+    args.update(extra)
+    assert _run_inprocess(_args(grpo_assets, out, **args)) == 0
     rows = _metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         for k in ("loss", "grad_norm", "kl", "reward"):
-            assert math.isfinite(r[k]), (loss_type, k, r[k])
+            assert math.isfinite(r[k]), (variant, k, r[k])
         assert r["grad_norm"] > 0
-        if loss_type == "grpo":  # the masked share of completions is logged
+        if variant == "grpo":  # the masked share of completions is logged
             assert 0.0 <= r["sampling/off_policy_masked_ratio"] <= 1.0
     import mindspore as ms
 

@@ -13,6 +13,7 @@ from mindrlhf.algorithms.advantages import (
     group_advantages,
     grpo_advantages,
     informative_groups,
+    normalize_then_sum_advantages,
     register_advantage_estimator,
     rloo_advantages,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "grpo_advantages",
     "grpo_loss",
     "informative_groups",
+    "normalize_then_sum_advantages",
     "gspo_loss",
     "gspo_token_loss",
     "kl_penalty",

@@ -1,4 +1,4 @@
-"""Group-relative advantage estimators (GRPO, Dr.GRPO, LitePPO batch-std).
+"""Group-relative advantage estimators (GRPO, Dr.GRPO, LitePPO batch-std, RLOO) and GDPO's multi-reward form.
 
 Rewards arrive flat, shape ``(B,)`` with ``B = prompts × G``: the G completions of one prompt are
 consecutive. A NaN reward means "every reward function failed / was not applicable" for that
@@ -14,6 +14,7 @@ there is no device round trip to save) and returned in the input's dtype and con
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import mindspore as ms
@@ -87,6 +88,34 @@ def group_advantages(rewards, num_generations: int, scale_rewards: str = "group"
     scale = np.broadcast_to(scale, dev.shape)
     adv = np.divide(dev, scale, out=np.zeros_like(dev), where=scale > 0)
     return back(adv.reshape(-1))
+
+
+def normalize_then_sum_advantages(reward_per_fn, weights, num_generations: int, eps: float = 1e-4) -> np.ndarray:
+    """GDPO's advantages (Liu et al. 2026, "GDPO: Group reward-Decoupled Normalization Policy Optimization for
+    Multi-reward RL Optimization", arXiv:2601.05242; TRL 1.16's ``multi_objective_aggregation="normalize_then_sum"``):
+    each reward function's rewards normalised within their group first, so one function's scale cannot drown the
+    others, then summed with the weights and normalised over the batch:
+
+        r̂_ik = (r_ik − mean_g r_k) / (std_g r_k + eps),   R_i = Σ_k w_k r̂_ik,   A_i = (R_i − mean R) / (std R + eps).
+
+    ``reward_per_fn``: ``(B, K)`` in groups of ``num_generations`` consecutive rows, NaN = no score (left out of
+    every statistic and of the sum; a row that no function scored gets advantage 0). Stds are unbiased (ddof=1), as
+    TRL's ``nanstd``; ``eps`` is TRL's 1e-4."""
+    per_fn = np.asarray(reward_per_fn, np.float64)
+    if per_fn.ndim != 2 or per_fn.shape[0] % num_generations:
+        raise MindRLHFError(f"normalize_then_sum: rewards of shape {per_fn.shape} are not (B, K) in groups of "
+                            f"{num_generations}")
+    grouped = per_fn.reshape(-1, num_generations, per_fn.shape[1])
+    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN groups: NaN statistics, handled below
+        normalised = (grouped - np.nanmean(grouped, axis=1, keepdims=True)) / (
+            np.nanstd(grouped, axis=1, ddof=1, keepdims=True) + eps)
+        summed = np.nansum(normalised.reshape(per_fn.shape) * np.asarray(weights, np.float64)[None, :], axis=1)
+        summed[np.isnan(per_fn).all(axis=1)] = np.nan
+        scored = summed[~np.isnan(summed)]
+        std = scored.std(ddof=1) if scored.size > 1 else 0.0
+        adv = (summed - (scored.mean() if scored.size else 0.0)) / (std + eps)
+    return np.nan_to_num(adv, nan=0.0)
 
 
 def informative_groups(rewards, num_generations: int, tol: float = 1e-8) -> np.ndarray:

@@ -34,6 +34,7 @@ from mindrlhf.registry import (
     KL_ESTIMATOR_FORMULAS,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
+    MULTI_OBJECTIVE_AGGREGATIONS,
     POLICY_LOSS_AGGREGATION,
     POLICY_LOSS_PARAMS,
     POLICY_LOSSES,
@@ -195,6 +196,13 @@ class AlgorithmConfig:
         "group (group, the GRPO paper) or of all the step's rewards (batch, LitePPO); none = no division "
         "(Dr.GRPO). Groups whose rewards are all equal get advantage 0.",
         choices=SCALE_REWARDS)
+    multi_objective_aggregation: str = config_field(
+        "sum_then_normalize", "How several reward functions make one advantage (TRL's multi_objective_aggregation): "
+        "sum_then_normalize = the weighted sum of the rewards, then the advantage_estimator and scale_rewards; "
+        "normalize_then_sum = GDPO: each function's rewards normalised within their group, then weighted, summed and "
+        "normalised over the step's batch (so a function with a wide range cannot drown the others; needs "
+        "advantage_estimator grpo with scale_rewards group, which it replaces).",
+        choices=MULTI_OBJECTIVE_AGGREGATIONS)
     mask_truncated_completions: bool = config_field(
         False, "Exclude completions that hit max_completion_length without a stop token from the loss "
         "(DAPO's overlong filtering); they still count in the reward metrics.")
@@ -264,6 +272,11 @@ class AlgorithmConfig:
             elif value and self.loss_type != "grpo" and self.loss_type not in TRL_LOSS_TYPES:
                 errors.append(f"{name} = {value} applies to loss_type grpo (and TRL's dapo / bnpo / dr_grpo), not "
                               f"{self.loss_type!r}; set {name} 0 or use loss_type grpo")
+        if self.multi_objective_aggregation == "normalize_then_sum" and (
+                self.advantage_estimator != "grpo" or self.scale_rewards != "group"):
+            errors.append(f"multi_objective_aggregation = 'normalize_then_sum' forms GDPO's advantages itself, with "
+                          f"advantage_estimator = {self.advantage_estimator!r} and scale_rewards = "
+                          f"{self.scale_rewards!r} as well; leave those at grpo and group")
         if self.loss_type == "clip_cov" and self.clip_cov_lb >= self.clip_cov_ub:
             errors.append(f"clip_cov_lb = {self.clip_cov_lb} >= clip_cov_ub = {self.clip_cov_ub}: no token can be "
                           "picked; set clip_cov_lb below clip_cov_ub")
