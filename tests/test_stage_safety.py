@@ -155,12 +155,25 @@ def runs(assets, tmp_path_factory) -> Dict[str, Path]:
     return out
 
 
+#: The stages probed for LoRA and evaluation-input rules: every stage with LoRA (ORPO too).
+LORA_STAGES = (*STAGES, "orpo")
+
+
+@pytest.fixture(scope="module")
+def every_run(runs, assets, tmp_path_factory) -> Dict[str, Path]:
+    """``runs`` and ORPO's one-step full run, for the probes of the rules ORPO shares."""
+    out = tmp_path_factory.mktemp("orpo_run") / "orpo"
+    proc = child_run("orpo", stage_argv("orpo", assets, out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {**runs, "orpo": out}
+
+
 @pytest.fixture(scope="module")
 def lora_runs(assets, tmp_path_factory) -> Dict[str, Path]:
     """Each stage's one-step LoRA run (rank 4, alpha 8, every projection), with its checkpoint at step 1."""
     root = tmp_path_factory.mktemp("lora_runs")
     out = {}
-    for stage in STAGES:
+    for stage in LORA_STAGES:
         out[stage] = root / stage
         proc = child_run(stage, stage_argv(stage, assets, out[stage], lora_rank=4, lora_alpha=8))
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -178,9 +191,9 @@ LORA_CHANGES = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", STAGES)
-def test_a_lora_resume_keeps_its_settings_and_a_finished_one_writes_nothing(lora_runs, runs, assets, capsys, caplog,
-                                                                            stage):
+@pytest.mark.parametrize("stage", LORA_STAGES)
+def test_a_lora_resume_keeps_its_settings_and_a_finished_one_writes_nothing(lora_runs, every_run, assets, capsys,
+                                                                            caplog, stage):
     """A LoRA --resume with other lora_target_modules rewrote the run's adapter with 8 tensors instead of 28 (later
     checkpoints dropped the other factors), with another lora_alpha it rewrote adapter_config.json over factors
     trained at the old alpha, and a resume that trained nothing still rewrote config.yaml and adapter/. Now each
@@ -203,7 +216,7 @@ def test_a_lora_resume_keeps_its_settings_and_a_finished_one_writes_nothing(lora
     assert refused(capsys) == (f"error: --resume {step}: the run trained LoRA adapters (rank 4, alpha 8), and this "
                                f"launch is a full fine-tune; pass --lora_rank 4 --lora_alpha 8 to continue it, or "
                                f"start a new run in another --output_dir")
-    full = runs[stage]
+    full = every_run[stage]
     full_before = snapshot(full)
     assert run_stage(stage, stage_argv(stage, assets, full, resume="latest", **lora)) == 2
     assert refused(capsys) == (f"error: --resume {full / 'checkpoints' / 'step_00000001'}: the run is a full "
@@ -668,12 +681,13 @@ def test_a_damaged_adapter_or_another_base_is_never_used_in_silence(lora_runs, a
 #: The flags that make each stage evaluate its policy by generation at every step (four new tokens).
 EVAL_FLAGS = {"sft": {"eval_generation": "true", "eval_max_new_tokens": 4, "eval_limit": 2},
               "dpo": {"eval_generation": "true", "eval_max_new_tokens": 4, "eval_limit": 2},
+              "orpo": {"eval_generation": "true", "eval_max_new_tokens": 4, "eval_limit": 2},
               "grpo": {"eval_steps": 1, "eval_limit": 2}, "ppo": {"eval_steps": 1, "eval_limit": 2}}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", EVAL_FLAGS)
-def test_a_bad_eval_input_fails_before_the_previous_run_is_replaced(runs, assets, tmp_path, capsys, stage):
+def test_a_bad_eval_input_fails_before_the_previous_run_is_replaced(every_run, assets, tmp_path, capsys, stage):
     """With --overwrite_output_dir true and a malformed --eval_file, the old run's checkpoints, config and metrics
     were removed, step 1 trained, then the first evaluation failed; --eval_num_generations 100000 was accepted and
     failed after step 1 allocating 61 GiB. Both are now one line before anything is removed or trained."""
@@ -682,7 +696,7 @@ def test_a_bad_eval_input_fails_before_the_previous_run_is_replaced(runs, assets
     bad.write_text(json.dumps({"question": rows[0]["question"], "answer": rows[0]["answer"]}) + "\n{not json\n")
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"question": "How many?", "answer": "no final answer"}) + "\n")
-    out = runs[stage]
+    out = every_run[stage]
     before = snapshot(out)
     replace = {**EVAL_FLAGS[stage], "overwrite_output_dir": "true"}
     capsys.readouterr()
