@@ -199,7 +199,7 @@ def child_sync(args):
     import torch
     from transformers import AutoTokenizer
     paths = args.path.split(",")
-    multiproc = paths[0] in ("rpc", "shm")
+    multiproc = paths[0] in ("rpc", "shm", "shmdirect")
     llm, start_s = make_llm(args, args.model, multiproc=multiproc)
     tok = AutoTokenizer.from_pretrained(args.model)
     pids = chat_ids(tok, GREEDY_PROMPTS)
@@ -225,6 +225,10 @@ def child_sync(args):
                 elif path == "shm":  # (c) one memcpy into shared memory here, from_numpy views in the worker
                     name, layout = shm_write(w)
                     llm.collective_rpc(shm_reload, args=(name, layout))
+                    shm_free(name)
+                elif path == "shmdirect":  # (c)+(b2): shared memory, then the in-place re-pack in the worker
+                    name, layout = shm_write(w)
+                    llm.collective_rpc(shm_direct, args=(name, layout, args.dtype))
                     shm_free(name)
                 llm.reset_prefix_cache()
                 r[f"sync_{tag}_s"] = time.perf_counter() - t
@@ -291,6 +295,23 @@ def shm_reload(worker, name, layout):
         except BufferError:
             pass
     return True
+
+
+def shm_direct(worker, name, layout, dtype):
+    """Runs in the engine's worker process: ``direct_sync`` from views of the shared block."""
+    import numpy as np
+    from multiprocessing import shared_memory
+    shm = shared_memory.SharedMemory(name=name)
+    try:
+        views = {k: np.ndarray(s, d, buffer=shm.buf, offset=o) for k, s, d, o in layout}
+        n = direct_sync(worker.model_runner.model, views, dtype)
+        del views
+    finally:
+        try:
+            shm.close()
+        except BufferError:
+            pass
+    return n
 
 
 def child_parity(args):
@@ -367,7 +388,9 @@ def main():
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--what", default="start,throughput",
                     help="comma list of: throughput (includes the engine start), sync, parity, oneprocess")
-    ap.add_argument("--paths", default="rpc,reload,direct,shm", help="sync paths to try (sync)")
+    ap.add_argument("--paths", default="reload,direct,rpc,shm,shmdirect",
+                    help="sync paths to try (sync): reload,direct run in one in-process engine, rpc,shm,shmdirect in one"
+                         " engine of its own processes")
     ap.add_argument("--kv_gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE, GiB")
     ap.add_argument("--noise_seed", type=int, default=1)
     ap.add_argument("--hf_python", default=os.path.join(REPO, ".venv", "bin", "python"),
@@ -408,7 +431,7 @@ def main():
             write_model(args.model, noised(hf_weights(args.model), args.noise_seed), w1_dir)
         fresh1 = run_child(args, "fresh", model=w1_dir)
         groups = [g for g in (",".join(p for p in args.paths.split(",") if p in ("reload", "direct")),
-                              ",".join(p for p in args.paths.split(",") if p in ("rpc", "shm"))) if g]
+                              ",".join(p for p in args.paths.split(",") if p in ("rpc", "shm", "shmdirect"))) if g]
         runs = [run_child(args, "sync", extra=["--path", g, "--noise_seed", str(args.noise_seed)]
                           + (["--with_throughput"] if "throughput" in whats and i == 0 else [])) for i, g in enumerate(groups)]
         print(f"\nweight sync, {args.dtype}: W1 = W0 + {NOISE} N(0,1) pushed into a live engine, then W0 back;"
@@ -420,7 +443,7 @@ def main():
             if not r:
                 continue
             for p in r:
-                if p in ("rpc", "reload", "direct", "shm"):
+                if p in ("rpc", "reload", "direct", "shm", "shmdirect"):
                     x = r[p]
                     f = lambda k: f"{x[k]:.3f}" if k in x else "-"
                     eq1 = str(x.get("greedy_w1") == fresh1["greedy"]) if fresh1 and "greedy_w1" in x else "-"
@@ -462,7 +485,8 @@ def main():
                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib)})
         chk = subprocess.run([py, "-m", "pip", "check"], capture_output=True, text=True)
         print(f"\none process ({args.venv}): rc {r.returncode} in {time.perf_counter() - t:.1f} s")
-        print("  " + (r.stdout.strip().splitlines() or [""])[-1] if r.returncode == 0 else r.stderr[-1500:])
+        print("  " + next((x for x in r.stdout.splitlines() if x.startswith("{")), "") if r.returncode == 0
+              else r.stderr[-1500:])
         print("  pip check: " + "; ".join(chk.stdout.strip().splitlines()))
 
 
