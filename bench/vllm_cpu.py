@@ -79,6 +79,7 @@ def noised(weights, seed):
 def write_model(src, weights, dst):
     """A model folder with ``weights`` (for a freshly started engine to compare with; bench only)."""
     import shutil
+
     from safetensors.numpy import save_file
     os.makedirs(dst, exist_ok=True)
     for f in os.listdir(src):
@@ -175,7 +176,8 @@ def throughput(llm, model, repeats=2):
     sps = [SamplingParams(n=4, temperature=1.0, max_tokens=32, logprobs=0, seed=100 + i) for i in range(4)]
     a = llm.generate(prompts[:4], sps, use_tqdm=False)
     b = llm.generate(prompts[:4], sps, use_tqdm=False)
-    ids = lambda outs: [[list(c.token_ids) for c in o.outputs] for o in outs]
+    def ids(outs):
+        return [[list(c.token_ids) for c in o.outputs] for o in outs]
     rows.update(n4_counts=[len(o.outputs) for o in a], seed_reproducible=ids(a) == ids(b),
                 n4_distinct=all(len({tuple(c) for c in g}) > 1 for g in ids(a)))
     lps = [c.cumulative_logprob for c in a[0].outputs]
@@ -259,8 +261,9 @@ _SHM = {}
 
 
 def shm_write(weights):
-    import numpy as np
     from multiprocessing import shared_memory
+
+    import numpy as np
     total = sum(v.nbytes for v in weights.values())
     shm = shared_memory.SharedMemory(create=True, size=total)
     layout, off = [], 0
@@ -280,9 +283,10 @@ def shm_free(name):
 
 def shm_reload(worker, name, layout):
     """Runs in the engine process: views of the shared block (torch.from_numpy, no copy) into reload_weights."""
+    from multiprocessing import shared_memory
+
     import numpy as np
     import torch
-    from multiprocessing import shared_memory
     shm = shared_memory.SharedMemory(name=name, track=False) if sys.version_info >= (3, 13) else \
         shared_memory.SharedMemory(name=name)
     try:
@@ -299,8 +303,9 @@ def shm_reload(worker, name, layout):
 
 def shm_direct(worker, name, layout, dtype):
     """Runs in the engine's worker process: ``direct_sync`` from views of the shared block."""
-    import numpy as np
     from multiprocessing import shared_memory
+
+    import numpy as np
     shm = shared_memory.SharedMemory(name=name)
     try:
         views = {k: np.ndarray(s, d, buffer=shm.buf, offset=o) for k, s, d, o in layout}
@@ -365,7 +370,8 @@ def run_child(args, kind, extra=(), model=None):
     with open(log, "w") as f:  # a file, not a pipe: nothing waits on an engine process's inherited stderr
         r = subprocess.run(cmd + ["--result", out], stdout=None if args.verbose else f, stderr=f, text=True)
     if r.returncode != 0 or not os.path.exists(out):
-        print(f"  {kind} {extra} failed (rc {r.returncode}):\n" + "\n".join(open(log).read().strip().splitlines()[-15:]))
+        tail = "\n".join(open(log).read().strip().splitlines()[-15:])
+        print(f"  {kind} {extra} failed (rc {r.returncode}):\n{tail}")
         return None
     rows = json.load(open(out))
     rows["process_s"] = time.perf_counter() - t
@@ -389,8 +395,8 @@ def main():
     ap.add_argument("--what", default="start,throughput",
                     help="comma list of: throughput (includes the engine start), sync, parity, oneprocess")
     ap.add_argument("--paths", default="reload,direct,rpc,shm,shmdirect",
-                    help="sync paths to try (sync): reload,direct run in one in-process engine, rpc,shm,shmdirect in one"
-                         " engine of its own processes")
+                    help="sync paths to try (sync): reload,direct run in one in-process engine, rpc,shm,shmdirect"
+                         " in one engine of its own processes")
     ap.add_argument("--kv_gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE, GiB")
     ap.add_argument("--noise_seed", type=int, default=1)
     ap.add_argument("--hf_python", default=os.path.join(REPO, ".venv", "bin", "python"),
@@ -433,7 +439,8 @@ def main():
         groups = [g for g in (",".join(p for p in args.paths.split(",") if p in ("reload", "direct")),
                               ",".join(p for p in args.paths.split(",") if p in ("rpc", "shm", "shmdirect"))) if g]
         runs = [run_child(args, "sync", extra=["--path", g, "--noise_seed", str(args.noise_seed)]
-                          + (["--with_throughput"] if "throughput" in whats and i == 0 else [])) for i, g in enumerate(groups)]
+                          + (["--with_throughput"] if "throughput" in whats and i == 0 else []))
+                for i, g in enumerate(groups)]
         print(f"\nweight sync, {args.dtype}: W1 = W0 + {NOISE} N(0,1) pushed into a live engine, then W0 back;"
               f" greedy ({len(GREEDY_PROMPTS)} prompts x {GREEDY_TOKENS} tokens) against a freshly started engine")
         if fresh1:
@@ -445,12 +452,13 @@ def main():
             for p in r:
                 if p in ("rpc", "reload", "direct", "shm", "shmdirect"):
                     x = r[p]
-                    f = lambda k: f"{x[k]:.3f}" if k in x else "-"
                     eq1 = str(x.get("greedy_w1") == fresh1["greedy"]) if fresh1 and "greedy_w1" in x else "-"
                     eq0 = str(x.get("greedy_w0") == r["greedy_w0_before"]) if "greedy_w0" in x else "-"
                     ne = str(x.get("greedy_w1") != r["greedy_w0_before"]) if "greedy_w1" in x else "-"
-                    print(f"  {p:<7} {f('sync_w1_s'):>9} {f('sync_w0_s'):>9} {eq1:>9} {eq0:>9} {ne:>7}  {x.get('error', '')}")
-            print(f"  engine start {r['start_s']:.1f} s; peak RSS {r.get('peak_rss_engine_mib', r['peak_rss_mib']):.0f} MiB"
+                    s1, s0 = (f"{x[k]:.3f}" if k in x else "-" for k in ("sync_w1_s", "sync_w0_s"))
+                    print(f"  {p:<7} {s1:>9} {s0:>9} {eq1:>9} {eq0:>9} {ne:>7}  {x.get('error', '')}")
+            rss = r.get("peak_rss_engine_mib", r["peak_rss_mib"])
+            print(f"  engine start {r['start_s']:.1f} s; peak RSS {rss:.0f} MiB"
                   f" ({'engine processes' if 'peak_rss_engine_mib' in r else 'one process'}); {r['tensors']} tensors,"
                   f" {r['mib']:.0f} MiB")
             if "tok_per_s" in r:
