@@ -1,7 +1,7 @@
 """Records tests/data/replay_reference/: a 3-step tiny GRPO run's rollouts (--save_data_file) and the
 metrics of an off-policy run replaying them (2 steps, num_iterations 2, mini_batch_size 4, beta 0.04).
 test_grpo_e2e.test_replay_matches_the_recorded_reference replays the same rollouts with the current
-code and compares. Recorded with commit 3893603 (before the training core of issue #26):
+code and compares. Recorded with commit 3893603 (before the training core):
 
     PYTHONPATH=tests python tests/make_replay_reference.py OUT_DIR
 """

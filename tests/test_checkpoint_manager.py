@@ -127,7 +127,7 @@ def test_a_full_disk_during_a_save_is_one_error_and_leaves_the_previous_checkpoi
 
 
 def test_a_full_disk_on_the_first_save_advises_what_works(tmp_path):
-    """Issue 39.9: with no checkpoint of the run saved yet, the advice used to be --resume, which then fails
+    """With no checkpoint of the run saved yet, the advice used to be --resume, which then fails
     (no checkpoint, but metrics): it now says to rerun, replacing the steps logged so far."""
     from grpo_runs import small_filesystem
 

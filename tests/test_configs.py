@@ -482,7 +482,7 @@ _FIGURE = re.compile(r"\d[\d.]*\s*(?:s|ms|min|GiB|MiB|GB)\b|\d(?:\.\d+)?x\b")
 
 @pytest.mark.parametrize("stage", list(REFERENCES))
 def test_help_says_what_a_field_does_and_leaves_figures_to_bench(stage):
-    """Issue 42: help strings carried benchmark figures (recompute's was 907 characters: GiB, seconds) that go
+    """Help strings carried benchmark figures (recompute's was 907 characters: GiB, seconds) that go
     stale with every speed-up. A help says what the field does and where the figures are (bench/README.md)."""
     carrying = {name: _FIGURE.findall(f.help) for name, f in REFERENCES[stage][0].field_index().items()
                 if _FIGURE.search(f.help)}
@@ -613,7 +613,7 @@ def test_overlong_buffer_checks():
     (grpo_configs.ParallelConfig, dict(use_parallel=True, train_dp=2), "= 2 != infer world size"),
 ])
 def test_each_group_checks_its_own_fields(group, values, needle):
-    """Issue 42: a rule among one group's fields is that group's ``check`` (GRPOConfig keeps only the rules across
+    """A rule among one group's fields is that group's ``check`` (GRPOConfig keeps only the rules across
     groups), so a stage that reuses the group (PPO: generation, parallel) gets the rule with it."""
     errors = []
     group(**values).check(errors)
@@ -640,7 +640,7 @@ def test_ppo_gets_the_generation_and_layout_rules_of_the_groups_it_shares():
 
 
 # ---------------------------------------------------------------------------------------------- the reward group
-#: The reward fields as a YAML of the layout before the reward group (issue 42) writes them, and the same config now.
+#: The reward fields as a YAML of the layout before the reward group writes them, and the same config now.
 OLD_REWARD_LAYOUT = {
     GRPOConfig: ("algorithm:\n  beta: 0.0\n  reward_funcs: [accuracy, format]\n  reward_weights: [1.0, 0.5]\n"
                  "  reward_errors: skip\n  overlong_buffer_length: 8\n  overlong_penalty: 0.5\n",
@@ -657,7 +657,7 @@ OLD_REWARD_LAYOUT = {
 
 @pytest.mark.parametrize("cls", [GRPOConfig, PPOConfig], ids=["grpo", "ppo"])
 def test_reward_fields_written_under_algorithm_still_load(cls, tmp_path, caplog, monkeypatch):
-    """Issue 42: the reward fields moved from the algorithm group to one reward group shared by GRPO and PPO. A YAML
+    """The reward fields moved from the algorithm group to one reward group shared by GRPO and PPO. A YAML
     of the old layout (a user's file, a run's recorded config.yaml) loads to the same config, with one warning
     naming the new place, once per process; the flags keep their names."""
     import mindrlhf.configs.base as base

@@ -1,4 +1,4 @@
-"""The CPU matmul routes of ``mindrlhf.models.cpu_matmul`` (#40): forward and both gradients equal MindSpore's
+"""The CPU matmul routes of ``mindrlhf.models.cpu_matmul``: forward and both gradients equal MindSpore's
 ``MatMul`` to float32 rounding, in PyNative, in ``mindspore.jit`` and in the layer graphs' all-dynamic-shape jit."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Disaggregated rollout (``gen_workers``, issue #43): the config's rules and errors, the layout arithmetic of the two
+"""Disaggregated rollout (``gen_workers``): the config's rules and errors, the layout arithmetic of the two
 sides, the rollout rows' wire format, (msrun) one generator + one trainer at max_staleness 0 giving the colocated
 one-process run's metrics and weights, and at max_staleness 1 (one step off) the rows' staleness and the two sides'
 busy intervals overlapping in wall-clock time."""
@@ -104,7 +104,7 @@ def test_tensor_and_pipeline_layouts_are_accepted_on_both_sides():
 
 
 def test_ppo_takes_gen_workers_with_grpos_rules():
-    """PPO disaggregates as GRPO does (issue 43): the generators' layout follows gen_workers, the config's
+    """PPO disaggregates as GRPO does: the generators' layout follows gen_workers, the config's
     one-line errors are the same (what is not built yet, named)."""
     cfg = PPOConfig.parse_args(["--use_parallel", "true", "--gen_workers", "2", "--max_staleness", "1"])
     assert (cfg.parallel.gen_workers, cfg.parallel.infer_dp, cfg.parallel.max_staleness, cfg.world_size) == (2, 2, 1, 3)
@@ -485,7 +485,7 @@ def test_a_one_step_off_checkpoint_resumed_as_one_process_warns_that_its_rows_in
 @pytest.mark.slow
 @pytest.mark.msrun
 def test_a_killed_generator_stops_the_trainers_and_resume_finishes_the_run(grpo_assets, one_step_off, tmp_path):
-    """The dead-worker rule with generator ranks (issue 43): the one-step-off job on two nodes (the trainer on node 0,
+    """The dead-worker rule with generator ranks: the one-step-off job on two nodes (the trainer on node 0,
     the generator on node 1), the generator SIGKILLed while it samples step 3 (the trainer is training step 2):
     the trainer stops within collective_timeout with the one-line error (exit code 3) naming the newest checkpoint
     (step 2, which keeps the weights step 3 was being sampled with), and --resume finishes the run with the
@@ -518,7 +518,7 @@ def test_a_killed_generator_stops_the_trainers_and_resume_finishes_the_run(grpo_
 @pytest.mark.skipif(not BYHAND, reason="two more two-node launches than CI's time holds (the generator-kill test "
                     "covers the rule in CI): MINDRLHF_BYHAND=1")
 def test_a_killed_trainer_stops_the_generator_and_resume_finishes_the_run(grpo_assets, one_step_off, tmp_path):
-    """The dead-worker rule the other way round (issue 43): the one-step-off job on two nodes (the trainer on node 0,
+    """The dead-worker rule the other way round: the one-step-off job on two nodes (the trainer on node 0,
     the generator on node 1), the trainer SIGKILLed in step 2's update (it has pushed update 1; the generator samples
     step 3 with it and then waits to send the rows): the generator stops within collective_timeout with the
     one-line error (exit code 3) naming the newest checkpoint (step 1, which keeps the weights step 2 was sampled

@@ -1,4 +1,4 @@
-"""Issue 41: evaluation while the policy stages train (GRPO and PPO: ``eval_steps``; SFT and DPO: ``eval_generation``
+"""Evaluation while the policy stages train (GRPO and PPO: ``eval_steps``; SFT and DPO: ``eval_generation``
 at their ``eval_steps``). Every N steps and at the last, the run's own sampler answers held-out GSM8K questions as
 ``mindrlhf-eval`` would: the ``eval/*`` rows (``eval/reward/<fn>`` included) equal ``mindrlhf-eval`` on that step's
 checkpoint with the same questions and settings."""

@@ -88,7 +88,7 @@ def test_a_new_run_never_overwrites_or_resumes_another(grpo_assets, tmp_path, ca
                                 overwrite_output_dir="true")) == 0
     assert [r["step"] for r in _metrics(out)] == [1] and os.listdir(out / "checkpoints") == ["step_00000001"]
     # Resuming with a config that changes the math names the changed fields: max_steps (the schedule's
-    # length) and the data source too (issue 24 item 4: they were not compared).
+    # length) and the data source too (they were not compared).
     from mindrlhf.data.rlhf_data import convert_to_mindrecord
     from mindrlhf.tokenizer import Tokenizer
 
@@ -102,7 +102,7 @@ def test_a_new_run_never_overwrites_or_resumes_another(grpo_assets, tmp_path, ca
     assert len(warned) == 1 and "lr 0.001 -> 0.002" in warned[0] and "seed 7 -> 8" in warned[0]
     assert "max_steps 1 -> 2" in warned[0]
     assert f"mind_dataset_dir '{grpo_assets['data']}' -> '{other_data}'" in warned[0]
-    # Resuming a finished run with a smaller max_steps: an error, not a silent exit 0 (issue 24 item 9).
+    # Resuming a finished run with a smaller max_steps: an error, not a silent exit 0.
     capsys.readouterr()
     assert _run_inprocess(_args(grpo_assets, out, **dict(changed, max_steps=1), resume="latest")) == 2
     assert ("the checkpoint is at step 2, past --max_steps 1; raise --max_steps to train on, or resume an earlier "
@@ -127,7 +127,7 @@ def test_bad_inputs_fail_fast_with_errors_that_name_the_problem(grpo_assets, tmp
     # A typo in a reward path is reported before the (missing, here) model would load.
     assert "cannot import module 'e2e_rewardz'" in error(sft_path_train=missing,
                                                           reward_funcs=["e2e_rewardz:length_reward"])
-    # An output_dir that cannot be written: before the model loads, no traceback (issue 24 item 9).
+    # An output_dir that cannot be written: before the model loads, no traceback.
     assert error(output_dir="/proc/x").startswith("error: --output_dir /proc/x cannot be written")
     typo = tmp_path / "out" / "checkpoints" / "step_0000001"
     assert error(resume=str(typo)).startswith(f"error: --resume {typo}: no such checkpoint folder")
@@ -543,7 +543,7 @@ def test_tp_pp_layout_matches_one_process(grpo_assets, tmp_path):
 @pytest.mark.byhand
 @pytest.mark.skipif(not BYHAND, reason="a 4-worker launch more than CI's time holds: MINDRLHF_BYHAND=1")
 def test_disaggregated_tp2_matches_one_process(grpo_assets, tmp_path):
-    """Disaggregated (issue 43), msrun world 4: 2 trainers in train_tp 2 + 2 generators in infer_tp 2 (tp KV-cache
+    """Disaggregated, msrun world 4: 2 trainers in train_tp 2 + 2 generators in infer_tp 2 (tp KV-cache
     sampling; the trainers assemble the full weights from their tp shards before each push, each generator keeps its
     tp slice) at max_staleness 0. It samples, trains and evaluates (on the trainers, a sampler over their tp2 policy)
     as the one-process recording run did: every metric to 1e-5, the eval rows included, and the final weights.

@@ -1,4 +1,4 @@
-"""Issue 24, end to end on the tiny Qwen2: the output-dir, checkpoint and metrics holes that fault
+"""End to end on the tiny Qwen2: the output-dir, checkpoint and metrics holes that fault
 probes found, each reproduced as the user met it (these failed before the fix) and shown to lose
 nothing now. The directory rules themselves are unit-tested in test_run_dir.py and
 test_checkpoint_manager.py; here the whole command is run."""
@@ -136,7 +136,7 @@ def test_a_full_disk_is_one_error_and_resume_works_once_space_is_freed(grpo_asse
         assert _run(argv + ["--resume"]) == 0
         assert [r["step"] for r in _metrics(out)] == [1, 2]
         assert ckpts.list_steps() == [1, 2] and ckpts.verify(ckpts.step_dir(2)) is None
-    # Issue 39.9: full on the run's first checkpoint, the advice was --resume, which then fails (no checkpoint, but
+    # Full on the run's first checkpoint, the advice was --resume, which then fails (no checkpoint, but
     # metrics). It now says what works, and that works once space is freed.
     first = tmp_path / "disk1" / "run"
     argv = _args(grpo_assets, first, max_steps=1, tensorboard="false", **SHORT)

@@ -371,7 +371,7 @@ def test_gsm8k_pairs_from_a_models_wrong_answers(stage_assets, tmp_path, qwen_to
     capsys.readouterr()
     with_bar = [a for a in argv if a != "--no_progress"]
     assert main(with_bar + ["--overwrite", "--max_pairs_per_question", "1"]) == 0
-    said = capsys.readouterr()  # the bar says what it does (#41: it said "gsm8k maj"); stdout: what was written
+    said = capsys.readouterr()  # the bar says what it does (it said "gsm8k maj"); stdout: what was written
     assert "pairs: 3 answers a question" in said.err and "gsm8k maj" not in said.err
     assert json.loads(said.out.strip().splitlines()[-1])["pairs"] == 4
     assert [len(json.loads(line)["neg_answers"]) for line in out.read_text().splitlines()] == [1, 1, 1, 1]

@@ -1,4 +1,4 @@
-"""Misuses that used to end in a traceback (issue #39, item 4) now end in one ``error: ...`` line and exit 2:
+"""Misuses that used to end in a traceback now end in one ``error: ...`` line and exit 2:
 a reward model (``*ForSequenceClassification``: a score head, no ``lm_head``) given where a causal LM must
 generate or give token log-probs (DPO/PPO/GRPO's reference, ``mindrlhf-eval``, ``mindrlhf-data --pairs``), and
 ``mindrlhf-data --pairs`` on a GSM8K file with a malformed or non-UTF-8 row or with ``--temperature 0``; a

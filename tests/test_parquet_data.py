@@ -262,7 +262,7 @@ def test_ppo_trains_a_step_on_a_verl_parquet(verl_parquet, tmp_path):
     assert "rewards/accuracy/mean" in rows[0] and "no reward_model.ground_truth" not in proc.stderr
 
 
-# -- question files: mindrlhf-eval --data_path, eval_file, mindrlhf-data (#41) -----------------------------------
+# -- question files: mindrlhf-eval --data_path, eval_file, mindrlhf-data -----------------------------------
 @pytest.mark.parametrize("layout", ["parquet", "save_to_disk"])
 def test_question_files_read_a_verl_parquet_as_the_gsm8k_jsonl(tmp_path, data_dir, layout):
     """The question readers (mindrlhf-eval's and eval_file's ``load_questions``, the converter's and mindrlhf-data

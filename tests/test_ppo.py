@@ -298,7 +298,7 @@ def test_ppo_refuses_bad_configs_in_one_line(tmp_path, capsys):
                                                 "'accuracy' (logged as rewards/accuracy/mean"),
     (["accuracy"], [1.0, 2.0], "reward_weights has 2 values [1.0, 2.0] but reward_funcs has 1 ['accuracy']")])
 def test_ppo_checks_its_reward_funcs_as_grpo_does(funcs, weights, message):
-    """Issue 42: configs/ppo.py had its own copy of GRPO's reward checks, and a blunter one (a function listed twice
+    """`configs/ppo.py` had its own copy of GRPO's reward checks, and a blunter one (a function listed twice
     and two functions of one name got the same words). One check now: the same error under both stages."""
     from mindrlhf.configs import GRPOConfig
     from mindrlhf.configs.ppo import PPOConfig
@@ -435,7 +435,7 @@ def test_tensor_parallel_generators_and_trainers_equal_one_process(ppo_assets, r
 @pytest.mark.slow
 @pytest.mark.msrun
 def test_one_generator_one_trainer_equals_the_colocated_run(ppo_assets, recorded, tmp_path):
-    """Disaggregated PPO (issue 43): msrun world 2 with gen_workers 1 at max_staleness 0 (rank 1 only samples; rank
+    """Disaggregated PPO: msrun world 2 with gen_workers 1 at max_staleness 0 (rank 1 only samples; rank
     0 scores with the reward model, runs the reference and the critic and trains both) computes the colocated
     one-process run's first two steps: every metric (rel 1e-6) and the actor's and critic's weights; every row was
     sampled by the policy of the step before (staleness 0) and both sides' busy and idle seconds are logged; the

@@ -28,7 +28,7 @@ def test_kl_shaped_rewards_put_the_score_on_each_rows_last_token():
 
 
 def test_ppo_reward_kl_is_the_registered_estimator():
-    """Issue 42: PPO's reward kept its own copy of the KL estimators and configs/ppo.py its own list of their
+    """PPO's reward kept its own copy of the KL estimators and configs/ppo.py its own list of their
     names. Now one table: every registered estimator (a new one too) is PPO's, on host float64 arrays, with the
     values the policy loss's MindSpore estimator gives, and PPO's kl_estimator choices are the registry's."""
     import dataclasses

@@ -1,4 +1,4 @@
-"""Issue 41: the README's pipeline block (SFT rows, SFT, pairs from the SFT model, RM, DPO, ORPO, PPO, GRPO,
+"""The README's pipeline block (SFT rows, SFT, pairs from the SFT model, RM, DPO, ORPO, PPO, GRPO,
 evaluation) runs top to bottom exactly as written. Each command is the README's, in a fresh folder, with only
 shortening flags appended (fewer rows and steps, shorter completions) and, for the one command that reads the
 base model (SFT), a tiny random Qwen2 instead of the embedded SmolLM2: every later command finds its model

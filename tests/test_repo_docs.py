@@ -37,7 +37,7 @@ def test_ci_runs_both_readme_commands_verbatim():
 
 
 def test_a_new_shell_runs_the_other_commands_as_the_readme_says():
-    """Issue 41: after command 1, `mindrlhf-sft` was not found in a new shell (exit 127) and the README said nothing
+    """After command 1, `mindrlhf-sft` was not found in a new shell (exit 127) and the README said nothing
     needs activating. The README and command 1's last line say to activate the environment; doing so in a shell
     that has nothing of it (this suite runs in that environment: its python's bin/) finds the commands."""
     readme = (REPO / "README.md").read_text(encoding="utf-8")

@@ -45,7 +45,7 @@ def test_a_fresh_start_where_a_run_is_needs_overwrite(tmp_path):
 
 
 def test_resume_into_a_checkpoint_dir_holding_another_run_is_refused(tmp_path):
-    # Issue 24 item 2: run B resumes run R's checkpoint into run A's save_ckpt_dir: it used to overwrite
+    # Run B resumes run R's checkpoint into run A's save_ckpt_dir: it used to overwrite
     # A's step 3 and delete A's step 2 (keep_last 1), exit 0.
     shared, other = tmp_path / "shared_ck", tmp_path / "R" / "checkpoints"
     _save(shared, "runA", 1, 2, 3)
@@ -64,7 +64,7 @@ def test_resume_into_a_checkpoint_dir_holding_another_run_is_refused(tmp_path):
 
 
 def test_resume_with_no_checkpoint_keeps_the_history(tmp_path):
-    # Issue 24 item 3: the history was replaced by a fresh run after one warning.
+    # The history was replaced by a fresh run after one warning.
     out = tmp_path / "out"
     _metrics(out, [1, 2, 3])
     with pytest.raises(MindRLHFError, match=rf"--resume: no checkpoint in {out / 'checkpoints'}, but "
@@ -88,7 +88,7 @@ def test_resume_into_an_output_dir_of_another_run_is_refused(tmp_path):
 
 
 def test_an_output_dir_that_cannot_be_written_fails_before_anything_loads(tmp_path):
-    # Issue 24 item 9: --output_dir /proc/x used to fail with a traceback after the model loaded.
+    # --output_dir /proc/x used to fail with a traceback after the model loaded.
     with pytest.raises(MindRLHFError, match=r"--output_dir /proc/x cannot be written \(No such file or directory\); "
                                             r"choose a directory you can write to"):
         decide("/proc/x", "/proc/x/checkpoints", resume="", overwrite=False)
@@ -118,7 +118,7 @@ def test_overwrite_removes_the_whole_previous_run_and_says_so(tmp_path, caplog):
 
 
 def test_a_checkpoint_folder_without_a_manifest_is_unusable_not_another_run(tmp_path, caplog):
-    """Issue 39.7: a step folder without manifest.json (a copy or write that did not finish) was counted as a
+    """A step folder without manifest.json (a copy or write that did not finish) was counted as a
     second run, and the suggested `--resume <that folder>` was then refused. It is skipped with a warning and
     --resume latest takes the newest intact checkpoint; a fresh start still sees it and is refused."""
     ck = tmp_path / "out" / "checkpoints"
@@ -137,7 +137,7 @@ def test_a_checkpoint_folder_without_a_manifest_is_unusable_not_another_run(tmp_
 
 
 def test_resume_of_a_missing_step_names_one_that_exists(tmp_path):
-    """Issue 39.10: `--resume <missing step>` suggested step_00000010, a folder that does not exist."""
+    """`--resume <missing step>` suggested step_00000010, a folder that does not exist."""
     ck = tmp_path / "out" / "checkpoints"
     _save(ck, "A", 1, 2)
     with pytest.raises(MindRLHFError, match=rf"^--resume {ck / 'step_00000009'}: no such checkpoint folder \(the "
@@ -174,7 +174,7 @@ def test_a_model_is_the_same_by_content_wherever_it_is(tmp_path):
 
 
 def test_a_run_folder_given_as_a_model_is_its_newest_intact_checkpoint(tmp_path, caplog):
-    """Issue 41: the walkthrough hard-coded checkpoints/step_00000100 in every command after SFT, so shortening SFT
+    """The walkthrough hard-coded checkpoints/step_00000100 in every command after SFT, so shortening SFT
     broke them all. A run's output folder given as a model stands for that run's newest intact checkpoint (said once
     in the log); any other path is itself."""
     from mindrlhf.checkpoint.run_record import model_of_run

@@ -1,4 +1,4 @@
-"""The resolved run length (issue 42): an epochs field sets the number of steps, which the trainer keeps as
+"""The resolved run length: an epochs field sets the number of steps, which the trainer keeps as
 ``total_steps`` beside the config; the config stays as the user gave it, and the config.yaml a run saves records the
 resolved length (``Trainer.run_config``), so running that file again gives the same run."""
 from __future__ import annotations

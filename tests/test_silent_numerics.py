@@ -1,4 +1,4 @@
-"""Issue 39, item 8: inputs that trained on nothing (or on something else) without a word, each reproduced as
+"""Inputs that trained on nothing (or on something else) without a word, each reproduced as
 the user met it: GRPO rewards of 0 and 1e30 (reward_std logged inf), a reward function returning strings
 (coerced to numbers), preference pairs whose chosen equals rejected (kept), and conversations with a role no
 chat template knows (trained; Qwen2.5's template silently drops the message)."""

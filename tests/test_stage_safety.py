@@ -1,4 +1,4 @@
-"""Issue 39: every stage (sft, rm, dpo, ppo, grpo) as safe as GRPO, probed the way users misuse them.
+"""Every stage (sft, rm, dpo, ppo, grpo) as safe as GRPO, probed the way users misuse them.
 
 One short run of each stage (a checkpoint at step 1) is shared by the module; every probe below runs each
 stage's command in this process against those runs and checks the one-line refusal and that nothing of the
@@ -315,7 +315,7 @@ def test_each_run_knows_its_stage_and_models(runs, assets):
 
 @pytest.mark.slow
 def test_the_last_line_names_every_output_and_the_next_command(runs):
-    """Issue 41: the run's last line named only metrics.jsonl; it names the checkpoint, plots, TensorBoard events and
+    """The run's last line named only metrics.jsonl; it names the checkpoint, plots, TensorBoard events and
     completion dumps the run wrote, and the command to run next on the checkpoint."""
     for stage, out in runs.items():
         last = (out.parent / f"{stage}.log").read_text().strip().splitlines()[-1]
@@ -335,7 +335,7 @@ def test_the_last_line_names_every_output_and_the_next_command(runs):
 
 @pytest.mark.slow
 def test_the_last_steps_completions_are_dumped(runs):
-    """Issue 41: completions_step_N.jsonl appeared only every log_completions_steps (10) steps, so a short run had
+    """`completions_step_N.jsonl` appeared only every log_completions_steps (10) steps, so a short run had
     none; the last step's are written too."""
     for stage in ("grpo", "ppo"):
         rows = [json.loads(line) for line in (runs[stage] / "completions_step_1.jsonl").read_text().splitlines()]
@@ -345,7 +345,7 @@ def test_the_last_steps_completions_are_dumped(runs):
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_resume_of_another_stages_run_is_refused(runs, assets, tmp_path, capsys, stage):
-    """Issue 39.1: `mindrlhf-dpo --output_dir <an SFT run> --resume` loaded the SFT checkpoint as its policy,
+    """`mindrlhf-dpo --output_dir <an SFT run> --resume` loaded the SFT checkpoint as its policy,
     appended to its metrics, overwrote its config.yaml and exited 0 (PPO in a DPO run died with a raw ValueError).
     Now, for every other stage's run: --resume latest into its output_dir, and --resume of its checkpoint folder
     into a new output_dir, are one line each, and the other run is unchanged."""
@@ -387,7 +387,7 @@ CHANGED = {"sft": "--model", "rm": "--model", "dpo": "--ref_model", "ppo": "--re
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_resume_with_another_model_is_refused(runs, assets, tmp_path, capsys, stage):
-    """Issue 39.2: a resume with another --model / --ref_model / --reward_model changed the run silently. Each
+    """A resume with another --model / --ref_model / --reward_model changed the run silently. Each
     stage now refuses it in one line naming the flag, the run's model and the new one, and the run is unchanged."""
     flag = CHANGED[stage]
     source = assets["rm"] if flag == "--reward_model" else assets["model"]
@@ -419,7 +419,7 @@ def test_a_resume_with_a_moved_copy_of_the_model_continues(runs, assets, tmp_pat
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_output_inside_an_input_model_is_refused(assets, tmp_path, capsys, stage):
-    """Issue 39.3: SFT and GRPO wrote their run into the input model's folder when --output_dir was (inside) it.
+    """SFT and GRPO wrote their run into the input model's folder when --output_dir was (inside) it.
     Every stage now refuses it, before anything is written there."""
     model = _changed_copy(assets["model"], tmp_path / "model", change=False)
     before = snapshot(model)
@@ -434,7 +434,7 @@ def test_output_inside_an_input_model_is_refused(assets, tmp_path, capsys, stage
 
 @pytest.mark.slow
 def test_a_damaged_checkpoint_is_never_read(runs, assets, tmp_path, capsys):
-    """Issue 39.6: checksums were checked only by --resume: a policy.ckpt with one flipped bit was trained from
+    """Checksums were checked only by --resume: a policy.ckpt with one flipped bit was trained from
     (--model), evaluated, converted and resharded without a word. Each is now one line naming the damage."""
     from mindrlhf.evaluation.gsm8k_eval import main as evaluate
     from mindrlhf.tools.convert_weight import main as convert
@@ -468,7 +468,7 @@ def test_a_damaged_checkpoint_is_never_read(runs, assets, tmp_path, capsys):
                                        ("ppo", {"reward_model": "no_such_model"}),
                                        ("rm", {"train_file": "bad.jsonl", "strict": "true"})])
 def test_a_failed_start_leaves_no_empty_folders(assets, tmp_path, capsys, stage, bad):
-    """Issue 39.9: a start that failed on a missing data file or model, or a bad row under --strict, left an empty
+    """A start that failed on a missing data file or model, or a bad row under --strict, left an empty
     checkpoints/ folder."""
     bad = {k: tmp_path / v if k != "strict" else v for k, v in bad.items()}
     (tmp_path / "bad.jsonl").write_text(Path(assets["pairs"]).read_text() + "{not json\n")
@@ -515,7 +515,7 @@ def _data(stage: str, rows: list) -> tuple:
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["sft", "rm", "dpo"])
 def test_every_skipped_row_is_named_in_the_log_and_listed_in_output_dir(stage, assets, tmp_path):
-    """Issue 39.5: mindrlhf-sft/-rm/-dpo counted skipped rows but never named them (the readers kept each one's
+    """Mindrlhf-sft/-rm/-dpo counted skipped rows but never named them (the readers kept each one's
     file, line and reason). The log names the first SKIPPED_ROWS_LOGGED of each file and counts the rest,
     output_dir/skipped_rows.jsonl lists all of them, and training goes on with the good rows."""
     model_dir = assets["model"]

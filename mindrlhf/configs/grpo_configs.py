@@ -730,7 +730,7 @@ class GRPOConfig(RolloutConfig):
     #: (``_check_combinations`` names what is not wired yet).
     LORA: ClassVar[bool] = True
     PROMPTS_FIELD = "chunk_size"
-    # The reward fields were in the algorithm group before the reward group existed (issue 42).
+    # The reward fields were in the algorithm group before the reward group existed.
     MOVED_FIELDS = {f.name: "algorithm" for f in dataclasses.fields(GRPORewardConfig)}
 
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)

@@ -199,7 +199,7 @@ class PPOConfig(RolloutConfig):
     #: samples with its adapters and, without ref_model_path, its base with the adapters off is the reference.
     LORA: ClassVar[bool] = True
     PROMPTS_FIELD = "batch_size"
-    # The reward fields were in the algorithm group before the reward group existed (issue 42).
+    # The reward fields were in the algorithm group before the reward group existed.
     MOVED_FIELDS = {f.name: "algorithm" for f in dataclasses.fields(PPORewardConfig)}
 
     algorithm: PPOAlgorithmConfig = dataclasses.field(default_factory=PPOAlgorithmConfig)

@@ -1,8 +1,8 @@
-"""float32 matmuls on CPU through the OpenBLAS numpy ships, as MindSpore ``Custom`` ops with their own backward (#40).
+"""float32 matmuls on CPU through the OpenBLAS numpy ships, as MindSpore ``Custom`` ops with their own backward.
 
 On the issue's Xeon MindSpore 2.10's CPU ``MatMul`` (oneDNN under MindSpore's thread pool) ran float32 products
 at about a third of numpy's OpenBLAS in the same process; on the Zen 5 measured since, it reaches 62-83% of
-OpenBLAS's own AVX-512 kernels in compiled graphs (bench/README.md, #40). This module wraps that BLAS in three
+OpenBLAS's own AVX-512 kernels in compiled graphs (bench/README.md). This module wraps that BLAS in three
 ``ops.Custom`` primitives, one per transpose case of ``C = op(A) op(B)`` with 2-D
 operands (``nn`` ``A B``, ``nt`` ``A Bᵀ`` -- the linear layers' forward --, ``tn`` ``Aᵀ B``), each with a
 bprop made of the other two, so gradients flow through them in PyNative, ``mindspore.jit`` and the layer graphs.

@@ -399,7 +399,7 @@ def _weight_grad(scaled: Tensor, token_ids: Tensor, softmax_part: Tensor) -> Ten
 class CompiledChunks:
     """The chunk pieces as compiled graphs (``layer_graphs.per_tensor_graph``), for pynative callers: where the head
     runs between the layer graphs (``CausalLM.compiled_layers``), MindSpore's pynative MatMul ran its (rows, H) x
-    (V, H) products at ~55-65% of the same product in a graph (bench/README.md, #40). A whole-model graph inlines
+    (V, H) products at ~55-65% of the same product in a graph (bench/README.md). A whole-model graph inlines
     the plain functions instead (it cannot call these Python wrappers)."""
 
     token_logp = staticmethod(per_tensor_graph(_chunk_token_logp, "chunk_token_logp"))

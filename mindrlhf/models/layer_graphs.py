@@ -18,7 +18,7 @@ in ``LayerGraphs`` between a layer's forward and its backward.
 Two kinds of graphs (``LayerGraphs.static``): *dynamic* graphs declare every input dimension dynamic, so
 one compile serves every sequence length; *static* graphs are compiled for one input shape each (the
 trainer's rows are padded to multiples of 32, so a run sees few shapes) and run MindSpore's static-shape
-CPU kernels, which are faster (bench/README.md, #40), with the same numbers. Each static graph keeps its
+CPU kernels, which are faster (bench/README.md), with the same numbers. Each static graph keeps its
 buffers allocated, so at most ``STATIC_VARIANTS`` input shapes get static graphs per template; the
 shapes after those run the dynamic graphs (never evicted and compiled again: a run whose lengths keep
 changing would compile at every step).
@@ -73,7 +73,7 @@ def per_tensor_graph(fn: Callable, name: str) -> Callable:
     """``fn(tensor, ...)`` (tensor arguments only) for pynative callers, compiled with ``mindspore.jit`` once per
     ranks and dtypes of its arguments, every dimension dynamic (``jit_any_shape``): MindSpore's CPU kernels run
     several times faster in a graph than in pynative (the vocabulary head's chunks, the per-gradient loops of the
-    update; bench/README.md, #40). Explicit dynamic signatures rather than ``jit(dynamic=1)``, whose shape
+    update; bench/README.md). Explicit dynamic signatures rather than ``jit(dynamic=1)``, whose shape
     detection crashed the process now and then (seen in the test suite: a segmentation fault in its compile)."""
     graphs: Dict[Tuple, Callable] = {}
 
@@ -110,12 +110,12 @@ def _inputs(rope, bias):
 
 
 #: Input shapes a template compiles static graphs for (forward and backward each); later shapes run the
-#: dynamic graphs. Chosen by measurement (bench/README.md, #40): a training run with bucketed lengths sees
+#: dynamic graphs. Chosen by measurement (bench/README.md): a training run with bucketed lengths sees
 #: a handful of shapes per pass, and each static pair holds its buffers (tens to hundreds of MB on SmolLM2).
 STATIC_VARIANTS = 8
 
 #: ``graph_kernel_flags`` of the fused static layer graphs (``LayerGraphs.graph_kernel``; "" = AKG's defaults).
-#: Fusion is no setting: measured (bench/README.md, #40, ``bench/train_flops.py --layer_graph_shapes
+#: Fusion is no setting: measured (bench/README.md, ``bench/train_flops.py --layer_graph_shapes
 #: static,static+gk``), fusing multiplies with adds moves SmolLM2's gradients by up to 1.3e-5 relative, beyond
 #: the 1e-5 the decoder's parity holds, and the flags that keep the numbers exact fuse only adds and copies.
 GRAPH_KERNEL_FLAGS = ""

@@ -153,7 +153,7 @@ class PipelineRunner:
         self._layer_graphs = layer_graphs
         #: Static-shape layer graphs (``parallel.layer_graph_shapes``); may be switched between passes.
         self.static_layer_graphs = static_layer_graphs
-        #: Graph-kernel fusion of the static layer graphs (no setting: measured, not wired; bench/README.md, #40).
+        #: Graph-kernel fusion of the static layer graphs (no setting: measured, not wired; bench/README.md).
         self.graph_kernel = graph_kernel
         self.keep_activations = keep_activations
         self._fns: Dict[str, Callable] = {}
@@ -377,7 +377,7 @@ def _add_float32(total: Tensor, g: Tensor) -> Tensor:
 
 
 # A graph per gradient: MindSpore's pynative CPU kernels ran this sum 2-5x slower on SmolLM2's gradients
-# (bench/README.md, #40).
+# (bench/README.md).
 _accumulate = per_tensor_graph(_add_float32, "add_float32")
 
 

@@ -1,4 +1,4 @@
-"""Evaluation while a policy trains (#41): ``mindrlhf-eval``'s GSM8K evaluation run on the trainer's own sampler.
+"""Evaluation while a policy trains: ``mindrlhf-eval``'s GSM8K evaluation run on the trainer's own sampler.
 
 ``PolicyEvaluation`` is the one place every policy stage evaluates: the rollout stages (``trainer.rollout``:
 GRPO, PPO) on the sampler they roll out with, SFT and DPO (``trainer.offline.PolicyOfflineTrainer``) on a

@@ -66,7 +66,7 @@ def _sum_squares_of(g: Tensor) -> Tensor:
 
 # A graph per gradient, not pynative kernels nor one graph over every gradient: on CPU MindSpore's pynative
 # kernels took ~1 s a step for SmolLM2's 272 gradients against 0.15-0.33 s in graphs, and one graph over all of
-# them took ~20 s to compile (bench/README.md, #40).
+# them took ~20 s to compile (bench/README.md).
 _sum_squares_graph = per_tensor_graph(_sum_squares_of, "sum_squares_of")
 
 
