@@ -262,7 +262,9 @@ def test_recompute_none_full_and_selective_give_the_same_losses_and_gradients(ti
                 np.testing.assert_allclose(a1, a0, rtol=1e-5)
                 for p, a, b in zip(model.trainable_params(), g0, g1):
                     a, b = a.asnumpy(), b.asnumpy()
-                    rtol = 1e-3 if p.name.endswith("k_proj.bias") else 1e-5  # see _assert_same
+                    # See _assert_same; the four ways sum in other orders, and a key projection's gradient is
+                    # partly cancelled by the softmax too (1.01e-5 of its norm on an AMD Zen 5 box).
+                    rtol = 1e-3 if p.name.endswith("k_proj.bias") else 3e-5
                     assert np.linalg.norm(a - b) <= rtol * np.linalg.norm(a), (seed, head, p.name)
             assert model.layer_graphs.kept_count == 0
             # Forward passes run the layer graphs either way: the same arrays.
