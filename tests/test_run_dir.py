@@ -220,3 +220,18 @@ def test_a_folder_in_use_is_refused_and_free_again_after_release(tmp_path):
     held.release()
     (out / LOCK_FILE).write_text(json.dumps({"pid": 999999999, "host": "gone"}) + "\n")  # its holder died
     check_run_dirs(out, out / "checkpoints", resume="", overwrite=False).release()
+
+
+@pytest.mark.parametrize("env,locks", [({}, True), ({"MS_ROLE": "MS_WORKER", "RANK_ID": "0"}, True),
+                                       ({"MS_ROLE": "MS_WORKER", "RANK_ID": "1"}, False),
+                                       ({"MS_ROLE": "MS_SCHED"}, False)])
+def test_only_the_jobs_first_worker_takes_the_run_lock(monkeypatch, env, locks):
+    """Under msrun the scheduler process runs the same script with no RANK_ID: it took the lock as if it were rank
+    0, and the real rank 0 (or the scheduler) was refused, so every msrun launch failed its cluster setup."""
+    from mindrlhf.checkpoint.run_dir import takes_run_locks
+
+    for name in ("MS_ROLE", "RANK_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert takes_run_locks() is locks

@@ -119,7 +119,10 @@ class RunLock:
 
 def takes_run_locks() -> bool:
     """Whether this process locks the run's folders: the job's first worker (msrun's ``RANK_ID`` 0, read before
-    the cluster is set up) or the only process. The other workers write nothing of the run's history."""
+    the cluster is set up) or the only process. The other workers write nothing of the run's history, and msrun's
+    scheduler process (``MS_ROLE`` ``MS_SCHED``, which runs the same script without a ``RANK_ID``) neither."""
+    if os.environ.get("MS_ROLE", "MS_WORKER") != "MS_WORKER":
+        return False
     return os.environ.get("RANK_ID", "0") == "0"
 
 
