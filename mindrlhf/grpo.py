@@ -435,6 +435,8 @@ def build_trainer(cfg: GRPOConfig, layout: Optional[RunLayout] = None):
     elif infer_path and infer_path != train_path:
         sampler_model = load_shard(infer_path, layout.infer, layout.rank, dtype=m.dtype,
                                    tp_group=layout.infer_shard().tp_group)
+    elif cfg.generation.use_vllm:
+        pass  # the engine holds its own copy, loaded from the policy when it is built
     elif not layout.shared_generator or cfg.merged_sampler:  # weights come from the policy (sync_generator)
         sampler_model = CausalLM(config, m.dtype, layout.infer_shard())
     ref_model = None

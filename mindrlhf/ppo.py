@@ -469,7 +469,8 @@ def build_trainer(cfg: PPOConfig, layout) -> PPOTrainer:
     shard = layout.groups.shard()
     actor, actor_masters = load_policy(actor_path, config, layout, m.dtype, lora=m, seed=cfg.train.seed)
     # Disaggregated: the generator ranks sample; the actor's weights reach them when training starts.
-    sampler_model = None if (layout.shared_generator and not cfg.merged_sampler) or layout.disaggregated else \
+    sampler_model = None if (layout.shared_generator and not cfg.merged_sampler) or layout.disaggregated \
+        or cfg.generation.use_vllm else \
         CausalLM(config, m.dtype, layout.infer_shard())
     ref_model = None
     # No ref_model_path: the initial actor (with LoRA its own base, the adapters switched off: PPOTrainer).

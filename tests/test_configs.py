@@ -436,14 +436,16 @@ def test_valid_combinations():
 
 
 def test_use_vllm(monkeypatch):
-    if importlib.util.find_spec("vllm_mindspore") is None:
-        with pytest.raises(MindRLHFError, match=r"use_vllm = true but the vllm_mindspore package is not installed"):
-            config_with(use_vllm=True).validate()
+    config_with(use_vllm=True).validate()  # on CPU: vLLM's CPU build, in its own environment
+    with pytest.raises(MindRLHFError, match=r"use_vllm = true with infer_tp = 2: .*set infer_tp 1"):
+        config_with(use_vllm=True, use_parallel=True, train_tp=2, infer_tp=2).validate()
     real = importlib.util.find_spec
     monkeypatch.setattr(grpo_configs.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "vllm_mindspore" else real(name, *a))
+    with pytest.raises(MindRLHFError, match=r"use_vllm = true on Ascend needs the vllm_mindspore package"):
+        config_with(use_vllm=True, device_target="Ascend").validate()
+    monkeypatch.setattr(grpo_configs.importlib.util, "find_spec",
                         lambda name, *a: object() if name == "vllm_mindspore" else real(name, *a))
-    with pytest.raises(MindRLHFError, match=r"use_vllm = true needs device_target Ascend \(got 'CPU'\)"):
-        config_with(use_vllm=True).validate()
     config_with(use_vllm=True, device_target="Ascend").validate()
 
 

@@ -14,6 +14,7 @@ from grpo_runs import grpo_args, is_timing, msrun, read_rows, run_inprocess
 from mindrlhf.configs import GRPOConfig, parse_args
 from mindrlhf.configs.mindformers import read_model_yaml
 from mindrlhf.errors import MindRLHFError
+from mindrlhf.generation.factory import check_sampler_config
 
 REPO = Path(__file__).resolve().parents[1]
 QWEN = REPO / "model_configs" / "qwen_grpo"
@@ -76,9 +77,14 @@ def test_booleans_accept_one_zero_and_capitalised(tmp_path, text, want):
     assert parse_args(["--load_ref_checkpoint", text]).model.load_ref_checkpoint is want
 
 
-def test_use_vllm_1_is_true_and_refused_on_cpu():
-    msg = _error(["--use_vllm", "1"])
-    assert "use_vllm = true" in msg and "set use_vllm false" in msg
+def test_use_vllm_1_is_true_and_needs_a_vllm_environment(tmp_path):
+    cfg = parse_args(["--use_vllm", "1", "--vllm_python", str(tmp_path / "none" / "python")])
+    assert cfg.generation.use_vllm is True
+    with pytest.raises(MindRLHFError, match=r"^use_vllm: no vLLM environment at .*none/python; make one with "
+                                            r"`bash scripts/install_vllm.sh .venv-vllm`"):
+        check_sampler_config(cfg)
+    with pytest.raises(MindRLHFError, match=r"^vllm_server .*sock: no such socket"):
+        check_sampler_config(parse_args(["--use_vllm", "1", "--vllm_server", str(tmp_path / "sock")]))
     assert parse_args(["--use_vllm", "0"]).generation.use_vllm is False
 
 

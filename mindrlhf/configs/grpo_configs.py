@@ -368,9 +368,31 @@ class GenerationConfig:
         "on CPU). Same completions either way up to float32 rounding. Needs lora_rank > 0.",
         choices=LORA_SAMPLERS)
     use_vllm: bool = config_field(
-        False, "Generate with the optional vLLM-MindSpore backend (Ascend only; needs the vllm_mindspore "
-        "package) instead of the built-in KV-cache sampler. Not wired in yet: the job refuses true (MindRLHF's "
-        "--use_vllm 1), and on CPU it does not apply at all.")
+        False, "Generate the rollouts with vLLM instead of the built-in KV-cache sampler (MindRLHF's --use_vllm 1). "
+        "On CPU: vLLM's CPU build, in a process and virtualenv of its own (vllm_python; `bash "
+        "scripts/install_vllm.sh .venv-vllm` makes one), that gets the policy's weights in place after every "
+        "update (metric time/sync). On Ascend: vLLM-MindSpore (untested here). Completions carry vLLM's sampled-token "
+        "log-probs; the importance-sampling correction covers the rollout/train mismatch.")
+    vllm_python: str = config_field(
+        "", "The Python of vLLM's virtualenv, which runs the engine. '' = $MINDRLHF_VLLM_PYTHON, else the "
+        "checkout's .venv-vllm/bin/python. Ignored with vllm_server.")
+    vllm_server: str = config_field(
+        "", "The Unix socket of an engine already running (`mindrlhf-vllm-serve --socket PATH`), shared across "
+        "runs of one model architecture; '' = start an engine for this run and stop it at its end.")
+    vllm_dtype: str = config_field(
+        "auto", "The engine's dtype: 'auto' = bfloat16 where the CPU computes it natively (AVX-512-BF16 or AMX), "
+        "else float32 (bfloat16 was ~4x slower than float32 on an AVX2-only CPU). The trainer keeps float32.",
+        choices=("auto", "float32", "bfloat16"))
+    vllm_max_model_len: int = config_field(
+        0, "vLLM's max_model_len (prompt + completion tokens). 0 = max_prompt_length + max_completion_length.",
+        ge=0)
+    vllm_max_num_seqs: int = config_field(
+        64, "vLLM's max_num_seqs: sequences decoded together.", ge=1)
+    vllm_max_num_batched_tokens: int = config_field(
+        0, "vLLM's max_num_batched_tokens (tokens per engine step). 0 = vLLM's default.", ge=0)
+    vllm_kv_cache_gib: int = config_field(
+        1, "KV-cache space of vLLM's CPU engine in GiB (its VLLM_CPU_KVCACHE_SPACE), allocated at its start.",
+        ge=1)
 
     def check(self, errors: List[str]) -> None:
         if self.min_new_tokens > self.max_completion_length:
@@ -639,8 +661,9 @@ class RolloutConfig(TrainingConfig):
 
     @property
     def merged_sampler(self) -> bool:
-        """Whether a LoRA policy samples through a plain copy holding its merged projections (``lora_sampler``)."""
-        return self.model.lora and self.generation.lora_sampler == "merged"
+        """Whether a LoRA policy samples through a plain copy holding its merged projections (``lora_sampler``
+        merged, or vLLM's engine, which gets the merged weights)."""
+        return self.model.lora and (self.generation.lora_sampler == "merged" or self.generation.use_vllm)
 
     @property
     def prompts_per_infer_rank(self) -> int:
@@ -680,6 +703,13 @@ class RolloutConfig(TrainingConfig):
                           "generator must be the policy: use infer_tp = train_tp, infer_dp = train_dp, train_pp 1, "
                           "gen_workers 0 and no separate generator checkpoint (GRPO's sft_path_infer / "
                           "load_sft_checkpoint_infer)")
+        vllm = self.generation.use_vllm
+        if vllm and p.device_target == "Ascend" and importlib.util.find_spec("vllm_mindspore") is None:
+            errors.append("use_vllm = true on Ascend needs the vllm_mindspore package; install vllm-mindspore or set "
+                          "use_vllm false for the built-in sampler")
+        if vllm and p.infer_tp > 1:
+            errors.append(f"use_vllm = true with infer_tp = {p.infer_tp}: the vLLM engine samples whole models (its "
+                          "tensor parallelism is not wired in); set infer_tp 1")
         if self.generation.lora_sampler == "merged" and not self.model.lora:
             errors.append("lora_sampler = merged without LoRA: it chooses how adapters reach the sampler; set "
                           "lora_rank > 0 (or lora_init_from), or drop lora_sampler")
@@ -840,7 +870,7 @@ class GRPOConfig(RolloutConfig):
     def _check_combinations(self, errors: List[str]) -> None:
         super()._check_combinations(errors)  # each group's own rules (its ``check``)
         # The rules across groups.
-        a, g, o, m, p, t = self.algorithm, self.generation, self.optimizer, self.model, self.parallel, self.train
+        a, g, o, m, t = self.algorithm, self.generation, self.optimizer, self.model, self.train
         if self.reward.overlong_buffer_length >= g.max_completion_length:
             errors.append(f"overlong_buffer_length = {self.reward.overlong_buffer_length} must be below "
                           f"max_completion_length = "
@@ -852,12 +882,6 @@ class GRPOConfig(RolloutConfig):
         if a.beta > 0 and not m.load_ref_checkpoint and not m.load_sft_checkpoint_train:
             errors.append(f"beta = {a.beta} with load_ref_checkpoint = false and load_sft_checkpoint_train = false: "
                           "the reference would be a random model; load a checkpoint or set beta 0")
-        if g.use_vllm and importlib.util.find_spec("vllm_mindspore") is None:
-            errors.append("use_vllm = true but the vllm_mindspore package is not installed (it runs on Ascend "
-                          "only); install vllm-mindspore or set use_vllm false for the built-in sampler")
-        elif g.use_vllm and p.device_target != "Ascend":
-            errors.append(f"use_vllm = true needs device_target Ascend (got {p.device_target!r}); "
-                          "set use_vllm false for the built-in sampler")
         if o.warmup_steps > t.max_steps and not (t.grpo_epochs and "max_steps" not in self.explicitly_set()):
             errors.append(f"warmup_steps = {o.warmup_steps} > max_steps = {t.max_steps}; "
                           "the learning rate would never reach lr")

@@ -236,15 +236,13 @@ class PPOConfig(RolloutConfig):
 
     def _check_combinations(self, errors: List[str]) -> None:
         super()._check_combinations(errors)
-        a, g, m = self.algorithm, self.generation, self.model
+        a, m = self.algorithm, self.model
         if not self.reward.reward_funcs and not m.reward_model_path:
             errors.append("no reward: reward_funcs is empty and reward_model_path is ''; give a reward model "
                           "(--reward_model DIR), reward functions (--reward_funcs accuracy), or both")
         if a.critic_lr and self.optimizer.min_lr > a.critic_lr:
             errors.append(f"min_lr = {self.optimizer.min_lr} > critic_lr = {a.critic_lr}; the critic's decay "
                           "would rise")
-        if g.use_vllm:
-            errors.append("use_vllm = true: the vLLM-MindSpore backend is not wired in; set use_vllm false")
         self._check_batch_geometry(errors)
 
     def _mini_batch_error(self) -> Optional[str]:

@@ -24,6 +24,9 @@ class Sampler(abc.ABC):
     last_stats: Dict[str, Any]
     #: Tokens generated over the sampler's lifetime.
     tokens_generated: int
+    #: Whether ``generate`` reports per-token entropies (``SamplingParams.entropy``); a sampler that does not
+    #: refuses the request.
+    reports_entropy: bool = True
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> List[Completion]:

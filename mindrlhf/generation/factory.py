@@ -1,25 +1,64 @@
 """The one place a rollout backend is chosen from the config."""
 from __future__ import annotations
 
+import os
+import sys
+
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.generation.base import Sampler
 
 
 def check_sampler_config(cfg) -> None:
     """The config asks for a backend this installation has (checked before any model loads)."""
-    if cfg.generation.use_vllm:
-        raise MindRLHFError("use_vllm: the vLLM-MindSpore backend is not wired in yet; use the native sampler "
-                            "(use_vllm false)")
+    g = cfg.generation
+    if not g.use_vllm:
+        return
+    if g.vllm_server:
+        if not os.path.exists(g.vllm_server):
+            raise MindRLHFError(f"vllm_server {g.vllm_server}: no such socket; start the engine with "
+                                "`mindrlhf-vllm-serve --socket PATH ...` or leave vllm_server empty")
+        return
+    python = vllm_python(cfg)
+    if not os.path.isfile(python):
+        raise MindRLHFError(f"use_vllm: no vLLM environment at {python}; make one with `bash scripts/install_vllm.sh "
+                            ".venv-vllm` (or set vllm_python / $MINDRLHF_VLLM_PYTHON)")
+
+
+def vllm_python(cfg) -> str:
+    """The Python that runs the vLLM engine: ``vllm_python``, else vLLM-MindSpore's own environment on Ascend (it
+    installs beside MindSpore), else the CPU build's virtualenv (``default_vllm_python``)."""
+    from mindrlhf.generation.vllm_sampler import default_vllm_python
+
+    if cfg.generation.vllm_python:
+        return cfg.generation.vllm_python
+    return sys.executable if cfg.parallel.device_target == "Ascend" else default_vllm_python()
 
 
 def build_sampler(cfg, model) -> Sampler:
     """The sampler a run's config asks for, generating with ``model`` (this rank's generator shard).
 
-    ``cfg`` needs ``generation.use_vllm`` and ``parallel.jit`` / ``parallel.share_prompts``. The
-    vLLM-MindSpore backend would implement ``Sampler`` (see docs/design.md) and be returned here.
+    ``cfg`` needs ``generation`` (``use_vllm`` and the vllm_* settings) and ``parallel.jit`` /
+    ``parallel.share_prompts``. The vLLM sampler starts from ``model``'s weights (a LoRA model's merged).
     """
     check_sampler_config(cfg)
+    if cfg.generation.use_vllm:
+        return vllm_sampler(cfg, model)
     return native_sampler(model, jit=cfg.parallel.jit, share_prompts=cfg.parallel.share_prompts)
+
+
+def vllm_sampler(cfg, model) -> Sampler:
+    """A vLLM engine for ``model``'s architecture, holding ``model``'s weights."""
+    from mindrlhf.generation.vllm_sampler import VLLMSampler
+    from mindrlhf.models.lora import merged_shard_weights
+
+    g = cfg.generation
+    sampler = VLLMSampler(model.config, python=vllm_python(cfg), dtype=g.vllm_dtype,
+                          max_model_len=g.vllm_max_model_len or g.max_prompt_length + g.max_completion_length,
+                          max_num_seqs=g.vllm_max_num_seqs, max_num_batched_tokens=g.vllm_max_num_batched_tokens,
+                          kv_cache_gib=g.vllm_kv_cache_gib, server=g.vllm_server, seed=cfg.train.seed,
+                          ascend=cfg.parallel.device_target == "Ascend")
+    sampler.load_weights(merged_shard_weights(model))  # every weight (a LoRA model's projections merged)
+    return sampler
 
 
 def native_sampler(model, *, jit: bool = True, share_prompts: bool = True) -> Sampler:

@@ -264,8 +264,9 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
             truncated=truncated, rewards=np.full(N, np.nan, np.float32),
             reward_per_fn=np.zeros((N, len(self.reward_names)), np.float32), advantages=np.zeros(N, np.float32),
             prompt_index=np.array(rep(rollout.index), np.int64),
-            extras={"completion_present": present,
-                    "sampler_entropy": right_pad([c.entropies for c in completions], C, 0.0, np.float32)})
+            extras={"completion_present": present})
+        if all(len(c.entropies) == len(c.token_ids) for c in completions):  # a sampler that reports them
+            exp.extras["sampler_entropy"] = right_pad([c.entropies for c in completions], C, 0.0, np.float32)
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         version = (np.full(N, self.step, np.int64) if rollout.versions is None
                    else np.asarray(rollout.versions, np.int64))

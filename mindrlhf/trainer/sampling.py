@@ -7,7 +7,7 @@ Below both of those modules, so the two sides sample with one definition.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -57,7 +57,10 @@ def sample_batches(sampler: Sampler, dataset: PromptDataset, batches, params_of)
     out = Rollout()
     for r, batch in batches:
         local = [list(map(int, ids[:n])) for ids, n in zip(batch["prompt_ids"], batch["prompt_length"])]
-        out.completions += sampler.generate(local, params_of(r))
+        params = params_of(r)
+        if params.entropy and not sampler.reports_entropy:  # the entropy metric is then left out
+            params = replace(params, entropy=False)
+        out.completions += sampler.generate(local, params)
         out.prompts += local
         out.solutions += list(batch["solution"])
         for name, key in dataset.reward_columns.items():

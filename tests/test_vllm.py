@@ -1,0 +1,232 @@
+"""The vLLM sampler against the native one and the model's own forward, on vLLM's CPU build (float32).
+
+The engines run in vLLM's virtualenv (``scripts/install_vllm.sh``; scripts/test.sh installs it in ``.venv-vllm``
+beside the suite). One engine per architecture serves every test of this file (``mindrlhf-vllm-serve``), and the
+GRPO run connects to the Qwen2 one: an engine's start, not its requests, is what costs. Without the environment
+the tests skip, except under CI, where they fail.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mindspore import Tensor
+
+from grpo_runs import grpo_args, read_rows, run_inprocess
+from mindrlhf.errors import MindRLHFError
+from mindrlhf.generation import NativeSampler, SamplingParams
+from mindrlhf.generation.vllm_sampler import VLLMSampler, default_vllm_python
+from mindrlhf.models import get_weights, load_model, set_weights
+from mindrlhf.testing import add_tokenizer, make_tiny_llama, make_tiny_qwen2, make_tiny_qwen3
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+# vLLM's CPU attention takes head sizes 32, 64, 80, ...: the tiny models get head_dim 32.
+TINY = {"qwen2": (make_tiny_qwen2, dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)),
+        "llama": (make_tiny_llama, dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)),
+        "qwen3": (make_tiny_qwen3, {})}
+SHARPEN = 12.0  # a sharper head: greedy paths are not one token repeated, sampled tokens differ in probability
+
+
+def _vllm_python() -> str:
+    """vLLM's Python, waiting for scripts/test.sh's install running beside the suite (it writes install.rc)."""
+    python = default_vllm_python()
+    rc_file = Path(python).parents[1] / "install.rc"
+    deadline = time.monotonic() + 1200
+    while (Path(python).parents[1] / "install.pending").exists() and not rc_file.exists():
+        if time.monotonic() > deadline:
+            pytest.fail("scripts/install_vllm.sh did not finish within 20 minutes")
+        time.sleep(5)
+    if rc_file.exists() and rc_file.read_text().strip() != "0":
+        pytest.fail(f"scripts/install_vllm.sh failed: {Path(python).parents[1] / 'install_vllm.log'}")
+    if not os.path.isfile(python):
+        if os.environ.get("CI"):
+            pytest.fail(f"no vLLM environment at {python}: scripts/test.sh installs it")
+        pytest.skip(f"no vLLM environment at {python} (bash scripts/install_vllm.sh .venv-vllm)")
+    return python
+
+
+def _sharpened(model):
+    w = get_weights(model)
+    key = "lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight"
+    w[key] = w[key] * SHARPEN
+    set_weights(model, w)
+    return model
+
+
+class Served:
+    """A ``mindrlhf-vllm-serve`` process for one architecture."""
+
+    def __init__(self, model_dir: Path, socket_path: Path, python: str, log: Path):
+        self.path = str(socket_path)
+        self.log = log
+        cmd = [sys.executable, "-m", "mindrlhf.tools.vllm_serve", "--model", str(model_dir), "--socket", self.path,
+               "--vllm_python", python, "--dtype", "float32", "--max_model_len", "512"]
+        self.proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 900
+        while not socket_path.exists():
+            assert self.proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the engine did not start in 15 minutes"
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        """SIGTERM to ``mindrlhf-vllm-serve``: it stops its engine's process group."""
+        self.proc.terminate()
+        self.proc.wait(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, qwen_tokenizer_dir):
+    """Per family: (its sharpened tiny model, the model folder, a served engine), started lazily."""
+    python = _vllm_python()
+    root = tmp_path_factory.mktemp("vllm")
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            make, overrides = TINY[family]
+            folder = make(root / family, max_position_embeddings=1024, **overrides)
+            if family != "llama":
+                add_tokenizer(folder, qwen_tokenizer_dir)
+            made[family] = (_sharpened(load_model(folder)), folder,
+                            Served(folder, root / f"{family}.sock", python, root / f"{family}.log"))
+        return made[family]
+
+    yield get
+    for _, _, served in made.values():
+        served.stop()
+
+
+@contextmanager
+def _client(engines, family):
+    """A sampler on the family's engine holding its model's weights; disconnected at the end (the engine serves
+    one run at a time)."""
+    model, folder, served = engines(family)
+    sampler = VLLMSampler(model.config, server=served.path)
+    try:
+        sampler.load_weights(get_weights(model))
+        yield model, sampler
+    finally:
+        sampler.close()
+
+
+def _prompts(vocab: int, lengths, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, n).tolist() for n in lengths]
+
+
+def _recomputed_logprobs(model, prompt, completion) -> np.ndarray:
+    ids = np.array([list(prompt) + list(completion)], np.int32)
+    logits = model(Tensor(ids)).asnumpy()[0].astype(np.float64)
+    x = logits[len(prompt) - 1:len(prompt) - 1 + len(completion)]
+    x = x - x.max(-1, keepdims=True)
+    logp = x - np.log(np.exp(x).sum(-1, keepdims=True))
+    return logp[np.arange(len(completion)), completion]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+def test_greedy_equals_the_native_sampler_and_logprobs_the_trainers(engines, family):
+    with _client(engines, family) as (model, sampler):
+        prompts = _prompts(model.config.vocab_size, (5, 11, 3, 8), seed=1)
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=16)
+        ours = sampler.generate(prompts, params)
+        native = NativeSampler(model).generate(prompts, params)
+        assert [c.token_ids for c in ours] == [c.token_ids for c in native]
+        assert len(set(tuple(c.token_ids) for c in ours)) == len(prompts)  # four different paths, not one repeated
+        for prompt, c in zip(prompts, ours):
+            want = _recomputed_logprobs(model, prompt, c.token_ids)
+            np.testing.assert_allclose(c.logprobs, want, atol=1e-4)
+        # sampled (temperature 0.7): the log-probs are those of softmax(logits / T), as the trainer recomputes them
+        hot = sampler.generate(prompts[:2], SamplingParams(n=2, temperature=0.7, max_tokens=12, seed=3))
+        for c in hot:
+            ids = np.array([prompts[c.prompt_index] + c.token_ids], np.int32)
+            logits = model(Tensor(ids)).asnumpy()[0].astype(np.float64) / 0.7
+            x = logits[len(prompts[c.prompt_index]) - 1:-1]
+            x = x - x.max(-1, keepdims=True)
+            logp = (x - np.log(np.exp(x).sum(-1, keepdims=True)))[np.arange(len(c.token_ids)), c.token_ids]
+            np.testing.assert_allclose(c.logprobs, logp, atol=1e-4)
+
+
+def test_sampling_contract(engines):
+    with _client(engines, "qwen2") as (model, sampler):
+        prompts = _prompts(model.config.vocab_size, (4, 9), seed=2)
+        params = SamplingParams(n=4, temperature=2.0, max_tokens=10, seed=11)  # hot: the sharpened model is peaked
+        first = sampler.generate(prompts, params)
+        again = sampler.generate(prompts, params)
+        other = sampler.generate(prompts, SamplingParams(n=4, temperature=2.0, max_tokens=10, seed=12))
+        assert [c.prompt_index for c in first] == [0] * 4 + [1] * 4  # prompt-major
+        assert [c.token_ids for c in first] == [c.token_ids for c in again]  # the seed alone decides
+        assert [c.token_ids for c in first] != [c.token_ids for c in other]
+        assert len({tuple(c.token_ids) for c in first[:4]}) == 4  # n distinct completions
+        # a stop token ends the completion and is part of it; min_tokens holds it back
+        greedy = sampler.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=10))[0].token_ids
+        stop = greedy[3]
+        first_at = greedy.index(stop)
+        c = sampler.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[stop]))[0]
+        assert c.token_ids == greedy[:first_at + 1] and c.finish_reason == "stop"
+        c = sampler.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[stop],
+                                                         min_tokens=first_at + 1))[0]
+        assert len(c.token_ids) > first_at + 1 and stop not in c.token_ids[:first_at + 1]
+        assert sampler.generate(prompts[:1], SamplingParams(max_tokens=7, min_tokens=7))[0].finish_reason == "length"
+        with pytest.raises(MindRLHFError, match="the vLLM sampler reports no entropies"):
+            sampler.generate(prompts, SamplingParams(entropy=True))
+
+
+def test_weights_sync_in_place_after_each_of_three_updates(engines):
+    with _client(engines, "qwen2") as (model, sampler):
+        prompts = _prompts(model.config.vocab_size, (6, 10, 4), seed=4)
+        params = SamplingParams(temperature=0.0, max_tokens=16)
+        rng = np.random.default_rng(5)
+        before = [c.token_ids for c in sampler.generate(prompts, params)]
+        for update in range(3):
+            w = {k: v + 0.05 * rng.standard_normal(v.shape).astype(np.float32) for k, v in get_weights(model).items()}
+            set_weights(model, w)
+            sampler.load_weights(get_weights(model))
+            assert sampler.last_sync["repacked"] > 0 and sampler.last_sync["total_s"] > 0
+            ours = [c.token_ids for c in sampler.generate(prompts, params)]
+            assert ours == [c.token_ids for c in NativeSampler(model).generate(prompts, params)], update
+            assert ours != before
+            before = ours
+        # a subset (what a LoRA run's merged sync sends): only those tensors change
+        name = "model.layers.0.self_attn.q_proj.weight"
+        w = get_weights(model)
+        w[name] = w[name] * 3.0
+        set_weights(model, w)
+        sampler.load_weights({name: w[name]})
+        assert sampler.last_sync["repacked"] == 1
+        assert [c.token_ids for c in sampler.generate(prompts, params)] == \
+            [c.token_ids for c in NativeSampler(model).generate(prompts, params)]
+        with pytest.raises(MindRLHFError, match="not a tensor of the model"):
+            sampler.load_weights({"model.layers.9.mlp.up_proj.weight": w[name]})
+
+
+def test_a_served_engine_refuses_another_architecture(engines, tmp_path):
+    _, _, served = engines("qwen2")
+    other = load_model(make_tiny_qwen2(tmp_path / "wide", hidden_size=128, num_attention_heads=4,
+                                       num_key_value_heads=1))
+    with pytest.raises(MindRLHFError, match=r"its model has hidden_size = 64, the policy 128"):
+        VLLMSampler(other.config, server=served.path)
+    with _client(engines, "qwen2") as (model, _):  # while one run is served, a second is told so
+        with pytest.raises(MindRLHFError, match=r"busy: the engine serves another run"):
+            VLLMSampler(model.config, server=served.path)
+
+
+def test_grpo_trains_two_steps_with_vllm(engines, grpo_assets, tmp_path):
+    """The GRPO job with --use_vllm true on the shared engine: two steps, the sync timed, vLLM's log-probs used."""
+    _, folder, served = engines("qwen2")
+    out = tmp_path / "run"
+    argv = grpo_args({"model": folder, "data": grpo_assets["data"]}, out, max_steps=2, use_vllm="true",
+                     vllm_server=served.path, beta=0.0)
+    assert run_inprocess(argv) == 0
+    rows = read_rows(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["time/sync"] > 0 and np.isfinite(r["loss"]) and r["completions/mean_length"] > 0
+        assert "entropy" not in r  # vLLM reports none; the metric is left out, not zero
+    assert (out / "checkpoints").exists() or any(out.iterdir())
