@@ -47,6 +47,7 @@ from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import RunLayout, init_run_layout
 from mindrlhf.parallel.layout import ParallelLayout
 from mindrlhf.parallel.resharding import checkpoint_config, load_shard
+from mindrlhf.registry import PER_TOKEN_ADVANTAGE_ESTIMATORS
 from mindrlhf.rewards import RewardManager, overlong_reward
 from mindrlhf.trainer.disaggregated import build_generator
 from mindrlhf.trainer.entry import (
@@ -281,13 +282,18 @@ class GRPOTrainer(RolloutTrainer):
             everything.advantages = np.asarray(normalize_then_sum_advantages(
                 everything.reward_per_fn, self.rewards.weights, self.cfg.algorithm.num_generations), np.float32)
         else:
-            everything.advantages = self._estimate(everything.rewards)
+            everything.advantages = self._estimate(everything)
         return everything
 
-    def _estimate(self, rewards: np.ndarray) -> np.ndarray:
-        """Advantages of a global batch of rewards (groups of G consecutive rows), float32."""
-        estimator = get_advantage_estimator(self.cfg.advantage_estimator)
-        return np.asarray(estimator(rewards, self.cfg.algorithm.num_generations), np.float32)
+    def _estimate(self, everything: Experience) -> np.ndarray:
+        """Advantages of a global batch (groups of G consecutive rows), float32: (B,), or (B, C) per token for the
+        per-token estimators, which see the completion mask (padding and rows masked out of the loss)."""
+        name = self.cfg.advantage_estimator
+        params = dict(self.cfg.advantage_estimator_params)
+        if name in PER_TOKEN_ADVANTAGE_ESTIMATORS:
+            params["completion_mask"] = everything.completion_mask
+        estimator = get_advantage_estimator(name)
+        return np.asarray(estimator(everything.rewards, self.cfg.algorithm.num_generations, **params), np.float32)
 
     # -- update ---------------------------------------------------------------------------------
     def train_on(self, exp: Experience) -> Dict[str, float]:
@@ -350,7 +356,10 @@ class GRPOTrainer(RolloutTrainer):
     def _warn_if_nothing_to_learn(self, step: int, exp: Experience) -> None:
         """One warning line for a step whose every advantage is 0 (no group's rewards differ, or none was
         scored): its policy-gradient term trained nothing, which would otherwise pass without a word."""
-        signal = (exp.advantages != 0) & (exp.completion_mask.sum(1) > 0)
+        nonzero = exp.advantages != 0
+        if nonzero.ndim == 2:  # per-token advantages: a row carries signal when one of its loss tokens does
+            nonzero = (nonzero & (exp.completion_mask > 0)).any(1)
+        signal = nonzero & (exp.completion_mask.sum(1) > 0)
         if self._sum_replicas(np.array([signal.sum()]))[0] > 0:
             return
         rewards = self._gather_rows(exp.rewards)  # a collective: every rank takes part

@@ -137,7 +137,15 @@ IS_MODES: Registry = Registry(
     "importance sampling mode", module="mindrlhf.algorithms.losses",
     builtins=("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"))
 ADVANTAGE_ESTIMATORS: Registry = Registry(
-    "advantage estimator", module="mindrlhf.algorithms.advantages", builtins=("grpo", "dr_grpo", "batch_std", "rloo"))
+    "advantage estimator", module="mindrlhf.algorithms.advantages",
+    builtins=("grpo", "dr_grpo", "batch_std", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"))
+#: Estimators that give one advantage per completion token, (B, T) rather than (B,): they are called with the
+#: completion mask (``completion_mask=``), and the policy losses that need one advantage per sequence reject them.
+PER_TOKEN_ADVANTAGE_ESTIMATORS: Tuple[str, ...] = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+#: The hyper-parameters each built-in advantage estimator reads: its keyword arguments, also GRPO config field names.
+ADVANTAGE_ESTIMATOR_PARAMS: Dict[str, Tuple[str, ...]] = {"reinforce_plus_plus": ("gamma",)}
+#: Policy losses defined on one advantage per sequence (a (B, T) advantage is an error there).
+SEQUENCE_ADVANTAGE_LOSSES: Tuple[str, ...] = ("gspo", "gmpo", "luspo")
 KL_ESTIMATORS: Registry = Registry("KL estimator", module="mindrlhf.algorithms.kl", builtins=("k1", "k2", "k3"))
 #: What the built-in KL estimators compute (``algorithms.kl``), for the config fields that choose one.
 KL_ESTIMATOR_FORMULAS = (

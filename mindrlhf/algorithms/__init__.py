@@ -15,6 +15,8 @@ from mindrlhf.algorithms.advantages import (
     informative_groups,
     normalize_then_sum_advantages,
     register_advantage_estimator,
+    reinforce_plus_plus_advantages,
+    reinforce_plus_plus_baseline_advantages,
     rloo_advantages,
 )
 from mindrlhf.algorithms.kl import get_kl_estimator, kl_penalty, register_kl_estimator
@@ -82,6 +84,8 @@ __all__ = [
     "register_is_mode",
     "register_kl_estimator",
     "register_policy_loss",
+    "reinforce_plus_plus_advantages",
+    "reinforce_plus_plus_baseline_advantages",
     "rloo_advantages",
     "cispo_loss",
     "clip_cov_loss",

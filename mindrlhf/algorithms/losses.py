@@ -53,6 +53,7 @@ def _check_beta(beta: float, has_ref_logp: bool) -> bool:
 
 @ops.constexpr
 def _check_seq_advantages(loss_type: str, shape) -> bool:
+    # registry.SEQUENCE_ADVANTAGE_LOSSES lists the losses that call this (the config rejects per-token estimators).
     if shape[-1] != 1:
         raise MindRLHFError(f"loss_type={loss_type!r} needs one advantage per sequence, shape (B,); got {shape}")
     return True

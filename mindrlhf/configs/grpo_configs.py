@@ -29,16 +29,19 @@ from mindrlhf.configs.common import (
 from mindrlhf.configs.mindformers import is_model_yaml, read_model_yaml
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.registry import (
+    ADVANTAGE_ESTIMATOR_PARAMS,
     ADVANTAGE_ESTIMATORS,
     IS_MODES,
     KL_ESTIMATOR_FORMULAS,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     MULTI_OBJECTIVE_AGGREGATIONS,
+    PER_TOKEN_ADVANTAGE_ESTIMATORS,
     POLICY_LOSS_AGGREGATION,
     POLICY_LOSS_PARAMS,
     POLICY_LOSSES,
     SCALE_REWARDS,
+    SEQUENCE_ADVANTAGE_LOSSES,
     STAGES,
 )
 from mindrlhf.rewards.manager import reward_spec_name
@@ -185,12 +188,22 @@ class AlgorithmConfig:
         gt=0.0)
     advantage_estimator: str = config_field(
         "grpo", "Advantage estimator: grpo = reward minus its group's mean, divided as scale_rewards says (group std: "
-        "GRPO; batch std: LitePPO; none: Dr.GRPO); dr_grpo = grpo with no division (the same as scale_rewards none); "
-        "rloo = reward minus the mean of the other rewards of its group (RLOO: G/(G-1) x (reward - group mean), no "
-        "division); batch_std = grpo with scale_rewards batch (LitePPO). With dr_grpo, batch_std and rloo, "
-        "scale_rewards must stay group. A NaN reward (every reward function declined) gets advantage 0 and is left "
-        "out of its group's statistics.",
+        "GRPO; batch std: LitePPO; none: Dr.GRPO); dr_grpo = grpo with no division (the same as scale_rewards "
+        "none); rloo = reward minus the mean of the other rewards of its group (RLOO: G/(G-1) x (reward - group "
+        "mean), no division); batch_std = grpo with scale_rewards batch (LitePPO); reinforce_plus_plus = "
+        "REINFORCE++ (verl's name): one advantage per token, the reward's discounted return gamma^(tokens to the "
+        "end) * reward, whitened over all completion tokens of the step (no group baseline); "
+        "reinforce_plus_plus_baseline = the reward minus its group's mean on every token, whitened over all "
+        "completion tokens of the step (REINFORCE++-baseline). The two REINFORCE++ estimators give per-token "
+        "advantages, so not with loss_type gspo, gmpo or luspo (one advantage per sequence) nor with "
+        "off_policy_mask_threshold. With every estimator but grpo, scale_rewards must stay group. A NaN reward "
+        "(every reward function declined) gets advantage 0 and is left out of the statistics.",
         choices=ADVANTAGE_ESTIMATORS.names())
+    gamma: float = config_field(
+        1.0, "advantage_estimator reinforce_plus_plus: the discount of the token-level return, token t of a "
+        "completion gets gamma^(its last token - t) * reward before the whitening (verl's algorithm.gamma; 1 = every "
+        "token the reward). Range [0, 1].",
+        ge=0.0, le=1.0)
     scale_rewards: str = config_field(
         "group", "Advantage scaling: advantage = (reward - group mean) / (std + eps) with the std of the "
         "group (group, the GRPO paper) or of all the step's rewards (batch, LitePPO); none = no division "
@@ -277,6 +290,19 @@ class AlgorithmConfig:
             errors.append(f"multi_objective_aggregation = 'normalize_then_sum' forms GDPO's advantages itself, with "
                           f"advantage_estimator = {self.advantage_estimator!r} and scale_rewards = "
                           f"{self.scale_rewards!r} as well; leave those at grpo and group")
+        if self.advantage_estimator in PER_TOKEN_ADVANTAGE_ESTIMATORS:
+            if self.loss_type in SEQUENCE_ADVANTAGE_LOSSES:
+                errors.append(f"advantage_estimator = {self.advantage_estimator!r} gives one advantage per token, but "
+                              f"loss_type = {self.loss_type!r} needs one per completion; use loss_type grpo (or "
+                              "another token-level loss) or another advantage_estimator")
+            if self.off_policy_mask_threshold > 0:
+                errors.append(f"off_policy_mask_threshold = {self.off_policy_mask_threshold} masks completions by "
+                              f"the sign of their advantage, but advantage_estimator = {self.advantage_estimator!r} "
+                              "gives one per token; set off_policy_mask_threshold 0 or use another advantage_estimator")
+        owners = [name for name, params in ADVANTAGE_ESTIMATOR_PARAMS.items() if "gamma" in params]
+        if self.gamma != 1.0 and self.advantage_estimator not in owners:
+            errors.append(f"gamma = {self.gamma} applies to advantage_estimator {' / '.join(owners)} only, not "
+                          f"{self.advantage_estimator!r}; leave gamma at 1")
         if self.loss_type == "clip_cov" and self.clip_cov_lb >= self.clip_cov_ub:
             errors.append(f"clip_cov_lb = {self.clip_cov_lb} >= clip_cov_ub = {self.clip_cov_ub}: no token can be "
                           "picked; set clip_cov_lb below clip_cov_ub")
@@ -792,6 +818,12 @@ class GRPOConfig(RolloutConfig):
     def policy_loss_params(self) -> Dict[str, float]:
         """The hyper-parameters of the run's policy loss by name (``registry.POLICY_LOSS_PARAMS``)."""
         return {name: getattr(self.algorithm, name) for name in POLICY_LOSS_PARAMS.get(self.policy_loss[0], ())}
+
+    @property
+    def advantage_estimator_params(self) -> Dict[str, float]:
+        """The hyper-parameters of the run's advantage estimator by name (``registry.ADVANTAGE_ESTIMATOR_PARAMS``)."""
+        return {name: getattr(self.algorithm, name) for name in ADVANTAGE_ESTIMATOR_PARAMS.get(self.advantage_estimator,
+                                                                                               ())}
 
     @property
     def advantage_estimator(self) -> str:
