@@ -136,6 +136,15 @@ POLICY_LOSS_AGGREGATION: Dict[str, str] = {"gmpo": "seq-mean-token-mean", "luspo
 IS_MODES: Registry = Registry(
     "importance sampling mode", module="mindrlhf.algorithms.losses",
     builtins=("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"))
+ROLLOUT_RS: Registry = Registry(
+    "rejection sampling criterion", module="mindrlhf.algorithms.losses",
+    builtins=("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
+              "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3"))
+#: The criteria bounded on both sides (verl's ``*_k1``): their statistic is a log-ratio, kept within
+#: [log lower, log upper] of two ratio bounds; every other criterion's statistic is kept at or below one upper bound.
+TWO_SIDED_ROLLOUT_RS: Tuple[str, ...] = ("token_k1", "seq_sum_k1", "seq_mean_k1")
+#: The rollout_rs choice that turns rejection sampling off.
+ROLLOUT_RS_OFF = "none"
 ADVANTAGE_ESTIMATORS: Registry = Registry(
     "advantage estimator", module="mindrlhf.algorithms.advantages",
     builtins=("grpo", "dr_grpo", "batch_std", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"))

@@ -923,3 +923,71 @@ def test_per_token_advantages_are_refused_by_sequence_losses():
             policy_loss(logp, logp, adv, mask, loss_type=loss_type)
     loss, _ = policy_loss(logp, logp, adv, mask, loss_type="grpo")
     assert float(loss.asnumpy()) == pytest.approx(-1.0)
+
+
+#: log π_train − log π_sampler of three completions (row 2 padded after one token, row 3 empty), for the rejection
+#: criteria: a token exactly on a bound, one beyond verl's ±20 clamp.
+_RS_D = np.array([[0.1, -0.3, 0.0, 0.2], [np.log(2.0), 25.0, 0.0, 0.0], [-0.05, 9.0, 9.0, 9.0],
+                  [0.0, 0.0, 0.0, 0.0]])
+_RS_MASK = np.array([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]], np.float64)
+
+
+def _rs_by_hand(criterion: str) -> np.ndarray:
+    """verl's statistic of ``criterion`` in float64: k1 = -d, k2 = d²/2, k3 = exp(d) - 1 - d on the valid tokens (d
+    clamped to ±20), per token or as each row's sum / mean / max (0 for an empty row)."""
+    level, k = criterion.rsplit("_", 1)
+    d = np.clip(_RS_D, -20.0, 20.0)
+    tok = {"k1": -d, "k2": 0.5 * d * d, "k3": np.exp(d) - 1.0 - d}[k]
+    valid = _RS_MASK > 0
+    if level == "token":
+        return tok
+    rows = []
+    for t, v in zip(tok, valid):
+        vals = t[v]
+        if not vals.size:
+            rows.append(0.0)
+        else:
+            rows.append({"seq_sum": vals.sum(), "seq_mean": vals.mean(), "seq_max": vals.max()}[level])
+    return np.array(rows)[:, None]
+
+
+@pytest.mark.parametrize("criterion", ["token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+                                       "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3"])
+def test_rollout_rejection_criteria_by_hand(criterion):
+    """Each of verl's rejection criteria: its statistic equals the float64 hand computation (padding ignored, an
+    empty row 0, d clamped at 20), and the mask keeps exactly the values within verl's bounds, a value on a bound
+    kept."""
+    from mindrlhf.algorithms import rollout_rejection_mask
+    from mindrlhf.registry import TWO_SIDED_ROLLOUT_RS
+
+    want = _rs_by_hand(criterion)
+    valid = (_RS_MASK > 0) if want.shape[1] > 1 else np.ones_like(want, bool)
+    # An upper bound equal to one of the statistics: that one is kept, anything above it rejected.
+    finite = want[valid]
+    if criterion in TWO_SIDED_ROLLOUT_RS:
+        upper, lower = 1.5, 0.5  # ratio bounds: keep log 0.5 <= stat <= log 1.5
+        bounds = (math.log(lower), math.log(upper))
+    else:
+        upper, lower = float(np.sort(finite)[len(finite) // 2]), 0.0
+        bounds = (-np.inf, upper)
+    keep, stat = rollout_rejection_mask(criterion, Tensor(_RS_D), Tensor(_RS_MASK), upper, lower)
+    np.testing.assert_allclose(stat.asnumpy(), np.where(valid, want, stat.asnumpy()), rtol=1e-12, atol=1e-12)
+    expect_keep = (want >= bounds[0]) & (want <= bounds[1])
+    np.testing.assert_array_equal(keep.asnumpy()[valid], expect_keep[valid].astype(np.float64))
+    if criterion not in TWO_SIDED_ROLLOUT_RS:
+        assert keep.asnumpy()[valid][np.argmin(np.abs(finite - upper))] == 1.0  # on the bound: kept
+
+
+def test_rollout_rejection_k1_default_lower_bound_and_values():
+    """k1 criteria with one threshold keep ratios in [1/threshold, threshold] (verl's default lower); by hand for
+    seq_mean_k1: row 0's mean of -d is (−0.1 + 0.3 − 0 − 0.2)/4 = 0, row 1's (−log 2 − 20)/2, row 2's 0.05."""
+    from mindrlhf.algorithms import rollout_rejection_mask, rollout_rs_bounds
+
+    assert rollout_rs_bounds("seq_mean_k1", 2.0) == (pytest.approx(-math.log(2.0)), pytest.approx(math.log(2.0)))
+    assert rollout_rs_bounds("seq_mean_k3", 0.01) == (-math.inf, 0.01)
+    keep, stat = rollout_rejection_mask("seq_mean_k1", Tensor(_RS_D), Tensor(_RS_MASK), 2.0)
+    np.testing.assert_allclose(stat.asnumpy()[:3, 0], [0.0, (-math.log(2.0) - 20.0) / 2, 0.05], atol=1e-12)
+    np.testing.assert_array_equal(keep.asnumpy()[:, 0], [1.0, 0.0, 1.0, 1.0])
+    # token_k1 with threshold 2: −log 2 is exactly the lower bound, kept; the clamped 25 (−20) is rejected.
+    keep, _ = rollout_rejection_mask("token_k1", Tensor(_RS_D), Tensor(_RS_MASK), 2.0)
+    np.testing.assert_array_equal(keep.asnumpy()[1, :2], [1.0, 0.0])

@@ -320,6 +320,16 @@ RULES = [
      ["advantage_estimator = 'reinforce_plus_plus' gives one advantage per token", "loss_type = 'gspo' needs one"]),
     (dict(advantage_estimator="reinforce_plus_plus_baseline", off_policy_mask_threshold=0.1),
      ["off_policy_mask_threshold = 0.1 masks completions by the sign of their advantage"]),
+    (dict(rollout_rs="seq_mean_k3"), ["rollout_rs = 'seq_mean_k3' needs rollout_rs_threshold > 0"]),
+    (dict(rollout_rs_threshold=2.0), ["rollout_rs_threshold = 2.0 applies to rollout_rs only, which is 'none'"]),
+    (dict(rollout_rs="seq_max_k2", rollout_rs_threshold=0.1, rollout_rs_threshold_lower=0.5),
+     ["rollout_rs_threshold_lower = 0.5 applies to the k1 criteria (token_k1, seq_sum_k1, seq_mean_k1), not "
+      "'seq_max_k2'"]),
+    (dict(rollout_rs="token_k1", rollout_rs_threshold=0.5), ["rollout_rs = 'token_k1' keeps log-ratios within [log 2, "
+                                                              "log 0.5], which is empty"]),
+    (dict(rollout_rs="seq_sum_k1", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=3.0),
+     ["[log 3, log 2], which is empty"]),
+    (dict(rollout_rs="token_k4", rollout_rs_threshold=2.0), ["rollout_rs = 'token_k4' is not one of none|token_k1"]),
     (dict(gamma=0.9), ["gamma = 0.9 applies to advantage_estimator reinforce_plus_plus only, not 'grpo'"]),
     (dict(advantage_estimator="reinforce_plus_plus", gamma=1.5), ["gamma = 1.5 must be <= 1"]),
     (dict(advantage_estimator="reinforce_plus_plus", scale_rewards="batch"),

@@ -40,9 +40,12 @@ from mindrlhf.registry import (
     POLICY_LOSS_AGGREGATION,
     POLICY_LOSS_PARAMS,
     POLICY_LOSSES,
+    ROLLOUT_RS,
+    ROLLOUT_RS_OFF,
     SCALE_REWARDS,
     SEQUENCE_ADVANTAGE_LOSSES,
     STAGES,
+    TWO_SIDED_ROLLOUT_RS,
 )
 from mindrlhf.rewards.manager import reward_spec_name
 
@@ -251,6 +254,28 @@ class AlgorithmConfig:
         "out of the policy term (its KL term stays); completions with a positive advantage always train. Logged as "
         "sampling/off_policy_masked_ratio. 0 = off. Range >= 0.",
         ge=0.0)
+    rollout_rs: str = config_field(
+        ROLLOUT_RS_OFF, "Rejection sampling of the rollout/train mismatch (verl's rollout_rs): tokens or whole "
+        "completions whose divergence between the trainer's log-probs of the sampling policy and the sampler's own "
+        "(d = logp_train - logp_sampler) leaves the bounds drop out of the policy term (their KL term stays and they "
+        "still count in the loss's token and completion denominators, as with the masking importance_sampling_modes). "
+        "Per-token divergences k1 = -d, k2 = d^2 / 2, k3 = exp(d) - 1 - d; token_kN judges each token, seq_sum_kN / "
+        "seq_mean_kN / seq_max_kN a completion by the sum / mean / max over its tokens. The k1 criteria keep "
+        "log(rollout_rs_threshold_lower) <= statistic <= log(rollout_rs_threshold) (ratio bounds, as verl's "
+        "'lower_upper'); the others keep statistic <= rollout_rs_threshold. Logged with verl's names: "
+        "rollout_corr/rollout_rs_masked_fraction, rollout_corr/rollout_rs_seq_masked_fraction and "
+        "rollout_corr/rollout_rs_<criterion>_mean|max|min|fraction_high|fraction_low. Independent of "
+        "importance_sampling_correction (both may be on). none = off.",
+        choices=(ROLLOUT_RS_OFF,) + ROLLOUT_RS.names())
+    rollout_rs_threshold: float = config_field(
+        0.0, "rollout_rs: the upper bound (verl's rollout_rs_threshold): a ratio for the k1 criteria (e.g. 2: "
+        "keep log-ratios up to log 2), the largest divergence kept for the others (e.g. 0.01 for seq_mean_k3). "
+        "Required (> 0) with rollout_rs; 0 otherwise.",
+        ge=0.0)
+    rollout_rs_threshold_lower: float = config_field(
+        0.0, "rollout_rs k1 criteria (token_k1, seq_sum_k1, seq_mean_k1): the lower ratio bound (verl's 'lower' of "
+        "'lower_upper'); 0 = 1 / rollout_rs_threshold, verl's default. Must lie below rollout_rs_threshold.",
+        ge=0.0)
     sync_ref_model: bool = config_field(
         False, "Update the reference model from the policy every ref_model_sync_steps steps (TR-DPO style), "
         "mixed by ref_model_mixup_alpha. Requires beta > 0 (otherwise there is no reference).")
@@ -303,6 +328,7 @@ class AlgorithmConfig:
         if self.gamma != 1.0 and self.advantage_estimator not in owners:
             errors.append(f"gamma = {self.gamma} applies to advantage_estimator {' / '.join(owners)} only, not "
                           f"{self.advantage_estimator!r}; leave gamma at 1")
+        self._check_rejection(errors)
         if self.loss_type == "clip_cov" and self.clip_cov_lb >= self.clip_cov_ub:
             errors.append(f"clip_cov_lb = {self.clip_cov_lb} >= clip_cov_ub = {self.clip_cov_ub}: no token can be "
                           "picked; set clip_cov_lb below clip_cov_ub")
@@ -316,6 +342,32 @@ class AlgorithmConfig:
         if self.sync_ref_model and self.beta == 0:
             errors.append("sync_ref_model = true with beta = 0: the reference model is never used; "
                           "set beta > 0 or sync_ref_model false")
+
+
+    def _check_rejection(self, errors: List[str]) -> None:
+        """rollout_rs's bounds: a threshold with a criterion only, a lower bound with a k1 criterion only, below the
+        upper one."""
+        if self.rollout_rs == ROLLOUT_RS_OFF:
+            for name in ("rollout_rs_threshold", "rollout_rs_threshold_lower"):
+                if getattr(self, name):
+                    errors.append(f"{name} = {getattr(self, name)} applies to rollout_rs only, which is "
+                                  f"{ROLLOUT_RS_OFF!r}; set rollout_rs (e.g. seq_mean_k3) or {name} 0")
+            return
+        if self.rollout_rs_threshold <= 0:
+            errors.append(f"rollout_rs = {self.rollout_rs!r} needs rollout_rs_threshold > 0 (verl's "
+                          "rollout_rs_threshold, e.g. 2 for a k1 criterion, 0.01 for seq_mean_k3)")
+            return
+        two_sided = self.rollout_rs in TWO_SIDED_ROLLOUT_RS
+        if self.rollout_rs_threshold_lower and not two_sided:
+            errors.append(f"rollout_rs_threshold_lower = {self.rollout_rs_threshold_lower} applies to the k1 "
+                          f"criteria ({', '.join(TWO_SIDED_ROLLOUT_RS)}), not {self.rollout_rs!r}, whose divergence "
+                          "has an upper bound only; set rollout_rs_threshold_lower 0")
+        lower = self.rollout_rs_threshold_lower or 1.0 / self.rollout_rs_threshold
+        if two_sided and lower >= self.rollout_rs_threshold:
+            errors.append(f"rollout_rs = {self.rollout_rs!r} keeps log-ratios within [log {lower:g}, log "
+                          f"{self.rollout_rs_threshold:g}], which is empty; the lower bound "
+                          "(rollout_rs_threshold_lower, by default 1 / rollout_rs_threshold) must lie below "
+                          "rollout_rs_threshold (e.g. 2)")
 
 
 @dataclass
