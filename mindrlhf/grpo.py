@@ -213,7 +213,8 @@ class GRPOObjective:
     def _rejection_metrics(self, reduced: Dict[str, float], tokens: float) -> Dict[str, float]:
         """verl's names and definitions (``rollout_corr_helper.compute_rollout_rejection_mask`` and
         ``compute_rs_metrics``): rejected share of the valid tokens and of all completions, the statistic's mean over
-        valid tokens, its max / min and the shares above / below the bounds over its units."""
+        valid tokens, its max / min and the shares above / below the bounds over its units, and the criterion's own
+        rejected shares (of the valid tokens, of the completions with a valid token)."""
         prefix = f"rollout_corr/rollout_rs_{self.settings.rollout_rs}"
         units = max(reduced["rs_count"], 1.0)
         return {"rollout_corr/rollout_rs_masked_fraction": reduced["rs_rejected_tokens"] / tokens,
@@ -223,7 +224,10 @@ class GRPOObjective:
                 f"{prefix}_max": reduced["rs_max"] if math.isfinite(reduced["rs_max"]) else 0.0,
                 f"{prefix}_min": reduced["rs_min"] if math.isfinite(reduced["rs_min"]) else 0.0,
                 f"{prefix}_fraction_high": reduced["rs_high"] / units,
-                f"{prefix}_fraction_low": reduced["rs_low"] / units}
+                f"{prefix}_fraction_low": reduced["rs_low"] / units,
+                # the criterion's own shares (verl logs them per option of a chain): completions over the non-empty
+                f"{prefix}_masked_fraction": reduced["rs_rejected_tokens"] / tokens,
+                f"{prefix}_seq_masked_fraction": reduced["rs_rejected_seqs"] / max(reduced["seqs"], 1.0)}
 
 
 # -- the trainer ----------------------------------------------------------------------------------

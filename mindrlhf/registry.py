@@ -1,11 +1,11 @@
 """``Registry``: name → function tables that configs select from, and the algorithm registries.
 
-One small class serves every "pick it by name" table: policy losses, importance-sampling modes,
-advantage estimators, KL estimators (here) and reward functions (``rewards.registry``). Register
-with a decorator, look up with ``get`` (a one-line ``MindRLHFError`` naming the unknown name and the
-choices), list with ``names()``. ``STAGES`` is the stage table: each training command's module, config
-class and generated config reference, read by ``configs.REFERENCES``, ``examples/stages/run.py`` and the
-tests (which also tie ``pyproject.toml``'s console scripts to it).
+One small class serves every "pick it by name" table: policy losses, importance-sampling modes, rejection
+sampling criteria, advantage estimators, KL estimators (here) and reward functions (``rewards.registry``).
+Register with a decorator, look up with ``get`` (a one-line ``MindRLHFError`` naming the unknown name and the
+choices), list with ``names()``. ``STAGES`` is the stage table: each training command's module, config class
+and generated config reference, read by ``configs.REFERENCES``, ``examples/stages/run.py`` and the tests
+(which also tie ``pyproject.toml``'s console scripts to it).
 
 This module imports no MindSpore, so ``configs`` reads its choices from here. The functions of the
 algorithm registries live in ``mindrlhf.algorithms`` (MindSpore code); each registry lists the names

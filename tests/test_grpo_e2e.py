@@ -200,7 +200,8 @@ def test_each_new_loss_and_variant_trains_two_steps(grpo_assets, tmp_path, varia
              "grpo": {"off_policy_mask_threshold": 1e-4},
              "gdpo": {"loss_type": "grpo", "multi_objective_aggregation": "normalize_then_sum",
                       "reward_funcs": ["e2e_rewards:length_reward", "gsm8k_format"]},
-             "reinforce_plus_plus": {"loss_type": "grpo", "advantage_estimator": "reinforce_plus_plus", "gamma": 0.9},
+             "reinforce_plus_plus": {"loss_type": "grpo", "advantage_estimator": "reinforce_plus_plus", "gamma": 0.9,
+                                     "log_completions_steps": 1},
              "reinforce_plus_plus_baseline": {"loss_type": "dapo",
                                               "advantage_estimator": "reinforce_plus_plus_baseline"},
              "rollout_rs": {"loss_type": "grpo", "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 1e-12,
@@ -222,6 +223,9 @@ def test_each_new_loss_and_variant_trains_two_steps(grpo_assets, tmp_path, varia
                       "rollout_corr/rollout_rs_seq_mean_k3_fraction_high"):
                 assert 0.0 <= r[k] <= 1.0, (k, r[k])
             assert r["rollout_corr/rollout_rs_seq_mean_k3_max"] >= r["rollout_corr/rollout_rs_seq_mean_k3_min"] >= 0
+    if variant == "reinforce_plus_plus":  # a completions dump shows a per-token advantage as its mean
+        dumped = [json.loads(line) for line in (out / "completions_step_1.jsonl").read_text().splitlines()]
+        assert dumped and all(math.isfinite(row["advantage"]) for row in dumped)
     import mindspore as ms
 
     ckpts = CheckpointManager(str(out / "checkpoints"), 2)

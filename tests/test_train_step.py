@@ -158,6 +158,8 @@ def test_rejection_sampling_masks_the_update(tiny_qwen2_dir, criterion, threshol
     assert res[f"{prefix}_min"] == pytest.approx(stat[unit].min(), rel=1e-4, abs=1e-6)
     assert res[f"{prefix}_fraction_high"] == pytest.approx((stat[unit] > upper).mean())
     assert res[f"{prefix}_fraction_low"] == pytest.approx((stat[unit] < lower).mean())
+    assert res[f"{prefix}_masked_fraction"] == res["rollout_corr/rollout_rs_masked_fraction"]
+    assert res[f"{prefix}_seq_masked_fraction"] == pytest.approx((rejected.sum(1) > 0).sum() / valid.any(1).sum())
 
 
 def test_concat_experiences_pads_to_the_widest():
