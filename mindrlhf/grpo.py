@@ -84,7 +84,7 @@ TOKEN_MEANS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/
 EXTREMES = (("sampling/sampling_logp_difference/max", "max"), ("sampling/importance_sampling_ratio/max", "max"),
             ("sampling/importance_sampling_ratio/min", "min"))
 #: Rejection sampling's counts (sums) and its statistic's extremes, for verl's rollout_corr/rollout_rs_* metrics.
-RS_SUMS = ("rs_rejected_tokens", "rs_rejected_seqs", "rs_rows", "rs_stat_sum", "rs_high", "rs_low", "rs_count")
+RS_SUMS = ("rs_rejected_tokens", "rs_rejected_seqs", "rs_stat_sum", "rs_high", "rs_low", "rs_count")
 RS_EXTREMES = (("rs_max", "max"), ("rs_min", "min"))
 
 
@@ -184,7 +184,7 @@ class GRPOObjective:
         return loss, aux
 
     def _rejection_aux(self, keep: Tensor, stat: Tensor, mask: Tensor, present: Tensor) -> Tuple[Tensor, ...]:
-        """This micro-batch's ``RS_SUMS`` and ``RS_EXTREMES``: rejected tokens and completions, rows, the statistic's
+        """This micro-batch's ``RS_SUMS`` and ``RS_EXTREMES``: rejected tokens and completions, the statistic's
         token-weighted sum, how many of its units (tokens, or completions for a sequence statistic) lie above / below
         the bounds, and its extremes over those units (verl's ``compute_rs_metrics``)."""
         s = self.settings
@@ -193,7 +193,7 @@ class GRPOObjective:
         rejected = (1.0 - ops.broadcast_to(keep, mask.shape)) * mask
         inf = float("inf")
         return (rejected.sum(), (rejected.sum(axis=-1) > 0).astype(ms.float32).sum(),
-                ops.ones((), ms.float32) * mask.shape[0], (ops.broadcast_to(stat, mask.shape) * mask).sum(),
+                (ops.broadcast_to(stat, mask.shape) * mask).sum(),
                 ((stat > upper).astype(ms.float32) * unit).sum(), ((stat < lower).astype(ms.float32) * unit).sum(),
                 unit.sum(), ops.where(unit > 0, stat, -inf).max(), ops.where(unit > 0, stat, inf).min())
 
@@ -212,22 +212,23 @@ class GRPOObjective:
 
     def _rejection_metrics(self, reduced: Dict[str, float], tokens: float) -> Dict[str, float]:
         """verl's names and definitions (``rollout_corr_helper.compute_rollout_rejection_mask`` and
-        ``compute_rs_metrics``): rejected share of the valid tokens and of all completions, the statistic's mean over
-        valid tokens, its max / min and the shares above / below the bounds over its units, and the criterion's own
-        rejected shares (of the valid tokens, of the completions with a valid token)."""
+        ``compute_rs_metrics``): rejected share of the valid tokens and of the completions, the statistic's mean over
+        valid tokens, its max / min and the shares above / below the bounds over its units; with one criterion its
+        own ``_masked_fraction`` / ``_seq_masked_fraction`` equal the totals. Completion shares are over those with a
+        loss token: verl's total divides by every row, but rows masked out of the loss here (truncated, flat
+        dynamic-sampling groups) would only dilute it."""
         prefix = f"rollout_corr/rollout_rs_{self.settings.rollout_rs}"
         units = max(reduced["rs_count"], 1.0)
+        seqs = max(reduced["seqs"], 1.0)
         return {"rollout_corr/rollout_rs_masked_fraction": reduced["rs_rejected_tokens"] / tokens,
-                "rollout_corr/rollout_rs_seq_masked_fraction": reduced["rs_rejected_seqs"] / max(reduced["rs_rows"],
-                                                                                                 1.0),
+                "rollout_corr/rollout_rs_seq_masked_fraction": reduced["rs_rejected_seqs"] / seqs,
                 f"{prefix}_mean": reduced["rs_stat_sum"] / tokens,
                 f"{prefix}_max": reduced["rs_max"] if math.isfinite(reduced["rs_max"]) else 0.0,
                 f"{prefix}_min": reduced["rs_min"] if math.isfinite(reduced["rs_min"]) else 0.0,
                 f"{prefix}_fraction_high": reduced["rs_high"] / units,
                 f"{prefix}_fraction_low": reduced["rs_low"] / units,
-                # the criterion's own shares (verl logs them per option of a chain): completions over the non-empty
                 f"{prefix}_masked_fraction": reduced["rs_rejected_tokens"] / tokens,
-                f"{prefix}_seq_masked_fraction": reduced["rs_rejected_seqs"] / max(reduced["seqs"], 1.0)}
+                f"{prefix}_seq_masked_fraction": reduced["rs_rejected_seqs"] / seqs}
 
 
 # -- the trainer ----------------------------------------------------------------------------------

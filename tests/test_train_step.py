@@ -120,6 +120,7 @@ def test_rejection_sampling_masks_the_update(tiny_qwen2_dir, criterion, threshol
     from mindrlhf.trainer.update import Updater
 
     exp = _experience(9)
+    exp.completion_mask[2] = 0.0  # a completion masked out of the loss: in no statistic, no share
     inputs = exp.train_inputs()
     micro = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"],
              "completion_ids": exp.completion_ids, "completion_mask": exp.completion_mask,
@@ -139,7 +140,7 @@ def test_rejection_sampling_masks_the_update(tiny_qwen2_dir, criterion, threshol
         lower, upper = -math.log(threshold), math.log(threshold)
     else:
         reduce = np.mean if criterion.startswith("seq_mean") else np.max
-        stat = np.array([[reduce(r[v])] for r, v in zip(k, valid)])
+        stat = np.array([[reduce(r[v]) if v.any() else 0.0] for r, v in zip(k, valid)])  # empty: 0, as verl
         unit = valid.any(1, keepdims=True)
         lower, upper = -np.inf, threshold
     keep = ((stat >= lower) & (stat <= upper)).astype(np.float64)
@@ -152,14 +153,15 @@ def test_rejection_sampling_masks_the_update(tiny_qwen2_dir, criterion, threshol
     prefix = f"rollout_corr/rollout_rs_{criterion}"
     values = np.broadcast_to(stat, mask.shape)
     assert res["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(rejected.sum() / mask.sum(), rel=1e-6)
-    assert res["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx((rejected.sum(1) > 0).mean())
+    seq_share = (rejected.sum(1) > 0).sum() / valid.any(1).sum()  # over completions with a loss token
+    assert res["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(seq_share)
     assert res[f"{prefix}_mean"] == pytest.approx((values * mask).sum() / mask.sum(), rel=1e-4, abs=1e-6)
     assert res[f"{prefix}_max"] == pytest.approx(stat[unit].max(), rel=1e-4)
     assert res[f"{prefix}_min"] == pytest.approx(stat[unit].min(), rel=1e-4, abs=1e-6)
     assert res[f"{prefix}_fraction_high"] == pytest.approx((stat[unit] > upper).mean())
     assert res[f"{prefix}_fraction_low"] == pytest.approx((stat[unit] < lower).mean())
     assert res[f"{prefix}_masked_fraction"] == res["rollout_corr/rollout_rs_masked_fraction"]
-    assert res[f"{prefix}_seq_masked_fraction"] == pytest.approx((rejected.sum(1) > 0).sum() / valid.any(1).sum())
+    assert res[f"{prefix}_seq_masked_fraction"] == pytest.approx(seq_share)
 
 
 def test_concat_experiences_pads_to_the_widest():
