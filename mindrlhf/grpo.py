@@ -34,6 +34,8 @@ from mindrlhf.algorithms import (
     normalize_then_sum_advantages,
     off_policy_sequence_mask,
     policy_loss,
+    rollout_rejection_mask,
+    rollout_rs_bounds,
 )
 from mindrlhf.configs import GRPOConfig, parse_args
 from mindrlhf.data import PromptDataset
@@ -47,6 +49,7 @@ from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import RunLayout, init_run_layout
 from mindrlhf.parallel.layout import ParallelLayout
 from mindrlhf.parallel.resharding import checkpoint_config, load_shard
+from mindrlhf.registry import PER_TOKEN_ADVANTAGE_ESTIMATORS, ROLLOUT_RS_OFF
 from mindrlhf.rewards import RewardManager, overlong_reward
 from mindrlhf.trainer.disaggregated import build_generator
 from mindrlhf.trainer.entry import (
@@ -80,6 +83,9 @@ TOKEN_MEANS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/
                "sampling/sampling_logp_difference/mean")
 EXTREMES = (("sampling/sampling_logp_difference/max", "max"), ("sampling/importance_sampling_ratio/max", "max"),
             ("sampling/importance_sampling_ratio/min", "min"))
+#: Rejection sampling's counts (sums) and its statistic's extremes, for verl's rollout_corr/rollout_rs_* metrics.
+RS_SUMS = ("rs_rejected_tokens", "rs_rejected_seqs", "rs_stat_sum", "rs_high", "rs_low", "rs_count")
+RS_EXTREMES = (("rs_max", "max"), ("rs_min", "min"))
 
 
 @dataclass
@@ -100,6 +106,9 @@ class LossSettings:
     is_cap: float = 3.0
     loss_params: Dict[str, float] = field(default_factory=dict)
     off_policy_mask_threshold: float = 0.0
+    rollout_rs: str = ROLLOUT_RS_OFF
+    rollout_rs_threshold: float = 0.0
+    rollout_rs_threshold_lower: float = 0.0
 
     @classmethod
     def from_config(cls, cfg) -> "LossSettings":
@@ -109,7 +118,8 @@ class LossSettings:
         return cls(loss_type, agg, a.epsilon_low, a.epsilon_high, a.beta, a.kl_estimator, g.max_completion_length,
                    g.temperature if g.temperature > 0 else 1.0, cfg.needs_old_logprobs,
                    a.importance_sampling_correction, a.importance_sampling_mode, a.importance_sampling_cap,
-                   cfg.policy_loss_params, a.off_policy_mask_threshold)
+                   cfg.policy_loss_params, a.off_policy_mask_threshold, a.rollout_rs, a.rollout_rs_threshold,
+                   a.rollout_rs_threshold_lower)
 
 
 class GRPOObjective:
@@ -119,7 +129,8 @@ class GRPOObjective:
     inputs = ("completion_mask", "advantages", "old_logp", "ref_logp", "sampler_logp")
     aux = tuple((k, "sum") for k in TOKEN_MEANS) + (("tokens", "sum"), ("is_ratio_sum", "sum"),
                                                     ("is_ratio_count", "sum"), ("masked_seqs", "sum"),
-                                                    ("seqs", "sum")) + EXTREMES
+                                                    ("seqs", "sum")) + EXTREMES + tuple(
+        (k, "sum") for k in RS_SUMS) + RS_EXTREMES
 
     def __init__(self, settings: LossSettings):
         self.settings = settings
@@ -139,8 +150,13 @@ class GRPOObjective:
         keep = (off_policy_sequence_mask(advantages, logp, sampler_logp, mask, s.off_policy_mask_threshold)
                 if s.off_policy_mask_threshold > 0 else present)
         term = weights if s.is_correction else None
-        if s.off_policy_mask_threshold > 0:  # the policy term's factors: the IS correction and the mask
+        if s.off_policy_mask_threshold > 0:  # the policy term's factors: the IS correction and the masks
             term = keep if term is None else term * keep
+        rejecting = s.rollout_rs != ROLLOUT_RS_OFF
+        if rejecting:  # verl's rejection sampling on the same trainer/sampler log-ratio as the IS weights
+            rs_keep, rs_stat = rollout_rejection_mask(s.rollout_rs, gap, mask, s.rollout_rs_threshold,
+                                                      s.rollout_rs_threshold_lower)
+            term = rs_keep if term is None else term * rs_keep
         loss, metrics = policy_loss(
             logp, old, advantages, completion_mask, ref_logp=ref_logp if s.beta > 0 else None,
             loss_type=s.loss_type, epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high, beta=s.beta,
@@ -160,7 +176,26 @@ class GRPOObjective:
         aux += ((weights * counted).sum(), counted.sum(), ((1.0 - keep) * present).sum(), present.sum())
         aux += (ops.abs(gap).max(), ops.where(counted > 0, weights, -inf).max(),
                 ops.where(counted > 0, weights, inf).min())
+        zero = ops.zeros((), ms.float32)
+        if rejecting:
+            aux += self._rejection_aux(rs_keep, rs_stat, mask, present)
+        else:
+            aux += (zero,) * len(RS_SUMS) + (zero - inf, zero + inf)
         return loss, aux
+
+    def _rejection_aux(self, keep: Tensor, stat: Tensor, mask: Tensor, present: Tensor) -> Tuple[Tensor, ...]:
+        """This micro-batch's ``RS_SUMS`` and ``RS_EXTREMES``: rejected tokens and completions, the statistic's
+        token-weighted sum, how many of its units (tokens, or completions for a sequence statistic) lie above / below
+        the bounds, and its extremes over those units (verl's ``compute_rs_metrics``)."""
+        s = self.settings
+        lower, upper = rollout_rs_bounds(s.rollout_rs, s.rollout_rs_threshold, s.rollout_rs_threshold_lower)
+        unit = present if stat.shape[-1] == 1 else mask
+        rejected = (1.0 - ops.broadcast_to(keep, mask.shape)) * mask
+        inf = float("inf")
+        return (rejected.sum(), (rejected.sum(axis=-1) > 0).astype(ms.float32).sum(),
+                (ops.broadcast_to(stat, mask.shape) * mask).sum(),
+                ((stat > upper).astype(ms.float32) * unit).sum(), ((stat < lower).astype(ms.float32) * unit).sum(),
+                unit.sum(), ops.where(unit > 0, stat, -inf).max(), ops.where(unit > 0, stat, inf).min())
 
     def metrics(self, reduced: Dict[str, float]) -> Dict[str, float]:
         tokens = max(reduced["tokens"], 1.0)
@@ -171,7 +206,29 @@ class GRPOObjective:
             out["sampling/off_policy_masked_ratio"] = reduced["masked_seqs"] / max(reduced["seqs"], 1.0)
         for k, _ in EXTREMES:  # no valid token anywhere: 0
             out[k] = reduced[k] if math.isfinite(reduced[k]) else 0.0
+        if self.settings.rollout_rs != ROLLOUT_RS_OFF:
+            out.update(self._rejection_metrics(reduced, tokens))
         return out
+
+    def _rejection_metrics(self, reduced: Dict[str, float], tokens: float) -> Dict[str, float]:
+        """verl's names and definitions (``rollout_corr_helper.compute_rollout_rejection_mask`` and
+        ``compute_rs_metrics``): rejected share of the valid tokens and of the completions, the statistic's mean over
+        valid tokens, its max / min and the shares above / below the bounds over its units; with one criterion its
+        own ``_masked_fraction`` / ``_seq_masked_fraction`` equal the totals. Completion shares are over those with a
+        loss token: verl's total divides by every row, but rows masked out of the loss here (truncated, flat
+        dynamic-sampling groups) would only dilute it."""
+        prefix = f"rollout_corr/rollout_rs_{self.settings.rollout_rs}"
+        units = max(reduced["rs_count"], 1.0)
+        seqs = max(reduced["seqs"], 1.0)
+        return {"rollout_corr/rollout_rs_masked_fraction": reduced["rs_rejected_tokens"] / tokens,
+                "rollout_corr/rollout_rs_seq_masked_fraction": reduced["rs_rejected_seqs"] / seqs,
+                f"{prefix}_mean": reduced["rs_stat_sum"] / tokens,
+                f"{prefix}_max": reduced["rs_max"] if math.isfinite(reduced["rs_max"]) else 0.0,
+                f"{prefix}_min": reduced["rs_min"] if math.isfinite(reduced["rs_min"]) else 0.0,
+                f"{prefix}_fraction_high": reduced["rs_high"] / units,
+                f"{prefix}_fraction_low": reduced["rs_low"] / units,
+                f"{prefix}_masked_fraction": reduced["rs_rejected_tokens"] / tokens,
+                f"{prefix}_seq_masked_fraction": reduced["rs_rejected_seqs"] / seqs}
 
 
 # -- the trainer ----------------------------------------------------------------------------------
@@ -281,13 +338,18 @@ class GRPOTrainer(RolloutTrainer):
             everything.advantages = np.asarray(normalize_then_sum_advantages(
                 everything.reward_per_fn, self.rewards.weights, self.cfg.algorithm.num_generations), np.float32)
         else:
-            everything.advantages = self._estimate(everything.rewards)
+            everything.advantages = self._estimate(everything)
         return everything
 
-    def _estimate(self, rewards: np.ndarray) -> np.ndarray:
-        """Advantages of a global batch of rewards (groups of G consecutive rows), float32."""
-        estimator = get_advantage_estimator(self.cfg.advantage_estimator)
-        return np.asarray(estimator(rewards, self.cfg.algorithm.num_generations), np.float32)
+    def _estimate(self, everything: Experience) -> np.ndarray:
+        """Advantages of a global batch (groups of G consecutive rows), float32: (B,), or (B, C) per token for the
+        per-token estimators, which see the completion mask (padding and rows masked out of the loss)."""
+        name = self.cfg.advantage_estimator
+        params = dict(self.cfg.advantage_estimator_params)
+        if name in PER_TOKEN_ADVANTAGE_ESTIMATORS:
+            params["completion_mask"] = everything.completion_mask
+        estimator = get_advantage_estimator(name)
+        return np.asarray(estimator(everything.rewards, self.cfg.algorithm.num_generations, **params), np.float32)
 
     # -- update ---------------------------------------------------------------------------------
     def train_on(self, exp: Experience) -> Dict[str, float]:
@@ -350,7 +412,10 @@ class GRPOTrainer(RolloutTrainer):
     def _warn_if_nothing_to_learn(self, step: int, exp: Experience) -> None:
         """One warning line for a step whose every advantage is 0 (no group's rewards differ, or none was
         scored): its policy-gradient term trained nothing, which would otherwise pass without a word."""
-        signal = (exp.advantages != 0) & (exp.completion_mask.sum(1) > 0)
+        nonzero = exp.advantages != 0
+        if nonzero.ndim == 2:  # per-token advantages: a row carries signal when one of its loss tokens does
+            nonzero = (nonzero & (exp.completion_mask > 0)).any(1)
+        signal = nonzero & (exp.completion_mask.sum(1) > 0)
         if self._sum_replicas(np.array([signal.sum()]))[0] > 0:
             return
         rewards = self._gather_rows(exp.rewards)  # a collective: every rank takes part

@@ -1,11 +1,11 @@
 """``Registry``: name → function tables that configs select from, and the algorithm registries.
 
-One small class serves every "pick it by name" table: policy losses, importance-sampling modes,
-advantage estimators, KL estimators (here) and reward functions (``rewards.registry``). Register
-with a decorator, look up with ``get`` (a one-line ``MindRLHFError`` naming the unknown name and the
-choices), list with ``names()``. ``STAGES`` is the stage table: each training command's module, config
-class and generated config reference, read by ``configs.REFERENCES``, ``examples/stages/run.py`` and the
-tests (which also tie ``pyproject.toml``'s console scripts to it).
+One small class serves every "pick it by name" table: policy losses, importance-sampling modes, rejection
+sampling criteria, advantage estimators, KL estimators (here) and reward functions (``rewards.registry``).
+Register with a decorator, look up with ``get`` (a one-line ``MindRLHFError`` naming the unknown name and the
+choices), list with ``names()``. ``STAGES`` is the stage table: each training command's module, config class
+and generated config reference, read by ``configs.REFERENCES``, ``examples/stages/run.py`` and the tests
+(which also tie ``pyproject.toml``'s console scripts to it).
 
 This module imports no MindSpore, so ``configs`` reads its choices from here. The functions of the
 algorithm registries live in ``mindrlhf.algorithms`` (MindSpore code); each registry lists the names
@@ -136,8 +136,25 @@ POLICY_LOSS_AGGREGATION: Dict[str, str] = {"gmpo": "seq-mean-token-mean", "luspo
 IS_MODES: Registry = Registry(
     "importance sampling mode", module="mindrlhf.algorithms.losses",
     builtins=("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"))
+ROLLOUT_RS: Registry = Registry(
+    "rejection sampling criterion", module="mindrlhf.algorithms.losses",
+    builtins=("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
+              "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3"))
+#: The criteria bounded on both sides (verl's ``*_k1``): their statistic is a log-ratio, kept within
+#: [log lower, log upper] of two ratio bounds; every other criterion's statistic is kept at or below one upper bound.
+TWO_SIDED_ROLLOUT_RS: Tuple[str, ...] = ("token_k1", "seq_sum_k1", "seq_mean_k1")
+#: The rollout_rs choice that turns rejection sampling off.
+ROLLOUT_RS_OFF = "none"
 ADVANTAGE_ESTIMATORS: Registry = Registry(
-    "advantage estimator", module="mindrlhf.algorithms.advantages", builtins=("grpo", "dr_grpo", "batch_std", "rloo"))
+    "advantage estimator", module="mindrlhf.algorithms.advantages",
+    builtins=("grpo", "dr_grpo", "batch_std", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"))
+#: Estimators that give one advantage per completion token, (B, T) rather than (B,): they are called with the
+#: completion mask (``completion_mask=``), and the policy losses that need one advantage per sequence reject them.
+PER_TOKEN_ADVANTAGE_ESTIMATORS: Tuple[str, ...] = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+#: The hyper-parameters each built-in advantage estimator reads: its keyword arguments, also GRPO config field names.
+ADVANTAGE_ESTIMATOR_PARAMS: Dict[str, Tuple[str, ...]] = {"reinforce_plus_plus": ("gamma",)}
+#: Policy losses defined on one advantage per sequence (a (B, T) advantage is an error there).
+SEQUENCE_ADVANTAGE_LOSSES: Tuple[str, ...] = ("gspo", "gmpo", "luspo")
 KL_ESTIMATORS: Registry = Registry("KL estimator", module="mindrlhf.algorithms.kl", builtins=("k1", "k2", "k3"))
 #: What the built-in KL estimators compute (``algorithms.kl``), for the config fields that choose one.
 KL_ESTIMATOR_FORMULAS = (

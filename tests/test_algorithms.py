@@ -154,7 +154,8 @@ def test_group_advantages_registry():
     assert set(ADVANTAGE_ESTIMATORS) >= {"grpo", "dr_grpo", "batch_std"}
     for name, mode in [("grpo", "group"), ("dr_grpo", "none"), ("batch_std", "batch")]:
         np.testing.assert_allclose(get_advantage_estimator(name)(r, 3), group_advantages(r, 3, mode))
-    with pytest.raises(MindRLHFError, match=r"unknown advantage estimator 'ppo'.*batch_std, dr_grpo, grpo, rloo"):
+    with pytest.raises(MindRLHFError, match=r"unknown advantage estimator 'ppo'.*batch_std, dr_grpo, grpo, "
+                       r"reinforce_plus_plus, reinforce_plus_plus_baseline, rloo"):
         get_advantage_estimator("ppo")
 
 
@@ -854,3 +855,139 @@ def test_normalize_then_sum_advantages_by_hand():
     assert got[5] == 0.0 and abs(got[:5].mean()) < 1e-9
     # By hand for group 1's first function: values 1, 0, 1 have mean 2/3, std 0.57735: z = 0.57732, -1.15465.
     assert z(per_fn[0:3, 0])[1] == pytest.approx(-1.1546, abs=1e-4)
+
+
+def _whiten_by_hand(values):
+    """verl's masked_whiten over a flat list of the batch's valid-token values: unbiased variance, + 1e-8."""
+    v = np.asarray(values, np.float64)
+    mean = v.sum() / v.size
+    var = ((v - mean) ** 2).sum() / (v.size - 1)
+    return (v - mean) / math.sqrt(var + 1e-8)
+
+
+def test_reinforce_plus_plus_advantages_by_hand():
+    """REINFORCE++: the reward on the last valid token, discounted back by gamma, whitened over the batch's valid
+    tokens; padding and a NaN reward's tokens are 0 and left out of the mean and variance."""
+    est = get_advantage_estimator("reinforce_plus_plus")
+    rewards = np.array([1.0, 0.0, 2.0, np.nan])
+    mask = np.array([[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]], np.float32)
+    got = est(rewards, 2, completion_mask=mask, gamma=0.5)
+    # returns: row 0 [0.25, 0.5, 1], row 1 [0, 0], row 2 [2]; row 3 (NaN) out: 6 valid tokens
+    white = _whiten_by_hand([0.25, 0.5, 1.0, 0.0, 0.0, 2.0])
+    want = np.zeros((4, 4))
+    want[0, :3], want[1, :2], want[2, 0] = white[:3], white[3:5], white[5]
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    # mean 3.75/6 = 0.625, unbiased variance 2.96875/5 = 0.59375: the last token of row 2 is (2 - 0.625)/0.770551
+    assert got[2, 0] == pytest.approx(1.375 / math.sqrt(0.59375 + 1e-8), rel=1e-12)
+    assert abs(got[mask * ~np.isnan(rewards)[:, None] > 0].mean()) < 1e-12
+    # gamma 1: every token of a completion carries its reward; float32 in, float32 out
+    flat = est(np.array([1.0, 0.0, 2.0, 3.0], np.float32), 2, completion_mask=mask)
+    assert flat.dtype == np.float32
+    white = _whiten_by_hand([1, 1, 1, 0, 0, 2, 3, 3, 3, 3])
+    np.testing.assert_allclose(flat[mask > 0], white, rtol=1e-6)
+    # a masked-out row (no loss token) gets 0 and does not move the others
+    mask2 = mask.copy()
+    mask2[1] = 0
+    got2 = est(rewards, 2, completion_mask=mask2, gamma=0.5)
+    assert (got2[1] == 0).all() and (got2[3] == 0).all()
+    np.testing.assert_allclose(got2[:3][mask2[:3] > 0], _whiten_by_hand([0.25, 0.5, 1.0, 2.0]), rtol=1e-12)
+
+
+def test_reinforce_plus_plus_baseline_advantages_by_hand():
+    """REINFORCE++-baseline: reward minus its group's mean on every valid token, whitened over the batch's valid
+    tokens; a group with one valid reward keeps it uncentred (verl's baseline 0 for a group of one)."""
+    est = get_advantage_estimator("reinforce_plus_plus_baseline")
+    rewards = np.array([1.0, 0.0, 2.0, np.nan, 3.0, 5.0])
+    mask = np.array([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 1], [1, 0, 0], [1, 1, 0]], np.float32)
+    got = est(rewards, 2, completion_mask=mask)
+    # centred: [0.5, -0.5 | 2 (alone), NaN | -1, 1]; valid tokens 2 + 1 + 3 + 0 + 1 + 2 = 9
+    white = _whiten_by_hand([0.5, 0.5, -0.5, 2, 2, 2, -1, 1, 1])
+    want = np.zeros((6, 3))
+    want[0, :2], want[1, 0], want[2], want[4, 0], want[5, :2] = white[:2], white[2], white[3:6], white[6], white[7:]
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert (got[3] == 0).all()
+    # a flat batch: every centred reward 0, so every advantage 0 (never NaN)
+    assert (est(np.ones(4), 2, completion_mask=np.ones((4, 3))) == 0).all()
+
+
+def test_per_token_advantages_are_refused_by_sequence_losses():
+    """The losses of one advantage per sequence (registry.SEQUENCE_ADVANTAGE_LOSSES) reject a (B, T) advantage;
+    the token-level ones take it."""
+    from mindrlhf.registry import SEQUENCE_ADVANTAGE_LOSSES
+
+    logp = Tensor(np.full((2, 3), -1.0, np.float32))
+    adv = Tensor(np.ones((2, 3), np.float32))
+    mask = Tensor(np.ones((2, 3), np.float32))
+    for loss_type in SEQUENCE_ADVANTAGE_LOSSES:
+        with pytest.raises(MindRLHFError, match=f"loss_type={loss_type!r} needs one advantage per sequence"):
+            policy_loss(logp, logp, adv, mask, loss_type=loss_type)
+    loss, _ = policy_loss(logp, logp, adv, mask, loss_type="grpo")
+    assert float(loss.asnumpy()) == pytest.approx(-1.0)
+
+
+#: log π_train − log π_sampler of three completions (row 2 padded after one token, row 3 empty), for the rejection
+#: criteria: a token exactly on a bound, one beyond verl's ±20 clamp.
+_RS_D = np.array([[0.1, -0.3, 0.0, 0.2], [np.log(2.0), 25.0, 0.0, 0.0], [-0.05, 9.0, 9.0, 9.0],
+                  [0.0, 0.0, 0.0, 0.0]])
+_RS_MASK = np.array([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]], np.float64)
+
+
+def _rs_by_hand(criterion: str) -> np.ndarray:
+    """verl's statistic of ``criterion`` in float64: k1 = -d, k2 = d²/2, k3 = exp(d) - 1 - d on the valid tokens (d
+    clamped to ±20), per token or as each row's sum / mean / max (0 for an empty row)."""
+    level, k = criterion.rsplit("_", 1)
+    d = np.clip(_RS_D, -20.0, 20.0)
+    tok = {"k1": -d, "k2": 0.5 * d * d, "k3": np.exp(d) - 1.0 - d}[k]
+    valid = _RS_MASK > 0
+    if level == "token":
+        return tok
+    rows = []
+    for t, v in zip(tok, valid):
+        vals = t[v]
+        if not vals.size:
+            rows.append(0.0)
+        else:
+            rows.append({"seq_sum": vals.sum(), "seq_mean": vals.mean(), "seq_max": vals.max()}[level])
+    return np.array(rows)[:, None]
+
+
+@pytest.mark.parametrize("criterion", ["token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+                                       "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3"])
+def test_rollout_rejection_criteria_by_hand(criterion):
+    """Each of verl's rejection criteria: its statistic equals the float64 hand computation (padding ignored, an
+    empty row 0, d clamped at 20), and the mask keeps exactly the values within verl's bounds, a value on a bound
+    kept."""
+    from mindrlhf.algorithms import rollout_rejection_mask
+    from mindrlhf.registry import TWO_SIDED_ROLLOUT_RS
+
+    want = _rs_by_hand(criterion)
+    valid = (_RS_MASK > 0) if want.shape[1] > 1 else np.ones_like(want, bool)
+    # An upper bound equal to one of the statistics: that one is kept, anything above it rejected.
+    finite = want[valid]
+    if criterion in TWO_SIDED_ROLLOUT_RS:
+        upper, lower = 1.5, 0.5  # ratio bounds: keep log 0.5 <= stat <= log 1.5
+        bounds = (math.log(lower), math.log(upper))
+    else:
+        upper, lower = float(np.sort(finite)[len(finite) // 2]), 0.0
+        bounds = (-np.inf, upper)
+    keep, stat = rollout_rejection_mask(criterion, Tensor(_RS_D), Tensor(_RS_MASK), upper, lower)
+    np.testing.assert_allclose(stat.asnumpy(), np.where(valid, want, stat.asnumpy()), rtol=1e-12, atol=1e-12)
+    expect_keep = (want >= bounds[0]) & (want <= bounds[1])
+    np.testing.assert_array_equal(keep.asnumpy()[valid], expect_keep[valid].astype(np.float64))
+    if criterion not in TWO_SIDED_ROLLOUT_RS:
+        assert keep.asnumpy()[valid][np.argmin(np.abs(finite - upper))] == 1.0  # on the bound: kept
+
+
+def test_rollout_rejection_k1_default_lower_bound_and_values():
+    """k1 criteria with one threshold keep ratios in [1/threshold, threshold] (verl's default lower); by hand for
+    seq_mean_k1: row 0's mean of -d is (−0.1 + 0.3 − 0 − 0.2)/4 = 0, row 1's (−log 2 − 20)/2, row 2's 0.05."""
+    from mindrlhf.algorithms import rollout_rejection_mask, rollout_rs_bounds
+
+    assert rollout_rs_bounds("seq_mean_k1", 2.0) == (pytest.approx(-math.log(2.0)), pytest.approx(math.log(2.0)))
+    assert rollout_rs_bounds("seq_mean_k3", 0.01) == (-math.inf, 0.01)
+    keep, stat = rollout_rejection_mask("seq_mean_k1", Tensor(_RS_D), Tensor(_RS_MASK), 2.0)
+    np.testing.assert_allclose(stat.asnumpy()[:3, 0], [0.0, (-math.log(2.0) - 20.0) / 2, 0.05], atol=1e-12)
+    np.testing.assert_array_equal(keep.asnumpy()[:, 0], [1.0, 0.0, 1.0, 1.0])
+    # token_k1 with threshold 2: −log 2 is exactly the lower bound, kept; the clamped 25 (−20) is rejected.
+    keep, _ = rollout_rejection_mask("token_k1", Tensor(_RS_D), Tensor(_RS_MASK), 2.0)
+    np.testing.assert_array_equal(keep.asnumpy()[1, :2], [1.0, 0.0])

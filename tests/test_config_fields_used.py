@@ -10,7 +10,7 @@ import pytest
 
 from mindrlhf.configs import REFERENCES
 from mindrlhf.errors import MindRLHFError
-from mindrlhf.registry import POLICY_LOSS_PARAMS
+from mindrlhf.registry import ADVANTAGE_ESTIMATOR_PARAMS, POLICY_LOSS_PARAMS
 
 PKG = Path(__file__).resolve().parents[1] / "mindrlhf"
 # Fields the code reads only through the parallel layout objects (ParallelLayout / RunLayout are
@@ -62,6 +62,8 @@ def test_every_field_is_read_or_validated(stage, field):
     used = _read(field, code) or any(_read(field, src) for src in live.values())
     # A policy loss's hyper-parameters are read by name from registry.POLICY_LOSS_PARAMS by policy_loss_params.
     used = used or ("policy_loss_params" in live and any(field in p for p in POLICY_LOSS_PARAMS.values()))
+    used = used or ("advantage_estimator_params" in live
+                    and any(field in p for p in ADVANTAGE_ESTIMATOR_PARAMS.values()))
     if field in LAYOUT_CHECKED and "infer_dp" in cls.field_index():
         with pytest.raises(MindRLHFError, match=field):
             cls.from_dict(LAYOUT_CHECKED[field])

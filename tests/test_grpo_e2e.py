@@ -187,17 +187,25 @@ def test_three_steps_metrics_finite_and_on_policy(grpo_assets, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["cispo", "sapo", "gmpo", "clip_cov", "kl_cov", "luspo", "vespo", "dapo", "grpo",
-                                       "gdpo"])
+                                       "gdpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                                       "rollout_rs"])
 def test_each_new_loss_and_variant_trains_two_steps(grpo_assets, tmp_path, variant):
     """Two steps of two updates each (num_iterations 2: the second update is off-policy, so the ratio moves), with
     the loss's own hyper-parameters reaching it: finite loss and grad norm, and the policy changes. Also grpo's bounds
-    (dapo with delta and clip_ratio_c), off-policy sequence masking and GDPO's advantages."""
+    (dapo with delta and clip_ratio_c), off-policy sequence masking, GDPO's advantages, the per-token REINFORCE++
+    advantages and rejection sampling (verl's rollout_rs, with its metrics)."""
     out = tmp_path / "run"
     extra = {"clip_cov": {"clip_cov_ratio": 0.2, "clip_cov_lb": -10.0, "clip_cov_ub": 10.0},
              "kl_cov": {"kl_cov_ratio": 0.2}, "dapo": {"delta": 1.05, "clip_ratio_c": 1.05},
              "grpo": {"off_policy_mask_threshold": 1e-4},
              "gdpo": {"loss_type": "grpo", "multi_objective_aggregation": "normalize_then_sum",
-                      "reward_funcs": ["e2e_rewards:length_reward", "gsm8k_format"]}}.get(variant, {})
+                      "reward_funcs": ["e2e_rewards:length_reward", "gsm8k_format"]},
+             "reinforce_plus_plus": {"loss_type": "grpo", "advantage_estimator": "reinforce_plus_plus", "gamma": 0.9,
+                                     "log_completions_steps": 1},
+             "reinforce_plus_plus_baseline": {"loss_type": "dapo",
+                                              "advantage_estimator": "reinforce_plus_plus_baseline"},
+             "rollout_rs": {"loss_type": "grpo", "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 1e-12,
+                            "importance_sampling_correction": "true"}}.get(variant, {})
     args = dict(max_steps=2, num_iterations=2, max_completion_length=8, tensorboard="false", log_completions_steps=0,
                 reward_funcs=["e2e_rewards:length_reward"], loss_type=variant, beta=0.04)
     args.update(extra)
@@ -210,6 +218,14 @@ def test_each_new_loss_and_variant_trains_two_steps(grpo_assets, tmp_path, varia
         assert r["grad_norm"] > 0
         if variant == "grpo":  # the masked share of completions is logged
             assert 0.0 <= r["sampling/off_policy_masked_ratio"] <= 1.0
+        if variant == "rollout_rs":  # verl's rejection metrics
+            for k in ("rollout_corr/rollout_rs_masked_fraction", "rollout_corr/rollout_rs_seq_masked_fraction",
+                      "rollout_corr/rollout_rs_seq_mean_k3_fraction_high"):
+                assert 0.0 <= r[k] <= 1.0, (k, r[k])
+            assert r["rollout_corr/rollout_rs_seq_mean_k3_max"] >= r["rollout_corr/rollout_rs_seq_mean_k3_min"] >= 0
+    if variant == "reinforce_plus_plus":  # a completions dump shows a per-token advantage as its mean
+        dumped = [json.loads(line) for line in (out / "completions_step_1.jsonl").read_text().splitlines()]
+        assert dumped and all(math.isfinite(row["advantage"]) for row in dumped)
     import mindspore as ms
 
     ckpts = CheckpointManager(str(out / "checkpoints"), 2)

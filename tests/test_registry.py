@@ -71,7 +71,8 @@ def test_every_config_choice_is_its_registry():
     import mindrlhf.algorithms  # noqa: F401  (registers the built-ins)
 
     # The builtins lists in mindrlhf.registry are exactly what the algorithm modules register.
-    for reg in (registry.POLICY_LOSSES, registry.IS_MODES, registry.ADVANTAGE_ESTIMATORS, registry.KL_ESTIMATORS):
+    for reg in (registry.POLICY_LOSSES, registry.IS_MODES, registry.ROLLOUT_RS, registry.ADVANTAGE_ESTIMATORS,
+                registry.KL_ESTIMATORS):
         own = {name for name, fn in reg.entries.items() if fn.__module__ == reg.module}
         assert set(reg.builtins) == own, reg.kind
         for name in reg.builtins:
@@ -89,7 +90,22 @@ def test_every_config_choice_is_its_registry():
         assert tuple(GRPOConfig.from_dict({"loss_type": name}).policy_loss_params) == params
     assert set(grpo_configs.TRL_LOSS_TYPES).isdisjoint(registry.POLICY_LOSSES.names())
     assert set(grpo_configs.TRL_LOSS_TYPES.values()) <= set(registry.LOSS_AGG_MODES)
+    # The advantage estimators' hyper-parameters likewise; the per-token ones take the completion mask.
+    assert set(registry.ADVANTAGE_ESTIMATOR_PARAMS) | set(registry.PER_TOKEN_ADVANTAGE_ESTIMATORS) <= set(
+        registry.ADVANTAGE_ESTIMATORS)
+    for name, params in registry.ADVANTAGE_ESTIMATOR_PARAMS.items():
+        signature = inspect.signature(registry.ADVANTAGE_ESTIMATORS.get(name)).parameters
+        for param in params:
+            assert signature[param].kind is inspect.Parameter.KEYWORD_ONLY, (name, param)
+            assert fields[param].default == signature[param].default, (name, param)
+        assert tuple(GRPOConfig.from_dict({"advantage_estimator": name}).advantage_estimator_params) == params
+    for name in registry.ADVANTAGE_ESTIMATORS.names():
+        signature = inspect.signature(registry.ADVANTAGE_ESTIMATORS.get(name)).parameters
+        assert ("completion_mask" in signature) == (name in registry.PER_TOKEN_ADVANTAGE_ESTIMATORS), name
+    assert set(registry.SEQUENCE_ADVANTAGE_LOSSES) <= set(registry.POLICY_LOSSES)
     assert _choices("importance_sampling_mode") == registry.IS_MODES.names()
+    assert _choices("rollout_rs") == (registry.ROLLOUT_RS_OFF,) + registry.ROLLOUT_RS.names()
+    assert set(registry.TWO_SIDED_ROLLOUT_RS) <= set(registry.ROLLOUT_RS)
     assert _choices("advantage_estimator") == registry.ADVANTAGE_ESTIMATORS.names()
     assert _choices("kl_estimator") == registry.KL_ESTIMATORS.names()
     assert _choices("loss_agg_mode") == registry.LOSS_AGG_MODES

@@ -1,4 +1,6 @@
 """The policy update (trainer.update.Updater with GRPO's objective) on a tiny Qwen2: padding invariance."""
+import math
+
 import numpy as np
 import pytest
 
@@ -105,6 +107,61 @@ def test_importance_sampling_correction_weights_the_update(tiny_qwen2_dir, mode)
         assert r["sampling/importance_sampling_ratio/mean"] == pytest.approx(w.mean(), rel=1e-5)
         assert r["sampling/importance_sampling_ratio/min"] == pytest.approx(w.min(), rel=1e-5, abs=1e-7)
         assert r["sampling/importance_sampling_ratio/max"] == pytest.approx(w.max(), rel=1e-5)
+
+
+@pytest.mark.parametrize("criterion,threshold", [("token_k1", 1.3), ("seq_mean_k3", 0.02), ("seq_max_k2", 0.1)])
+def test_rejection_sampling_masks_the_update(tiny_qwen2_dir, criterion, threshold):
+    """verl's rollout_rs on the IS path: on-policy grpo's per-token loss -A drops out where the criterion's statistic
+    of d = logp_train - logp_sampler leaves the bounds (the denominators keep every token), and the step logs verl's
+    rollout_corr/rollout_rs_* metrics, all checked against numpy."""
+    from mindrlhf.grpo import GRPOObjective, LossSettings
+    from mindrlhf.models import load_model
+    from mindrlhf.models.heads import LogProbHead
+    from mindrlhf.trainer.update import Updater
+
+    exp = _experience(9)
+    exp.completion_mask[2] = 0.0  # a completion masked out of the loss: in no statistic, no share
+    inputs = exp.train_inputs()
+    micro = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"],
+             "completion_ids": exp.completion_ids, "completion_mask": exp.completion_mask,
+             "advantages": exp.advantages, "old_logp": exp.sampler_logp, "ref_logp": exp.ref_logp}
+    mask = exp.completion_mask.astype(np.float64)
+    settings = LossSettings("grpo", "token-mean", 0.2, 0.2, 0.0, "k3", 16, 1.0, False, rollout_rs=criterion,
+                            rollout_rs_threshold=threshold)
+    updater = Updater(load_model(tiny_qwen2_dir), GRPOObjective(settings), head=LogProbHead(settings.temperature),
+                      lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, max_grad_norm=0.0, jit=False)
+    logp = updater.forward([micro])[0].astype(np.float64)
+    sampler = (logp + np.random.default_rng(2).uniform(-0.6, 0.6, logp.shape)) * mask
+    d = (logp - sampler) * mask
+    valid = mask > 0
+    k = {"k1": -d, "k2": 0.5 * d * d, "k3": np.exp(d) - 1.0 - d}[criterion[-2:]]
+    if criterion.startswith("token"):
+        stat, unit = k, valid
+        lower, upper = -math.log(threshold), math.log(threshold)
+    else:
+        reduce = np.mean if criterion.startswith("seq_mean") else np.max
+        stat = np.array([[reduce(r[v]) if v.any() else 0.0] for r, v in zip(k, valid)])  # empty: 0, as verl
+        unit = valid.any(1, keepdims=True)
+        lower, upper = -np.inf, threshold
+    keep = ((stat >= lower) & (stat <= upper)).astype(np.float64)
+    res = updater.step([dict(micro, sampler_logp=sampler.astype(np.float32))],
+                       (float(mask.sum()), float((mask.sum(1) > 0).sum())))
+    per_token = -exp.advantages[:, None] * np.broadcast_to(keep, mask.shape)
+    assert res["loss"] == pytest.approx((per_token * mask).sum() / mask.sum(), rel=1e-5, abs=1e-7)
+    rejected = (1.0 - np.broadcast_to(keep, mask.shape)) * mask
+    assert 0 < rejected.sum() < mask.sum()
+    prefix = f"rollout_corr/rollout_rs_{criterion}"
+    values = np.broadcast_to(stat, mask.shape)
+    assert res["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(rejected.sum() / mask.sum(), rel=1e-6)
+    seq_share = (rejected.sum(1) > 0).sum() / valid.any(1).sum()  # over completions with a loss token
+    assert res["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(seq_share)
+    assert res[f"{prefix}_mean"] == pytest.approx((values * mask).sum() / mask.sum(), rel=1e-4, abs=1e-6)
+    assert res[f"{prefix}_max"] == pytest.approx(stat[unit].max(), rel=1e-4)
+    assert res[f"{prefix}_min"] == pytest.approx(stat[unit].min(), rel=1e-4, abs=1e-6)
+    assert res[f"{prefix}_fraction_high"] == pytest.approx((stat[unit] > upper).mean())
+    assert res[f"{prefix}_fraction_low"] == pytest.approx((stat[unit] < lower).mean())
+    assert res[f"{prefix}_masked_fraction"] == res["rollout_corr/rollout_rs_masked_fraction"]
+    assert res[f"{prefix}_seq_masked_fraction"] == pytest.approx(seq_share)
 
 
 def test_concat_experiences_pads_to_the_widest():

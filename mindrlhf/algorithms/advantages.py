@@ -1,4 +1,5 @@
-"""Group-relative advantage estimators (GRPO, Dr.GRPO, LitePPO batch-std, RLOO) and GDPO's multi-reward form.
+"""Group-relative advantage estimators (GRPO, Dr.GRPO, LitePPO batch-std, RLOO), GDPO's multi-reward form and the
+per-token REINFORCE++ estimators.
 
 Rewards arrive flat, shape ``(B,)`` with ``B = prompts × G``: the G completions of one prompt are
 consecutive. A NaN reward means "every reward function failed / was not applicable" for that
@@ -8,6 +9,9 @@ pulls the policy.
 Standard deviations are the *unbiased* sample std (ddof=1, as ``torch.std`` in TRL and verl), so
 numbers match those references. With fewer than two valid rewards the std is defined as 0 (the
 numerator is then 0 as well, so the advantage is 0, never NaN).
+
+The REINFORCE++ estimators (``registry.PER_TOKEN_ADVANTAGE_ESTIMATORS``) return one advantage per completion token,
+``(B, T)``, 0 on tokens outside ``completion_mask``: they whiten over the batch's valid tokens.
 
 Advantages are computed on the host in float64 (rewards come from Python reward functions, so
 there is no device round trip to save) and returned in the input's dtype and container.
@@ -20,6 +24,7 @@ from typing import Callable
 import mindspore as ms
 import numpy as np
 
+from mindrlhf.algorithms.ppo import gae, last_token_index, masked_whiten
 from mindrlhf.algorithms.registry import lookup
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.registry import ADVANTAGE_ESTIMATORS, SCALE_REWARDS
@@ -128,7 +133,8 @@ def informative_groups(rewards, num_generations: int, tol: float = 1e-8) -> np.n
 
 # --- registry ------------------------------------------------------------------------------------
 AdvantageEstimator = Callable[..., object]
-#: Decorator: register ``fn(rewards, num_generations, eps=1e-6)`` under ``name``.
+#: Decorator: register ``fn(rewards, num_generations, eps=1e-6)`` under ``name``; a per-token estimator
+#: (``registry.PER_TOKEN_ADVANTAGE_ESTIMATORS``) also takes ``completion_mask=`` and returns (B, T).
 register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
 
 
@@ -163,3 +169,48 @@ def rloo_advantages(rewards, num_generations: int, eps: float = 1e-6):
     valid, count, dev = _group_deviations(arr, num_generations)
     factor = np.where(count >= 2, count / np.maximum(count - 1, 1), 0.0)
     return back((dev * factor).reshape(-1))
+
+
+def _scored_tokens(arr: np.ndarray, completion_mask) -> np.ndarray:
+    """(B, T) bool: the completion tokens of rows whose reward is not NaN (the tokens REINFORCE++ whitens over)."""
+    mask = np.asarray(completion_mask) > 0
+    if mask.ndim != 2 or mask.shape[0] != arr.shape[0]:
+        raise MindRLHFError(f"completion_mask of shape {mask.shape} does not match {arr.shape[0]} rewards; "
+                            "it must be (B, T)")
+    return mask & ~np.isnan(arr)[:, None]
+
+
+@register_advantage_estimator("reinforce_plus_plus")
+def reinforce_plus_plus_advantages(rewards, num_generations: int, eps: float = 1e-6, *, completion_mask,
+                                   gamma: float = 1.0):
+    """REINFORCE++ (Hu et al. 2025, arXiv:2501.03262; verl's ``compute_reinforce_plus_plus_outcome_advantage``):
+    the reward placed on each completion's last valid token, its discounted return per token
+    G_t = γ^(last − t)·R (reset at a masked token, as verl's loop), then whitened over all valid tokens of the batch,
+    (G − mean) / sqrt(var + 1e-8) with the unbiased variance (``ppo.masked_whiten``, verl's ``masked_whiten``).
+    No group baseline: ``num_generations`` and ``eps`` are unused. A NaN reward's tokens are left out of the
+    statistics and get 0. Returns (B, T)."""
+    arr, back = _to_numpy(rewards)
+    valid = _scored_tokens(arr, completion_mask)
+    token_rewards = np.zeros(valid.shape)
+    last = last_token_index(valid)
+    rows = np.flatnonzero(last >= 0)
+    token_rewards[rows, last[rows]] = arr[rows]
+    # GAE with λ = 1 and no values is the discounted return Σ_s γ^(s−t) r_s, zeroed and reset on masked tokens.
+    returns, _ = gae(token_rewards, np.zeros(valid.shape), valid, gamma, 1.0)
+    return back(masked_whiten(returns, valid))
+
+
+@register_advantage_estimator("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline_advantages(rewards, num_generations: int, eps: float = 1e-6, *, completion_mask):
+    """REINFORCE++-baseline (Hu et al. 2025, arXiv:2501.03262; verl's
+    ``compute_reinforce_plus_plus_baseline_outcome_advantage``): the reward minus its group's mean, broadcast over
+    the completion's valid tokens, then whitened over all valid tokens of the batch (unbiased variance, + 1e-8, as
+    verl). The mean is over the group's valid (non-NaN) rewards; a group with a single one keeps its reward
+    uncentred (verl's baseline 0 for a group of one). A NaN reward's tokens are left out and get 0. ``eps`` is
+    unused. Returns (B, T)."""
+    arr, back = _to_numpy(rewards)
+    valid, count, dev = _group_deviations(arr, num_generations)
+    grouped = np.where(valid, arr.reshape(dev.shape), 0.0)
+    centred = np.where(count > 1, dev, grouped).reshape(-1)
+    tokens = _scored_tokens(arr, completion_mask)
+    return back(masked_whiten(np.where(tokens, centred[:, None], 0.0), tokens))

@@ -22,7 +22,15 @@ from mindspore import Tensor, ops
 from mindrlhf.algorithms.kl import get_kl_estimator
 from mindrlhf.algorithms.registry import check_registered, lookup
 from mindrlhf.errors import MindRLHFError
-from mindrlhf.registry import IS_MODES, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSS_AGGREGATION, POLICY_LOSSES
+from mindrlhf.registry import (
+    IS_MODES,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    POLICY_LOSS_AGGREGATION,
+    POLICY_LOSSES,
+    ROLLOUT_RS,
+    TWO_SIDED_ROLLOUT_RS,
+)
 
 #: Log-ratios (policy vs old, policy vs reference) are clamped to ±this before ``exp`` (as verl does):
 #: exp(20) ≈ 4.9e8 is far outside any clip range, yet one off-policy outlier can no longer overflow
@@ -53,6 +61,7 @@ def _check_beta(beta: float, has_ref_logp: bool) -> bool:
 
 @ops.constexpr
 def _check_seq_advantages(loss_type: str, shape) -> bool:
+    # registry.SEQUENCE_ADVANTAGE_LOSSES lists the losses that call this (the config rejects per-token estimators).
     if shape[-1] != 1:
         raise MindRLHFError(f"loss_type={loss_type!r} needs one advantage per sequence, shape (B,); got {shape}")
     return True
@@ -417,6 +426,96 @@ def is_sequence_mask(log_ratio, mask, cap):
     """One ratio per sequence; a sequence whose ratio exceeds ``cap`` gets weight 0: (B, 1)."""
     ratio = _bounded_exp((log_ratio * mask).sum(axis=-1, keepdims=True))
     return ops.where(ratio > cap, 0.0, ratio)
+
+
+# --- rollout/train mismatch: rejection sampling (verl's rollout_rs) --------------------------------
+#: ``fn(log_ratio (B, T), mask (B, T)) -> statistic``: per token (B, T) or per sequence (B, 1), from the masked
+#: log-ratio log π_train − log π_sampler (0 on padding).
+RejectionStatistic = Callable[[Tensor, Tensor], Tensor]
+#: Decorator: register a rejection-sampling statistic ``fn(log_ratio, mask)`` under ``name``.
+register_rollout_rs = ROLLOUT_RS.register
+
+
+def get_rollout_rs(name: str) -> RejectionStatistic:
+    """The registered rejection-sampling criterion ``name`` (verl's ``rollout_rs`` options)."""
+    return lookup(ROLLOUT_RS, name)
+
+
+def _k1(d: Tensor) -> Tensor:
+    """verl's token k1, −d = log π_sampler − log π_train."""
+    return -d
+
+
+def _k2(d: Tensor) -> Tensor:
+    """verl's token k2, d²/2."""
+    return 0.5 * d * d
+
+
+def _k3(d: Tensor) -> Tensor:
+    """verl's token k3, exp(d) − 1 − d (≥ 0)."""
+    return ops.exp(d) - 1.0 - d
+
+
+def _masked_sum(x: Tensor, mask: Tensor) -> Tensor:
+    return (x * mask).sum(axis=-1, keepdims=True)
+
+
+def _masked_max(x: Tensor, mask: Tensor) -> Tensor:
+    """Max over each row's valid tokens, (B, 1); 0 for a row with none (verl's ``_sequence_max``)."""
+    top = ops.where(mask > 0, x, float("-inf")).max(axis=-1, keepdims=True)
+    return ops.where(mask.sum(axis=-1, keepdims=True) > 0, top, 0.0)
+
+
+_RS_LEVELS = {"token": ("the per-token value", lambda x, mask: x), "seq_sum": ("its sum over the tokens", _masked_sum),
+              "seq_mean": ("its mean over the tokens", _seq_mean), "seq_max": ("its max over the tokens", _masked_max)}
+
+
+def _register_criteria() -> None:
+    """The eleven statistics of verl's ``compute_rollout_rejection_mask``: k1 / k2 / k3 per token, or their sum,
+    mean or max over each completion's tokens (no ``seq_max_k1``: the max of a signed log-ratio bounds nothing)."""
+    for level, (what, reduce) in _RS_LEVELS.items():
+        for k, divergence in (("k1", _k1), ("k2", _k2), ("k3", _k3)):
+            if level == "seq_max" and k == "k1":
+                continue
+
+            def statistic(d, mask, reduce=reduce, divergence=divergence):
+                return reduce(divergence(d), mask)
+
+            statistic.__qualname__ = statistic.__name__ = f"rollout_rs_{level}_{k}"
+            statistic.__doc__ = (f"verl's rollout_rs {level}_{k} (rollout_corr_helper.py): {what} of "
+                                 f"{divergence.__doc__.split(', ', 1)[1]}")
+            register_rollout_rs(f"{level}_{k}")(statistic)
+
+
+_register_criteria()
+
+
+def rollout_rs_bounds(criterion: str, threshold: float, threshold_lower: float = 0.0) -> Tuple[float, float]:
+    """(lower, upper) bounds on ``criterion``'s statistic, verl's ``rollout_rs_threshold`` semantics: a k1
+    criterion (``TWO_SIDED_ROLLOUT_RS``) keeps ``log(lower) ≤ stat ≤ log(upper)`` of the ratio bounds
+    ``threshold_lower`` (0 = 1/``threshold``, verl's default) and ``threshold``; any other keeps ``stat ≤ threshold``
+    (lower −inf)."""
+    if criterion in TWO_SIDED_ROLLOUT_RS:
+        return math.log(threshold_lower or 1.0 / threshold), math.log(threshold)
+    return float("-inf"), float(threshold)
+
+
+def rollout_rejection_mask(criterion: str, log_ratio: Tensor, mask: Tensor, threshold: float,
+                           threshold_lower: float = 0.0) -> Tuple[Tensor, Tensor]:
+    """verl's rejection sampling (``rollout_corr_helper.compute_rollout_rejection_mask``, one option): ``(keep,
+    statistic)``, ``keep`` 1 where ``criterion``'s statistic of ``log_ratio`` = log π_train − log π_sampler (clamped
+    to ±``LOG_RATIO_BOUND``, verl's safety bound) lies within ``rollout_rs_bounds``, else 0; per token (B, T) or per
+    sequence (B, 1), as the statistic. No gradient."""
+    valid = mask > 0
+    d = ops.stop_gradient(ops.where(valid, ops.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND), 0.0))
+    stat = get_rollout_rs(criterion)(d, valid.astype(d.dtype))
+    lower, upper = rollout_rs_bounds(criterion, threshold, threshold_lower)
+    # Bounds as tensors of the statistic's dtype: a bare Python float is compared in float32, so a float64 value
+    # on the bound could fall on either side.
+    keep = stat <= ops.scalar_to_tensor(upper, stat.dtype)
+    if criterion in TWO_SIDED_ROLLOUT_RS:
+        keep = ops.logical_and(keep, stat >= ops.scalar_to_tensor(lower, stat.dtype))
+    return keep.astype(d.dtype), stat
 
 
 def off_policy_sequence_mask(advantages: Tensor, logp: Tensor, sampler_logp: Tensor, mask: Tensor,

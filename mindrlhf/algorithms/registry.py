@@ -17,10 +17,12 @@ from mindrlhf.registry import (
     KL_ESTIMATORS,
     POLICY_LOSSES,
     PREFERENCE_LOSSES,
+    ROLLOUT_RS,
     Registry,
 )
 
-_BY_KIND = {r.kind: r for r in (POLICY_LOSSES, IS_MODES, ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, PREFERENCE_LOSSES)}
+_BY_KIND = {r.kind: r for r in (POLICY_LOSSES, IS_MODES, ROLLOUT_RS, ADVANTAGE_ESTIMATORS, KL_ESTIMATORS,
+                                PREFERENCE_LOSSES)}
 
 
 @ops.constexpr

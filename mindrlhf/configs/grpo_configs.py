@@ -29,17 +29,23 @@ from mindrlhf.configs.common import (
 from mindrlhf.configs.mindformers import is_model_yaml, read_model_yaml
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.registry import (
+    ADVANTAGE_ESTIMATOR_PARAMS,
     ADVANTAGE_ESTIMATORS,
     IS_MODES,
     KL_ESTIMATOR_FORMULAS,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     MULTI_OBJECTIVE_AGGREGATIONS,
+    PER_TOKEN_ADVANTAGE_ESTIMATORS,
     POLICY_LOSS_AGGREGATION,
     POLICY_LOSS_PARAMS,
     POLICY_LOSSES,
+    ROLLOUT_RS,
+    ROLLOUT_RS_OFF,
     SCALE_REWARDS,
+    SEQUENCE_ADVANTAGE_LOSSES,
     STAGES,
+    TWO_SIDED_ROLLOUT_RS,
 )
 from mindrlhf.rewards.manager import reward_spec_name
 
@@ -185,12 +191,22 @@ class AlgorithmConfig:
         gt=0.0)
     advantage_estimator: str = config_field(
         "grpo", "Advantage estimator: grpo = reward minus its group's mean, divided as scale_rewards says (group std: "
-        "GRPO; batch std: LitePPO; none: Dr.GRPO); dr_grpo = grpo with no division (the same as scale_rewards none); "
-        "rloo = reward minus the mean of the other rewards of its group (RLOO: G/(G-1) x (reward - group mean), no "
-        "division); batch_std = grpo with scale_rewards batch (LitePPO). With dr_grpo, batch_std and rloo, "
-        "scale_rewards must stay group. A NaN reward (every reward function declined) gets advantage 0 and is left "
-        "out of its group's statistics.",
+        "GRPO; batch std: LitePPO; none: Dr.GRPO); dr_grpo = grpo with no division (the same as scale_rewards "
+        "none); rloo = reward minus the mean of the other rewards of its group (RLOO: G/(G-1) x (reward - group "
+        "mean), no division); batch_std = grpo with scale_rewards batch (LitePPO); reinforce_plus_plus = "
+        "REINFORCE++ (verl's name): one advantage per token, the reward's discounted return gamma^(tokens to the "
+        "end) * reward, whitened over all completion tokens of the step (no group baseline); "
+        "reinforce_plus_plus_baseline = the reward minus its group's mean on every token, whitened over all "
+        "completion tokens of the step (REINFORCE++-baseline). The two REINFORCE++ estimators give per-token "
+        "advantages, so not with loss_type gspo, gmpo or luspo (one advantage per sequence) nor with "
+        "off_policy_mask_threshold. With every estimator but grpo, scale_rewards must stay group. A NaN reward "
+        "(every reward function declined) gets advantage 0 and is left out of the statistics.",
         choices=ADVANTAGE_ESTIMATORS.names())
+    gamma: float = config_field(
+        1.0, "advantage_estimator reinforce_plus_plus: the discount of the token-level return, token t of a "
+        "completion gets gamma^(its last token - t) * reward before the whitening (verl's algorithm.gamma; 1 = every "
+        "token the reward). Range [0, 1].",
+        ge=0.0, le=1.0)
     scale_rewards: str = config_field(
         "group", "Advantage scaling: advantage = (reward - group mean) / (std + eps) with the std of the "
         "group (group, the GRPO paper) or of all the step's rewards (batch, LitePPO); none = no division "
@@ -238,6 +254,28 @@ class AlgorithmConfig:
         "out of the policy term (its KL term stays); completions with a positive advantage always train. Logged as "
         "sampling/off_policy_masked_ratio. 0 = off. Range >= 0.",
         ge=0.0)
+    rollout_rs: str = config_field(
+        ROLLOUT_RS_OFF, "Rejection sampling of the rollout/train mismatch (verl's rollout_rs): tokens or whole "
+        "completions whose divergence between the trainer's log-probs of the sampling policy and the sampler's own "
+        "(d = logp_train - logp_sampler) leaves the bounds drop out of the policy term (their KL term stays and they "
+        "still count in the loss's token and completion denominators, as with the masking importance_sampling_modes). "
+        "Per-token divergences k1 = -d, k2 = d^2 / 2, k3 = exp(d) - 1 - d; token_kN judges each token, seq_sum_kN / "
+        "seq_mean_kN / seq_max_kN a completion by the sum / mean / max over its tokens. The k1 criteria keep "
+        "log(rollout_rs_threshold_lower) <= statistic <= log(rollout_rs_threshold) (ratio bounds, as verl's "
+        "'lower_upper'); the others keep statistic <= rollout_rs_threshold. Logged with verl's names: "
+        "rollout_corr/rollout_rs_masked_fraction, rollout_corr/rollout_rs_seq_masked_fraction and "
+        "rollout_corr/rollout_rs_<criterion>_mean|max|min|fraction_high|fraction_low. Independent of "
+        "importance_sampling_correction (both may be on). none = off.",
+        choices=(ROLLOUT_RS_OFF,) + ROLLOUT_RS.names())
+    rollout_rs_threshold: float = config_field(
+        0.0, "rollout_rs: the upper bound (verl's rollout_rs_threshold): a ratio for the k1 criteria (e.g. 2: "
+        "keep log-ratios up to log 2), the largest divergence kept for the others (e.g. 0.01 for seq_mean_k3). "
+        "Required (> 0) with rollout_rs; 0 otherwise.",
+        ge=0.0)
+    rollout_rs_threshold_lower: float = config_field(
+        0.0, "rollout_rs k1 criteria (token_k1, seq_sum_k1, seq_mean_k1): the lower ratio bound (verl's 'lower' of "
+        "'lower_upper'); 0 = 1 / rollout_rs_threshold, verl's default. Must lie below rollout_rs_threshold.",
+        ge=0.0)
     sync_ref_model: bool = config_field(
         False, "Update the reference model from the policy every ref_model_sync_steps steps (TR-DPO style), "
         "mixed by ref_model_mixup_alpha. Requires beta > 0 (otherwise there is no reference).")
@@ -277,6 +315,20 @@ class AlgorithmConfig:
             errors.append(f"multi_objective_aggregation = 'normalize_then_sum' forms GDPO's advantages itself, with "
                           f"advantage_estimator = {self.advantage_estimator!r} and scale_rewards = "
                           f"{self.scale_rewards!r} as well; leave those at grpo and group")
+        if self.advantage_estimator in PER_TOKEN_ADVANTAGE_ESTIMATORS:
+            if self.loss_type in SEQUENCE_ADVANTAGE_LOSSES:
+                errors.append(f"advantage_estimator = {self.advantage_estimator!r} gives one advantage per token, but "
+                              f"loss_type = {self.loss_type!r} needs one per completion; use loss_type grpo (or "
+                              "another token-level loss) or another advantage_estimator")
+            if self.off_policy_mask_threshold > 0:
+                errors.append(f"off_policy_mask_threshold = {self.off_policy_mask_threshold} masks completions by "
+                              f"the sign of their advantage, but advantage_estimator = {self.advantage_estimator!r} "
+                              "gives one per token; set off_policy_mask_threshold 0 or use another advantage_estimator")
+        owners = [name for name, params in ADVANTAGE_ESTIMATOR_PARAMS.items() if "gamma" in params]
+        if self.gamma != 1.0 and self.advantage_estimator not in owners:
+            errors.append(f"gamma = {self.gamma} applies to advantage_estimator {' / '.join(owners)} only, not "
+                          f"{self.advantage_estimator!r}; leave gamma at 1")
+        self._check_rejection(errors)
         if self.loss_type == "clip_cov" and self.clip_cov_lb >= self.clip_cov_ub:
             errors.append(f"clip_cov_lb = {self.clip_cov_lb} >= clip_cov_ub = {self.clip_cov_ub}: no token can be "
                           "picked; set clip_cov_lb below clip_cov_ub")
@@ -290,6 +342,32 @@ class AlgorithmConfig:
         if self.sync_ref_model and self.beta == 0:
             errors.append("sync_ref_model = true with beta = 0: the reference model is never used; "
                           "set beta > 0 or sync_ref_model false")
+
+
+    def _check_rejection(self, errors: List[str]) -> None:
+        """rollout_rs's bounds: a threshold with a criterion only, a lower bound with a k1 criterion only, below the
+        upper one."""
+        if self.rollout_rs == ROLLOUT_RS_OFF:
+            for name in ("rollout_rs_threshold", "rollout_rs_threshold_lower"):
+                if getattr(self, name):
+                    errors.append(f"{name} = {getattr(self, name)} applies to rollout_rs only, which is "
+                                  f"{ROLLOUT_RS_OFF!r}; set rollout_rs (e.g. seq_mean_k3) or {name} 0")
+            return
+        if self.rollout_rs_threshold <= 0:
+            errors.append(f"rollout_rs = {self.rollout_rs!r} needs rollout_rs_threshold > 0 (verl's "
+                          "rollout_rs_threshold, e.g. 2 for a k1 criterion, 0.01 for seq_mean_k3)")
+            return
+        two_sided = self.rollout_rs in TWO_SIDED_ROLLOUT_RS
+        if self.rollout_rs_threshold_lower and not two_sided:
+            errors.append(f"rollout_rs_threshold_lower = {self.rollout_rs_threshold_lower} applies to the k1 "
+                          f"criteria ({', '.join(TWO_SIDED_ROLLOUT_RS)}), not {self.rollout_rs!r}, whose divergence "
+                          "has an upper bound only; set rollout_rs_threshold_lower 0")
+        lower = self.rollout_rs_threshold_lower or 1.0 / self.rollout_rs_threshold
+        if two_sided and lower >= self.rollout_rs_threshold:
+            errors.append(f"rollout_rs = {self.rollout_rs!r} keeps log-ratios within [log {lower:g}, log "
+                          f"{self.rollout_rs_threshold:g}], which is empty; the lower bound "
+                          "(rollout_rs_threshold_lower, by default 1 / rollout_rs_threshold) must lie below "
+                          "rollout_rs_threshold (e.g. 2)")
 
 
 @dataclass
@@ -822,6 +900,12 @@ class GRPOConfig(RolloutConfig):
     def policy_loss_params(self) -> Dict[str, float]:
         """The hyper-parameters of the run's policy loss by name (``registry.POLICY_LOSS_PARAMS``)."""
         return {name: getattr(self.algorithm, name) for name in POLICY_LOSS_PARAMS.get(self.policy_loss[0], ())}
+
+    @property
+    def advantage_estimator_params(self) -> Dict[str, float]:
+        """The hyper-parameters of the run's advantage estimator by name (``registry.ADVANTAGE_ESTIMATOR_PARAMS``)."""
+        return {name: getattr(self.algorithm, name) for name in ADVANTAGE_ESTIMATOR_PARAMS.get(self.advantage_estimator,
+                                                                                               ())}
 
     @property
     def advantage_estimator(self) -> str:

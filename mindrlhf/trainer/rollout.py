@@ -638,7 +638,10 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
 
     def _dump_fields(self, exp: Experience, i: int) -> Dict[str, object]:
         """What a completions dump adds for row ``i`` beyond its text and rewards (the stage's view of it)."""
-        return {"advantage": float(exp.advantages[i])}
+        adv, mask = exp.advantages[i], exp.completion_mask[i] > 0
+        if adv.ndim:  # per-token advantages (REINFORCE++): their mean over the completion's loss tokens
+            return {"advantage": float(adv[mask].mean()) if mask.any() else 0.0}
+        return {"advantage": float(adv)}
 
 
 def rollout_precheck(cfg) -> None:
