@@ -227,3 +227,23 @@ def test_every_stage_runs_as_module_script_and_run_py(name):
     helps = [p.stdout.split("\n", 2)[2] for p in outs]  # past the "usage: <prog>" line
     assert helps[0] == helps[1] and stage.reference in helps[0]
     assert all(f"--{field}" in helps[0] for field in stage.config_class().field_index())
+
+
+NOTEBOOK = re.compile(r"\bsessions? \d+", re.I)
+
+
+def _product_text_files() -> list:
+    """The docs a user reads and the package's own sources: what must speak of the product."""
+    files = [REPO / "README.md", REPO / "README_CN.md", REPO / "bench" / "README.md",
+             *sorted((REPO / "docs").rglob("*.md"))]
+    return files + sorted(p for p in PKG.rglob("*") if p.suffix in {".py", ".md", ".yaml", ".yml", ".txt", ".sh"})
+
+
+def test_no_lab_notebook_numbering_in_the_docs_or_the_package():
+    """A figure says its date and commit, not which work session measured it ("session 26")."""
+    files = _product_text_files()
+    assert len(files) > 50 and (PKG / "grpo.py") in files
+    hits = [f"{p.relative_to(REPO)}:{n}: {line.strip()[:120]}" for p in files
+            for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if NOTEBOOK.search(line)]
+    assert not hits, hits
+    assert NOTEBOOK.search("measured 2026-11-27 (Session 26)") and not NOTEBOOK.search("one session, 26 steps")
