@@ -14,7 +14,9 @@ from mindrlhf.registry import STAGES
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "mindrlhf"
 DOCS = [REPO / "README.md", REPO / "README_CN.md", REPO / "bench" / "README.md", REPO / "tests" / "data" / "README.md",
-        *sorted((REPO / "docs").glob("*.md"))]
+        *sorted((REPO / "docs").rglob("*.md"))]
+#: Where the shell blocks live: the two READMEs and the documentation site's pages.
+COMMAND_DOCS = [REPO / "README.md", REPO / "README_CN.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 
 def _readme_commands(name: str) -> list:
@@ -133,14 +135,15 @@ def test_ruff_clean():  # ruff comes with the test extra
 
 
 def test_every_readme_training_command_is_a_valid_config():
-    """The recipes and reproduce commands of both READMEs parse and validate (flags joined over line breaks):
-    every ``mindrlhf-<stage>`` of the stage table, ``examples/stages/run.py STAGE`` under msrun, the node launches."""
+    """The recipes and reproduce commands of the READMEs and the docs pages parse and validate (flags joined over
+    line breaks): every ``mindrlhf-<stage>`` of the stage table, ``examples/stages/run.py STAGE`` under msrun, the
+    node launches."""
     import shlex
 
     parsers = {stage.script: stage.config_class().parse_args for stage in STAGES.values()}
     seen = 0
-    for name in ("README.md", "README_CN.md"):
-        text = (REPO / name).read_text(encoding="utf-8")
+    for doc in COMMAND_DOCS:
+        text = doc.read_text(encoding="utf-8")
         for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
             for command in block.replace("\\\n", " ").splitlines():
                 words = shlex.split(command, comments=True)
@@ -154,7 +157,7 @@ def test_every_readme_training_command_is_a_valid_config():
                 elif words[:2] == ["bash", "scripts/launch_node.sh"]:  # the training flags follow "--"
                     parsers["mindrlhf-grpo"](words[words.index("--") + 1:])
                     seen += 1
-    assert seen >= 18  # per README: the results run, the DAPO and Dr.GRPO recipes, the node launches, the stages
+    assert seen >= 36  # in each language: the results run, the DAPO and Dr.GRPO recipes, the node launches, the stages
 
 
 RUN_SCRIPT = "examples/stages/run.py"
@@ -229,7 +232,7 @@ def test_every_stage_runs_as_module_script_and_run_py(name):
     assert all(f"--{field}" in helps[0] for field in stage.config_class().field_index())
 
 
-NOTEBOOK = re.compile(r"\bsessions? \d+", re.I)
+NOTEBOOK = re.compile(r"\bsessions?\s+\d+|第\s*\d+\s*次会话", re.I)
 
 
 def _product_text_files() -> list:
@@ -243,7 +246,21 @@ def test_no_lab_notebook_numbering_in_the_docs_or_the_package():
     """A figure says its date and commit, not which work session measured it ("session 26")."""
     files = _product_text_files()
     assert len(files) > 50 and (PKG / "grpo.py") in files
-    hits = [f"{p.relative_to(REPO)}:{n}: {line.strip()[:120]}" for p in files
-            for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if NOTEBOOK.search(line)]
+    hits = [f"{p.relative_to(REPO)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}" for p in files
+            for text in [p.read_text(encoding="utf-8")] for m in NOTEBOOK.finditer(text)]
     assert not hits, hits
-    assert NOTEBOOK.search("measured 2026-11-27 (Session 26)") and not NOTEBOOK.search("one session, 26 steps")
+    assert NOTEBOOK.search("measured 2026-11-27 (Session 26)") and NOTEBOOK.search("on session\n25's quiet day")
+    assert NOTEBOOK.search("（2026-11-29，第 30 次会话）") and not NOTEBOOK.search("one session, 26 steps")
+
+
+def test_the_readmes_are_a_front_door_in_step():
+    """README.md and README_CN.md stay short (the rest lives in the docs pages) and have the same sections."""
+    sections = {}
+    for name in ("README.md", "README_CN.md"):
+        text = (REPO / name).read_text(encoding="utf-8")
+        assert len(text.splitlines()) <= 250, name
+        sections[name] = re.findall(r"^## ", text, flags=re.M)
+        for page in ("docs/getting-started.md", "docs/tutorials/grpo-gsm8k.md", "docs/benchmarks.md"):
+            assert f"]({page})" in text, (name, page)
+    assert len(sections["README.md"]) == len(sections["README_CN.md"]) >= 7
+
