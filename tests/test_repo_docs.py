@@ -264,3 +264,30 @@ def test_the_readmes_are_a_front_door_in_step():
             assert f"]({page})" in text, (name, page)
     assert len(sections["README.md"]) == len(sections["README_CN.md"]) >= 7
 
+
+def _mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(config),
+                           "--site-dir", str(site)], capture_output=True, text=True, timeout=300)
+
+
+def test_the_docs_site_builds_strictly(tmp_path):
+    """``mkdocs build --strict`` (mkdocs-material, the ``test`` extra): every page in the nav, every link and anchor
+    found; the home page and the tutorials are written."""
+    proc = _mkdocs_build(REPO / "mkdocs.yml", tmp_path / "site")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "GRPO on GSM8K" in (tmp_path / "site" / "index.html").read_text(encoding="utf-8")
+    assert (tmp_path / "site" / "tutorials" / "pipeline" / "index.html").is_file()
+
+
+def test_a_broken_link_fails_the_docs_build(tmp_path):
+    """The strict build is a check: a copy of the site with one link to a missing page does not build."""
+    import shutil
+
+    shutil.copytree(REPO / "docs", tmp_path / "docs")
+    shutil.copy(REPO / "mkdocs.yml", tmp_path / "mkdocs.yml")
+    page = tmp_path / "docs" / "how-to" / "evaluation.md"
+    page.write_text(page.read_text(encoding="utf-8") + "\nSee [a page that is not there](missing.md).\n",
+                    encoding="utf-8")
+    proc = _mkdocs_build(tmp_path / "mkdocs.yml", tmp_path / "site")
+    assert proc.returncode != 0 and "missing.md" in proc.stderr, proc.stderr[-2000:]
+
