@@ -272,11 +272,12 @@ def _mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess:
 
 def test_the_docs_site_builds_strictly(tmp_path):
     """``mkdocs build --strict`` (mkdocs-material, the ``test`` extra): every page in the nav, every link and anchor
-    found; the home page and the tutorials are written."""
+    found; the home page and a tutorial are written with the step picture."""
     proc = _mkdocs_build(REPO / "mkdocs.yml", tmp_path / "site")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "GRPO on GSM8K" in (tmp_path / "site" / "index.html").read_text(encoding="utf-8")
+    assert "step_flow.png" in (tmp_path / "site" / "index.html").read_text(encoding="utf-8")
     assert (tmp_path / "site" / "tutorials" / "pipeline" / "index.html").is_file()
+    assert (tmp_path / "site" / "images" / "step_flow.png").is_file()
 
 
 def test_a_broken_link_fails_the_docs_build(tmp_path):
@@ -291,3 +292,13 @@ def test_a_broken_link_fails_the_docs_build(tmp_path):
     proc = _mkdocs_build(tmp_path / "mkdocs.yml", tmp_path / "site")
     assert proc.returncode != 0 and "missing.md" in proc.stderr, proc.stderr[-2000:]
 
+
+def test_the_step_picture_is_drawn_from_its_source(tmp_path):
+    """docs/images/step_flow.png comes from docs/figures/step_flow.py: the script draws the picture the docs show."""
+    out = tmp_path / "step_flow.png"
+    proc = subprocess.run([sys.executable, str(REPO / "docs" / "figures" / "step_flow.py"), str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
+    for page in ("index.md", "design.md", "tutorials/rollout.md"):
+        assert "images/step_flow.png" in (REPO / "docs" / page).read_text(encoding="utf-8"), page
