@@ -302,3 +302,20 @@ def test_the_step_picture_is_drawn_from_its_source(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
     for page in ("index.md", "design.md", "tutorials/rollout.md"):
         assert "images/step_flow.png" in (REPO / "docs" / page).read_text(encoding="utf-8"), page
+
+
+ISSUE_NUMBER = re.compile(r"(?<![\w&#/])#\d{1,3}\b|\bissues? #?\d+\b", re.I)
+
+
+def test_no_issue_numbers_in_the_docs_help_comments_or_test_names():
+    """A reader cannot look up a tracker number: docs, help strings, comments and test names say what they mean."""
+    code = [p for root in ("tests", "bench", "examples", "scripts") for p in sorted((REPO / root).rglob("*"))
+            if p.suffix in {".py", ".sh", ".md"} and p.is_file() and "data" not in p.relative_to(REPO).parts[1:2]]
+    files = _product_text_files() + code
+    assert (REPO / "bench" / "matmul.py") in files and Path(__file__) in files
+    hits = [f"{p.relative_to(REPO)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}" for p in files
+            for text in [p.read_text(encoding="utf-8")] for m in ISSUE_NUMBER.finditer(text)]
+    assert not hits, hits
+    hash_ = "#"
+    assert ISSUE_NUMBER.search(f"(issue {hash_}43)") and ISSUE_NUMBER.search(f"the LoRA work ({hash_}44)")
+    assert not ISSUE_NUMBER.search("#### 72") and not ISSUE_NUMBER.search('color="#1f77b4"')
