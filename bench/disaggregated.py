@@ -1,4 +1,4 @@
-"""Colocated against disaggregated rollout (issue #43): one GRPO job, three modes, each an msrun world of 2.
+"""Colocated against disaggregated rollout: one GRPO job, three modes, each an msrun world of 2.
 
     python bench/disaggregated.py                               # tiny random Qwen2, both jobs, 4 steps
     python bench/disaggregated.py --model smollm2 --steps 3 --recompute full

@@ -1,4 +1,4 @@
-"""Which model sizes a full fine-tune and a LoRA run fit on this machine: peak RSS of two SFT steps (#44).
+"""Which model sizes a full fine-tune and a LoRA run fit on this machine: peak RSS of two SFT steps.
 
     python bench/lora_fit.py                                  # Qwen2.5-0.5B, 1.5B and 3B shapes, full and LoRA
     python bench/lora_fit.py --sizes 0.5b --modes full,lora   # one size

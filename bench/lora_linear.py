@@ -1,4 +1,4 @@
-"""What a LoRA adapter costs in one projection's forward + backward, against the same linear trained in full (#44).
+"""What a LoRA adapter costs in one projection's forward + backward, against the same linear trained in full.
 
     python bench/lora_linear.py            # SmolLM2's MLP up-projection, 1920 rows (a GRPO micro-batch)
     python bench/lora_linear.py --rows 1200 --din 576 --dout 576 --rank 16

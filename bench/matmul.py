@@ -1,4 +1,4 @@
-"""float32 matmul routes on CPU against this machine's sgemm peak, in one process (#40).
+"""float32 matmul routes on CPU against this machine's sgemm peak, in one process.
 
     python bench/matmul.py                        # everything below, SmolLM2 shapes at 1024 tokens
     python bench/matmul.py --repeats 5 --tokens 512

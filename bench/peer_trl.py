@@ -89,7 +89,7 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
                  beta=0.04, lr=1e-6),
     "smollm2": dict(model="smollm2", prompts=2, num_generations=4, max_completion_length=160, temperature=0.7,
                     beta=0.0, lr=1e-6),
-    # LoRA (#44): smollm2's job with rank-16 adapters on all seven projections, 10x the learning rate; TRL's
+    # LoRA: smollm2's job with rank-16 adapters on all seven projections, 10x the learning rate; TRL's
     # side is GRPOTrainer with peft's LoraConfig of the same rank, alpha and targets.
     "smollm2_lora": dict(model="smollm2", prompts=2, num_generations=4, max_completion_length=160,
                          temperature=0.7, beta=0.0, lr=1e-5, lora_rank=16, lora_alpha=32),
@@ -107,7 +107,7 @@ STAGES: Dict[str, Dict[str, Any]] = {
     "sft": dict(stage="sft", rows=8, batch_size=8, micro_batch_size=4, max_length=512, lr=1e-5),
     "rm": dict(stage="rm", rows=8, batch_size=8, micro_batch_size=4, max_length=512, lr=1e-5),
     "dpo": dict(stage="dpo", rows=8, batch_size=8, micro_batch_size=4, max_length=512, lr=1e-6, beta=0.1),
-    # LoRA (#44): rank-16 adapters on all seven projections of the frozen model, 10x the learning rate;
+    # LoRA: rank-16 adapters on all seven projections of the frozen model, 10x the learning rate;
     # TRL's side is SFTTrainer with peft's LoraConfig of the same rank, alpha and targets.
     "sft_lora": dict(stage="sft", rows=8, batch_size=8, micro_batch_size=4, max_length=512, lr=1e-4,
                      lora_rank=16, lora_alpha=32),

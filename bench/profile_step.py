@@ -1,4 +1,4 @@
-"""Where one SmolLM2 update's time goes, kernel by kernel (#40): MindSpore's CPU profiler on a stage's step.
+"""Where one SmolLM2 update's time goes, kernel by kernel: MindSpore's CPU profiler on a stage's step.
 
     python bench/profile_step.py --stage sft            # or rm, dpo, grpo
     python bench/profile_step.py --stage grpo --recompute none --top 25

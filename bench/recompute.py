@@ -1,9 +1,9 @@
-"""What recompute costs: one update's loss and gradients with and without recomputing the forward (#29).
+"""What recompute costs: one update's loss and gradients with and without recomputing the forward.
 
     python bench/recompute.py                          # the embedded SmolLM2-135M-Instruct
     python bench/recompute.py --model tiny             # a small random Qwen2 (a quick check of the script)
     python bench/recompute.py --modes graphs,jit       # some of the ways only
-    python bench/recompute.py --cpu_matmul openblas    # the decoder's matmuls through numpy's OpenBLAS (#40)
+    python bench/recompute.py --cpu_matmul openblas    # the decoder's matmuls through numpy's OpenBLAS
     python bench/recompute.py --modes graphs --cpu_matmul ms,openblas   # both, steps alternating in one process
 
 The same update (GRPO's: completion log-probs of shared-prompt packed rows, a weighted sum) computed seven
@@ -98,7 +98,7 @@ def _layer_jit(model) -> None:
 
 def _route_matmuls(route: str) -> None:
     """Build the decoder with ``route``'s float32 2-D matmuls (``mindrlhf.models.cpu_matmul``) where it makes
-    ``ops.MatMul`` (the linear layers, the vocabulary head, rope's rotation): #40's prototype wiring, to measure a
+    ``ops.MatMul`` (the linear layers, the vocabulary head, rope's rotation): the prototype wiring, to measure a
     training update with it. Attention's ``BatchMatMul`` stays MindSpore's."""
     import types
 

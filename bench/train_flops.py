@@ -1,4 +1,4 @@
-"""Each stage's SmolLM2 update in GFLOP/s against this machine's sgemm peak, in one run (#40).
+"""Each stage's SmolLM2 update in GFLOP/s against this machine's sgemm peak, in one run.
 
     python bench/train_flops.py                           # sft, rm, dpo, grpo; MindSpore's matmul
     python bench/train_flops.py --stages sft,grpo --steps 4

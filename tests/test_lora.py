@@ -421,15 +421,16 @@ def test_tp2_adapter_gradients_equal_single_process(tmp_path, tiny_qwen2_dir):
         assert (tmp_path / "adapter_tp" / name).read_bytes() == (one / name).read_bytes(), name
 
 
-def _readme_block(name: str) -> str:
+def _python_block(name: str) -> str:
     text = (REPO / name).read_text(encoding="utf-8")
     blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
     return next(b for b in blocks if "load_adapter(model" in b)
 
 
-def test_readme_lora_example_runs_and_its_merged_export_equals_the_adapter(tmp_path):
-    """The README's LoRA block, run as written on a tiny Llama and an adapter dir: the merged HF export it writes
-    gives the adapted model's logits, and the adapter it writes back reads as the same adapter."""
+def test_the_lora_tutorial_example_runs_and_its_merged_export_equals_the_adapter(tmp_path):
+    """The LoRA tutorial's library block (docs/tutorials/lora.md), run as written on a tiny Llama and an adapter
+    dir: the merged HF export it writes gives the adapted model's logits, and the adapter it writes back reads as
+    the same adapter."""
     import re
 
     from mindrlhf.testing import make_tiny_llama, padded_batch
@@ -440,13 +441,13 @@ def test_readme_lora_example_runs_and_its_merged_export_equals_the_adapter(tmp_p
     full = _random_adapter(model)
     set_adapter_weights(model, full)
     save_adapter(model, tmp_path / "adapter")
-    code = _readme_block("README.md")
+    code = _python_block("docs/tutorials/lora.md")
     strip = re.compile(r"\s*#.*$", re.M)
-    assert strip.sub("", _readme_block("README_CN.md")) == strip.sub("", code)  # the same code in both READMEs
+    assert strip.sub("", _python_block("docs/zh/guide.md")) == strip.sub("", code)  # the same code in both languages
     for old, new in (("base_hf_dir", base), ("adapter_dir", tmp_path / "adapter"),
                      ("merged_hf_dir", tmp_path / "merged"), ("adapter_copy", tmp_path / "copy")):
         code = code.replace(f'"{old}"', repr(str(new)))
-    exec(compile(code, "README.md", "exec"), {})  # noqa: S102 - the README's own example
+    exec(compile(code, "docs/tutorials/lora.md", "exec"), {})  # noqa: S102 - the tutorial's own example
     ids, mask = padded_batch(model.config.vocab_size)
     want = model(Tensor(ids), Tensor(mask)).asnumpy()
     assert np.abs(load_model(tmp_path / "merged")(Tensor(ids), Tensor(mask)).asnumpy() - want).max() <= 1e-5

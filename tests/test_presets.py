@@ -59,7 +59,7 @@ def test_preset_names_the_format_reward_of_its_data_style(path, packaged_data_st
     cfg = GRPOConfig.from_yaml(path)
     cfg.validate()
     # '' trains on the packaged sample, which the job builds in the default style; a preset that
-    # names a mindrecord expects rlhf_data.py's default style (the README's workflow).
+    # names a mindrecord expects rlhf_data.py's default style (the workflow of docs/tutorials/grpo-gsm8k.md).
     style = packaged_data_style if not cfg.data.mind_dataset_dir else DEFAULT_PROMPT_STYLE
     assert packaged_data_style == DEFAULT_PROMPT_STYLE
     assert style_format_reward(style) in cfg.reward.reward_funcs

@@ -1,5 +1,5 @@
-"""The README's pipeline block (SFT rows, SFT, pairs from the SFT model, RM, DPO, ORPO, PPO, GRPO,
-evaluation) runs top to bottom exactly as written. Each command is the README's, in a fresh folder, with only
+"""The pipeline tutorial's block (docs/tutorials/pipeline.md: SFT rows, SFT, pairs from the SFT model, RM, DPO, ORPO,
+PPO, GRPO, evaluation) runs top to bottom exactly as written. Each command is the page's, in a fresh folder, with only
 shortening flags appended (fewer rows and steps, shorter completions) and, for the one command that reads the
 base model (SFT), a tiny random Qwen2 instead of the embedded SmolLM2: every later command finds its model
 through the previous stage's run folder, as a user's would."""
@@ -35,8 +35,12 @@ SHORTER = {
 }
 
 
-def readme_pipeline(name: str = "README.md") -> list:
-    """The commands of the README block that holds ``FIRST``, continuation lines joined, comments dropped."""
+#: The English tutorial page and the Chinese guide, which carry the same block.
+PIPELINE_PAGE, CHINESE_GUIDE = "docs/tutorials/pipeline.md", "docs/zh/guide.md"
+
+
+def readme_pipeline(name: str = PIPELINE_PAGE) -> list:
+    """The commands of the page's block that holds ``FIRST``, continuation lines joined, comments dropped."""
     text = (REPO / name).read_text(encoding="utf-8")
     block = next(b for b in re.findall(r"```bash\n(.*?)```", text, flags=re.S) if b.startswith("# ") and FIRST in b)
     joined = re.sub(r"\\\n\s*", "", block)
@@ -57,7 +61,7 @@ def test_the_readme_pipeline_runs_top_to_bottom_as_written(tmp_path, qwen_tokeni
                          qwen_tokenizer_dir)
     work = tmp_path / "work"
     work.mkdir()
-    (work / "mindrlhf").symlink_to(REPO / "mindrlhf")  # the README runs in the repository: its packaged data
+    (work / "mindrlhf").symlink_to(REPO / "mindrlhf")  # the tutorial runs in the repository: its packaged data
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
     for cmd in commands:
@@ -70,5 +74,5 @@ def test_the_readme_pipeline_runs_top_to_bottom_as_written(tmp_path, qwen_tokeni
     assert all((work / f"eval_{stage}.jsonl").read_text().count("\n") == 2 for stage in ("dpo", "orpo", "ppo", "grpo"))
 
 
-def test_the_chinese_readme_has_the_same_pipeline():
-    assert readme_pipeline("README_CN.md") == readme_pipeline()
+def test_the_chinese_guide_has_the_same_pipeline():
+    assert readme_pipeline(CHINESE_GUIDE) == readme_pipeline()

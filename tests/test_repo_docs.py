@@ -14,7 +14,9 @@ from mindrlhf.registry import STAGES
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "mindrlhf"
 DOCS = [REPO / "README.md", REPO / "README_CN.md", REPO / "bench" / "README.md", REPO / "tests" / "data" / "README.md",
-        *sorted((REPO / "docs").glob("*.md"))]
+        *sorted((REPO / "docs").rglob("*.md"))]
+#: Where the shell blocks live: the two READMEs and the documentation site's pages.
+COMMAND_DOCS = [REPO / "README.md", REPO / "README_CN.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 
 def _readme_commands(name: str) -> list:
@@ -133,14 +135,15 @@ def test_ruff_clean():  # ruff comes with the test extra
 
 
 def test_every_readme_training_command_is_a_valid_config():
-    """The recipes and reproduce commands of both READMEs parse and validate (flags joined over line breaks):
-    every ``mindrlhf-<stage>`` of the stage table, ``examples/stages/run.py STAGE`` under msrun, the node launches."""
+    """The recipes and reproduce commands of the READMEs and the docs pages parse and validate (flags joined over
+    line breaks): every ``mindrlhf-<stage>`` of the stage table, ``examples/stages/run.py STAGE`` under msrun, the
+    node launches."""
     import shlex
 
     parsers = {stage.script: stage.config_class().parse_args for stage in STAGES.values()}
     seen = 0
-    for name in ("README.md", "README_CN.md"):
-        text = (REPO / name).read_text(encoding="utf-8")
+    for doc in COMMAND_DOCS:
+        text = doc.read_text(encoding="utf-8")
         for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
             for command in block.replace("\\\n", " ").splitlines():
                 words = shlex.split(command, comments=True)
@@ -154,7 +157,7 @@ def test_every_readme_training_command_is_a_valid_config():
                 elif words[:2] == ["bash", "scripts/launch_node.sh"]:  # the training flags follow "--"
                     parsers["mindrlhf-grpo"](words[words.index("--") + 1:])
                     seen += 1
-    assert seen >= 18  # per README: the results run, the DAPO and Dr.GRPO recipes, the node launches, the stages
+    assert seen >= 36  # in each language: the results run, the DAPO and Dr.GRPO recipes, the node launches, the stages
 
 
 RUN_SCRIPT = "examples/stages/run.py"
@@ -227,3 +230,92 @@ def test_every_stage_runs_as_module_script_and_run_py(name):
     helps = [p.stdout.split("\n", 2)[2] for p in outs]  # past the "usage: <prog>" line
     assert helps[0] == helps[1] and stage.reference in helps[0]
     assert all(f"--{field}" in helps[0] for field in stage.config_class().field_index())
+
+
+NOTEBOOK = re.compile(r"\bsessions?\s+\d+|第\s*\d+\s*次会话", re.I)
+
+
+def _product_text_files() -> list:
+    """The docs a user reads and the package's own sources: what must speak of the product."""
+    files = [REPO / "README.md", REPO / "README_CN.md", REPO / "bench" / "README.md",
+             *sorted((REPO / "docs").rglob("*.md"))]
+    return files + sorted(p for p in PKG.rglob("*") if p.suffix in {".py", ".md", ".yaml", ".yml", ".txt", ".sh"})
+
+
+def test_no_lab_notebook_numbering_in_the_docs_or_the_package():
+    """A figure says its date and commit, not which work session measured it ("session 26")."""
+    files = _product_text_files()
+    assert len(files) > 50 and (PKG / "grpo.py") in files
+    hits = [f"{p.relative_to(REPO)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}" for p in files
+            for text in [p.read_text(encoding="utf-8")] for m in NOTEBOOK.finditer(text)]
+    assert not hits, hits
+    assert NOTEBOOK.search("measured 2026-11-27 (Session 26)") and NOTEBOOK.search("on session\n25's quiet day")
+    assert NOTEBOOK.search("（2026-11-29，第 30 次会话）") and not NOTEBOOK.search("one session, 26 steps")
+
+
+def test_the_readmes_are_a_front_door_in_step():
+    """README.md and README_CN.md stay short (the rest lives in the docs pages) and have the same sections."""
+    sections = {}
+    for name in ("README.md", "README_CN.md"):
+        text = (REPO / name).read_text(encoding="utf-8")
+        assert len(text.splitlines()) <= 250, name
+        sections[name] = re.findall(r"^## ", text, flags=re.M)
+        for page in ("docs/getting-started.md", "docs/tutorials/grpo-gsm8k.md", "docs/benchmarks.md"):
+            assert f"]({page})" in text, (name, page)
+    assert len(sections["README.md"]) == len(sections["README_CN.md"]) >= 7
+
+
+def _mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(config),
+                           "--site-dir", str(site)], capture_output=True, text=True, timeout=300)
+
+
+def test_the_docs_site_builds_strictly(tmp_path):
+    """``mkdocs build --strict`` (mkdocs-material, the ``test`` extra): every page in the nav, every link and anchor
+    found; the home page and a tutorial are written with the step picture."""
+    proc = _mkdocs_build(REPO / "mkdocs.yml", tmp_path / "site")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step_flow.png" in (tmp_path / "site" / "index.html").read_text(encoding="utf-8")
+    assert (tmp_path / "site" / "tutorials" / "pipeline" / "index.html").is_file()
+    assert (tmp_path / "site" / "images" / "step_flow.png").is_file()
+
+
+def test_a_broken_link_fails_the_docs_build(tmp_path):
+    """The strict build is a check: a copy of the site with one link to a missing page does not build."""
+    import shutil
+
+    shutil.copytree(REPO / "docs", tmp_path / "docs")
+    shutil.copy(REPO / "mkdocs.yml", tmp_path / "mkdocs.yml")
+    page = tmp_path / "docs" / "how-to" / "evaluation.md"
+    page.write_text(page.read_text(encoding="utf-8") + "\nSee [a page that is not there](missing.md).\n",
+                    encoding="utf-8")
+    proc = _mkdocs_build(tmp_path / "mkdocs.yml", tmp_path / "site")
+    assert proc.returncode != 0 and "missing.md" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_step_picture_is_drawn_from_its_source(tmp_path):
+    """docs/images/step_flow.png comes from docs/figures/step_flow.py: the script draws the picture the docs show."""
+    out = tmp_path / "step_flow.png"
+    proc = subprocess.run([sys.executable, str(REPO / "docs" / "figures" / "step_flow.py"), str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
+    for page in ("index.md", "design.md", "tutorials/rollout.md"):
+        assert "images/step_flow.png" in (REPO / "docs" / page).read_text(encoding="utf-8"), page
+
+
+ISSUE_NUMBER = re.compile(r"(?<![\w&#/])#\d{1,3}\b|\bissues? #?\d+\b", re.I)
+
+
+def test_no_issue_numbers_in_the_docs_help_comments_or_test_names():
+    """A reader cannot look up a tracker number: docs, help strings, comments and test names say what they mean."""
+    code = [p for root in ("tests", "bench", "examples", "scripts") for p in sorted((REPO / root).rglob("*"))
+            if p.suffix in {".py", ".sh", ".md"} and p.is_file() and "data" not in p.relative_to(REPO).parts[1:2]]
+    files = _product_text_files() + code
+    assert (REPO / "bench" / "matmul.py") in files and Path(__file__) in files
+    hits = [f"{p.relative_to(REPO)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}" for p in files
+            for text in [p.read_text(encoding="utf-8")] for m in ISSUE_NUMBER.finditer(text)]
+    assert not hits, hits
+    hash_ = "#"
+    assert ISSUE_NUMBER.search(f"(issue {hash_}43)") and ISSUE_NUMBER.search(f"the LoRA work ({hash_}44)")
+    assert not ISSUE_NUMBER.search("#### 72") and not ISSUE_NUMBER.search('color="#1f77b4"')

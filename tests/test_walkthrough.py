@@ -1,10 +1,11 @@
-"""The README's SFT → reward model → DPO → PPO / GRPO walkthrough on the embedded SmolLM2 and real GSM8K data.
+"""The SFT → reward model → DPO → PPO / GRPO walkthrough of docs/tutorials/pipeline.md on the embedded SmolLM2 and
+real GSM8K data.
 
 Real-model runs take about two hours on a 2-core CPU for SFT → RM → DPO and about two more for PPO and
 GRPO from the SFT model, so this module runs only when asked:
-``MINDRLHF_REALDATA=1 python -m pytest -q tests/test_walkthrough.py -s`` (it is the source of the README's
+``MINDRLHF_REALDATA=1 python -m pytest -q tests/test_walkthrough.py -s`` (it is the source of the tutorial's
 figures). ``MINDRLHF_WALKTHROUGH_DIR`` keeps the outputs in a folder of your choice; every command is the
-README's, run as a user runs it, and ``walkthrough_summary.json`` there collects the numbers and wall times.
+tutorial's, run as a user runs it, and ``walkthrough_summary.json`` there collects the numbers and wall times.
 
 What it shows: SFT on GSM8K train lowers ``eval/loss`` on GSM8K test; a reward model trained on pairs of
 (reference solution, the SFT model's own wrong answer) ranks held-out pairs (other questions, from the test
@@ -46,7 +47,7 @@ EVAL_ARGS = ("--limit", "64", "--batch_size", "8", "--overwrite", "--no_progress
 
 
 def _run(summary: dict, name: str, done: Path, *cmd: str) -> None:
-    """One README command, timed; its output is shown (pytest -s) so a long run can be followed. A command whose
+    """One tutorial command, timed; its output is shown (pytest -s) so a long run can be followed. A command whose
     output ``done`` exists from an earlier run (the other test, or an earlier session in a kept
     ``MINDRLHF_WALKTHROUGH_DIR``) is not repeated (its wall time is the earlier run's): delete the folder to
     start over."""
@@ -107,7 +108,7 @@ def _summary(w: Path) -> dict:
 
 
 def _sft_and_pairs(summary: dict, w: Path) -> Path:
-    """Steps 0-2 of the README: base eval, SFT, its eval and the pairs. Returns the SFT checkpoint (commands
+    """Steps 0-2 of the tutorial: base eval, SFT, its eval and the pairs. Returns the SFT checkpoint (commands
     already done in a kept folder are not repeated)."""
     from mindrlhf.resources import GSM8K_TEST_SAMPLE
 
@@ -141,7 +142,7 @@ def _sft_and_pairs(summary: dict, w: Path) -> Path:
 
 
 def _sft_and_rm(summary: dict, w: Path) -> tuple:
-    """Steps 0-3 of the README: ``_sft_and_pairs``, then the reward model. Returns the SFT and reward-model
+    """Steps 0-3 of the tutorial: ``_sft_and_pairs``, then the reward model. Returns the SFT and reward-model
     checkpoints."""
     sft_ckpt = _sft_and_pairs(summary, w)
     rm_ckpt = w / "rm" / "checkpoints" / f"step_{RM_STEPS:08d}"
