@@ -90,7 +90,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("slow"):
             slow[item.path] = slow.get(item.path, 0) + 1
-    items.sort(key=lambda item: -slow.get(item.path, 0))
+    # The vLLM file first: its engines start (in processes of their own) while the msrun launches run beside it.
+    items.sort(key=lambda item: (item.get_closest_marker("vllm") is None, -slow.get(item.path, 0)))
 
 
 # -- memory report ------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from mindrlhf.generation.vllm_sampler import VLLMSampler, default_vllm_python
 from mindrlhf.models import get_weights, load_model, set_weights
 from mindrlhf.testing import add_tokenizer, make_tiny_llama, make_tiny_qwen2, make_tiny_qwen3
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 REPO = Path(__file__).resolve().parents[1]
 # vLLM's CPU attention takes head sizes 32, 64, 80, ...: the tiny models get head_dim 32.
 TINY = {"qwen2": (make_tiny_qwen2, dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)),

@@ -459,7 +459,8 @@ class GenerationConfig:
         "runs of one model architecture; '' = start an engine for this run and stop it at its end.")
     vllm_dtype: str = config_field(
         "auto", "The engine's dtype: 'auto' = bfloat16 where the CPU computes it natively (AVX-512-BF16 or AMX), "
-        "else float32 (bfloat16 was ~4x slower than float32 on an AVX2-only CPU). The trainer keeps float32.",
+        "else float32 (on a CPU without them vLLM's bfloat16 is slower than its float32; docs/design.md). The trainer "
+        "keeps float32.",
         choices=("auto", "float32", "bfloat16"))
     vllm_max_model_len: int = config_field(
         0, "vLLM's max_model_len (prompt + completion tokens). 0 = max_prompt_length + max_completion_length.",

@@ -134,7 +134,7 @@ class Engine:
             import vllm_mindspore  # noqa: F401
         from vllm import LLM
 
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        # vLLM's worker processes import ``WeightSync`` by this module's name (``worker_extension_cls``).
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [os.path.dirname(os.path.abspath(__file__))] + [p for p in [os.environ.get("PYTHONPATH")] if p])
         _check_head_size(args.model)
