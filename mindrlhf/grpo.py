@@ -152,11 +152,15 @@ class GRPOObjective:
         term = weights if s.is_correction else None
         if s.off_policy_mask_threshold > 0:  # the policy term's factors: the IS correction and the masks
             term = keep if term is None else term * keep
-        rejecting = s.rollout_rs != ROLLOUT_RS_OFF
-        if rejecting:  # verl's rejection sampling on the same trainer/sampler log-ratio as the IS weights
+        inf = float("inf")
+        zero = ops.zeros((), ms.float32)
+        rs_aux = (zero,) * len(RS_SUMS) + (zero - inf, zero + inf)
+        # Every name is bound on both paths: graph mode compiles the whole step, branches included.
+        if s.rollout_rs != ROLLOUT_RS_OFF:  # verl's rejection sampling on the trainer/sampler log-ratio of IS
             rs_keep, rs_stat = rollout_rejection_mask(s.rollout_rs, gap, mask, s.rollout_rs_threshold,
                                                       s.rollout_rs_threshold_lower)
             term = rs_keep if term is None else term * rs_keep
+            rs_aux = self._rejection_aux(rs_keep, rs_stat, mask, present)
         loss, metrics = policy_loss(
             logp, old, advantages, completion_mask, ref_logp=ref_logp if s.beta > 0 else None,
             loss_type=s.loss_type, epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high, beta=s.beta,
@@ -171,17 +175,11 @@ class GRPOObjective:
         # Ratio statistics over what the ratio is per: valid tokens, or completions with a valid token.
         counted = mask if weights.shape[-1] != 1 else (mask.sum(axis=-1, keepdims=True) > 0).astype(ms.float32)
         weights = ops.broadcast_to(weights, counted.shape)
-        inf = float("inf")
         aux = tuple(metrics[k] * tokens for k in TOKEN_MEANS) + (tokens,)
         aux += ((weights * counted).sum(), counted.sum(), ((1.0 - keep) * present).sum(), present.sum())
         aux += (ops.abs(gap).max(), ops.where(counted > 0, weights, -inf).max(),
                 ops.where(counted > 0, weights, inf).min())
-        zero = ops.zeros((), ms.float32)
-        if rejecting:
-            aux += self._rejection_aux(rs_keep, rs_stat, mask, present)
-        else:
-            aux += (zero,) * len(RS_SUMS) + (zero - inf, zero + inf)
-        return loss, aux
+        return loss, aux + rs_aux
 
     def _rejection_aux(self, keep: Tensor, stat: Tensor, mask: Tensor, present: Tensor) -> Tuple[Tensor, ...]:
         """This micro-batch's ``RS_SUMS`` and ``RS_EXTREMES``: rejected tokens and completions, the statistic's

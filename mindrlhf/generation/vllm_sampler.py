@@ -90,7 +90,9 @@ class VLLMSampler(Sampler):
                                kv_cache_gib, seed, start_timeout)
         self._path = path
         self._connect(path)
-        self._finalizer = weakref.finalize(self, _cleanup, self._sock, self._proc, self._tmp, self._shm)
+        # What close() and the garbage collector free; _allocate adds the shared block.
+        self._owned: Dict[str, Any] = {"sock": self._sock, "proc": self._proc, "tmp": self._tmp, "shm": None}
+        self._finalizer = weakref.finalize(self, _cleanup, self._owned)
 
     # -- the engine process ----------------------------------------------------------------------------
     def _start(self, python: str, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
@@ -131,7 +133,8 @@ class VLLMSampler(Sampler):
         try:
             self._hello(path)
         except BaseException:
-            self._sock.close()  # a served engine must not stay taken by a client that failed to start
+            self._goodbye()  # a served engine must not stay taken by a client that failed to start
+            self._sock.close()
             raise
 
     def _hello(self, path: str) -> None:
@@ -224,21 +227,28 @@ class VLLMSampler(Sampler):
             off += int(np.prod(shape, dtype=np.int64)) * 4
             off = (off + 63) // 64 * 64  # each tensor 64-byte aligned, as the engine's kernels like it
         self._shm = shared_memory.SharedMemory(create=True, size=max(off, 1))
-        self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _cleanup, self._sock, self._proc, self._tmp, self._shm)
+        self._owned["shm"] = self._shm
 
     def release(self) -> None:
         """Nothing is freed on CPU (vLLM's KV cache is allocated once); the prefix cache is cleared."""
         self._call({"op": "release"})
 
     def close(self) -> None:
-        """Stop the engine this sampler started (a served one keeps running) and free the shared block."""
-        if self._proc is not None:
-            try:
-                self._call({"op": "close", "shutdown": True})
-            except (MindRLHFError, OSError):
-                pass
+        """Stop the engine this sampler started (a served one keeps running, free for the next run) and free the
+        shared block."""
+        if self._finalizer.alive:
+            self._goodbye(shutdown=self._proc is not None)
         self._finalizer()
+
+    def _goodbye(self, shutdown: bool = False) -> None:
+        """Tell the engine this client is done and wait for its answer: a served engine takes the next client
+        only once it has let this one go."""
+        try:
+            self._io.write((json.dumps({"op": "close", "shutdown": shutdown}) + "\n").encode())
+            self._io.flush()
+            self._io.readline()
+        except (OSError, ValueError, AttributeError):
+            pass  # the engine is gone already (AttributeError: no hello was read)
 
 
 def engine_command(python: str, hf_config: Dict[str, Any], folder: str, socket_path: str, *, dtype: str,
@@ -263,7 +273,8 @@ def engine_env() -> Dict[str, str]:
     return env
 
 
-def _cleanup(sock, proc, tmp, shm) -> None:
+def _cleanup(owned: Dict[str, Any]) -> None:
+    sock, proc, tmp, shm = owned["sock"], owned["proc"], owned["tmp"], owned["shm"]
     try:
         sock.close()
     except OSError:

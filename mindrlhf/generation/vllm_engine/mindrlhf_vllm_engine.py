@@ -216,7 +216,8 @@ def serve(engine: Engine, path: str) -> None:
     os.replace(path + ".tmp", path)  # the path appears only once the engine can answer
     srv.listen(4)
     print(f"mindrlhf vLLM engine ready on {path} (started in {engine.start_s:.0f} s)", file=sys.stderr, flush=True)
-    busy = threading.Event()
+    idle = threading.Event()
+    idle.set()
     stop = threading.Event()
 
     def client(conn: socket.socket) -> None:
@@ -227,10 +228,12 @@ def serve(engine: Engine, path: str) -> None:
                 for line in f:
                     req = json.loads(line)
                     if req.get("op") == "close":
-                        f.write(b'{"ok": true}\n')
-                        f.flush()
                         if req.get("shutdown"):
                             stop.set()
+                        idle.set()  # before the answer: the client's next run may connect right after it
+                        f.write(b'{"ok": true}\n')
+                        f.flush()
+                        if stop.is_set():
                             socket.socket(socket.AF_UNIX).connect(path)  # wakes the accept loop
                         return
                     try:
@@ -243,20 +246,21 @@ def serve(engine: Engine, path: str) -> None:
         except OSError:
             pass  # the client went away
         finally:
-            busy.clear()
+            idle.set()
 
     while not stop.is_set():
         conn, _ = srv.accept()
         if stop.is_set():
             conn.close()
             break
-        if busy.is_set():
+        # A client that went away without saying so is noticed by its thread within moments: wait that long.
+        if not idle.wait(timeout=5.0):
             with conn:
                 msg = {"ok": False, "protocol": PROTOCOL, "error": "busy: the engine serves another run; give each "
                        "run its own engine (leave vllm_server empty) or wait for that run to end"}
                 conn.sendall((json.dumps(msg) + "\n").encode())
             continue
-        busy.set()
+        idle.clear()
         threading.Thread(target=client, args=(conn,), daemon=True).start()
     srv.close()
     os.unlink(path)
