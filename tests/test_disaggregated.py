@@ -175,6 +175,11 @@ def test_completions_cross_exactly():
             (b.token_ids, b.logprobs, b.finish_reason, b.entropies)
     with pytest.raises(MindRLHFError, match="sampled 3 completions where the step needs 4"):
         pack_completions(sent, [0, 0, 0], rows=4, width=5)
+    # A sampler without entropies (vLLM): none arrive, not zeros that the entropy metric would average.
+    plain = [Completion(prompt_index=0, token_ids=[3, 4], logprobs=[-0.5, -1.0], finish_reason="stop"),
+             Completion(prompt_index=1, token_ids=[], logprobs=[], finish_reason="stop")]
+    got, _ = unpack_completions(pack_completions(plain, [1, 1], rows=2, width=5), width=5)
+    assert [c.entropies for c in got] == [[], []] and [c.token_ids for c in got] == [[3, 4], []]
 
 
 # -- the job ------------------------------------------------------------------------------------------------

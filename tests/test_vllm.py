@@ -7,6 +7,7 @@ the tests skip, except under CI, where they fail.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -230,3 +231,23 @@ def test_grpo_trains_two_steps_with_vllm(engines, grpo_assets, tmp_path):
         assert r["time/sync"] > 0 and np.isfinite(r["loss"]) and r["completions/mean_length"] > 0
         assert "entropy" not in r  # vLLM reports none; the metric is left out, not zero
     assert (out / "checkpoints").exists() or any(out.iterdir())
+
+
+def test_evaluation_and_pairs_sample_on_vllm(engines, tmp_path):
+    """``evaluate`` on the engine answers as on the native sampler (greedy, same weights); ``mindrlhf-data
+    --pairs --use_vllm`` samples its pairs there; each leaves the served engine free for the next run."""
+    from mindrlhf.evaluation.gsm8k_eval import evaluate
+    from mindrlhf.evaluation.gsm8k_pairs import main as pairs_main
+
+    model, folder, served = engines("qwen2")
+    common = dict(tokenizer_dir=folder, limit=3, max_new_tokens=12, batch_size=2, progress=False)
+    native = evaluate(model, output=tmp_path / "native.jsonl", **common)
+    on_vllm = evaluate(model, output=tmp_path / "vllm.jsonl", vllm={"server": served.path}, **common)
+    assert on_vllm["num_questions"] == native["num_questions"] == 3
+    assert (tmp_path / "vllm.jsonl").read_text() == (tmp_path / "native.jsonl").read_text()
+    assert pairs_main(["--model", str(folder), "--output", str(tmp_path / "pairs.jsonl"), "--limit", "2", "--k", "2",
+                       "--max_new_tokens", "8", "--no_progress", "--use_vllm", "--vllm_server", served.path]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "pairs.jsonl").read_text().splitlines()]
+    assert rows and all(len(r["neg_answers"]) == len(r["pos_answers"]) > 0 for r in rows)
+    with _client(engines, "qwen2"):
+        pass  # the engine took a client again

@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -212,10 +212,11 @@ def resolve_model_path(model: Optional[PathLike], progress: bool = False) -> Pat
 
 
 def _load(model, tokenizer, batch_rows: int, progress: bool, dtype: str, jit: bool, tokenizer_args: tuple,
-          use_chat_template: bool, base_model: Optional[PathLike] = None):
+          use_chat_template: bool, base_model: Optional[PathLike] = None,
+          vllm: Optional[Mapping[str, Any]] = None):
     """``(sampler, tokenizer, model_path)`` from a Sampler, a CausalLM, a path or None (SmolLM2);
     the tokenizer is resolved before any weights are read, so a missing one fails fast."""
-    from mindrlhf.generation import NativeSampler, Sampler
+    from mindrlhf.generation import Sampler
     from mindrlhf.models import CausalLM, load_model, require_causal_lm
     from mindrlhf.parallel.resharding import checkpoint_config
 
@@ -228,7 +229,7 @@ def _load(model, tokenizer, batch_rows: int, progress: bool, dtype: str, jit: bo
         if isinstance(model, Sampler):
             return model, tokenizer, None
         require_causal_lm(model.config, "(a CausalLM)", "evaluate: model", answers, fix)
-        return NativeSampler(model, max_batch_size=batch_rows, jit=jit), tokenizer, None
+        return _sampler(model, batch_rows, jit, vllm), tokenizer, None
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise MindRLHFError(f"evaluate: model must be a path, a CausalLM or a Sampler, got {type(model).__name__}")
     path = resolve_model_path(model, progress=progress)
@@ -247,7 +248,20 @@ def _load(model, tokenizer, batch_rows: int, progress: bool, dtype: str, jit: bo
         from mindrlhf.models.lora import load_adapter
 
         load_adapter(loaded, adapter)
-    return NativeSampler(loaded, max_batch_size=batch_rows, jit=jit), tokenizer, path
+    return _sampler(loaded, batch_rows, jit, vllm), tokenizer, path
+
+
+def _sampler(model, batch_rows: int, jit: bool, vllm: Optional[Mapping[str, Any]]):
+    """The native sampler over ``model``, or with ``vllm`` (``VLLMSampler``'s options) a vLLM engine holding its
+    weights; prompt + completion up to the model's positions, at most 4096 tokens (the engine's KV cache)."""
+    if vllm is None:
+        from mindrlhf.generation import NativeSampler
+
+        return NativeSampler(model, max_batch_size=batch_rows, jit=jit)
+    from mindrlhf.generation.factory import vllm_sampler_for
+
+    return vllm_sampler_for(model, max_model_len=min(model.config.max_position_embeddings, 4096),
+                            **{"max_num_seqs": max(batch_rows, 1), **vllm})
 
 
 def adapter_base(path: Path, base_model: Optional[PathLike] = None) -> Tuple[Path, Optional[Path]]:
@@ -315,6 +329,7 @@ def evaluate(
     shard: Tuple[int, int] = (0, 1),
     reduce: Optional[Callable[[np.ndarray], np.ndarray]] = None,
     base_model: Optional[PathLike] = None,
+    vllm: Optional[Mapping[str, Any]] = None,
 ) -> Dict[str, Any]:
     """Evaluate a model on GSM8K; return the summary as a dict.
 
@@ -335,6 +350,10 @@ def evaluate(
     completions), and ``reduce`` sums the replicas' counts (a float64 vector of correct answers, completions,
     tokens, ... and each reward function's sum and count) before the rates are formed: the summary is the
     unsharded one's on every replica. ``output`` needs ``n`` = 1.
+
+    ``vllm``: sample with a vLLM engine instead of the native sampler (``VLLMSampler``'s options: ``python``,
+    ``dtype``, ``server``; ``{}`` for the defaults), started for this evaluation and stopped after it (a served
+    one keeps running).
 
     ``model`` may be a LoRA run's PEFT adapter folder: its base (``base_model``, else the one its
     adapter_config.json records) is loaded and the adapters applied (``adapter_base``).
@@ -386,7 +405,9 @@ def evaluate(
 
     t_load = time.perf_counter()
     sampler, tokenizer, model_path = _load(model, tokenizer, batch_size * n, progress, dtype, jit,
-                                           (tokenizer_dir, vocab_path, merges_file_path), use_chat_template, base_model)
+                                           (tokenizer_dir, vocab_path, merges_file_path), use_chat_template, base_model,
+                                           vllm)
+    started = sampler if vllm is not None and sampler is not model else None  # stopped when done (or by the GC)
     stops = list(stop_token_ids) if stop_token_ids is not None else list(tokenizer.stop_token_ids)
     if system_prompt is None:
         system_prompt = style_system_prompt(prompt_style)
@@ -447,6 +468,9 @@ def evaluate(
         if sink is not None:
             sink.close()
         raise
+    finally:
+        if started is not None:
+            started.close()
     if sink is not None:
         sink.close()
         os.replace(tmp, out_path)
@@ -605,7 +629,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     p.add_argument("--device_target", default="CPU", choices=DEVICE_TARGETS, help="MindSpore device (default CPU)")
     p.add_argument("--no_progress", action="store_true", help="hide the progress bar")
+    add_vllm_arguments(p)
     return p
+
+
+def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
+    """``--use_vllm`` and its settings (``mindrlhf-eval``, ``mindrlhf-data --pairs``)."""
+    g = p.add_argument_group("vLLM", "sample with a vLLM engine in its own process (bash scripts/install_vllm.sh "
+                                     ".venv-vllm makes its environment); the engine starts in about two minutes")
+    g.add_argument("--use_vllm", action="store_true", help="generate with vLLM instead of the native sampler")
+    g.add_argument("--vllm_dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="the engine's dtype (auto: bfloat16 where the CPU has AVX-512-BF16 or AMX, else float32)")
+    g.add_argument("--vllm_python", default="",
+                   help="the Python of vLLM's environment (default: $MINDRLHF_VLLM_PYTHON, else .venv-vllm)")
+    g.add_argument("--vllm_server", default="",
+                   help="the socket of a running `mindrlhf-vllm-serve` engine to use instead of starting one")
+
+
+def vllm_options(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
+    """``evaluate``'s ``vllm`` from ``add_vllm_arguments``' flags (None without ``--use_vllm``); checked before
+    any model loads."""
+    if not args.use_vllm:
+        return None
+    from mindrlhf.generation.factory import check_vllm
+    from mindrlhf.generation.vllm_sampler import default_vllm_python
+
+    python = args.vllm_python or default_vllm_python()
+    check_vllm(python, args.vllm_server, flag="--")
+    return {"python": python, "dtype": args.vllm_dtype, "server": args.vllm_server, "seed": args.seed}
 
 
 def _main(argv: Optional[Sequence[str]] = None) -> int:
@@ -621,7 +672,7 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
         top_p=args.top_p, seed=args.seed, prompt_style=args.prompt_style, system_prompt=args.system_prompt,
         use_chat_template=not args.no_chat_template, dtype=args.dtype, output=args.output, overwrite=args.overwrite,
         progress=not args.no_progress, tokenizer_dir=args.tokenizer_dir, vocab_path=args.vocab_path,
-        merges_file_path=args.merges_file_path, base_model=args.base_model)
+        merges_file_path=args.merges_file_path, base_model=args.base_model, vllm=vllm_options(args))
     print(format_summary(result))
     return 0
 

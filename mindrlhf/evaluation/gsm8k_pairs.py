@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from mindrlhf.data.gsm8k import build_prompt, strip_calculator_notes, style_system_prompt
 from mindrlhf.errors import MindRLHFError
-from mindrlhf.evaluation.gsm8k_eval import evaluate, load_questions
+from mindrlhf.evaluation.gsm8k_eval import add_vllm_arguments, evaluate, load_questions, vllm_options
 from mindrlhf.resources import GSM8K_TRAIN_SAMPLE
 from mindrlhf.utils.cli import run_cli
 
@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", help="compute dtype (float32, float16; bfloat16 on Ascend)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    add_vllm_arguments(p)
     return p
 
 
@@ -110,7 +111,7 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
                         max_pairs_per_question=a.max_pairs_per_question, limit=a.limit, offset=a.offset,
                         max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed,
                         prompt_style=a.prompt_style, overwrite=a.overwrite, progress=not a.no_progress,
-                        tokenizer_dir=a.tokenizer_dir, dtype=a.dtype)
+                        tokenizer_dir=a.tokenizer_dir, dtype=a.dtype, vllm=vllm_options(a))
     print(json.dumps(result))
     return 0
 

@@ -11,17 +11,21 @@ from mindrlhf.generation.base import Sampler
 def check_sampler_config(cfg) -> None:
     """The config asks for a backend this installation has (checked before any model loads)."""
     g = cfg.generation
-    if not g.use_vllm:
+    if g.use_vllm:
+        check_vllm(vllm_python(cfg), g.vllm_server)
+
+
+def check_vllm(python: str, server: str = "", flag: str = "") -> None:
+    """A vLLM engine can be reached: the socket ``server`` exists, else ``python`` (vLLM's environment) does.
+    ``flag``: the option's prefix in the messages ('--' on a command line)."""
+    if server:
+        if not os.path.exists(server):
+            raise MindRLHFError(f"{flag}vllm_server {server}: no such socket; start the engine with "
+                                f"`mindrlhf-vllm-serve --socket PATH ...` or leave {flag}vllm_server empty")
         return
-    if g.vllm_server:
-        if not os.path.exists(g.vllm_server):
-            raise MindRLHFError(f"vllm_server {g.vllm_server}: no such socket; start the engine with "
-                                "`mindrlhf-vllm-serve --socket PATH ...` or leave vllm_server empty")
-        return
-    python = vllm_python(cfg)
     if not os.path.isfile(python):
-        raise MindRLHFError(f"use_vllm: no vLLM environment at {python}; make one with `bash scripts/install_vllm.sh "
-                            ".venv-vllm` (or set vllm_python / $MINDRLHF_VLLM_PYTHON)")
+        raise MindRLHFError(f"{flag}use_vllm: no vLLM environment at {python}; make one with `bash "
+                            f"scripts/install_vllm.sh .venv-vllm` (or set {flag}vllm_python / $MINDRLHF_VLLM_PYTHON)")
 
 
 def vllm_python(cfg) -> str:
@@ -47,17 +51,23 @@ def build_sampler(cfg, model) -> Sampler:
 
 
 def vllm_sampler(cfg, model) -> Sampler:
-    """A vLLM engine for ``model``'s architecture, holding ``model``'s weights."""
+    """A vLLM engine for ``model``'s architecture, holding ``model``'s weights, as the run's config sets it."""
+    g = cfg.generation
+    return vllm_sampler_for(model, python=vllm_python(cfg), dtype=g.vllm_dtype,
+                            max_model_len=g.vllm_max_model_len or g.max_prompt_length + g.max_completion_length,
+                            max_num_seqs=g.vllm_max_num_seqs, max_num_batched_tokens=g.vllm_max_num_batched_tokens,
+                            kv_cache_gib=g.vllm_kv_cache_gib, server=g.vllm_server, seed=cfg.train.seed,
+                            ascend=cfg.parallel.device_target == "Ascend")
+
+
+def vllm_sampler_for(model, *, max_model_len: int, **options) -> Sampler:
+    """A vLLM engine for ``model``'s architecture, holding ``model``'s weights (a LoRA model's projections
+    merged); ``options``: ``VLLMSampler``'s (python, dtype, server, seed, ...)."""
     from mindrlhf.generation.vllm_sampler import VLLMSampler
     from mindrlhf.models.lora import merged_shard_weights
 
-    g = cfg.generation
-    sampler = VLLMSampler(model.config, python=vllm_python(cfg), dtype=g.vllm_dtype,
-                          max_model_len=g.vllm_max_model_len or g.max_prompt_length + g.max_completion_length,
-                          max_num_seqs=g.vllm_max_num_seqs, max_num_batched_tokens=g.vllm_max_num_batched_tokens,
-                          kv_cache_gib=g.vllm_kv_cache_gib, server=g.vllm_server, seed=cfg.train.seed,
-                          ascend=cfg.parallel.device_target == "Ascend")
-    sampler.load_weights(merged_shard_weights(model))  # every weight (a LoRA model's projections merged)
+    sampler = VLLMSampler(model.config, max_model_len=max_model_len, **options)
+    sampler.load_weights(merged_shard_weights(model))
     return sampler
 
 

@@ -58,7 +58,8 @@ _TAIL = 3
 
 def pack_completions(completions: List[Completion], versions: List[int], rows: int, width: int) -> np.ndarray:
     """One generator's completions as a ``(rows, 3 * width + 3)`` float32 block (token ids are exact in float32
-    below 2**24): ids | log-probs | entropies, each padded to ``width``, then length, truncated, version."""
+    below 2**24): ids | log-probs | entropies (NaN where the sampler reports none), each padded to ``width``, then
+    length, truncated, version."""
     if len(completions) != rows:
         raise MindRLHFError(f"a generator sampled {len(completions)} completions where the step needs {rows}")
     block = np.zeros((rows, 3 * width + _TAIL), np.float32)
@@ -68,7 +69,8 @@ def pack_completions(completions: List[Completion], versions: List[int], rows: i
             raise MindRLHFError(f"a completion of {n} tokens exceeds max_completion_length {width}")
         block[i, :n] = c.token_ids
         block[i, width:width + n] = c.logprobs
-        block[i, 2 * width:2 * width + len(c.entropies)] = c.entropies
+        # NaN marks a sampler that reports no entropies (vLLM): the trainer leaves the metric out, as colocated.
+        block[i, 2 * width:2 * width + n] = c.entropies if len(c.entropies) == n else np.nan
         block[i, 3 * width:] = (n, c.finish_reason == "length", v)
     return block
 
@@ -79,10 +81,11 @@ def unpack_completions(block: np.ndarray, width: int, first_index: int = 0) -> T
     out = []
     for i, row in enumerate(block):
         n = int(row[3 * width])
+        entropies = row[2 * width:2 * width + n]
         out.append(Completion(prompt_index=first_index + i, token_ids=[int(t) for t in row[:n]],
                               logprobs=[float(x) for x in row[width:width + n]],
                               finish_reason="length" if row[3 * width + 1] else "stop",
-                              entropies=[float(x) for x in row[2 * width:2 * width + n]]))
+                              entropies=[] if np.isnan(entropies).any() else [float(x) for x in entropies]))
     return out, block[:, 3 * width + 2].astype(np.int64)
 
 

@@ -602,9 +602,13 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         reward functions, sample on meanwhile."""
         if self.sampler is None:
             if self._eval_sampler is None:
-                from mindrlhf.generation.factory import build_sampler
+                from mindrlhf.generation.factory import build_sampler, native_sampler
 
-                self._eval_sampler = build_sampler(self.cfg, self.policy)
+                # With vLLM, the native sampler: a second engine would hold its own KV cache and cores (and a
+                # served one serves the generators).
+                self._eval_sampler = (native_sampler(self.policy, jit=self.cfg.parallel.jit,
+                                                     share_prompts=self.cfg.parallel.share_prompts)
+                                      if self.cfg.generation.use_vllm else build_sampler(self.cfg, self.policy))
             return self._eval_sampler
         return self.sampler
 
