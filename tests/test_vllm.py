@@ -251,3 +251,18 @@ def test_evaluation_and_pairs_sample_on_vllm(engines, tmp_path):
     assert rows and all(len(r["neg_answers"]) == len(r["pos_answers"]) > 0 for r in rows)
     with _client(engines, "qwen2"):
         pass  # the engine took a client again
+
+
+def test_a_generator_rank_samples_on_vllm(engines, grpo_assets, tmp_path):
+    """``--gen_workers 1 --use_vllm true``: the generator rank's engine receives the trainer's weights each step,
+    and no entropy crosses the link as zeros (the metric is left out, as colocated)."""
+    from grpo_runs import msrun
+
+    _, folder, served = engines("qwen2")
+    out = tmp_path / "run"
+    argv = grpo_args({"model": folder, "data": grpo_assets["data"]}, out, max_steps=2, use_vllm="true",
+                     vllm_server=served.path, beta=0.0, use_parallel="true", gen_workers=1)
+    msrun(2, argv, tmp_path / "log", 8243)
+    rows = read_rows(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(np.isfinite(r["loss"]) and r["completions/mean_length"] > 0 and "entropy" not in r for r in rows)
