@@ -22,7 +22,7 @@ from mindspore import Tensor
 from grpo_runs import grpo_args, read_rows, run_inprocess
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.generation import NativeSampler, SamplingParams
-from mindrlhf.generation.vllm_sampler import VLLMSampler, default_vllm_python
+from mindrlhf.generation.vllm_sampler import VLLMSampler, cpu_has_bf16, default_vllm_python
 from mindrlhf.models import get_weights, load_model, set_weights
 from mindrlhf.testing import add_tokenizer, make_tiny_llama, make_tiny_qwen2, make_tiny_qwen3
 
@@ -64,11 +64,11 @@ def _sharpened(model):
 class Served:
     """A ``mindrlhf-vllm-serve`` process for one architecture."""
 
-    def __init__(self, model_dir: Path, socket_path: Path, python: str, log: Path):
+    def __init__(self, model_dir: Path, socket_path: Path, python: str, log: Path, dtype: str = "float32"):
         self.path = str(socket_path)
         self.log = log
         cmd = [sys.executable, "-m", "mindrlhf.tools.vllm_serve", "--model", str(model_dir), "--socket", self.path,
-               "--vllm_python", python, "--dtype", "float32", "--max_model_len", "512"]
+               "--vllm_python", python, "--dtype", dtype, "--max_model_len", "512"]
         self.proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 900
         while not socket_path.exists():
@@ -89,15 +89,16 @@ def engines(tmp_path_factory, qwen_tokenizer_dir):
     root = tmp_path_factory.mktemp("vllm")
     made = {}
 
-    def get(family: str):
-        if family not in made:
+    def get(family: str, dtype: str = "float32"):
+        key = family if dtype == "float32" else f"{family}-{dtype}"
+        if key not in made:
             make, overrides = TINY[family]
-            folder = make(root / family, max_position_embeddings=1024, **overrides)
+            folder = make(root / key, max_position_embeddings=1024, **overrides)
             if family != "llama":
                 add_tokenizer(folder, qwen_tokenizer_dir)
-            made[family] = (_sharpened(load_model(folder)), folder,
-                            Served(folder, root / f"{family}.sock", python, root / f"{family}.log"))
-        return made[family]
+            made[key] = (_sharpened(load_model(folder)), folder,
+                         Served(folder, root / f"{key}.sock", python, root / f"{key}.log", dtype))
+        return made[key]
 
     yield get
     for _, _, served in made.values():
@@ -105,10 +106,10 @@ def engines(tmp_path_factory, qwen_tokenizer_dir):
 
 
 @contextmanager
-def _client(engines, family):
+def _client(engines, family, dtype: str = "float32"):
     """A sampler on the family's engine holding its model's weights; disconnected at the end (the engine serves
     one run at a time)."""
-    model, folder, served = engines(family)
+    model, folder, served = engines(family, dtype)
     sampler = VLLMSampler(model.config, server=served.path)
     try:
         sampler.load_weights(get_weights(model))
@@ -205,6 +206,36 @@ def test_weights_sync_in_place_after_each_of_three_updates(engines):
             [c.token_ids for c in NativeSampler(model).generate(prompts, params)]
         with pytest.raises(MindRLHFError, match="not a tensor of the model"):
             sampler.load_weights({"model.layers.9.mlp.up_proj.weight": w[name]})
+
+
+@pytest.mark.skipif(not cpu_has_bf16(), reason="vLLM's CPU build samples in bfloat16 only with AVX-512-BF16 or AMX")
+def test_bfloat16_after_three_syncs_equals_a_first_load_and_its_gap_is_bounded(engines):
+    """bfloat16, the dtype `auto` picks on these CPUs: after three in-place syncs (the prefix cache holding the
+    previous weights' keys and values) greedy equals a new client's first load of the same weights; the sampled
+    tokens' log-probs stay near the float32 trainer's (the gap the importance-sampling correction sees)."""
+    rng = np.random.default_rng(6)
+    with _client(engines, "qwen2", "bfloat16") as (model, sampler):
+        prompts = _prompts(model.config.vocab_size, (6, 10, 4), seed=4)
+        params = SamplingParams(temperature=0.0, max_tokens=16)
+        first = [c.token_ids for c in sampler.generate(prompts, params)]
+        for _ in range(3):  # each generation leaves its prompts' keys and values in the prefix cache
+            set_weights(model, {k: v + 0.05 * rng.standard_normal(v.shape).astype(np.float32)
+                                for k, v in get_weights(model).items()})
+            sampler.load_weights(get_weights(model))
+            synced = [c.token_ids for c in sampler.generate(prompts, params)]
+        assert synced != first  # the updates changed the answers: the comparison below can see a missed sync
+        hot = sampler.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=7))
+    gaps = np.concatenate([np.asarray(c.logprobs) - _recomputed_logprobs(model, prompts[c.prompt_index], c.token_ids)
+                           for c in hot])
+    print(f"bfloat16 vs float32 trainer: sampled-token log-prob gap mean {np.abs(gaps).mean():.4f}, "
+          f"max {np.abs(gaps).max():.4f} over {gaps.size} tokens")
+    assert np.abs(gaps).mean() < 0.03 and np.abs(gaps).max() < 0.1  # measured: 0.012 and 0.033
+    fresh = VLLMSampler(model.config, server=engines("qwen2", "bfloat16")[2].path)
+    try:
+        fresh.load_weights(get_weights(model))
+        assert [c.token_ids for c in fresh.generate(prompts, params)] == synced
+    finally:
+        fresh.close()
 
 
 def test_a_served_engine_refuses_another_architecture(engines, tmp_path):
