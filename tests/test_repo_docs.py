@@ -232,6 +232,68 @@ def test_every_stage_runs_as_module_script_and_run_py(name):
     assert all(f"--{field}" in helps[0] for field in stage.config_class().field_index())
 
 
+
+def _command_sections() -> dict:
+    """docs/reference/commands.md's sections by the console scripts their headings name."""
+    text = (REPO / "docs" / "reference" / "commands.md").read_text(encoding="utf-8")
+    return {script: section for section in re.split(r"^## ", text, flags=re.M)[1:]
+            for script in re.findall(r"`(mindrlhf-[a-z-]+)`", section.splitlines()[0])}
+
+
+def test_every_tool_option_is_in_the_commands_reference():
+    """Each console script that is not a stage (the stages' options are their generated config references) has a
+    section in docs/reference/commands.md, and every option its ``--help`` usage lists is named in that section."""
+    import tomllib
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["scripts"]
+    stages = {stage.script for stage in STAGES.values()}
+    sections = _command_sections()
+    assert "mindrlhf-vllm-serve" in sections and "mindrlhf-grpo" in sections
+    missing = []
+    for script, target in sorted(scripts.items()):
+        if script in stages:
+            continue
+        assert script in sections, f"docs/reference/commands.md has no section for {script}"
+        proc = subprocess.run([sys.executable, "-m", target.split(":")[0], "--help"], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, (script, proc.stderr[-1000:])
+        usage = proc.stdout.split("\n\n", 1)[0]  # the usage lines name every option
+        options = set(re.findall(r"\[?(--[a-z][a-z_]*)", usage)) - {"--help"}
+        assert options, script
+        missing += [f"{script} {o}" for o in sorted(options) if not re.search(rf"{o}\b", sections[script])]
+    assert not missing, missing
+
+
+COMMIT = re.compile(r"(?<![\w.])[0-9a-f]{7}(?![\w.])")
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+
+
+def _undated_commits(text: str, before: int = 80, after: int = 100) -> list:
+    """The dates of ``text`` with no commit within ``before`` / ``after`` characters (whitespace collapsed)."""
+    flat = " ".join(text.split())
+    return [flat[max(0, m.start() - 40):m.end() + 40] for m in DATE.finditer(flat)
+            if not COMMIT.search(flat[max(0, m.start() - before):m.end() + after])]
+
+
+def test_every_benchmark_figure_names_its_date_and_commit():
+    """docs/benchmarks.md's tables: every row has a date and a commit; in the docs pages every dated figure names
+    the commit measured or the one that recorded it, beside its date. (docs/design.md, whose decisions quote their
+    measurements, is not checked here.)"""
+    text = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    rows = [line for line in text.splitlines()
+            if line.startswith("| ") and not re.match(r"\| (---|measure |date )", line)]
+    assert len(rows) >= 15, rows
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        dates = [c for c in cells if DATE.fullmatch(c)]
+        assert len(dates) == 1 and any(COMMIT.search(c) for c in cells if not DATE.fullmatch(c)), row
+    pages = [p for p in sorted((REPO / "docs").rglob("*.md")) if p.name != "design.md"]
+    assert (REPO / "docs" / "tutorials" / "vllm.md") in pages
+    hits = [f"{p.relative_to(REPO)}: {s}" for p in pages for s in _undated_commits(p.read_text(encoding="utf-8"))]
+    assert not hits, hits
+    assert _undated_commits("SFT 1.03x (2026-11-27, at 85d25d4)") == []
+    assert _undated_commits("PPO 1.50x (2026-11-26, quiet)") and _undated_commits("norm 4.4595664 on 2026-11-27")
+
 NOTEBOOK = re.compile(r"\bsessions?\s+\d+|第\s*\d+\s*次会话", re.I)
 
 
