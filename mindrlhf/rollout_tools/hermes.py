@@ -72,3 +72,22 @@ def parse_tool_calls(text: str) -> List[ParsedCall]:
     if OPEN in rest:
         calls.append(ToolCallError(f"malformed tool call: {OPEN} without {CLOSE}"))
     return calls
+
+
+def assistant_message(text: str) -> Dict[str, Any]:
+    """An assistant turn's text as a chat message: its calls as ``tool_calls`` (a block that does not parse stays in
+    the content), the rest, stripped, as ``content``; how a trajectory is written back as messages."""
+    calls, kept, last = [], [], 0
+    for match in _BLOCK.finditer(text):
+        call = _parse_block(match.group(1).strip())
+        kept.append(text[last:match.start()])
+        if isinstance(call, ToolCall):
+            calls.append({"type": "function", "function": {"name": call.name, "arguments": call.arguments}})
+        else:
+            kept.append(match.group(0))
+        last = match.end()
+    kept.append(text[last:])
+    message: Dict[str, Any] = {"role": "assistant", "content": "".join(kept).strip()}
+    if calls:
+        message["tool_calls"] = calls
+    return message
