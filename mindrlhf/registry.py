@@ -1,7 +1,8 @@
 """``Registry``: name → function tables that configs select from, and the algorithm registries.
 
 One small class serves every "pick it by name" table: policy losses, importance-sampling modes, rejection
-sampling criteria, advantage estimators, KL estimators (here) and reward functions (``rewards.registry``).
+sampling criteria, advantage estimators, KL estimators (here), reward functions (``rewards.registry``) and
+rollout tools (``rollout_tools.registry``); ``resolve`` also reads a user function's dotted path.
 Register with a decorator, look up with ``get`` (a one-line ``MindRLHFError`` naming the unknown name and the
 choices), list with ``names()``. ``STAGES`` is the stage table: each training command's module, config class
 and generated config reference, read by ``configs.REFERENCES``, ``examples/stages/run.py`` and the tests
@@ -91,6 +92,33 @@ class Registry(Generic[T]):
         """The registered functions by name (do not modify). Inside ``mindspore.jit`` look up here after
         a ``constexpr`` check: the compiler parses ``get``'s ``raise`` of a non-builtin exception and fails."""
         return self._entries
+
+    def resolve(self, name: str) -> T:
+        """A registered function by name, or a user function given by dotted path: ``"package.module:function"``
+        (``"package.module.function"`` also works). How every "built-in or yours" option is read (reward functions,
+        rollout tools); the one-line errors name the kind, the built-ins and the path form."""
+        if not isinstance(name, str) or not name.strip():
+            raise MindRLHFError(f"{self.kind} name must be a non-empty string, got {name!r}")
+        if name in self:
+            return self.get(name)
+        builtins = ", ".join(sorted(self.names()))
+        if ":" in name:
+            module_name, _, attr = name.partition(":")
+        elif "." in name:
+            module_name, _, attr = name.rpartition(".")
+        else:
+            raise MindRLHFError(f"unknown {self.kind} {name!r}; built-ins: {builtins}; "
+                                "or give a user function as 'package.module:function'")
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as err:  # ImportError, or any error raised while the user module runs
+            raise MindRLHFError(
+                f"{self.kind} {name!r}: cannot import module {module_name!r} ({type(err).__name__}: {err}); "
+                f"check the path and PYTHONPATH (built-ins: {builtins})") from err
+        fn = getattr(module, attr, None)
+        if not callable(fn):
+            raise MindRLHFError(f"{self.kind} {name!r}: module {module_name!r} has no callable {attr!r}")
+        return fn
 
     def _load(self) -> None:
         if self.module:

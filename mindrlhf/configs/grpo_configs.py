@@ -438,6 +438,29 @@ class GenerationConfig:
         [], "Token ids that end a completion (the stop token is kept in the completion and the loss). "
         "[] = the tokenizer's eos and <|im_end|> ids.",
         ge=0)
+    tools: List[str] = config_field(
+        [], "Tools the policy may call during a rollout, each a built-in by name (calculator: + - * / // % ** on "
+        "numbers, read with ast, bounded) or a user function by dotted path 'package.module:function' (a typed "
+        "function with a Google-style docstring, whose JSON schema the model is shown). User tools run in the "
+        "training process. A turn that ends with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (the "
+        "Hermes form of Qwen2.5 and Qwen3) gets the results appended as the chat template's tool messages and the "
+        "policy continues; the tool tokens are left out of the loss, the KL, the entropy and the length metrics "
+        "(metrics tools/call_frequency, tools/failure_frequency, tools/turns/mean). The prompts must show the tools: "
+        "prompt rows with a 'tools' column, rendered by the template. [] = one-turn rollouts. Not yet with "
+        "gen_workers > 0.")
+    max_tool_calling_iterations: int = config_field(
+        5, "Tool rounds per completion at most (TRL's max_tool_calling_iterations): after that many, a turn's calls "
+        "are not run and the completion ends there. All turns and tool results share max_completion_length. "
+        "Range >= 0.",
+        ge=0)
+    max_tool_response_length: int = config_field(
+        256, "A tool result longer than this many characters is cut there and ends in '...(truncated)' (verl's "
+        "max_tool_response_length). 0 = no limit. Range >= 0.",
+        ge=0)
+    tool_timeout: float = config_field(
+        10.0, "Seconds one tool call may run; a call still running then is stopped and its result is a timeout "
+        "error the model reads (counted in tools/failure_frequency). 0 = no limit. Range >= 0.",
+        ge=0.0)
     lora_sampler: str = config_field(
         "layers", "How a LoRA policy (lora_rank > 0) samples: 'layers' = the policy itself, its projections apply "
         "the adapters in every decode step (no second copy of the weights); 'merged' = a plain copy of the model "
@@ -792,6 +815,10 @@ class RolloutConfig(TrainingConfig):
         if self.generation.lora_sampler == "merged" and not self.model.lora:
             errors.append("lora_sampler = merged without LoRA: it chooses how adapters reach the sampler; set "
                           "lora_rank > 0 (or lora_init_from), or drop lora_sampler")
+        if p.gen_workers and self.generation.tools:
+            # The tool mask and counts do not cross the rollout link yet.
+            errors.append(f"tools with gen_workers = {p.gen_workers}: a disaggregated rollout does not run tools yet; "
+                          "set gen_workers 0 (colocated) or tools []")
         if p.gen_workers:  # what a disaggregated rollout does not do yet, named (GRPO's and PPO's alike)
             if p.train_pp > 1 and self.train.eval_steps:
                 # The trainers evaluate on a sampler over their own policy, and a pipeline stage holds only its

@@ -93,6 +93,7 @@ class Completion:
     ``"stop"``); ``logprobs[i]`` is ``log_softmax(logits / T)[token_ids[i]]`` under the model that
     sampled it, taken BEFORE top-k/top-p/min-p/repetition penalty/stop suppression (as TRL does),
     with T = 1 for greedy decoding, so it equals what the trainer recomputes with the same weights.
+    A tool-using completion holds every turn's tokens and the tool results' between them (``tool_mask``).
     """
 
     prompt_index: int
@@ -100,3 +101,9 @@ class Completion:
     logprobs: List[float]
     finish_reason: str  # "stop" | "length"
     entropies: List[float] = field(default_factory=list)  # per token, when SamplingParams.entropy
+    #: A tool-using rollout (``generation.tool_loop``): per token, 1 where the policy sampled it, 0 for the tool
+    #: results' tokens the loop appended (their log-probs and entropies are 0). Empty: every token is the policy's.
+    tool_mask: List[int] = field(default_factory=list)
+    tool_calls: int = 0      #: calls the completion made (a malformed one counts)
+    tool_failures: int = 0   #: of those, the ones whose result is an error
+    turns: int = 1           #: assistant turns: 1 + the tool rounds it continued after

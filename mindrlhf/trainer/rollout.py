@@ -28,6 +28,7 @@ import numpy as np
 from mindrlhf.data import PromptDataset
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.generation import Sampler, SamplingParams
+from mindrlhf.generation.tool_loop import tool_loop_of
 from mindrlhf.models import CausalLM
 from mindrlhf.models.lora import merged_shard_weights
 from mindrlhf.models.weights import get_weights
@@ -128,6 +129,11 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         self.pad_id = tokenizer.pad_token_id
         g = cfg.generation
         self.stop_ids = list(g.stop_token_ids) or list(tokenizer.stop_token_ids)
+        #: The multi-turn rollout's tools (``generation.tool_loop``); None: one-turn rollouts.
+        self.tool_loop = tool_loop_of(cfg, tokenizer)
+        #: This replica's tool counts since the step began (calls, failures, turns, completions; every round of a
+        #: dynamic-sampling step), logged and reset by ``_finish_metrics``.
+        self._tool_counts = np.zeros(4, np.float64)
         self.batches_drawn = 0  # dataset batches consumed so far (all epochs): where the next step reads
         #: A disaggregated job's trainer (``gen_workers`` > 0): its link to the generator ranks, which sample
         #: every row (``sampler`` is then None); None colocated.
@@ -150,6 +156,13 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         #: The prompt style the training prompts were built with (eval_steps asks its questions the same way; a
         #: custom system prompt: the default style's; trainer.policy_eval).
         self.prompt_style = prompt_style_of(tokenizer, dataset)
+        if self.tool_loop is not None and dataset.num_rows:
+            shown = tokenizer.decode(dataset.prompt_ids[0, :int(dataset.prompt_length[0])], skip_special_tokens=False)
+            unseen = [name for name in self.tool_loop.toolbox.names if name not in shown]
+            if unseen:  # a warning: a custom prompt may describe its tools in its own words
+                log.warning("tools %s are not named in the first training prompt: a policy calls only the tools its "
+                            "prompts show; give the prompt rows a 'tools' column (rendered by the chat template)",
+                            ", ".join(unseen))
         if dataset.report is not None:  # a prompt JSONL file: its skipped rows are listed in output_dir
             self.data_reports = [dataset.report]
 
@@ -183,7 +196,8 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
             return self._received_rollout()
         faults.point("generate", comm.rank())
         return sample_batches(self.sampler, self.dataset, self._prompt_batches(),
-                              lambda r: self._sampling_params(step, round_index * self.rollouts_per_step + r))
+                              lambda r: self._sampling_params(step, round_index * self.rollouts_per_step + r),
+                              self.tool_loop)
 
     def _received_rollout(self) -> Rollout:
         """Disaggregated rollout: the step's completions from every generator replica (``RolloutLink.receive``),
@@ -255,6 +269,15 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         present = right_pad([[1] * len(c.token_ids) for c in completions], C, 0, np.int32)
         truncated = np.array([c.finish_reason == "length" for c in completions])
         mask = present.astype(np.float32)
+        extras = {"completion_present": present}
+        if self.tool_loop is not None:
+            # The tool results' tokens are context, not the policy's: out of the loss, the KL, the entropy and
+            # the length metrics (the attention still sees them: completion_present).
+            policy = right_pad([c.tool_mask or [1] * len(c.token_ids) for c in completions], C, 0, np.int32)
+            mask *= policy
+            extras["tool_mask"] = policy
+            self._tool_counts += [sum(c.tool_calls for c in completions), sum(c.tool_failures for c in completions),
+                                  sum(c.turns for c in completions), N]
         if self.mask_truncated:
             mask[truncated] = 0.0
         exp = Experience(
@@ -264,7 +287,7 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
             truncated=truncated, rewards=np.full(N, np.nan, np.float32),
             reward_per_fn=np.zeros((N, len(self.reward_names)), np.float32), advantages=np.zeros(N, np.float32),
             prompt_index=np.array(rep(rollout.index), np.int64),
-            extras={"completion_present": present})
+            extras=extras)
         if all(len(c.entropies) == len(c.token_ids) for c in completions):  # a sampler that reports them
             exp.extras["sampler_entropy"] = right_pad([c.entropies for c in completions], C, 0.0, np.float32)
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
@@ -541,7 +564,8 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         for i, name in enumerate(self.reward_names):
             m[f"rewards/{name}/mean"] = float(np.nanmean(per_fn[:, i])) if np.isfinite(per_fn[:, i]).any() else math.nan
             m[f"rewards/{name}/std"] = float(np.nanstd(per_fn[:, i])) if np.isfinite(per_fn[:, i]).any() else math.nan
-        lengths = self._gather_rows(exp.extras["completion_present"].sum(1).astype(np.float32))
+        policy_tokens = exp.extras["completion_present"] * exp.extras.get("tool_mask", 1)  # tool tokens not counted
+        lengths = self._gather_rows(policy_tokens.sum(1).astype(np.float32))
         truncated = self._gather_rows(exp.truncated.astype(np.float32))
         m.update({"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
                   "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.mean())})
@@ -562,6 +586,8 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
             if self.cfg.reward.reward_errors == "skip":
                 metrics.update({f"rewards/{name}/failures": float(n) for name, n in self.rewards.failures.items()})
         metrics.update(timer.times)
+        if self.tool_loop is not None:
+            metrics.update(self._tool_metrics())
         if self.link is not None and scored.policy_version is not None:
             # Updates between the policy that sampled a row and the one it trained (step - 1 before the update).
             lag = (step - 1 - scored.policy_version).astype(np.float64)
@@ -581,6 +607,17 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         if scored.texts is not None and every and (step % every == 0 or step == self.total_steps) and comm.is_main():
             self._dump_completions(step, scored)
         return metrics
+
+    def _tool_metrics(self) -> Dict[str, float]:
+        """TRL's ``tools/call_frequency`` (calls per completion) and ``tools/failure_frequency`` (failed calls per
+        call), and ``tools/turns/mean`` (assistant turns per completion), over every generator replica's completions
+        of the step (all its sampling rounds)."""
+        keep = self.layout.infer_representative
+        calls, failures, turns, rows = comm.all_sum(self._tool_counts if keep else np.zeros(4, np.float64))
+        self._tool_counts = np.zeros(4, np.float64)
+        return {"tools/call_frequency": float(calls / max(rows, 1.0)),
+                "tools/failure_frequency": float(failures / calls) if calls else 0.0,
+                "tools/turns/mean": float(turns / max(rows, 1.0))}
 
     @property
     def evaluates_policy(self) -> bool:
@@ -649,11 +686,15 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
 
 
 def rollout_precheck(cfg) -> None:
-    """What must fail before any model of a stage that samples (GRPO, PPO) loads: a typo in a reward function's
-    dotted path, an unavailable generation backend."""
+    """What must fail before any model of a stage that samples (GRPO, PPO) loads: a typo in a reward function's or a
+    tool's dotted path (or a tool without a schema), an unavailable generation backend."""
     from mindrlhf.generation.factory import check_sampler_config
     from mindrlhf.rewards import get_reward_fn
 
     for name in cfg.reward.reward_funcs:
         get_reward_fn(name)
+    if cfg.generation.tools:  # a tool's dotted path, docstring or types, named before any model loads
+        from mindrlhf.rollout_tools import ToolBox
+
+        ToolBox(cfg.generation.tools)
     check_sampler_config(cfg)

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional
 from mindrlhf.data import PromptDataset
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.generation import Completion, Sampler, SamplingParams
+from mindrlhf.generation.tool_loop import ToolLoop
 from mindrlhf.parallel import comm
 from mindrlhf.trainer.base import log_data_report
 
@@ -51,16 +52,19 @@ def sampling_params(cfg, step: int, rollout: int, replica: int, num_generations:
                           stop_token_ids=stop_ids, seed=seed, entropy=True)
 
 
-def sample_batches(sampler: Sampler, dataset: PromptDataset, batches, params_of) -> Rollout:
+def sample_batches(sampler: Sampler, dataset: PromptDataset, batches, params_of,
+                   tool_loop: Optional[ToolLoop] = None) -> Rollout:
     """G completions for each prompt of ``batches`` (``(r, batch)`` pairs of this replica's share), sampled with
-    ``params_of(r)``, with the prompts' answers, columns and row ids, in order."""
+    ``params_of(r)`` (through ``tool_loop``'s turns when the run has tools), with the prompts' answers, columns and
+    row ids, in order."""
     out = Rollout()
     for r, batch in batches:
         local = [list(map(int, ids[:n])) for ids, n in zip(batch["prompt_ids"], batch["prompt_length"])]
         params = params_of(r)
         if params.entropy and not sampler.reports_entropy:  # the entropy metric is then left out
             params = replace(params, entropy=False)
-        out.completions += sampler.generate(local, params)
+        out.completions += (tool_loop.generate(sampler, local, params) if tool_loop is not None
+                            else sampler.generate(local, params))
         out.prompts += local
         out.solutions += list(batch["solution"])
         for name, key in dataset.reward_columns.items():

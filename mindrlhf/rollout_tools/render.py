@@ -1,0 +1,97 @@
+"""Tools through the chat template: their schemas into the prompt (``tools=``), and a turn's tool results as the
+token ids the template renders for ``tool`` messages, appended after the policy's own tokens.
+
+The policy's tokens are never re-tokenised: a tool turn appends ids. Those ids are the template's rendering of the
+tool messages (plus the next assistant header), taken as the suffix between a conversation rendered without them and
+with them, as TRL does; the suffix is only trusted when the shorter rendering's ids are a prefix of the longer's (cut
+after the end-of-turn token the policy stopped at) and every result's text is in it. Anything else is a one-line
+``MindRLHFError`` naming the template, never ids silently trained on.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+
+from mindrlhf.errors import MindRLHFError
+from mindrlhf.rollout_tools.calling import ToolResult
+
+if TYPE_CHECKING:
+    from mindrlhf.tokenizer import Tokenizer
+
+Message = Dict[str, Any]
+_PROBE = [{"role": "user", "content": "What is 6 * 7?"}]
+
+
+def render_prompt(tokenizer: "Tokenizer", messages: Sequence[Message], schemas: Sequence[Dict[str, Any]],
+                  add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+    """The prompt text of ``messages`` with the tools' schemas rendered by the chat template (``tools=``); a
+    template that leaves them out is an error (a model cannot call tools it was never shown)."""
+    if not schemas:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             **template_kwargs)
+    check_template_renders_tools(tokenizer, schemas, **template_kwargs)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=list(schemas),
+                                         **template_kwargs)
+
+
+def check_template_renders_tools(tokenizer: "Tokenizer", schemas: Sequence[Dict[str, Any]],
+                                 **template_kwargs: Any) -> None:
+    """Raise unless the chat template writes every tool's name into a prompt rendered with ``tools=``."""
+    plain = tokenizer.apply_chat_template(_PROBE, add_generation_prompt=True, **template_kwargs)
+    shown = tokenizer.apply_chat_template(_PROBE, add_generation_prompt=True, tools=list(schemas), **template_kwargs)
+    names = [schema["function"]["name"] for schema in schemas]
+    if shown == plain or not all(name in shown for name in names):
+        raise MindRLHFError(f"the chat template of {tokenizer.source} does not render tools (tools=); use a model "
+                            "whose template supports tool calling (Qwen2.5, Qwen3: the Hermes <tool_call> form)")
+
+
+def _tool_messages(results: Sequence[ToolResult]) -> List[Message]:
+    return [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+
+
+def tool_result_ids(tokenizer: "Tokenizer", results: Sequence[ToolResult], **template_kwargs: Any) -> List[int]:
+    """The ids that follow the policy's end-of-turn token after a turn whose calls gave ``results``: the template's
+    ``tool`` messages and the next assistant header (``add_generation_prompt``)."""
+    if not results:
+        raise MindRLHFError("tool_result_ids needs at least one result (a turn without calls appends nothing)")
+    calls = [{"type": "function", "function": {"name": r.name or "tool", "arguments": {}}} for r in results]
+    # A fixed conversation before the tool messages: how the policy's own turn would re-render does not matter,
+    # since only the suffix after its end-of-turn token is taken.
+    before = [{"role": "user", "content": "What is 6 * 7?"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    prefix = tokenizer.apply_chat_template(before, add_generation_prompt=False, tokenize=True, **template_kwargs)
+    full = tokenizer.apply_chat_template(before + _tool_messages(results), add_generation_prompt=True, tokenize=True,
+                                         **template_kwargs)
+    stops = set(tokenizer.stop_token_ids)
+    ends = [i for i, token in enumerate(prefix) if token in stops]
+    if not ends:
+        raise MindRLHFError(f"the chat template of {tokenizer.source} ends an assistant turn with no stop token "
+                            f"(ids {sorted(stops)}); tool results cannot be appended where the policy stops")
+    prefix = prefix[:ends[-1] + 1]
+    if full[:len(prefix)] != prefix:
+        raise MindRLHFError(f"the chat template of {tokenizer.source} renders the assistant turn differently once a "
+                            "tool message follows; its tool-result ids cannot be appended to the policy's tokens")
+    suffix = full[len(prefix):]
+    text = tokenizer.decode(suffix, skip_special_tokens=False)
+    missing = [r.content for r in results if r.content not in text]
+    if missing:
+        raise MindRLHFError(f"the chat template of {tokenizer.source} does not render tool messages (result "
+                            f"{missing[0][:40]!r} is not in its output); use a template with a 'tool' role")
+    return suffix
+
+
+def retokenization_drift(tokenizer: "Tokenizer", messages: Sequence[Message], ids: Sequence[int],
+                         **template_kwargs: Any) -> Optional[str]:
+    """None when rendering ``messages`` (a whole trajectory: prompt, assistant turns, tool messages) with the chat
+    template and tokenising gives ``ids``; otherwise where they first differ, in one line (a report, since the trainer
+    trains on the sampled ids, never on a re-rendering)."""
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True, **template_kwargs)
+    ids = list(ids)
+    stops = set(tokenizer.stop_token_ids)
+    ends = [i for i, token in enumerate(rendered) if token in stops]
+    if ids and ids[-1] in stops and ends:  # the policy stopped at its end-of-turn token; the template goes on ("\n")
+        rendered = rendered[:ends[-1] + 1]
+    if rendered == ids:
+        return None
+    first = next((i for i, (a, b) in enumerate(zip(rendered, ids)) if a != b), min(len(rendered), len(ids)))
+    return (f"re-rendered trajectory differs from the sampled ids at token {first} of {len(ids)} (re-rendered "
+            f"{tokenizer.decode(rendered[first:first + 8], skip_special_tokens=False)!r}, sampled "
+            f"{tokenizer.decode(ids[first:first + 8], skip_special_tokens=False)!r})")
