@@ -64,6 +64,10 @@ def test_tools_are_refused_before_any_model_loads(grpo_assets, tmp_path, capsys)
     assert "unknown tool 'calculatr'; built-ins: calculator" in capsys.readouterr().err
     assert main(grpo_args(grpo_assets, tmp_path / "b", tools=["calculator"], gen_workers=1)) != 0
     assert "a disaggregated rollout does not run tools yet" in capsys.readouterr().err
+    from mindrlhf.ppo import main as ppo
+
+    assert ppo(["--tools", "calculator", "--output_dir", str(tmp_path / "c"), "--reward_funcs", "accuracy"]) == 2
+    assert "tools with PPO: its GAE does not yet carry credit across the tool tokens" in capsys.readouterr().err
 
 
 QUESTIONS = [("What is 48 / 2?", "48 / 2", "24"), ("What is 7 * 6?", "7 * 6", "42")]
