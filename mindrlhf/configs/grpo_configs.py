@@ -447,7 +447,7 @@ class GenerationConfig:
         "policy continues; the tool tokens are left out of the loss, the KL, the entropy and the length metrics "
         "(metrics tools/call_frequency, tools/failure_frequency, tools/turns/mean). The prompts must show the tools: "
         "prompt rows with a 'tools' column, rendered by the template. [] = one-turn rollouts. Not yet with "
-        "gen_workers > 0.")
+        "gen_workers > 0, nor in PPO (its GAE across tool tokens).")
     max_tool_calling_iterations: int = config_field(
         5, "Tool rounds per completion at most (TRL's max_tool_calling_iterations): after that many, a turn's calls "
         "are not run and the completion ends there. All turns and tool results share max_completion_length. "
