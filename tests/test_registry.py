@@ -66,6 +66,19 @@ def _choices(field: str):
     return {f.name: f for f in dataclasses.fields(AlgorithmConfig)}[field].metadata["choices"]
 
 
+def _check_params_reach_the_function(reg: Registry, params_by_name, choice: str, config_params: str) -> None:
+    """Each registered function's hyper-parameters (``params_by_name``) are keyword-only arguments of it and
+    algorithm config fields of the same default, and the config selecting it with ``choice`` hands exactly those
+    on (its ``config_params`` property)."""
+    fields = {f.name: f for f in dataclasses.fields(AlgorithmConfig)}
+    for name, params in params_by_name.items():
+        signature = inspect.signature(reg.get(name)).parameters
+        for param in params:
+            assert signature[param].kind is inspect.Parameter.KEYWORD_ONLY, (name, param)
+            assert fields[param].default == signature[param].default, (name, param)
+        assert tuple(getattr(GRPOConfig.from_dict({choice: name}), config_params)) == params, name
+
+
 def test_every_config_choice_is_its_registry():
     pytest.importorskip("mindspore")
     import mindrlhf.algorithms  # noqa: F401  (registers the built-ins)
@@ -80,25 +93,16 @@ def test_every_config_choice_is_its_registry():
     assert _choices("loss_type") == registry.POLICY_LOSSES.names() + tuple(grpo_configs.TRL_LOSS_TYPES)
     # Each loss's hyper-parameters are keyword arguments of its function and GRPO config fields of the same
     # default, and reach the loss through the config.
-    fields = {f.name: f for f in dataclasses.fields(AlgorithmConfig)}
     assert set(registry.POLICY_LOSS_PARAMS) | set(registry.POLICY_LOSS_AGGREGATION) <= set(registry.POLICY_LOSSES)
-    for name, params in registry.POLICY_LOSS_PARAMS.items():
-        signature = inspect.signature(registry.POLICY_LOSSES.get(name)).parameters
-        for param in params:
-            assert signature[param].kind is inspect.Parameter.KEYWORD_ONLY, (name, param)
-            assert fields[param].default == signature[param].default, (name, param)
-        assert tuple(GRPOConfig.from_dict({"loss_type": name}).policy_loss_params) == params
+    _check_params_reach_the_function(registry.POLICY_LOSSES, registry.POLICY_LOSS_PARAMS, "loss_type",
+                                     "policy_loss_params")
     assert set(grpo_configs.TRL_LOSS_TYPES).isdisjoint(registry.POLICY_LOSSES.names())
     assert set(grpo_configs.TRL_LOSS_TYPES.values()) <= set(registry.LOSS_AGG_MODES)
     # The advantage estimators' hyper-parameters likewise; the per-token ones take the completion mask.
     assert set(registry.ADVANTAGE_ESTIMATOR_PARAMS) | set(registry.PER_TOKEN_ADVANTAGE_ESTIMATORS) <= set(
         registry.ADVANTAGE_ESTIMATORS)
-    for name, params in registry.ADVANTAGE_ESTIMATOR_PARAMS.items():
-        signature = inspect.signature(registry.ADVANTAGE_ESTIMATORS.get(name)).parameters
-        for param in params:
-            assert signature[param].kind is inspect.Parameter.KEYWORD_ONLY, (name, param)
-            assert fields[param].default == signature[param].default, (name, param)
-        assert tuple(GRPOConfig.from_dict({"advantage_estimator": name}).advantage_estimator_params) == params
+    _check_params_reach_the_function(registry.ADVANTAGE_ESTIMATORS, registry.ADVANTAGE_ESTIMATOR_PARAMS,
+                                     "advantage_estimator", "advantage_estimator_params")
     for name in registry.ADVANTAGE_ESTIMATORS.names():
         signature = inspect.signature(registry.ADVANTAGE_ESTIMATORS.get(name)).parameters
         assert ("completion_mask" in signature) == (name in registry.PER_TOKEN_ADVANTAGE_ESTIMATORS), name
