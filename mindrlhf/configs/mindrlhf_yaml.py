@@ -349,7 +349,9 @@ KEYS: Dict[str, Key] = {
     "generate_config.parallel_config.vocab_emb_dp": _ignored("the embedding is split as the model family's tp "
                                                              "rules say"),
     "generate_config.use_vllm": Key("use_vllm", "1 = true (vLLM), 0 = false (the built-in sampler), 2 (MindRLHF's "
-                                    "debug mode) = an error", 1, Any,
+                                    "debug mode) = an error; sampling_config applies to both samplers (in MindRLHF "
+                                    "to vLLM's only: MindFormers' generate samples with the model YAML's settings)",
+                                    1, Any,
                                     lambda v, get: {"use_vllm": use_vllm_value(v, "generate_config.use_vllm")}),
     "generate_config.hf_config_path": _ignored("the vLLM engine is built from the policy's config.json"),
     "generate_config.block_size": _ignored("the vLLM engine's KV-cache block size is its default"),
