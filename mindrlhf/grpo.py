@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Dict, Optional, Sequence, Tuple
@@ -38,6 +38,7 @@ from mindrlhf.algorithms import (
     rollout_rs_bounds,
 )
 from mindrlhf.configs import GRPOConfig, parse_args
+from mindrlhf.configs.mindrlhf_yaml import parse_main_args, startup_notes
 from mindrlhf.data import PromptDataset
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.generation import Sampler
@@ -563,6 +564,24 @@ GRPO = StageSpec("grpo", parse=parse_args, build=build_trainer, precheck=rollout
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry point (``mindrlhf-grpo``)."""
     return run_cli(partial(run_stage, GRPO), argv)
+
+
+def _build_from_tutorial(cfg: GRPOConfig, layout: RunLayout):
+    """``build_trainer``, after logging once (rank 0) what main.py's inputs set nothing with."""
+    if comm.is_main():
+        for line in startup_notes(cfg):
+            log.info("%s", line)
+    return build_trainer(cfg, layout)
+
+
+#: GRPO from MindRLHF's tutorial command line (examples/grpo/qwen_grpo_tutorial/main.py: its flags and its
+#: sectioned grpo_config.yaml, ``configs.mindrlhf_yaml``). Its runs are GRPO runs: ``mindrlhf-grpo`` resumes them.
+TUTORIAL = replace(GRPO, parse=parse_main_args, build=_build_from_tutorial)
+
+
+def tutorial_main(argv: Optional[Sequence[str]] = None) -> int:
+    """MindRLHF's ``main.py`` (``examples/grpo/qwen_grpo_tutorial/main.py``)."""
+    return run_cli(partial(run_stage, TUTORIAL), argv)
 
 
 if __name__ == "__main__":

@@ -157,6 +157,11 @@ def test_every_readme_training_command_is_a_valid_config():
                 elif words[:2] == ["bash", "scripts/launch_node.sh"]:  # the training flags follow "--"
                     parsers["mindrlhf-grpo"](words[words.index("--") + 1:])
                     seen += 1
+                elif words[:2] == ["python", "examples/grpo/qwen_grpo_tutorial/main.py"]:  # MindRLHF's main.py
+                    from mindrlhf.configs.mindrlhf_yaml import parse_main_args
+
+                    parse_main_args(words[2:])
+                    seen += 1
     assert seen >= 36  # in each language: the results run, the DAPO and Dr.GRPO recipes, the node launches, the stages
 
 

@@ -264,6 +264,25 @@ def test_grpo_trains_two_steps_with_vllm(engines, grpo_assets, tmp_path):
     assert (out / "checkpoints").exists() or any(out.iterdir())
 
 
+def test_mindrlhf_main_py_with_use_vllm_1_trains_on_the_engine(engines, grpo_assets, tmp_path):
+    """MindRLHF's tutorial launch (examples/grpo/qwen_grpo_tutorial/main.py, the CPU copy of its sectioned
+    grpo_config.yaml, --use_vllm 1) on the shared engine: a step sampled by vLLM, its weights synced."""
+    from mindrlhf.grpo import tutorial_main
+
+    _, folder, served = engines("qwen2")
+    out, model = tmp_path / "run", str(folder)
+    argv = ["--config", str(REPO / "model_configs" / "qwen_grpo" / "grpo_config_mindrlhf_cpu.yaml"), "--use_vllm", "1",
+            "--tokenizer_dir", model, "--dataset_file", str(grpo_assets["data"]), "--actor_checkpoint_path", model,
+            "--ref_checkpoint_path", model, "--generate_checkpoint_path", model, "--save_checkpoint_dir",
+            str(tmp_path / "ckpt"), "--max_steps", "1", "--output_dir", str(out), "--vllm_server", served.path,
+            "--progress_bar", "false", "--layer_graph_shapes", "dynamic"]
+    assert tutorial_main(argv) == 0
+    rows = read_rows(out)
+    assert [r["step"] for r in rows] == [1]
+    assert rows[0]["time/sync"] > 0 and rows[0]["completions/mean_length"] > 0 and "entropy" not in rows[0]
+    assert (tmp_path / "ckpt" / "step_00000001").is_dir()
+
+
 def test_evaluation_and_pairs_sample_on_vllm(engines, tmp_path):
     """``evaluate`` on the engine answers as on the native sampler (greedy, same weights); ``mindrlhf-data
     --pairs --use_vllm`` samples its pairs there; each leaves the served engine free for the next run."""

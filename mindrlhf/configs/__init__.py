@@ -2,7 +2,8 @@
 
 ``REFERENCES`` names each stage's config class, its generated reference file and title (read from the
 stage table, ``mindrlhf.registry.STAGES``); ``config_reference_markdown(stage)`` renders one and
-``write_config_references()`` regenerates them all.
+``write_config_references()`` regenerates them all, and the table of MindRLHF's grpo_config.yaml keys
+(``mindrlhf_yaml.REFERENCE_FILE``).
 """
 from pathlib import Path
 from typing import Dict, Tuple
@@ -19,6 +20,8 @@ from mindrlhf.configs.grpo_configs import (
     TrainConfig,
     parse_args,
 )
+from mindrlhf.configs.mindrlhf_yaml import REFERENCE_FILE as MINDRLHF_REFERENCE
+from mindrlhf.configs.mindrlhf_yaml import reference_markdown as mindrlhf_reference_markdown
 from mindrlhf.configs.offline import DPOConfig, RMConfig, SFTConfig
 from mindrlhf.configs.ppo import PPOConfig
 from mindrlhf.registry import STAGES
@@ -36,9 +39,10 @@ def config_reference_markdown(stage: str = "grpo") -> str:
 
 
 def write_config_references(repo: "str | Path" = ".") -> None:
-    """Regenerate every stage's reference file under ``repo``."""
+    """Regenerate every stage's reference file under ``repo``, and the table of MindRLHF's keys."""
     for stage, (_, path, _) in REFERENCES.items():
         (Path(repo) / path).write_text(config_reference_markdown(stage), encoding="utf-8")
+    (Path(repo) / MINDRLHF_REFERENCE).write_text(mindrlhf_reference_markdown(), encoding="utf-8")
 
 __all__ = [
     "REFERENCES",

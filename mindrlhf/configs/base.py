@@ -437,21 +437,7 @@ class GroupedConfig:
     @classmethod
     def from_yaml(cls, path: "str | os.PathLike[str]", *, validate: bool = True):
         """Load a YAML file (grouped ``algorithm: {beta: 0.04}`` or flat ``beta: 0.04``) and validate it."""
-        source = str(path)
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise MindRLHFError(f"config file not found: {source}") from None
-        except OSError as err:
-            raise MindRLHFError(f"cannot read config file {source}: {err.strerror}") from None
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            problem = getattr(err, "problem", None) or "invalid YAML"
-            raise MindRLHFError(f"{source}:{where}: {problem}; fix the YAML syntax") from None
-        return cls.from_dict(data, source=source, validate=validate)
+        return cls.from_dict(read_yaml(path), source=str(path), validate=validate)
 
     def to_dict(self) -> Dict[str, Dict[str, Any]]:
         """``{group: {field: value}}`` (lists copied), the form ``save_yaml`` writes."""
@@ -511,8 +497,9 @@ class GroupedConfig:
 
     @classmethod
     def parse_args(cls, argv: Optional[Sequence[str]] = None, *, prog: Optional[str] = None,
-                   description: Optional[str] = None):
-        """Parse ``argv``: ``--config`` YAML first, then the flags given; validate; return the config."""
+                   description: Optional[str] = None, base: Optional["GroupedConfig"] = None):
+        """Parse ``argv``: ``--config`` YAML first (or ``base``, a config another reader filled), then the flags
+        given; validate; return the config."""
         parser = cls.build_parser(prog=prog, description=description)
         namespace, extras = parser.parse_known_args(argv)
         if extras:
@@ -539,7 +526,9 @@ class GroupedConfig:
                 cls._merge_alias(raw, name, value, f"--{key}", "command line")
             else:
                 raw[name] = (value, f"--{key}")
-        cfg = cls.from_yaml(config_path, validate=False) if config_path else cls()
+        if base is not None and config_path:
+            raise MindRLHFError(f"command line: --config {config_path} is given twice; keep one")
+        cfg = base if base is not None else cls.from_yaml(config_path, validate=False) if config_path else cls()
         cfg._apply(raw, source)
         cfg.resolve(source)
         cfg.validate(source=source)
@@ -608,6 +597,24 @@ class GroupedConfig:
                 lines.append("| " + " | ".join(c.replace("|", "\\|") for c in text_cells) + " |")
             lines.append("")
         return "\n".join(lines)
+
+
+def read_yaml(path: "str | os.PathLike[str]") -> Any:
+    """A config file's YAML (``yaml.safe_load``); a missing file or bad syntax is one ``MindRLHFError``."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise MindRLHFError(f"config file not found: {source}") from None
+    except OSError as err:
+        raise MindRLHFError(f"cannot read config file {source}: {err.strerror}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or "invalid YAML"
+        raise MindRLHFError(f"{source}:{where}: {problem}; fix the YAML syntax") from None
 
 
 def _warn_moved(moved: List[Tuple[str, str]], source: str) -> None:
