@@ -136,3 +136,19 @@ def pytest_terminal_summary(terminalreporter):
         for nodeid, gib in top:
             if gib >= 0.05:
                 tr.write_line(f"{what} {gib:6.2f} GiB  {nodeid}")
+
+
+@pytest.fixture(scope="module")
+def tok(qwen_tokenizer_dir):
+    """The Qwen2.5 tokenizer (its chat template renders tools)."""
+    from mindrlhf.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(qwen_tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def calc():
+    """The built-in calculator as a rollout's tools, 5 s a call."""
+    from mindrlhf.rollout_tools import ToolBox
+
+    return ToolBox(["calculator"], timeout=5)

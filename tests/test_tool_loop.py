@@ -11,7 +11,7 @@ import pytest
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.generation import Completion, Sampler, SamplingParams
 from mindrlhf.generation.tool_loop import ToolLoop
-from mindrlhf.rollout_tools import ToolBox, render_prompt, tool_result_ids
+from mindrlhf.rollout_tools import render_prompt, tool_result_ids
 from mindrlhf.tokenizer import Tokenizer
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "48 / 2"}}\n</tool_call><|im_end|>'
@@ -48,37 +48,27 @@ class ScriptedSampler(Sampler):
         pass
 
 
-@pytest.fixture(scope="module")
-def qwen(qwen_tokenizer_dir) -> Tokenizer:
-    return Tokenizer.from_dir(qwen_tokenizer_dir)
+def _prompt(tok, calc, question: str) -> List[int]:
+    return tok.encode(render_prompt(tok, [{"role": "user", "content": question}], calc.schemas))
 
 
-@pytest.fixture(scope="module")
-def box() -> ToolBox:
-    return ToolBox(["calculator"], timeout=5)
-
-
-def _prompt(qwen, box, question: str) -> List[int]:
-    return qwen.encode(render_prompt(qwen, [{"role": "user", "content": question}], box.schemas))
-
-
-def _params(qwen, **kw) -> SamplingParams:
-    return SamplingParams(**{"n": 1, "max_tokens": 200, "stop_token_ids": qwen.stop_token_ids, "seed": 11,
+def _params(tok, **kw) -> SamplingParams:
+    return SamplingParams(**{"n": 1, "max_tokens": 200, "stop_token_ids": tok.stop_token_ids, "seed": 11,
                              "entropy": True, **kw})
 
 
-def _after_tool(qwen, prompt: List[int]) -> bool:
-    return "<tool_response>" in qwen.decode(prompt, skip_special_tokens=False)
+def _after_tool(tok, prompt: List[int]) -> bool:
+    return "<tool_response>" in tok.decode(prompt, skip_special_tokens=False)
 
 
-def test_a_call_is_answered_and_the_policy_continues(qwen, box):
-    calls_then_answers = ScriptedSampler(qwen, lambda p: ANSWER if _after_tool(qwen, p) else CALL)
-    loop = ToolLoop(box, qwen, max_iterations=3)
-    prompts = [_prompt(qwen, box, "What is 48 / 2?")]
-    (row,) = loop.generate(calls_then_answers, prompts, _params(qwen))
-    first, reply = qwen.encode(CALL), qwen.encode(ANSWER)
-    suffix = tool_result_ids(qwen, box.run(CALL))
-    assert "<tool_response>\n24\n</tool_response>" in qwen.decode(suffix, skip_special_tokens=False)
+def test_a_call_is_answered_and_the_policy_continues(tok, calc):
+    calls_then_answers = ScriptedSampler(tok, lambda p: ANSWER if _after_tool(tok, p) else CALL)
+    loop = ToolLoop(calc, tok, max_iterations=3)
+    prompts = [_prompt(tok, calc, "What is 48 / 2?")]
+    (row,) = loop.generate(calls_then_answers, prompts, _params(tok))
+    first, reply = tok.encode(CALL), tok.encode(ANSWER)
+    suffix = tool_result_ids(tok, calc.run(CALL))
+    assert "<tool_response>\n24\n</tool_response>" in tok.decode(suffix, skip_special_tokens=False)
     assert row.token_ids == first + suffix + reply
     assert row.tool_mask == [1] * len(first) + [0] * len(suffix) + [1] * len(reply)
     # the tools' tokens carry no log-prob or entropy; the policy's are the sampler's, turn by turn
@@ -92,59 +82,59 @@ def test_a_call_is_answered_and_the_policy_continues(qwen, box):
     assert second.seed == (11 + 1_000_003) % 2 ** 31 != calls_then_answers.requests[0].seed
 
 
-def test_a_batch_without_calls_is_the_samplers_own(qwen, box):
-    answers = ScriptedSampler(qwen, lambda p: ANSWER)
-    prompts = [_prompt(qwen, box, "What is 1 + 1?"), _prompt(qwen, box, "What is 2 + 2?")]
-    plain = answers.generate(prompts, _params(qwen, n=2))
-    looped = ToolLoop(box, qwen, max_iterations=3).generate(answers, prompts, _params(qwen, n=2))
+def test_a_batch_without_calls_is_the_samplers_own(tok, calc):
+    answers = ScriptedSampler(tok, lambda p: ANSWER)
+    prompts = [_prompt(tok, calc, "What is 1 + 1?"), _prompt(tok, calc, "What is 2 + 2?")]
+    plain = answers.generate(prompts, _params(tok, n=2))
+    looped = ToolLoop(calc, tok, max_iterations=3).generate(answers, prompts, _params(tok, n=2))
     assert looped == plain and all(c.tool_mask == [] and c.turns == 1 for c in looped)
     assert len(answers.requests) == 2  # no second round was asked for
 
 
-def test_rows_advance_together_and_only_callers_continue(qwen, box):
+def test_rows_advance_together_and_only_callers_continue(tok, calc):
     # prompt 0 calls, prompt 1 answers at once: one continuation request, for prompt 0's row alone
-    policy = ScriptedSampler(qwen, lambda p: ANSWER if _after_tool(qwen, p) or "2 + 2" in qwen.decode(p)
+    policy = ScriptedSampler(tok, lambda p: ANSWER if _after_tool(tok, p) or "2 + 2" in tok.decode(p)
                              else CALL)
-    prompts = [_prompt(qwen, box, "What is 48 / 2?"), _prompt(qwen, box, "What is 2 + 2?")]
-    rows = ToolLoop(box, qwen, max_iterations=3).generate(policy, prompts, _params(qwen, n=2))
+    prompts = [_prompt(tok, calc, "What is 48 / 2?"), _prompt(tok, calc, "What is 2 + 2?")]
+    rows = ToolLoop(calc, tok, max_iterations=3).generate(policy, prompts, _params(tok, n=2))
     assert [r.turns for r in rows] == [2, 2, 1, 1] and [r.prompt_index for r in rows] == [0, 0, 1, 1]
     assert [r.tool_calls for r in rows] == [1, 1, 0, 0]
-    assert rows[2].token_ids == qwen.encode(ANSWER) and rows[2].tool_mask == [1] * len(rows[2].token_ids)
+    assert rows[2].token_ids == tok.encode(ANSWER) and rows[2].tool_mask == [1] * len(rows[2].token_ids)
     assert len(policy.requests) == 2
 
 
-def test_failures_are_results_and_counted(qwen, box):
+def test_failures_are_results_and_counted(tok, calc):
     bad = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "48 / 0"}}\n</tool_call>' \
           '<tool_call>{oops}</tool_call><|im_end|>'
-    policy = ScriptedSampler(qwen, lambda p: ANSWER if _after_tool(qwen, p) else bad)
-    (row,) = ToolLoop(box, qwen, max_iterations=3).generate(policy, [_prompt(qwen, box, "q")], _params(qwen))
+    policy = ScriptedSampler(tok, lambda p: ANSWER if _after_tool(tok, p) else bad)
+    (row,) = ToolLoop(calc, tok, max_iterations=3).generate(policy, [_prompt(tok, calc, "q")], _params(tok))
     assert (row.tool_calls, row.tool_failures, row.turns) == (2, 2, 2)
-    tool_text = qwen.decode([t for t, m in zip(row.token_ids, row.tool_mask) if m == 0], skip_special_tokens=False)
+    tool_text = tok.decode([t for t, m in zip(row.token_ids, row.tool_mask) if m == 0], skip_special_tokens=False)
     assert "error: division by zero" in tool_text and "error: malformed tool call: not JSON" in tool_text
 
 
-def test_the_round_limit_and_the_budget(qwen, box):
-    always = ScriptedSampler(qwen, lambda p: CALL)
-    first = qwen.encode(CALL)
-    suffix = tool_result_ids(qwen, box.run(CALL))
-    (row,) = ToolLoop(box, qwen, max_iterations=2).generate(always, [_prompt(qwen, box, "q")], _params(qwen))
+def test_the_round_limit_and_the_budget(tok, calc):
+    always = ScriptedSampler(tok, lambda p: CALL)
+    first = tok.encode(CALL)
+    suffix = tool_result_ids(tok, calc.run(CALL))
+    (row,) = ToolLoop(calc, tok, max_iterations=2).generate(always, [_prompt(tok, calc, "q")], _params(tok))
     # two rounds ran; the third turn's call is not run (nor counted) and the completion ends there
     assert (row.turns, row.tool_calls) == (3, 2) and row.token_ids == first + suffix + first + suffix + first
-    (none,) = ToolLoop(box, qwen, max_iterations=0).generate(always, [_prompt(qwen, box, "q")], _params(qwen))
+    (none,) = ToolLoop(calc, tok, max_iterations=0).generate(always, [_prompt(tok, calc, "q")], _params(tok))
     assert none.token_ids == first and none.turns == 1 and none.tool_calls == 0
     # results that do not fit with one more token: not appended, the row ends with its call unanswered
     tight = len(first) + len(suffix)
-    (cut,) = ToolLoop(box, qwen, max_iterations=2).generate(always, [_prompt(qwen, box, "q")],
-                                                            _params(qwen, max_tokens=tight))
+    (cut,) = ToolLoop(calc, tok, max_iterations=2).generate(always, [_prompt(tok, calc, "q")],
+                                                            _params(tok, max_tokens=tight))
     assert cut.token_ids == first and cut.tool_calls == 1 and cut.turns == 1
     # room for part of the reply: it is cut at the budget, a "length" completion of exactly max_tokens tokens
-    answers = ScriptedSampler(qwen, lambda p: ANSWER if _after_tool(qwen, p) else CALL)
-    (short,) = ToolLoop(box, qwen, max_iterations=2).generate(answers, [_prompt(qwen, box, "q")],
-                                                              _params(qwen, max_tokens=tight + 2))
+    answers = ScriptedSampler(tok, lambda p: ANSWER if _after_tool(tok, p) else CALL)
+    (short,) = ToolLoop(calc, tok, max_iterations=2).generate(answers, [_prompt(tok, calc, "q")],
+                                                              _params(tok, max_tokens=tight + 2))
     assert short.finish_reason == "length" and len(short.token_ids) == tight + 2
-    assert short.token_ids[-2:] == qwen.encode(ANSWER)[:2] and short.tool_mask[-2:] == [1, 1]
+    assert short.token_ids[-2:] == tok.encode(ANSWER)[:2] and short.tool_mask[-2:] == [1, 1]
 
 
-def test_a_negative_round_limit_is_refused(qwen, box):
+def test_a_negative_round_limit_is_refused(tok, calc):
     with pytest.raises(MindRLHFError, match="max_tool_calling_iterations must be >= 0"):
-        ToolLoop(box, qwen, max_iterations=-1)
+        ToolLoop(calc, tok, max_iterations=-1)

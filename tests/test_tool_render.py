@@ -10,7 +10,6 @@ import pytest
 
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.rollout_tools import (
-    ToolBox,
     assistant_message,
     check_template_renders_tools,
     render_prompt,
@@ -24,16 +23,6 @@ QUESTION = [{"role": "system", "content": "Use the calculator."}, {"role": "user
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "48 / 2"}}\n</tool_call>'
 
 
-@pytest.fixture(scope="module")
-def qwen(qwen_tokenizer_dir) -> Tokenizer:
-    return Tokenizer.from_dir(qwen_tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def box() -> ToolBox:
-    return ToolBox(["calculator"], timeout=5)
-
-
 def _with_template(tmp_path, qwen_tokenizer_dir, template: str) -> Tokenizer:
     folder = tmp_path / "tok"
     shutil.copytree(qwen_tokenizer_dir, folder)
@@ -43,44 +32,44 @@ def _with_template(tmp_path, qwen_tokenizer_dir, template: str) -> Tokenizer:
     return Tokenizer.from_dir(folder)
 
 
-def test_the_prompt_shows_the_tools_as_transformers_renders_them(qwen, box, qwen_tokenizer_dir):
+def test_the_prompt_shows_the_tools_as_transformers_renders_them(tok, calc, qwen_tokenizer_dir):
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir))
     # transformers builds the schema from the function itself: the same text proves the same schema and rendering
     expected = hf.apply_chat_template(QUESTION, tools=[calculator], tokenize=False, add_generation_prompt=True)
-    assert render_prompt(qwen, QUESTION, box.schemas) == expected
+    assert render_prompt(tok, QUESTION, calc.schemas) == expected
     assert '"name": "calculator"' in expected and expected.endswith("<|im_start|>assistant\n")
-    assert render_prompt(qwen, QUESTION, []) == hf.apply_chat_template(QUESTION, tokenize=False,
+    assert render_prompt(tok, QUESTION, []) == hf.apply_chat_template(QUESTION, tokenize=False,
                                                                        add_generation_prompt=True)
 
 
-def test_tool_result_ids_are_the_templates_tool_message(qwen, box):
-    (result,) = box.run(CALL)
-    ids = tool_result_ids(qwen, [result])
-    assert qwen.decode(ids, skip_special_tokens=False) == (
+def test_tool_result_ids_are_the_templates_tool_message(tok, calc):
+    (result,) = calc.run(CALL)
+    ids = tool_result_ids(tok, [result])
+    assert tok.decode(ids, skip_special_tokens=False) == (
         "\n<|im_start|>user\n<tool_response>\n24\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
-    assert ids == qwen.encode("\n<|im_start|>user\n<tool_response>\n24\n</tool_response><|im_end|>\n"
+    assert ids == tok.encode("\n<|im_start|>user\n<tool_response>\n24\n</tool_response><|im_end|>\n"
                               "<|im_start|>assistant\n")
     # two calls in one turn: one user block holding both responses, as Qwen2.5's template groups them
-    results = box.run(CALL + "\n" + CALL.replace("48 / 2", "24 + 5"))
+    results = calc.run(CALL + "\n" + CALL.replace("48 / 2", "24 + 5"))
     assert [r.content for r in results] == ["24", "29"]
-    assert qwen.decode(tool_result_ids(qwen, results), skip_special_tokens=False) == (
+    assert tok.decode(tool_result_ids(tok, results), skip_special_tokens=False) == (
         "\n<|im_start|>user\n<tool_response>\n24\n</tool_response>\n<tool_response>\n29\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n")
     # a failed call is a result the model reads like any other
-    (failed,) = box.run(CALL.replace("48 / 2", "48 / 0"))
-    assert "<tool_response>\nerror: division by zero\n</tool_response>" in qwen.decode(
-        tool_result_ids(qwen, [failed]), skip_special_tokens=False)
+    (failed,) = calc.run(CALL.replace("48 / 2", "48 / 0"))
+    assert "<tool_response>\nerror: division by zero\n</tool_response>" in tok.decode(
+        tool_result_ids(tok, [failed]), skip_special_tokens=False)
 
 
-def test_a_trajectory_of_policy_and_tool_ids_re_renders_to_the_same_ids(qwen, box):
-    prompt_ids = qwen.encode(render_prompt(qwen, QUESTION, box.schemas))
+def test_a_trajectory_of_policy_and_tool_ids_re_renders_to_the_same_ids(tok, calc):
+    prompt_ids = tok.encode(render_prompt(tok, QUESTION, calc.schemas))
     first_turn = "I will compute it.\n" + CALL
-    first_ids = qwen.encode(first_turn + "<|im_end|>")      # what the sampler returns: the turn and its stop token
-    results = box.run(first_turn)
-    tool_ids = tool_result_ids(qwen, results)
+    first_ids = tok.encode(first_turn + "<|im_end|>")      # what the sampler returns: the turn and its stop token
+    results = calc.run(first_turn)
+    tool_ids = tool_result_ids(tok, results)
     final_turn = "48 / 2 = 24, and 24 + 5 = 29. The answer is 29."
-    final_ids = qwen.encode(final_turn + "<|im_end|>")
+    final_ids = tok.encode(final_turn + "<|im_end|>")
     trajectory = prompt_ids + first_ids + tool_ids + final_ids
     mask = [1] * len(first_ids) + [0] * len(tool_ids) + [1] * len(final_ids)
     assert len(mask) == len(trajectory) - len(prompt_ids) and sum(mask) == len(first_ids) + len(final_ids)
@@ -89,16 +78,16 @@ def test_a_trajectory_of_policy_and_tool_ids_re_renders_to_the_same_ids(qwen, bo
                 + [assistant_message(final_turn)])
     assert messages[2] == {"role": "assistant", "content": "I will compute it.", "tool_calls": [
         {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "48 / 2"}}}]}
-    assert retokenization_drift(qwen, messages, trajectory, tools=box.schemas) is None
+    assert retokenization_drift(tok, messages, trajectory, tools=calc.schemas) is None
 
 
-def test_a_policy_writing_its_call_otherwise_is_reported_not_hidden(qwen, box):
+def test_a_policy_writing_its_call_otherwise_is_reported_not_hidden(tok, calc):
     turn = '<tool_call>{"name":"calculator","arguments":{"expression":"48 / 2"}}</tool_call>'  # no spaces, no \n
-    prompt_ids = qwen.encode(render_prompt(qwen, QUESTION, box.schemas))
-    ids = prompt_ids + qwen.encode(turn + "<|im_end|>") + tool_result_ids(qwen, box.run(turn))
+    prompt_ids = tok.encode(render_prompt(tok, QUESTION, calc.schemas))
+    ids = prompt_ids + tok.encode(turn + "<|im_end|>") + tool_result_ids(tok, calc.run(turn))
     messages = QUESTION + [assistant_message(turn), {"role": "tool", "name": "calculator", "content": "24"}]
-    drift = retokenization_drift(qwen, messages + [{"role": "assistant", "content": "Done."}],
-                                 ids + qwen.encode("Done.<|im_end|>"), tools=box.schemas)
+    drift = retokenization_drift(tok, messages + [{"role": "assistant", "content": "Done."}],
+                                 ids + tok.encode("Done.<|im_end|>"), tools=calc.schemas)
     # the first difference: right after the <tool_call> token, where the template writes "\n" and the policy did not
     assert drift is not None and drift.startswith(f"re-rendered trajectory differs from the sampled ids at token "
                                                   f"{len(prompt_ids) + 1} of {len(ids) + 3} ")
@@ -110,32 +99,32 @@ def test_a_malformed_call_stays_in_the_message_content():
     assert assistant_message(text) == {"role": "assistant", "content": text}
 
 
-def test_a_template_without_tools_is_refused(tmp_path, qwen_tokenizer_dir, box):
+def test_a_template_without_tools_is_refused(tmp_path, qwen_tokenizer_dir, calc):
     plain = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     tok = _with_template(tmp_path, qwen_tokenizer_dir, plain)
     with pytest.raises(MindRLHFError, match="does not render tools"):
-        check_template_renders_tools(tok, box.schemas)
+        check_template_renders_tools(tok, calc.schemas)
     with pytest.raises(MindRLHFError, match="does not render tools"):
-        render_prompt(tok, QUESTION, box.schemas)
+        render_prompt(tok, QUESTION, calc.schemas)
     assert render_prompt(tok, QUESTION, []).endswith("<|im_start|>assistant\n")  # no tools: rendered as ever
 
 
-def test_a_template_dropping_tool_messages_is_refused(tmp_path, qwen_tokenizer_dir, box):
+def test_a_template_dropping_tool_messages_is_refused(tmp_path, qwen_tokenizer_dir, calc):
     drops = ("{% for m in messages %}{% if m.role != 'tool' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
              "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     tok = _with_template(tmp_path, qwen_tokenizer_dir, drops)
     with pytest.raises(MindRLHFError, match="does not render tool messages"):
-        tool_result_ids(tok, box.run(CALL))
+        tool_result_ids(tok, calc.run(CALL))
 
 
-def test_a_template_re_rendering_the_turn_before_a_tool_message_is_refused(tmp_path, qwen_tokenizer_dir, box):
+def test_a_template_re_rendering_the_turn_before_a_tool_message_is_refused(tmp_path, qwen_tokenizer_dir, calc):
     # the assistant turn gains a marker once a tool message follows it: the policy's ids would no longer be a prefix
     shifty = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
               "{% if m.role == 'assistant' and not loop.last %} [called]{% endif %}<|im_end|>\n{% endfor %}"
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     tok = _with_template(tmp_path, qwen_tokenizer_dir, shifty)
     with pytest.raises(MindRLHFError, match="renders the assistant turn differently once a tool message follows"):
-        tool_result_ids(tok, box.run(CALL))
+        tool_result_ids(tok, calc.run(CALL))
     with pytest.raises(MindRLHFError, match="at least one result"):
         tool_result_ids(tok, [])
