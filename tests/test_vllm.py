@@ -77,9 +77,35 @@ class Served:
             time.sleep(0.5)
 
     def stop(self) -> None:
-        """SIGTERM to ``mindrlhf-vllm-serve``: it stops its engine's process group."""
+        """SIGTERM to ``mindrlhf-vllm-serve``: it stops its engine's process group, vLLM's processes included."""
+        engine = _engine_group(self.proc.pid)
         self.proc.terminate()
         self.proc.wait(timeout=120)
+        assert engine is not None and _group_gone(engine), "vLLM's processes outlived mindrlhf-vllm-serve"
+
+
+def _engine_group(parent: int):
+    """The process group of ``parent``'s child that leads one (the engine), or None."""
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[1]) == parent and int(stat[2]) == int(pid):
+                return int(pid)
+    return None
+
+
+def _group_gone(pgid: int, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.5)
+    return False
 
 
 @pytest.fixture(scope="module")
@@ -236,6 +262,17 @@ def test_bfloat16_after_three_syncs_equals_a_first_load_and_its_gap_is_bounded(e
         assert [c.token_ids for c in fresh.generate(prompts, params)] == synced
     finally:
         fresh.close()
+
+
+def test_a_started_engine_stops_with_its_sampler(engines):
+    """A sampler that started its own engine stops all of it on close: vLLM's engine core and workers too (they
+    used to outlive it, holding their KV cache and memory)."""
+    model, _, _ = engines("qwen2")
+    sampler = VLLMSampler(model.config, python=_vllm_python(), dtype="float32", max_model_len=256)
+    pgid = sampler._proc.pid
+    assert len(sampler.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4))) == 1
+    sampler.close()
+    assert _group_gone(pgid), "vLLM's processes outlived the sampler's close()"
 
 
 def test_a_served_engine_refuses_another_architecture(engines, tmp_path):

@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -279,12 +280,17 @@ def _cleanup(owned: Dict[str, Any]) -> None:
         sock.close()
     except OSError:
         pass
-    if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    if proc is not None:
+        if proc.poll() is None:
+            proc.terminate()  # the engine stops its process group: vLLM's engine core and workers
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        try:  # whatever of that group outlived it (the engine leads the group: its pid is the group's id)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     if shm is not None:
         try:
             shm.close()

@@ -278,6 +278,7 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ascend", action="store_true", help="import vllm_mindspore before vllm (Ascend)")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop_group)  # a client's terminate() stops vLLM's processes too
     _die_with_parent()
     try:
         serve(Engine(args), args.socket)
@@ -299,10 +300,14 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _stop_group() -> None:
-    """Stop this engine's process group (itself and vLLM's engine processes) when it leads one."""
+def _stop_group(*_) -> None:
+    """Stop this engine's process group (itself and vLLM's engine processes) when it leads one: SIGTERM, then
+    SIGKILL for what is left (vLLM's engine core can hang in its own shutdown once this process is going)."""
     if os.getpgid(0) == os.getpid():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         os.killpg(os.getpid(), signal.SIGTERM)
+        time.sleep(3.0)
+        os.killpg(os.getpid(), signal.SIGKILL)
     os._exit(0)
 
 
