@@ -150,9 +150,8 @@ class GRPOObjective:
         # The sampler's log-probs (TRL's choice under vLLM) see both the updates' drift and the rollout mismatch.
         keep = (off_policy_sequence_mask(advantages, logp, sampler_logp, mask, s.off_policy_mask_threshold)
                 if s.off_policy_mask_threshold > 0 else present)
-        term = weights if s.is_correction else None
-        if s.off_policy_mask_threshold > 0:  # the policy term's factors: the IS correction and the masks
-            term = keep if term is None else term * keep
+        # The policy term's masks; the IS weights go beside them (a loss of IS_FOLDING_LOSSES folds them in).
+        term = keep if s.off_policy_mask_threshold > 0 else None
         inf = float("inf")
         zero = ops.zeros((), ms.float32)
         rs_aux = (zero,) * len(RS_SUMS) + (zero - inf, zero + inf)
@@ -167,7 +166,7 @@ class GRPOObjective:
             loss_type=s.loss_type, epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high, beta=s.beta,
             kl_estimator=s.kl_estimator, loss_agg_mode=s.loss_agg_mode,
             max_completion_length=s.max_completion_length, global_num_tokens=num_tokens, global_num_seqs=num_seqs,
-            is_weights=term,
+            is_weights=term, is_ratio=weights if s.is_correction else None,
             behav_logp=sampler_logp if s.loss_type == "decoupled" else None, behav_cap=s.is_cap,
             loss_params=s.loss_params)
         # Means are over this micro-batch; weighted by its token count, the step forms exact global means.

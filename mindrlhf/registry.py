@@ -164,6 +164,12 @@ POLICY_LOSS_AGGREGATION: Dict[str, str] = {"gmpo": "seq-mean-token-mean", "luspo
 IS_MODES: Registry = Registry(
     "importance sampling mode", module="mindrlhf.algorithms.losses",
     builtins=("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"))
+#: The importance-sampling modes of one weight per token, (B, T); the others give one per sequence, (B, 1).
+TOKEN_IS_MODES: Tuple[str, ...] = ("token_truncate", "token_mask")
+#: Policy losses that fold the importance-sampling correction's per-token weights into a sequence weight of their own
+#: (their ``is_ratio=`` keyword; TRL 1.16's VESPO) rather than having their per-token loss multiplied by them; they
+#: take the ``TOKEN_IS_MODES`` only, as TRL requires.
+IS_FOLDING_LOSSES: Tuple[str, ...] = ("vespo",)
 ROLLOUT_RS: Registry = Registry(
     "rejection sampling criterion", module="mindrlhf.algorithms.losses",
     builtins=("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",

@@ -25,10 +25,22 @@ def broken_reward(completions, **kwargs):
     raise ValueError("this reward has a bug")
 
 
+def _flat_for(parity: int, completions, question) -> List[float]:
+    """Zero for every completion of a question whose length has ``parity`` (a group with no spread), else the length
+    reward."""
+    return [0.0 if len(q) % 2 == parity else len(c) / 40.0 for c, q in zip(completions, question)]
+
+
 def flat_for_even_questions(completions, question, **kwargs):
     """Zero for every completion of a question of even length (a group with no spread), else the
     length reward: a deterministic mix of flat and informative groups for dynamic sampling."""
-    return [0.0 if len(q) % 2 == 0 else len(c) / 40.0 for c, q in zip(completions, question)]
+    return _flat_for(0, completions, question)
+
+
+def flat_for_odd_questions(completions, question, **kwargs):
+    """flat_for_even_questions the other way round: of the suite's first 16 GSM8K questions only 4 (0, 8, 10, 12)
+    give a spread, so dynamic sampling runs short of informative groups and fills the step with masked flat ones."""
+    return _flat_for(1, completions, question)
 
 
 def zero_reward(completions, **kwargs):

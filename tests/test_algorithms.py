@@ -565,6 +565,11 @@ def test_policy_loss_argument_errors(batch):
         with pytest.raises(MindRLHFError, match=f"^loss_type='{loss_type}' is a mean over sequences and needs "
                                                 "loss_agg_mode='seq-mean-token-mean', got 'token-mean'$"):
             policy_loss(*args, loss_type=loss_type, loss_agg_mode="token-mean")
+    per_sequence = t(np.ones((len(b["adv"]), 1)))  # a sequence mode's weights: VESPO folds per-token ones only
+    with pytest.raises(MindRLHFError, match=r"^loss_type='vespo' folds per-token importance weights of shape \(4, 5\) "
+                                            r"into its sequence weight, got \(4, 1\); use importance_sampling_mode "
+                                            "token_truncate or token_mask$"):
+        policy_loss(*args, loss_type="vespo", loss_agg_mode="token-mean", is_ratio=per_sequence)
 
 
 # --- CISPO, SAPO, GMPO, Clip-Cov, KL-Cov, LUSPO, VESPO: float64 hand computations -------------------------
@@ -770,17 +775,21 @@ def test_vespo_hand_values_and_gradient():
     np.testing.assert_allclose(on_policy, np.where(HAND_MASK > 0, -HAND_A / 5, 0.0), rtol=1e-6)
 
 
-@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "gmpo", "clip_cov", "kl_cov", "luspo", "vespo"])
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "gmpo", "clip_cov", "kl_cov", "luspo", "vespo", "vespo_is"])
 def test_new_losses_in_jit_match_pynative(loss_type, tmp_path, monkeypatch):
+    """Each loss compiles in a graph to its PyNative value and gradient; vespo_is: VESPO folding token IS weights
+    (one of them 0, a masked token)."""
     monkeypatch.chdir(tmp_path)  # a failed graph compile writes rank_0/om/analyze_fail.ir into the cwd
     old, adv, mask = t(np.zeros((2, 3))), t(HAND_ADV), t(HAND_MASK)
     agg = "seq-mean-token-mean" if loss_type in ("gmpo", "luspo") else "token-mean"
     params = {"clip_cov": {"clip_cov_ratio": 0.2, "clip_cov_lb": -0.45, "clip_cov_ub": 0.2},
               "kl_cov": {"kl_cov_ratio": 0.4}}
+    is_ratio = t([[1.2, 0.9, 1.0], [0.0, 1.1, 1.0]]) if loss_type == "vespo_is" else None
+    loss_type = loss_type.replace("_is", "")
 
     def f(lp):
         return policy_loss(lp, old, adv, mask, loss_type=loss_type, loss_agg_mode=agg,
-                           loss_params=params.get(loss_type))[0]
+                           loss_params=params.get(loss_type), is_ratio=is_ratio)[0]
 
     np.testing.assert_allclose(float(ms.jit(f)(t(HAND_LOGP))), float(f(t(HAND_LOGP))), rtol=1e-6)
     np.testing.assert_allclose(ms.jit(ms.grad(f))(t(HAND_LOGP)).asnumpy(), ms.grad(f)(t(HAND_LOGP)).asnumpy(),
@@ -825,6 +834,98 @@ def test_loss_equals_trl_reference(name):
     for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
         if key in case["metrics"]:  # luspo: TRL's clip fractions of the sequence ratio
             assert metrics[key] == pytest.approx(case["metrics"][key]), key
+
+
+#: TRL's fields -> ours (the rest share our names: loss_type, epsilon_high, vespo_*, off_policy_mask_threshold,
+#: scale_rewards, multi_objective_aggregation).
+_TRL_NAMES = {"epsilon": "epsilon_low", "vllm_importance_sampling_correction": "importance_sampling_correction",
+              "vllm_importance_sampling_mode": "importance_sampling_mode",
+              "vllm_importance_sampling_clip_max": "importance_sampling_cap"}
+
+
+def _rollout_config(fields):
+    """Our GRPO config for a TRL rollout case: TRL's fields by our names, 2 iterations per step (so the old policy
+    is not the one being trained, as in the recorded log-probs), TRL's default clip range and IS cap, G = 3, and
+    VESPO aggregated as TRL does (token-mean; its grpo and dapo are our TRL loss-type names)."""
+    from mindrlhf.configs import GRPOConfig
+
+    ours = {"epsilon_low": 0.2, "importance_sampling_cap": 3.0, "beta": 0.0, "num_generations": 3,
+            "num_iterations": 2, "max_completion_length": 5}
+    if fields["loss_type"] == "vespo":
+        ours["loss_agg_mode"] = "token-mean"
+    ours.update({_TRL_NAMES.get(k, k): v for k, v in fields.items()})
+    ours.setdefault("epsilon_high", ours["epsilon_low"])
+    return GRPOConfig.from_dict(ours)
+
+
+@pytest.mark.parametrize("name", sorted(TRL_REF["rollout_cases"]))
+def test_rollout_correction_and_advantages_equal_trl_reference(name):
+    """TRL's own _generate_and_score_completions and _compute_loss on fixed sampler / old / policy log-probs and
+    per-function rewards (tests/make_trl_loss_reference.py): our advantages (the reward manager's weighted sum and
+    the configured estimator, or GDPO's normalize_then_sum), importance-sampling weights, the trainer's GRPO
+    objective (VESPO folding the token weights into its sequence weight, the four modes, off-policy masking on the
+    sampler's log-probs), its gradient and its sampling / clip metrics equal TRL's. TRL adds 1e-4 to the stds, ours
+    1e-6 by default (verl's): the estimator is given TRL's."""
+    from mindrlhf.grpo import GRPOObjective, LossSettings
+    from mindrlhf.rewards import RewardManager
+
+    case, data = TRL_REF["rollout_cases"][name], TRL_REF["rollout_inputs"]
+    cfg = _rollout_config(case["fields"])
+    mask = np.array(data["mask"], np.float64)
+    logp, old, sampler = (np.array(data[k], np.float64) for k in ("logp", "old_logp", "sampler_logp"))
+    G = data["num_generations"]
+
+    # Advantages: each function's scores through the reward manager, then the configured aggregation.
+    columns = list(zip(*data["rewards_per_func"]))
+
+    def scorer(i):
+        def fn(completions, **_):
+            return list(columns[i])
+        fn.__name__ = ("first", "second")[i]
+        return fn
+
+    manager = RewardManager([scorer(0), scorer(1)], data["reward_weights"])
+    total, per_fn = manager([""] * len(mask), [""] * len(mask))
+    if cfg.algorithm.multi_objective_aggregation == "normalize_then_sum":
+        from mindrlhf.algorithms import normalize_then_sum_advantages
+
+        adv = normalize_then_sum_advantages(np.stack([per_fn["first"], per_fn["second"]], 1), manager.weights, G)
+    else:
+        adv = get_advantage_estimator(cfg.advantage_estimator)(total, G, eps=1e-4)
+    np.testing.assert_allclose(adv, case["advantages"], rtol=1e-5, atol=1e-6)
+    assert adv[-1] == 0.0  # no function scored the last completion
+
+    # The trainer's objective on TRL's advantages: loss, d loss / d logp and the metrics.
+    settings = LossSettings.from_config(cfg)
+    assert settings.off_policy and settings.is_correction
+    objective = GRPOObjective(settings)
+    adv_t, old_t, sampler_t, mask_t, zeros = t(case["advantages"]), t(old), t(sampler), t(mask), t(np.zeros_like(mask))
+    counts = (Tensor(np.float32(mask.sum())), Tensor(np.float32((mask.sum(1) > 0).sum())))
+
+    def f(lp):
+        return objective.loss(lp, mask_t, adv_t, old_t, zeros, sampler_t, *counts)[0]
+
+    loss, aux = objective.loss(t(logp), mask_t, adv_t, old_t, zeros, sampler_t, *counts)
+    assert float(loss) == pytest.approx(case["loss"], rel=1e-5, abs=2e-6)  # float32 against TRL's float64
+    np.testing.assert_allclose(ms.grad(f)(t(logp)).asnumpy(), np.array(case["grad"]), rtol=2e-5, atol=1e-7)
+    metrics = objective.metrics({k: float(v) for (k, _), v in zip(objective.aux, aux)})
+    checked = [k for k in case["metrics"] if k.startswith(("sampling/", "clip_ratio/")) and k in metrics]
+    assert len(checked) >= 5, checked
+    for key in checked:
+        assert metrics[key] == pytest.approx(case["metrics"][key], rel=1e-5, abs=1e-6), key
+
+    # TRL's importance-sampling weights, as our mode computes them from the trainer/sampler gap.
+    weights = get_is_mode(settings.is_mode)(t(np.where(mask > 0, old - sampler, 0.0)), mask_t, settings.is_cap)
+    want = np.array(case["importance_sampling_ratio"])
+    valid = mask > 0 if want.shape[1] > 1 else np.ones_like(want, bool)
+    np.testing.assert_allclose(weights.asnumpy()[valid], want[valid], rtol=1e-5)
+    assert 0 < (want[valid] == (0.0 if settings.is_mode.endswith("mask") else settings.is_cap)).sum()  # bites
+    if settings.off_policy_mask_threshold:  # the case drops a completion and keeps one with a negative advantage
+        from mindrlhf.algorithms import off_policy_sequence_mask
+
+        keep = off_policy_sequence_mask(adv_t, t(logp), sampler_t, mask_t, settings.off_policy_mask_threshold)
+        assert 0 < float(((keep.asnumpy()[:, 0] == 1) & (np.array(case["advantages"]) < 0)).sum()) < (
+            np.array(case["advantages"]) < 0).sum()
 
 
 def test_normalize_then_sum_advantages_by_hand():

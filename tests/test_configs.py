@@ -338,8 +338,9 @@ RULES = [
                                          "not 'sapo'"]),
     (dict(clip_ratio_c=3.0, loss_type="gspo"), ["clip_ratio_c = 3.0 applies to loss_type grpo"]),
     (dict(delta=-1.0), ["delta = -1.0 must be >= 0"]),
-    (dict(loss_type="vespo", importance_sampling_correction=True), ["loss_type = 'vespo' with "
-                                                                    "importance_sampling_correction = true"]),
+    (dict(loss_type="vespo", importance_sampling_correction=True),  # the default mode, sequence_mask
+     ["loss_type = 'vespo' folds importance_sampling_correction's per-token weights into its sequence weight, but "
+      "importance_sampling_mode = 'sequence_mask' gives one per completion; use token_truncate or token_mask"]),
     (dict(sapo_temperature_pos=0.0), ["sapo_temperature_pos = 0.0 must be > 0"]),
     (dict(clip_cov_ratio=0.0), ["clip_cov_ratio = 0.0 must be > 0"]),
     (dict(scale_rewards="std"), ["scale_rewards = 'std' is not one of group|batch|none"]),
@@ -451,6 +452,8 @@ def test_valid_combinations():
     config_with(save_data_file="a.npz", replay_data_file="b.npz").validate()
     config_with(reward_weights=[2.0, -1.0]).validate()
     config_with(mini_batch_size=4, num_iterations=2, micro_batch_size=2).validate()
+    for mode in ("token_truncate", "token_mask"):  # VESPO folds the per-token weights in (TRL's two modes)
+        config_with(loss_type="vespo", importance_sampling_correction=True, importance_sampling_mode=mode).validate()
 
 
 def test_use_vllm(monkeypatch):

@@ -185,27 +185,44 @@ def test_three_steps_metrics_finite_and_on_policy(grpo_assets, tmp_path):
     assert json.loads((step / "config.json").read_text())["hidden_size"] == 32
 
 
+#: Each 2-step variant also carries one importance-sampling mode and one rejection criterion (thresholds that keep
+#: the CPU sampler's ~1e-5 gap; rollout_rs's own run rejects it), so every IS mode and every rollout_rs criterion
+#: trains in one of them: variant -> (importance_sampling_mode or None, rollout_rs, rollout_rs_threshold).
+CORRECTIONS = {"cispo": (None, "token_k2", 0.01), "sapo": ("token_truncate", "seq_sum_k1", 2.0),
+               "gmpo": ("sequence_truncate", "seq_max_k3", 0.01), "clip_cov": (None, "token_k3", 0.01),
+               "kl_cov": (None, "seq_sum_k2", 0.01), "luspo": (None, "seq_mean_k1", 2.0),
+               "vespo": ("token_mask", "seq_mean_k2", 0.01), "dapo": (None, "token_k1", 2.0),
+               "grpo": (None, "seq_sum_k3", 0.01), "gdpo": (None, "seq_max_k2", 0.01),
+               "rollout_rs": ("sequence_mask", "seq_mean_k3", 1e-12)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["cispo", "sapo", "gmpo", "clip_cov", "kl_cov", "luspo", "vespo", "dapo", "grpo",
-                                       "gdpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                                       "rollout_rs"])
+                                     "gdpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                                     "rollout_rs"])
 def test_each_new_loss_and_variant_trains_two_steps(grpo_assets, tmp_path, variant):
     """Two steps of two updates each (num_iterations 2: the second update is off-policy, so the ratio moves), with
     the loss's own hyper-parameters reaching it: finite loss and grad norm, and the policy changes. Also grpo's bounds
-    (dapo with delta and clip_ratio_c), off-policy sequence masking, GDPO's advantages, the per-token REINFORCE++
-    advantages and rejection sampling (verl's rollout_rs, with its metrics)."""
+    (dapo with delta and clip_ratio_c), off-policy sequence masking with scale_rewards batch, GDPO's advantages, the
+    per-token REINFORCE++ advantages, and, spread over the runs (``CORRECTIONS``), each importance-sampling mode
+    (vespo's folded into its sequence weight) and each of verl's rejection criteria with its metrics."""
     out = tmp_path / "run"
     extra = {"clip_cov": {"clip_cov_ratio": 0.2, "clip_cov_lb": -10.0, "clip_cov_ub": 10.0},
              "kl_cov": {"kl_cov_ratio": 0.2}, "dapo": {"delta": 1.05, "clip_ratio_c": 1.05},
-             "grpo": {"off_policy_mask_threshold": 1e-4},
+             "vespo": {"loss_agg_mode": "token-mean"},
+             "grpo": {"off_policy_mask_threshold": 1e-4, "scale_rewards": "batch"},
              "gdpo": {"loss_type": "grpo", "multi_objective_aggregation": "normalize_then_sum",
                       "reward_funcs": ["e2e_rewards:length_reward", "gsm8k_format"]},
              "reinforce_plus_plus": {"loss_type": "grpo", "advantage_estimator": "reinforce_plus_plus", "gamma": 0.9,
                                      "log_completions_steps": 1},
              "reinforce_plus_plus_baseline": {"loss_type": "dapo",
                                               "advantage_estimator": "reinforce_plus_plus_baseline"},
-             "rollout_rs": {"loss_type": "grpo", "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 1e-12,
-                            "importance_sampling_correction": "true"}}.get(variant, {})
+             "rollout_rs": {"loss_type": "grpo"}}.get(variant, {})
+    is_mode, criterion, threshold = CORRECTIONS.get(variant, (None, None, None))
+    if is_mode:
+        extra.update(importance_sampling_correction="true", importance_sampling_mode=is_mode)
+    if criterion:
+        extra.update(rollout_rs=criterion, rollout_rs_threshold=threshold)
     args = dict(max_steps=2, num_iterations=2, max_completion_length=8, tensorboard="false", log_completions_steps=0,
                 reward_funcs=["e2e_rewards:length_reward"], loss_type=variant, beta=0.04)
     args.update(extra)
@@ -218,11 +235,16 @@ def test_each_new_loss_and_variant_trains_two_steps(grpo_assets, tmp_path, varia
         assert r["grad_norm"] > 0
         if variant == "grpo":  # the masked share of completions is logged
             assert 0.0 <= r["sampling/off_policy_masked_ratio"] <= 1.0
-        if variant == "rollout_rs":  # verl's rejection metrics
+        if criterion:  # verl's rejection metrics
+            prefix = f"rollout_corr/rollout_rs_{criterion}"
             for k in ("rollout_corr/rollout_rs_masked_fraction", "rollout_corr/rollout_rs_seq_masked_fraction",
-                      "rollout_corr/rollout_rs_seq_mean_k3_fraction_high"):
+                      f"{prefix}_fraction_high", f"{prefix}_fraction_low"):
                 assert 0.0 <= r[k] <= 1.0, (k, r[k])
-            assert r["rollout_corr/rollout_rs_seq_mean_k3_max"] >= r["rollout_corr/rollout_rs_seq_mean_k3_min"] >= 0
+            assert r[f"{prefix}_max"] >= r[f"{prefix}_min"], (r[f"{prefix}_max"], r[f"{prefix}_min"])
+            if criterion in ("seq_mean_k3", "seq_max_k3", "token_k2", "token_k3"):  # non-negative divergences
+                assert r[f"{prefix}_min"] >= 0
+        if is_mode:  # the applied weights of the CPU sampler's tiny gap
+            assert 0.0 <= r["sampling/importance_sampling_ratio/min"] <= r["sampling/importance_sampling_ratio/max"]
     if variant == "reinforce_plus_plus":  # a completions dump shows a per-token advantage as its mean
         dumped = [json.loads(line) for line in (out / "completions_step_1.jsonl").read_text().splitlines()]
         assert dumped and all(math.isfinite(row["advantage"]) for row in dumped)
@@ -455,19 +477,45 @@ def test_float16_overflows_are_skipped_without_stopping_the_run(grpo_assets, tmp
 
 @pytest.mark.slow
 @pytest.mark.msrun
-def test_two_workers_dynamic_sampling_decide_globally(grpo_assets, tmp_path):
+def test_two_workers_dynamic_sampling_decide_globally_and_train_as_one_process(grpo_assets, tmp_path):
+    """Two data-parallel workers: dynamic sampling keeps the groups with a spread, decided on the global batch (flat
+    groups fill the shortfall, masked out of the loss). The job trains CISPO token-mean with two updates per step
+    (the second off-policy, so the clipped weight is not 1), whose loss divides by the step's token count over both
+    replicas, each holding its own share of the masked rows; one process replaying the workers' recorded rows
+    computes the same steps: losses, grad norms, CISPO's metrics and the final weights."""
+    import mindspore as ms
+
     from mindrlhf.trainer.experience import load_experience, step_file
 
     out, dump = tmp_path / "dyn2", tmp_path / "exp" / "rollouts.npz"
-    _msrun(2, _args(grpo_assets, out, use_parallel="true", train_dp=2, infer_dp=2, tensorboard="false", max_steps=2,
-                    dynamic_sampling="true", max_sampling_rounds=3, max_completion_length=6, save_data_file=dump,
-                    reward_funcs=["e2e_rewards:flat_for_even_questions"]), tmp_path / "log", 8139)
-    for step, row in enumerate(_metrics(out), 1):
+    job = dict(tensorboard="false", max_steps=2, dynamic_sampling="true", max_sampling_rounds=3,
+               max_completion_length=6, reward_funcs=["e2e_rewards:flat_for_odd_questions"], loss_type="cispo",
+               loss_agg_mode="token-mean", cispo_ratio_max=1.0005, num_iterations=2, log_completions_steps=0)
+    _msrun(2, _args(grpo_assets, out, use_parallel="true", train_dp=2, infer_dp=2, save_data_file=dump, **job),
+           tmp_path / "log", 8139)
+    m2 = _metrics(out)
+    shares = []
+    for step, row in enumerate(m2, 1):
         exp = load_experience(step_file(str(dump), step))  # both replicas' rows
         assert len(exp) == 8
         trained = exp.completion_mask.reshape(-1, 4, exp.completion_mask.shape[1]).sum((1, 2)) > 0
         assert ((exp.rewards.reshape(-1, 4).std(1) > 0) == trained).all()
         assert trained.sum() == row["sampling/kept_groups"] and math.isfinite(row["loss"])
+        shares.append(tuple(exp.completion_mask.reshape(2, -1).sum(1)))  # each replica's loss tokens
+    assert any(a != b for a, b in shares), shares  # the replicas' token counts differ: local means would not do
+    one = tmp_path / "one"
+    assert _run_inprocess(_args(grpo_assets, one, replay_data_file=dump, **job)) == 0
+    m1 = _metrics(one)
+    assert [r["step"] for r in m1] == [r["step"] for r in m2] == [1, 2]
+    assert all(r["grad_norm"] > 1e-3 for r in m1)  # not a vacuous comparison
+    for a, b in zip(m1, m2):
+        for key in ("loss", "grad_norm", "reward", "learning_rate", "clip_ratio/region_mean"):
+            # The loss sums terms of order 1 that nearly cancel (the advantages sum to 0): float32 summation noise
+            # shows in its absolute value (5e-7 of a 0.016 loss at step 2, by the rows' split over two replicas).
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=2e-6 if key == "loss" else 1e-7), (
+                a["step"], key, b[key], a[key])
+    assert_same_updated_weights(*(ms.load_checkpoint(str(run / "checkpoints" / "step_00000002" / "policy.ckpt"))
+                                  for run in (one, out)), lr=1e-3)
 
 
 @pytest.mark.slow

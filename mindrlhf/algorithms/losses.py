@@ -23,6 +23,7 @@ from mindrlhf.algorithms.kl import get_kl_estimator
 from mindrlhf.algorithms.registry import check_registered, lookup
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.registry import (
+    IS_FOLDING_LOSSES,
     IS_MODES,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
@@ -155,6 +156,20 @@ def _reads_logp(loss_type: str) -> bool:
     # constexpr: the attribute is read in Python at graph-compile time, not parsed into the graph.
     # An unknown name is False here: the registry look-up beside it raises the one-line error.
     return bool(getattr(POLICY_LOSSES.entries.get(loss_type), "reads_logp", False))
+
+
+@ops.constexpr
+def _folds_is_ratio(loss_type: str) -> bool:
+    return loss_type in IS_FOLDING_LOSSES
+
+
+@ops.constexpr
+def _check_token_is_ratio(loss_type: str, shape, token_shape) -> bool:
+    if tuple(shape) != tuple(token_shape):
+        raise MindRLHFError(f"loss_type={loss_type!r} folds per-token importance weights of shape "
+                            f"{tuple(token_shape)} into its sequence weight, got {tuple(shape)}; use "
+                            "importance_sampling_mode token_truncate or token_mask")
+    return True
 
 
 @ops.constexpr
@@ -367,7 +382,7 @@ _VESPO_LOG_W_MIN = math.log(1e-8)
 
 
 @register_policy_loss("vespo", reads_logp=True)
-def vespo_loss(log_ratio, advantages, mask, epsilon_low, epsilon_high, *, logp=None, vespo_k_pos=2.0,
+def vespo_loss(log_ratio, advantages, mask, epsilon_low, epsilon_high, *, logp=None, is_ratio=None, vespo_k_pos=2.0,
                vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0):
     """VESPO (arXiv:2602.10693, "Variational Sequence-Level Soft Policy Optimization"; TRL 1.16's
     ``loss_type="vespo"``, ``GRPOTrainer.get_gamma_weights``): a token-level gradient weighted by a smooth
@@ -376,8 +391,18 @@ def vespo_loss(log_ratio, advantages, mask, epsilon_low, epsilon_high, *, logp=N
         ℓ_t = −sg(φ(w)) · A · log π_θ(y_t),   φ(w) = exp(λ + k·log w − λ·w)  (φ(1) = 1),
 
     with (k, λ) = (k_pos, λ_pos) for A ≥ 0 else (k_neg, λ_neg), log w clamped to [log 1e-8, 20]. The clip
-    range ε is not used. Returns φ's argument w per sequence (B, 1) as the ratio."""
-    log_w = ops.clamp((log_ratio * mask).sum(axis=-1, keepdims=True), _VESPO_LOG_W_MIN, LOG_RATIO_BOUND)
+    range ε is not used. Returns φ's argument w per sequence (B, 1) as the ratio.
+
+    ``is_ratio``: the importance-sampling correction's per-token weights π_old/π_sampler (B, T) (token_truncate or
+    token_mask), folded into w as TRL does, log w = Σ_t log r_t + Σ_t clamp(log is_ratio_t, log 1e-8, 20), so the
+    sequence weight is against the sampler and a masked token (weight 0) sends φ towards 0; they do not multiply
+    the loss. Padding adds nothing (TRL's padding weight is exp(0) = 1 for any cap ≥ 1, its log 0)."""
+    log_w = (log_ratio * mask).sum(axis=-1, keepdims=True)
+    if is_ratio is not None:
+        _check_token_is_ratio("vespo", is_ratio.shape, log_ratio.shape)
+        log_is = ops.clamp(ops.log(ops.stop_gradient(is_ratio)), _VESPO_LOG_W_MIN, LOG_RATIO_BOUND)
+        log_w = log_w + (log_is * mask).sum(axis=-1, keepdims=True)
+    log_w = ops.clamp(log_w, _VESPO_LOG_W_MIN, LOG_RATIO_BOUND)
     w = ops.exp(log_w)
     nonneg = advantages >= 0
     k = ops.where(nonneg, vespo_k_pos, vespo_k_neg).astype(w.dtype)
@@ -551,6 +576,7 @@ def policy_loss(
     global_num_tokens: Optional[Count] = None,
     global_num_seqs: Optional[Count] = None,
     is_weights: Optional[Tensor] = None,
+    is_ratio: Optional[Tensor] = None,
     behav_logp: Optional[Tensor] = None,
     behav_cap: Optional[float] = None,
     loss_params: Optional[Mapping[str, float]] = None,
@@ -563,9 +589,12 @@ def policy_loss(
     is used only when ``beta > 0`` (then ``ref_logp`` is required), then
     ``aggregate_loss(ℓ, mask, loss_agg_mode, ...)``. ``old_logp`` and ``ref_logp`` get no gradient.
     Both log-ratios are clamped to ±``LOG_RATIO_BOUND`` (no gradient beyond it). ``is_weights``
-    (``IS_MODES``, (B, T) or (B, 1), no gradient) multiply the policy term before the KL is added:
-    the rollout/train mismatch correction. ``behav_logp`` / ``behav_cap``: the behaviour policy's (the sampler's)
-    log-probs and the cap of their weight, read by "decoupled" only (``old_logp`` is then the proximal policy's).
+    ((B, T) or (B, 1), no gradient) multiply the policy term before the KL is added: the rollout/train
+    mismatch correction's masks (off-policy masking, rejection sampling). ``is_ratio``: its importance-sampling
+    weights (``IS_MODES``, (B, T) or (B, 1), no gradient), multiplied in with ``is_weights``, except by a loss of
+    ``IS_FOLDING_LOSSES`` ("vespo"), which folds them into its own sequence weight (per-token weights only).
+    ``behav_logp`` / ``behav_cap``: the behaviour policy's (the sampler's) log-probs and the cap of their weight,
+    read by "decoupled" only (``old_logp`` is then the proximal policy's).
     ``loss_params``: the loss's own hyper-parameters by name (``registry.POLICY_LOSS_PARAMS``; defaults: the papers').
 
     Loss types (``POLICY_LOSSES``): "grpo" (token ratio), "gspo" (sequence ratio), "gspo-token", "decoupled"
@@ -594,16 +623,23 @@ def policy_loss(
     # Mask before exp: padding positions may hold garbage (even -inf) log-probs. Clamp: LOG_RATIO_BOUND.
     log_ratio = ops.clamp(ops.where(valid, logp - ops.stop_gradient(old_logp), 0.0), -LOG_RATIO_BOUND,
                           LOG_RATIO_BOUND)
+    folding = is_ratio is not None and _folds_is_ratio(loss_type)
     if loss_type == "decoupled" and behav_logp is not None:
         behav = ops.where(valid, ops.stop_gradient(old_logp) - ops.stop_gradient(behav_logp.astype(dtype)), 0.0)
         per_token, ratio = loss_fn(log_ratio, advantages, mask, epsilon_low, epsilon_high, behav, behav_cap)
     else:
         params = {} if loss_params is None else loss_params
-        if _reads_logp(loss_type):  # a keyword of its own: a Tensor merged into the params dict breaks a graph
+        # logp and is_ratio are keywords of their own: a Tensor merged into the params dict breaks a graph.
+        if folding:
+            per_token, ratio = loss_fn(log_ratio, advantages, mask, epsilon_low, epsilon_high,
+                                       logp=ops.where(valid, logp, 0.0), is_ratio=is_ratio.astype(dtype), **params)
+        elif _reads_logp(loss_type):
             per_token, ratio = loss_fn(log_ratio, advantages, mask, epsilon_low, epsilon_high,
                                        logp=ops.where(valid, logp, 0.0), **params)
         else:
             per_token, ratio = loss_fn(log_ratio, advantages, mask, epsilon_low, epsilon_high, **params)
+    if is_ratio is not None and not folding:  # one product: the weights times the masks
+        is_weights = is_ratio if is_weights is None else is_ratio * is_weights
     if is_weights is not None:
         per_token = per_token * ops.stop_gradient(is_weights.astype(dtype))
 

@@ -31,6 +31,7 @@ from mindrlhf.errors import MindRLHFError
 from mindrlhf.registry import (
     ADVANTAGE_ESTIMATOR_PARAMS,
     ADVANTAGE_ESTIMATORS,
+    IS_FOLDING_LOSSES,
     IS_MODES,
     KL_ESTIMATOR_FORMULAS,
     KL_ESTIMATORS,
@@ -45,6 +46,7 @@ from mindrlhf.registry import (
     SCALE_REWARDS,
     SEQUENCE_ADVANTAGE_LOSSES,
     STAGES,
+    TOKEN_IS_MODES,
     TWO_SIDED_ROLLOUT_RS,
 )
 from mindrlhf.rewards.manager import reward_spec_name
@@ -118,9 +120,10 @@ class AlgorithmConfig:
         "clip_cov / kl_cov = grpo's clip, resp. no clip, with the gradient of a few high-covariance tokens cut, resp. "
         "penalised by kl_cov_coef |log r| (Clip-Cov / KL-Cov, verl's names); luspo = gspo scaled by each "
         "completion's length (TRL's luspo at sequence level); vespo = -sg(phi(w)) * A * logp, phi a Gamma-shaped "
-        "weight of the completion's ratio w (TRL's vespo; aggregated token-mean there). gmpo and luspo need "
-        "loss_agg_mode seq-mean-token-mean. Log-ratios are clamped to +-20 before exp (verl's bound), so one "
-        "off-policy outlier cannot overflow the update.",
+        "weight of the completion's ratio w (TRL's vespo; aggregated token-mean there; the token weights of "
+        "importance_sampling_correction are folded into w, as TRL does, instead of multiplying the loss). gmpo and "
+        "luspo need loss_agg_mode seq-mean-token-mean. Log-ratios are clamped to +-20 before exp (verl's bound), so "
+        "one off-policy outlier cannot overflow the update.",
         choices=LOSS_TYPES)
     loss_agg_mode: str = config_field(
         "seq-mean-token-mean", "How per-token losses become one number: seq-mean-token-mean = mean over each "
@@ -332,10 +335,12 @@ class AlgorithmConfig:
         if self.loss_type == "clip_cov" and self.clip_cov_lb >= self.clip_cov_ub:
             errors.append(f"clip_cov_lb = {self.clip_cov_lb} >= clip_cov_ub = {self.clip_cov_ub}: no token can be "
                           "picked; set clip_cov_lb below clip_cov_ub")
-        if self.loss_type == "vespo" and self.importance_sampling_correction:
-            errors.append("loss_type = 'vespo' with importance_sampling_correction = true: VESPO folds the sampler's "
-                          "weight into its own sequence weight, which is not built here; set "
-                          "importance_sampling_correction false")
+        if (self.loss_type in IS_FOLDING_LOSSES and self.importance_sampling_correction
+                and self.importance_sampling_mode not in TOKEN_IS_MODES):
+            errors.append(f"loss_type = {self.loss_type!r} folds importance_sampling_correction's per-token weights "
+                          f"into its sequence weight, but importance_sampling_mode = "
+                          f"{self.importance_sampling_mode!r} gives one per completion; use "
+                          f"{' or '.join(TOKEN_IS_MODES)} (as TRL requires)")
         if self.loss_type == "decoupled" and self.importance_sampling_correction:
             errors.append("loss_type = 'decoupled' with importance_sampling_correction = true: the decoupled loss "
                           "already weights each token by proximal/behaviour; set importance_sampling_correction false")
