@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from mindrlhf.configs import GRPOConfig
+from mindrlhf.configs.mindrlhf_yaml import is_sectioned
 from mindrlhf.data.gsm8k import (
     DEFAULT_PROMPT_STYLE,
     PROMPT_STYLES,
@@ -21,16 +22,18 @@ from mindrlhf.tokenizer import Tokenizer
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _is_mindformers_model(path: Path) -> bool:
-    """A MindFormers model YAML (an sft_path_train / sft_path_infer value), not a GRPO config."""
+def _is_grpo_config(path: Path) -> bool:
+    """A GRPOConfig YAML: not a MindFormers model YAML (an sft_path_train / sft_path_infer value), nor MindRLHF's
+    sectioned grpo_config.yaml (read by its main.py; tests/test_mindrlhf_main.py trains it)."""
     import yaml
 
     data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    return isinstance(data.get("model"), dict) and "model_config" in data["model"]
+    mindformers = isinstance(data.get("model"), dict) and "model_config" in data["model"]
+    return not mindformers and not is_sectioned(data)
 
 
 PRESETS = sorted(p for p in [*REPO.glob("model_configs/**/*.yaml"), *REPO.glob("examples/**/*.yaml")]
-                 if not _is_mindformers_model(p))
+                 if _is_grpo_config(p))
 CPU_PRESETS = [p for p in PRESETS if GRPOConfig.from_yaml(p).parallel.device_target == "CPU"]
 
 
