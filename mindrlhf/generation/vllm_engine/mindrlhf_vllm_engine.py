@@ -9,11 +9,12 @@ socket: token ids, numbers and the name and layout of a shared-memory block the 
 float32 arrays.
 
 Why the weights are not loaded with vLLM's ``reload_weights``: its CPU backend hands each linear layer to a
-oneDNN matmul handle holding its own packed copy of the weight (the layer's ``weight`` is left empty), and the
-compiled graph keeps calling the handle it was traced with. So each linear gets a new handle built from the
-new weight, and its pointer is written into the old handle's tensor, which is what the graph reads at run time
-(measured in docs/design.md, "vLLM on CPU"). Everything else (embeddings, norms, biases) goes through the
-model's own ``load_weights``.
+packed kernel holding its own copy of the weight (the layer's ``weight`` is left empty), and the compiled graph
+keeps calling what it was traced with. A oneDNN matmul handle (most linears) gets a new handle built from the new
+weight, and its pointer is written into the old handle's tensor, which is what the graph reads at run time
+(measured in docs/design.md, "vLLM on CPU"). A small linear on a CPU with AMX runs sgl-kernel's
+``weight_packed_linear`` on a VNNI-packed tensor: the new weight is packed the same way and copied into that
+tensor. Everything else (embeddings, norms, biases) goes through the model's own ``load_weights``.
 
 This file imports nothing of mindrlhf: mindrlhf's environment (MindSpore, numpy 1.x) is not vLLM's.
 """
@@ -52,7 +53,7 @@ class WeightSync:
         tied = "lm_head.weight" not in views
         kept = set()  # sources of linears whose only copy is the handle's: not loaded into empty Parameters
         repacked = 0
-        for module_name, (module, handler) in _onednn_linears(model).items():
+        for module_name, (module, packed) in _packed_linears(model).items():
             sources = _hf_sources(module_name, tied)
             missing = [s for s in sources if s not in views]
             if missing:
@@ -62,7 +63,7 @@ class WeightSync:
             if want.isdisjoint(sources):
                 continue
             weight = torch.cat([views[s] for s in sources]) if len(sources) > 1 else views[sources[0]]
-            _repack(module_name, handler, weight.to(module.weight.dtype))
+            _repack(module_name, packed, weight.to(module.weight.dtype))
             repacked += 1
         rest = [(name, views[name]) for name in views if name in want and name not in kept]
         loaded = model.load_weights(iter(rest)) if rest else set()
@@ -71,17 +72,26 @@ class WeightSync:
                 "seconds": time.perf_counter() - t0}
 
 
-def _onednn_linears(model) -> dict:
-    """The layers whose matmul runs through a oneDNN handle, with the handle: the linears (their ``weight``
-    Parameter left empty) and the output head (vocabulary rows padded; the embedding's when tied)."""
+def _packed_linears(model) -> dict:
+    """The layers whose matmul runs on a packed copy of the weight, with that copy (a oneDNN handle, or
+    sgl-kernel's packed tensor on AMX): the linears (their ``weight`` Parameter left empty) and the output head
+    (vocabulary rows padded; the embedding's when tied)."""
+    import torch
+
     out = {}
     for name, module in model.named_modules():
-        for cell in getattr(getattr(module, "cpu_linear", None), "__closure__", None) or ():
-            if type(cell.cell_contents).__name__ == "CPUDNNLGEMMHandler":
-                out[name] = (module, cell.cell_contents)
+        linear = getattr(module, "cpu_linear", None)
+        cells = [c.cell_contents for c in getattr(linear, "__closure__", None) or ()]
+        for value in cells:
+            if type(value).__name__ == "CPUDNNLGEMMHandler":
+                out[name] = (module, value)
+        if name not in out and "weight_packed_linear_cpu" in getattr(getattr(linear, "__code__", None), "co_names", ()):
+            (tensor,) = [v for v in cells if isinstance(v, torch.Tensor)]
+            (rows,) = [v for v in cells if isinstance(v, int)]  # the engine's N
+            out[name] = (module, (tensor, rows))
         if name not in out and getattr(getattr(module, "weight", None), "numel", lambda: 1)() == 0:
-            raise RuntimeError(f"{name}: vLLM runs this linear through a kernel other than oneDNN's (sgl-kernel on "
-                               "AMX or zentorch), which the in-place weight sync does not update yet")
+            raise RuntimeError(f"{name}: vLLM runs this linear through a kernel other than oneDNN's or sgl-kernel's "
+                               "(zentorch on AMD Zen), which the in-place weight sync does not update yet")
     return out
 
 
@@ -95,16 +105,29 @@ def _hf_sources(module_name: str, tied: bool) -> tuple:
     return (f"{module_name}.weight",)
 
 
-def _repack(module_name: str, handler, weight) -> None:
-    """Point a oneDNN handle at a new packed copy of ``weight`` (N, K; rows zero-padded to the handle's N)."""
+def _repack(module_name: str, packed, weight) -> None:
+    """Write ``weight`` (N, K) into a linear's packed copy: a oneDNN handle pointed at a new packed copy, or
+    sgl-kernel's packed tensor overwritten with the new weight packed the same way. Rows are zero-padded to the
+    engine's N (the vocabulary padded to vLLM's multiple: those logits are never sampled)."""
     import torch
     from vllm import _custom_ops as ops
 
     n, k = weight.shape
+    if isinstance(packed, tuple):  # sgl-kernel: (the packed tensor, the engine's N)
+        tensor, rows = packed
+        if n < rows:
+            weight = torch.cat([weight, weight.new_zeros(rows - n, k)])
+        new = torch.ops._C.convert_weight_packed(weight.contiguous())
+        if new.shape != tensor.shape or new.dtype != tensor.dtype:
+            raise RuntimeError(f"{module_name}: the trainer's weight {(n, k)} packs to {tuple(new.shape)} "
+                               f"{new.dtype}, the engine holds {tuple(tensor.shape)} {tensor.dtype}")
+        tensor.copy_(new)  # the compiled graph reads this tensor
+        return
+    handler = packed
     if k != handler.k or n > handler.n:
         raise RuntimeError(f"{module_name}: the trainer's weight is {tuple(weight.shape)}, the engine's "
                            f"{(handler.n, handler.k)}")
-    if n < handler.n:  # the vocabulary padded to vLLM's multiple: those logits are never sampled
+    if n < handler.n:
         weight = torch.cat([weight, weight.new_zeros(handler.n - n, k)])
     new = ops.create_onednn_mm(weight.t(), 32)
     old = handler.handler_tensor.clone()
@@ -145,7 +168,8 @@ class Engine:
         self.llm = LLM(model=args.model, dtype=args.dtype, load_format="dummy", skip_tokenizer_init=True,
                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=args.seed,
                        enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                       worker_extension_cls="mindrlhf_vllm_engine.WeightSync", **kwargs)
+                       worker_extension_cls="mindrlhf_vllm_engine.WeightSync", enforce_eager=args.enforce_eager,
+                       **kwargs)
         self.start_s = time.perf_counter() - t0
         import vllm
 
@@ -276,6 +300,7 @@ def main(argv=None) -> None:
     p.add_argument("--max_num_batched_tokens", type=int, default=0)
     p.add_argument("--kv_cache_gib", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce_eager", action="store_true", help="no torch.compile: a faster start, slower sampling")
     p.add_argument("--ascend", action="store_true", help="import vllm_mindspore before vllm (Ascend)")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, _stop_group)  # a client's terminate() stops vLLM's processes too
