@@ -117,6 +117,14 @@ def assert_same_updated_weights(w1: dict, w2: dict, lr: float) -> None:
 BYHAND = os.environ.get("MINDRLHF_BYHAND") == "1"
 
 
+def byhand(value, why: str):
+    """A parameter of a test run only by hand (``MINDRLHF_BYHAND=1``): ``why`` names the case CI runs instead."""
+    import pytest
+
+    return pytest.param(value, id=str(value), marks=[pytest.mark.byhand, pytest.mark.skipif(
+        not BYHAND, reason=f"beyond CI's time; {why}: MINDRLHF_BYHAND=1")])
+
+
 def assert_same_disaggregated_run(colocated: Path, disaggregated: Path, stems=("policy",), step: int = 2) -> None:
     """A synchronous disaggregated run (``max_staleness`` 0) equals the colocated run of the same layout: every
     metric but the wall-clock ones (rel 1e-6; ``staleness/*`` 0 is its only extra) and the weights of each

@@ -5,6 +5,8 @@ base model (SFT), a tiny random Qwen2 instead of the embedded SmolLM2: every lat
 through the previous stage's run folder, as a user's would."""
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import shlex
@@ -72,6 +74,13 @@ def test_the_readme_pipeline_runs_top_to_bottom_as_written(tmp_path, qwen_tokeni
     for stage in ("sft", "rm", "dpo", "orpo", "ppo", "grpo"):
         assert (work / "output" / stage / "checkpoints" / "step_00000001" / "manifest.json").is_file(), stage
     assert all((work / f"eval_{stage}.jsonl").read_text().count("\n") == 2 for stage in ("dpo", "orpo", "ppo", "grpo"))
+    # The SFT run folder is the reward model's base (its lm_head replaced by a score head) and DPO's, whose
+    # reference is then that same model: DPO's first step has loss ln 2 and zero rewards, as TRL's.
+    first = {stage: json.loads((work / "output" / stage / "metrics.jsonl").read_text().splitlines()[0])
+             for stage in ("rm", "dpo")}
+    assert {"accuracy", "margin", "mean_reward"} <= set(first["rm"])
+    assert first["dpo"]["loss"] == pytest.approx(math.log(2.0), rel=1e-6)
+    assert first["dpo"]["rewards/margins"] == 0.0 and first["dpo"]["rewards/accuracies"] == 0.0
 
 
 def test_the_chinese_guide_has_the_same_pipeline():

@@ -64,11 +64,12 @@ def _sharpened(model):
 class Served:
     """A ``mindrlhf-vllm-serve`` process for one architecture."""
 
-    def __init__(self, model_dir: Path, socket_path: Path, python: str, log: Path, dtype: str = "float32"):
+    def __init__(self, model_dir: Path, socket_path: Path, python: str, log: Path, dtype: str = "float32",
+                 eager: bool = False):
         self.path = str(socket_path)
         self.log = log
         cmd = [sys.executable, "-m", "mindrlhf.tools.vllm_serve", "--model", str(model_dir), "--socket", self.path,
-               "--vllm_python", python, "--dtype", dtype, "--max_model_len", "512"]
+               "--vllm_python", python, "--dtype", dtype, "--max_model_len", "512"] + (["--enforce_eager"] * eager)
         self.proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 900
         while not socket_path.exists():
@@ -108,6 +109,11 @@ def _group_gone(pgid: int, timeout: float = 30.0) -> bool:
     return False
 
 
+#: The families whose engine serves only the parity test start with --enforce_eager (no torch.compile: ~30 s less
+#: each); Qwen2's, which every other test uses, and the bfloat16 one run compiled, as a run's engine does.
+EAGER = ("llama", "qwen3")
+
+
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory, qwen_tokenizer_dir):
     """Per family: (its sharpened tiny model, the model folder, a served engine), started lazily."""
@@ -123,7 +129,8 @@ def engines(tmp_path_factory, qwen_tokenizer_dir):
             if family != "llama":
                 add_tokenizer(folder, qwen_tokenizer_dir)
             made[key] = (_sharpened(load_model(folder)), folder,
-                         Served(folder, root / f"{key}.sock", python, root / f"{key}.log", dtype))
+                         Served(folder, root / f"{key}.sock", python, root / f"{key}.log", dtype,
+                                eager=family in EAGER and dtype == "float32"))
         return made[key]
 
     yield get
@@ -266,9 +273,10 @@ def test_bfloat16_after_three_syncs_equals_a_first_load_and_its_gap_is_bounded(e
 
 def test_a_started_engine_stops_with_its_sampler(engines):
     """A sampler that started its own engine stops all of it on close: vLLM's engine core and workers too (they
-    used to outlive it, holding their KV cache and memory)."""
+    used to outlive it, holding their KV cache and memory). It runs eager (``enforce_eager``), to start sooner."""
     model, _, _ = engines("qwen2")
-    sampler = VLLMSampler(model.config, python=_vllm_python(), dtype="float32", max_model_len=256)
+    sampler = VLLMSampler(model.config, python=_vllm_python(), dtype="float32", max_model_len=256,
+                          enforce_eager=True)
     pgid = sampler._proc.pid
     assert len(sampler.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4))) == 1
     sampler.close()

@@ -57,7 +57,7 @@ def vllm_sampler(cfg, model) -> Sampler:
                             max_model_len=g.vllm_max_model_len or g.max_prompt_length + g.max_completion_length,
                             max_num_seqs=g.vllm_max_num_seqs, max_num_batched_tokens=g.vllm_max_num_batched_tokens,
                             kv_cache_gib=g.vllm_kv_cache_gib, server=g.vllm_server, seed=cfg.train.seed,
-                            ascend=cfg.parallel.device_target == "Ascend")
+                            ascend=cfg.parallel.device_target == "Ascend", enforce_eager=g.vllm_enforce_eager)
 
 
 def vllm_sampler_for(model, *, max_model_len: int, **options) -> Sampler:

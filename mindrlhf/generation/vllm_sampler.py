@@ -69,14 +69,17 @@ class VLLMSampler(Sampler):
 
     def __init__(self, config, *, python: str = "", dtype: str = "auto", max_model_len: int = 1024,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 0, kv_cache_gib: int = 1,
-                 server: str = "", seed: int = 0, ascend: bool = False, start_timeout: float = 1200.0):
+                 server: str = "", seed: int = 0, ascend: bool = False, enforce_eager: bool = False,
+                 start_timeout: float = 1200.0):
         """``config``: the trainer's ``DecoderConfig``; ``server``: the socket of a running engine ('' = start one
         with ``python``); ``dtype`` 'auto' = bfloat16 where the CPU has AVX-512-BF16 or AMX, else float32;
-        ``ascend``: the engine imports vLLM-MindSpore first (its documented way; untested here)."""
+        ``ascend``: the engine imports vLLM-MindSpore first (its documented way; untested here); ``enforce_eager``:
+        the engine skips torch.compile (a start shorter by about a minute on CPU, slower sampling)."""
         self.last_stats: Dict[str, Any] = {}
         self.tokens_generated = 0
         self.dtype = ("bfloat16" if ascend or cpu_has_bf16() else "float32") if dtype == "auto" else dtype
         self._ascend = ascend
+        self._enforce_eager = enforce_eager
         self._hf_config = config.to_hf_dict()
         self._proc: Optional[subprocess.Popen] = None
         self._tmp: Optional[str] = None
@@ -106,7 +109,8 @@ class VLLMSampler(Sampler):
         log = os.path.join(self._tmp, "engine.log")
         cmd = engine_command(python, self._hf_config, self._tmp, path, dtype=self.dtype, max_model_len=max_model_len,
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             kv_cache_gib=kv_cache_gib, seed=seed, ascend=self._ascend)
+                             kv_cache_gib=kv_cache_gib, seed=seed, ascend=self._ascend,
+                             enforce_eager=self._enforce_eager)
         env = engine_env()
         print(f"vLLM: starting its engine ({self.dtype}, {python}); it takes about two minutes on CPU, log: {log}",
               file=sys.stderr, flush=True)
@@ -254,7 +258,7 @@ class VLLMSampler(Sampler):
 
 def engine_command(python: str, hf_config: Dict[str, Any], folder: str, socket_path: str, *, dtype: str,
                    max_model_len: int, max_num_seqs: int = 64, max_num_batched_tokens: int = 0, kv_cache_gib: int = 1,
-                   seed: int = 0, ascend: bool = False) -> List[str]:
+                   seed: int = 0, ascend: bool = False, enforce_eager: bool = False) -> List[str]:
     """The command that serves an engine for ``hf_config``'s architecture on ``socket_path``; writes the model's
     config.json under ``folder`` (the engine starts from dummy weights: the client loads the real ones)."""
     model_dir = os.path.join(folder, "model")
@@ -264,7 +268,7 @@ def engine_command(python: str, hf_config: Dict[str, Any], folder: str, socket_p
     return [python, str(ENGINE_SCRIPT), "--socket", socket_path, "--model", model_dir, "--dtype", dtype,
             "--max_model_len", str(max_model_len), "--max_num_seqs", str(max_num_seqs),
             "--max_num_batched_tokens", str(max_num_batched_tokens), "--kv_cache_gib", str(kv_cache_gib),
-            "--seed", str(seed)] + (["--ascend"] if ascend else [])
+            "--seed", str(seed)] + (["--ascend"] if ascend else []) + (["--enforce_eager"] if enforce_eager else [])
 
 
 def engine_env() -> Dict[str, str]:

@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_num_batched_tokens", type=int, default=0, help="tokens per engine step (0 = vLLM's)")
     p.add_argument("--kv_cache_gib", type=int, default=1, help="KV-cache space in GiB")
     p.add_argument("--seed", type=int, default=0, help="the engine's seed (each request brings its own)")
+    p.add_argument("--enforce_eager", action="store_true", help="run the model without torch.compile: the engine "
+                   "starts about a minute sooner on CPU and samples slower (for short jobs and tests)")
     return p
 
 
@@ -58,7 +60,7 @@ def _main(argv: Optional[List[str]]) -> int:
         cmd = engine_command(python, config.to_hf_dict(), folder, os.path.abspath(args.socket), dtype=dtype,
                              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_gib=args.kv_cache_gib,
-                             seed=args.seed)
+                             seed=args.seed, enforce_eager=args.enforce_eager)
         print(f"mindrlhf-vllm-serve: starting vLLM ({dtype}) for {args.model} on {args.socket}", file=sys.stderr,
               flush=True)
         # The engine leads a process group of its own (vLLM's processes are in it): stopping this command stops
