@@ -117,6 +117,16 @@ def assert_same_updated_weights(w1: dict, w2: dict, lr: float) -> None:
 BYHAND = os.environ.get("MINDRLHF_BYHAND") == "1"
 
 
+def byhand_only(why: str):
+    """Marks a test run only by hand (``MINDRLHF_BYHAND=1``); ``why`` names what CI runs instead."""
+    import pytest
+
+    def mark(test):
+        return pytest.mark.byhand(pytest.mark.skipif(not BYHAND, reason=f"beyond CI's time; {why}: "
+                                                     "MINDRLHF_BYHAND=1")(test))
+    return mark
+
+
 def byhand(value, why: str):
     """A parameter of a test run only by hand (``MINDRLHF_BYHAND=1``): ``why`` names the case CI runs instead."""
     import pytest

@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from grpo_runs import DEFAULT_REWARDS, EVAL_KEYS, byhand, grpo_args, launch_env, run_cli, same_as_mindrlhf_eval
+from grpo_runs import (
+    DEFAULT_REWARDS,
+    EVAL_KEYS,
+    byhand,
+    byhand_only,
+    grpo_args,
+    launch_env,
+    run_cli,
+    same_as_mindrlhf_eval,
+)
 
 EVAL = {"eval_steps": 1, "eval_limit": 4}
 
@@ -35,6 +44,7 @@ def test_grpo_eval_rows_equal_mindrlhf_eval_on_each_checkpoint(grpo_assets, tmp_
 
 
 @pytest.mark.slow
+@byhand_only("GRPO's test runs the rollout stages' one evaluation (PolicyEvaluation)")
 def test_ppo_evaluates_every_n_steps_and_at_the_last(grpo_assets, tmp_path):
     """eval_steps 2 on a 3-step PPO run: eval rows at steps 2 and 3 (the last), equal to mindrlhf-eval's."""
     import os

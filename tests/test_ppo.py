@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from grpo_runs import BYHAND, SUITE_RECOMPUTE
+from grpo_runs import BYHAND, SUITE_RECOMPUTE, byhand, byhand_only
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -140,8 +140,10 @@ def test_without_a_reward_model_the_critic_is_the_actor_with_a_new_head(ppo_asse
 
 @pytest.mark.slow
 @pytest.mark.msrun
-@pytest.mark.parametrize("layout", [{"train_dp": 2, "infer_dp": 2}, {"train_tp": 2, "infer_dp": 2}],
-                         ids=["dp2", "tp2"])
+@pytest.mark.parametrize("layout", [
+    pytest.param({"train_dp": 2, "infer_dp": 2}, id="dp2"),
+    pytest.param({"train_tp": 2, "infer_dp": 2}, id="tp2",
+                 marks=byhand("tp2", "GRPO's tp x pp launch shards the same model").marks)])
 def test_two_workers_match_one_on_replayed_rollouts(ppo_assets, recorded, tmp_path, layout):
     """Two workers under msrun replaying the one-process run's recorded rollouts compute its steps: the same scores,
     KL, GAE statistics, policy and value losses, gradient norms, and the same updated actor and critic (the reward
@@ -434,6 +436,7 @@ def test_tensor_parallel_generators_and_trainers_equal_one_process(ppo_assets, r
 
 @pytest.mark.slow
 @pytest.mark.msrun
+@byhand_only("GRPO's disaggregated launch runs the shared rollout link")
 def test_one_generator_one_trainer_equals_the_colocated_run(ppo_assets, recorded, tmp_path):
     """Disaggregated PPO: msrun world 2 with gen_workers 1 at max_staleness 0 (rank 1 only samples; rank
     0 scores with the reward model, runs the reference and the critic and trains both) computes the colocated
