@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from mindspore import Tensor
 
+from grpo_runs import byhand
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.generation import (
     Completion,
@@ -451,7 +452,7 @@ def test_completion_is_a_plain_record():
     assert c.token_ids == [1] and c.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("which", ["qwen", "llama"])
+@pytest.mark.parametrize("which", ["qwen", byhand("llama", "qwen's run shares the same prefill")])
 def test_shared_prompt_prefill_gives_the_same_completions(which, request):
     """Each distinct prompt prefilled once and its cache copied to its n rows: token for token and
     log-prob for log-prob what prefilling every row gives, greedy and sampled, with prompts of

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from grpo_runs import byhand_only
 from mindrlhf.models.lora import ADAPTER_CONFIG, read_adapter
 
 REPO = Path(__file__).resolve().parents[1]
@@ -333,6 +334,7 @@ def test_dpo_lora_steps_equal_a_float64_torch_reference(lora_assets, tmp_path):
 
 
 @pytest.mark.slow
+@byhand_only("the SFT LoRA tests resume adapters and moments exactly through the shared offline trainer")
 def test_dpo_lora_resumes_exactly(lora_assets, tmp_path):
     """LoRA DPO (the reference: the base with the adapters off): 3 steps uninterrupted vs a new trainer resumed from
     the first run's step-2 checkpoint and trained to step 3: the same step-3 metrics, bit-identical adapters."""

