@@ -12,6 +12,7 @@ import pytest
 
 from grpo_runs import grpo_args, is_timing, read_rows, run_inprocess
 from mindrlhf.data.gsm8k import DEFAULT_SYSTEM_PROMPT
+from mindrlhf.evaluation.gsm8k_eval import evaluate
 from mindrlhf.rollout_tools import ToolBox, assistant_message, render_prompt, retokenization_drift, tool_result_ids
 from mindrlhf.tokenizer import Tokenizer
 
@@ -96,33 +97,52 @@ def tool_caller(tmp_path_factory, grpo_assets):
         prompt_rows.append({"prompt": messages, "answer": f"#### {answer}", "tools": box.schemas})
     (root / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft_rows), encoding="utf-8")
     (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompt_rows), encoding="utf-8")
+    # the same questions as GSM8K rows, for the evaluation
+    (root / "questions.jsonl").write_text("".join(json.dumps({"question": q, "answer": f"{e} = {a}\n#### {a}"}) + "\n"
+                                                  for q, e, a in QUESTIONS), encoding="utf-8")
     out = root / "sft"
     assert sft(["--model", str(grpo_assets["model"]), "--train_file", str(root / "sft.jsonl"), "--output_dir", str(out),
                 "--batch_size", "4", "--micro_batch_size", "4", "--lr", "1e-2", "--max_steps", "150", "--save_steps",
                 "150", "--max_length", "512", "--lr_schedule", "constant", "--warmup_steps", "0", "--progress_bar",
                 "false", "--tensorboard", "false", "--recompute", "full", "--layer_graph_shapes", "dynamic"]) == 0
-    return {"model": out, "prompts": root / "prompts.jsonl", "tokenizer": tok, "box": box}
+    return {"model": out, "prompts": root / "prompts.jsonl", "questions": root / "questions.jsonl", "tokenizer": tok,
+            "box": box}
 
 
-@pytest.mark.slow
-def test_a_grpo_step_with_a_tool_call(tool_caller, grpo_assets, tmp_path):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def tool_step(tool_caller, grpo_assets, tmp_path_factory):
+    """One near-greedy GRPO step of the taught model with the calculator, evaluated on its questions after the
+    step; its run folder and the step's dumped rows."""
+    root = tmp_path_factory.mktemp("tool_step")
+    out = root / "run"
     assert run_inprocess(grpo_args(grpo_assets, out, sft_path_train=tool_caller["model"],
                                    mind_dataset_dir=tool_caller["prompts"], max_prompt_length=512,
                                    max_completion_length=96, num_generations=2, max_steps=1, save_steps=1,
                                    temperature=0.05, tools=["calculator"], tensorboard="false",
-                                   save_data_file=tmp_path / "dump")) == 0
+                                   save_data_file=root / "dump", eval_steps=1,
+                                   eval_file=tool_caller["questions"])) == 0
+    return out, np.load(root / "dump.step1.npz")
+
+
+def _segments(tok, box, dump, g: int):
+    """Row ``g`` of the dump: its prompt ids, its question and the ids of the taught call, the calculator's result
+    (as the template renders it) and the reply."""
+    prompt = [int(t) for t, m in zip(dump["prompt_ids"][g], dump["prompt_mask"][g]) if m]
+    (question, expression, answer), = [q for q in QUESTIONS if q[0] in tok.decode(prompt)]
+    call, reply = tok.encode(_call(expression) + "<|im_end|>"), tok.encode(f"The answer is {answer}.<|im_end|>")
+    return prompt, (question, expression, answer), call, tool_result_ids(tok, box.run(_call(expression))), reply
+
+
+@pytest.mark.slow
+def test_a_grpo_step_with_a_tool_call(tool_caller, tool_step):
+    out, dump = tool_step
     (row,) = read_rows(out)
     tok, box = tool_caller["tokenizer"], tool_caller["box"]
-    dump = np.load(tmp_path / "dump.step1.npz")
     policy_tokens = []
     assert len(dump["completion_ids"]) == 4  # two prompts (in the dataset's shuffled order), two completions each
     for g in range(4):
-        prompt = [int(t) for t, m in zip(dump["prompt_ids"][g], dump["prompt_mask"][g]) if m]
-        (question, expression, answer), = [q for q in QUESTIONS if q[0] in tok.decode(prompt)]
-        call, reply = tok.encode(_call(expression) + "<|im_end|>"), tok.encode(f"The answer is {answer}.<|im_end|>")
+        prompt, (question, expression, answer), call, tool, reply = _segments(tok, box, dump, g)
         results = box.run(_call(expression))
-        tool = tool_result_ids(tok, results)
         # near-greedy sampling: the taught call and answer
         n = len(call) + len(tool) + len(reply)
         assert dump["completion_ids"][g, :n].tolist() == call + tool + reply, g
@@ -140,3 +160,145 @@ def test_a_grpo_step_with_a_tool_call(tool_caller, grpo_assets, tmp_path):
     assert (row["tools/call_frequency"], row["tools/failure_frequency"], row["tools/turns/mean"]) == (1.0, 0.0, 2.0)
     assert row["completions/mean_length"] == pytest.approx(np.mean(policy_tokens))  # policy tokens only
     assert row["rewards/accuracy/mean"] == 1.0
+    # evaluation while training runs the same tool loop: its rows are mindrlhf-eval's of the step's checkpoint
+    summary = evaluate(str(out / "checkpoints" / "step_00000001"), data_path=tool_caller["questions"],
+                       max_new_tokens=96, progress=False, tools=box)
+    assert (summary["accuracy"], summary["tool_call_frequency"], summary["tool_failure_frequency"],
+            summary["turns_mean"]) == (1.0, 1.0, 0.0, 2.0)
+    assert {k: v for k, v in row.items() if k.startswith("eval/") and not k.startswith("eval/reward/")} == {
+        "eval/accuracy": 1.0, "eval/format_rate": summary["format_rate"],
+        "eval/mean_length": summary["mean_completion_tokens"], "eval/truncated_rate": 0.0,
+        "eval/tools/call_frequency": 1.0, "eval/tools/failure_frequency": 0.0, "eval/tools/turns/mean": 2.0}
+    assert summary["mean_completion_tokens"] == pytest.approx(np.mean(policy_tokens))  # the tool tokens left out
+
+
+def test_mindrlhf_eval_with_and_without_the_calculator(tool_caller, tmp_path, capsys):
+    """The taught model answers its two questions through the calculator, and none without it.
+    ``mindrlhf-eval --tools calculator`` runs on the packaged test sample."""
+    from mindrlhf.evaluation.gsm8k_eval import main
+
+    tok, box = tool_caller["tokenizer"], tool_caller["box"]
+    kw = dict(data_path=tool_caller["questions"], max_new_tokens=96, progress=False)
+    with_tool = evaluate(str(tool_caller["model"]), tools=box, output=tmp_path / "with.jsonl", **kw)
+    alone = evaluate(str(tool_caller["model"]), output=tmp_path / "alone.jsonl", **kw)
+    assert (with_tool["accuracy"], with_tool["tool_call_frequency"], with_tool["turns_mean"]) == (1.0, 1.0, 2.0)
+    assert with_tool["tools"] == ["calculator"] and "tools" not in alone
+    for question, expression, answer in QUESTIONS:
+        row = next(json.loads(line) for line in (tmp_path / "with.jsonl").read_text().splitlines()
+                   if json.loads(line)["question"] == question)
+        results = box.run(_call(expression))
+        result = results[0].content
+        # the whole trajectory as the trainer decodes it: the call, the tool's answer, the model's reply
+        want = tok.decode(tok.encode(_call(expression) + "<|im_end|>") + tool_result_ids(tok, results)
+                          + tok.encode(f"The answer is {answer}.<|im_end|>"), skip_special_tokens=True)
+        assert (row["completions"], row["tool_calls"], row["tool_failures"]) == ([want], [1], [0]), question
+        assert result == answer and f"The answer is {answer}." in want
+    # without tools the prompt shows none: the taught model is lost (it never saw such a prompt)
+    assert alone["accuracy"] == 0.0 and all(not json.loads(line)["correct"] and "tool_calls" not in json.loads(line)
+                                            for line in (tmp_path / "alone.jsonl").read_text().splitlines())
+    assert main(["--model", str(tool_caller["model"]), "--tools", "calculator", "--limit", "2", "--max_new_tokens",
+                 "48", "--batch_size", "2", "--no_progress"]) == 0
+    out = capsys.readouterr().out
+    assert "GSM8K pass@1 on 2 questions" in out and "tools          calculator: " in out
+    assert main(["--tools", "calculatr", "--limit", "1"]) == 2
+    assert "unknown tool 'calculatr'; built-ins: calculator" in capsys.readouterr().err
+
+
+def _row_logp(model, prompt, completion, temperature: float):
+    """log softmax(logits / T) of each completion token given what precedes it, the row alone (no padding)."""
+    from mindspore import Tensor, ops
+
+    n, c = len(prompt), len(completion)
+    logits = model(Tensor(np.array([list(prompt) + list(completion)], np.int32)))[0, n - 1:n - 1 + c] / temperature
+    return ops.gather_elements(ops.log_softmax(logits, -1), 1, Tensor(np.array(completion, np.int32)[:, None]))[:, 0]
+
+
+def _hand_loss_and_grads(model, rows, temperature: float, eps: float, beta: float, loss_agg_mode: str):
+    """The GRPO loss written out on each row alone (its prompt and completion, no padding) and its gradients by
+    autodiff: per token −min(r·A, clip(r, 1−ε, 1+ε)·A) + β·(e^(ref−logp) − (ref−logp) − 1) with
+    r = e^(logp − old), over the tokens each row's ``keep`` marks, averaged over all of them (token-mean) or per
+    row, then over the rows (seq-mean-token-mean)."""
+    import mindspore as ms
+    from mindspore import Tensor, ops
+
+    params = model.trainable_params()
+    tokens = float(sum(r["keep"].sum() for r in rows))
+
+    def loss_fn():
+        total = 0.0
+        for r in rows:
+            logp = _row_logp(model, r["prompt"], r["completion"], temperature)
+            ratio = ops.exp(logp - Tensor(r["old"]))
+            adv = float(r["advantage"])
+            surrogate = -ops.minimum(ratio * adv, ops.clamp(ratio, 1 - eps, 1 + eps) * adv)
+            d = Tensor(r["ref"]) - logp
+            per_token = surrogate + beta * (ops.exp(d) - d - 1)
+            kept = (per_token * Tensor(r["keep"])).sum()
+            total = total + (kept / tokens if loss_agg_mode == "token-mean"
+                             else kept / float(r["keep"].sum()) / len(rows))
+        return total
+
+    loss, grads = ms.value_and_grad(loss_fn, None, params)()
+    return float(loss.asnumpy()), {p.name: g.asnumpy() for p, g in zip(params, grads)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
+def test_the_update_of_a_tool_trajectory_equals_the_loss_by_hand(tool_caller, tool_step, grpo_assets, loss_agg_mode):
+    """The GRPO step's own rows (the call, the calculator's result, the reply), with advantages and old/reference
+    log-probs set apart from the policy's so the clip and the KL act: the Updater's loss and gradients (padded,
+    as the trainer lays them out, with the mask the rollout built) equal the loss written out by hand over the
+    call and reply tokens only; the same sum with the tool tokens kept is another loss. The policy is the tiny
+    model before its SFT: the taught one gives its tokens p ~ 1, whose gradients (1 - p) float32 resolves to ~1%."""
+    import mindspore as ms
+
+    from mindrlhf.grpo import GRPOObjective, LossSettings
+    from mindrlhf.models import load_model
+    from mindrlhf.models.heads import LogProbHead
+    from mindrlhf.trainer.update import Updater
+
+    _, dump = tool_step
+    tok, box = tool_caller["tokenizer"], tool_caller["box"]
+    model = load_model(grpo_assets["model"])
+    rng = np.random.default_rng(0)
+    advantages = np.array([0.9, -0.4, 1.3, -1.1], np.float32)
+    width = dump["completion_ids"].shape[1]
+    old = np.zeros((4, width), np.float32)
+    ref = np.zeros((4, width), np.float32)
+    rows = []
+    for g in range(4):
+        prompt, _, call, tool, reply = _segments(tok, box, dump, g)
+        completion = call + tool + reply
+        keep = np.array([1.0] * len(call) + [0.0] * len(tool) + [1.0] * len(reply), np.float32)
+        n = len(completion)
+        # old/reference log-probs a little off the policy's, so ratios run past 1 ± ε and KL > 0
+        logp = _row_logp(model, prompt, completion, 1.0).asnumpy()
+        old[g, :n] = logp + rng.uniform(-0.4, 0.4, n).astype(np.float32)
+        ref[g, :n] = logp + rng.uniform(-0.3, 0.3, n).astype(np.float32)
+        rows.append({"prompt": prompt, "completion": completion, "keep": keep, "advantage": advantages[g],
+                     "old": old[g, :n], "ref": ref[g, :n]})
+    settings = LossSettings(loss_type="grpo", loss_agg_mode=loss_agg_mode, epsilon_low=0.2, epsilon_high=0.2,
+                            beta=0.04, kl_estimator="k3", max_completion_length=96, temperature=1.0,
+                            off_policy=True)
+    want_loss, want_grads = _hand_loss_and_grads(model, rows, 1.0, 0.2, 0.04, loss_agg_mode)
+    with_tools, _ = _hand_loss_and_grads(model, [dict(r, keep=np.ones_like(r["keep"])) for r in rows], 1.0, 0.2,
+                                         0.04, loss_agg_mode)
+    assert abs(with_tools - want_loss) > 1e-3  # the mask matters: the tool tokens would change the loss
+
+    objective = GRPOObjective(settings)
+    updater = Updater(model, objective, head=LogProbHead(1.0), lr=0.0, weight_decay=0.0, betas=(0.9, 0.999),
+                      eps=1e-8, max_grad_norm=0.0, jit=False)
+    ids = np.concatenate([dump["prompt_ids"], dump["completion_ids"]], axis=1)[:, :-1].astype(np.int32)
+    attention = np.concatenate([dump["prompt_mask"], dump["completion_present"]], axis=1)[:, :-1].astype(np.int32)
+    mask = dump["completion_mask"].astype(np.float32)
+    micro = {"input_ids": ids, "attention_mask": attention, "completion_ids": dump["completion_ids"].astype(np.int32),
+             "completion_mask": mask, "advantages": advantages, "old_logp": old, "ref_logp": ref,
+             "sampler_logp": dump["sampler_logp"].astype(np.float32)}
+    # the step's global token and sequence counts, then the loss scale (1: float32)
+    counts = tuple(ms.Tensor(np.float32(x)) for x in (mask.sum(), (mask.sum(1) > 0).sum(), 1.0))
+    grads, loss, _ = updater.runner.loss_and_grads([micro], objective.inputs, extra=counts)
+    assert loss == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+    for p, g in zip(updater.params, grads):
+        want = want_grads[p.name]
+        np.testing.assert_allclose(g.asnumpy(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max() + 1e-9,
+                                   err_msg=p.name)

@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -49,6 +49,9 @@ from mindrlhf.rewards import (
 )
 from mindrlhf.tokenizer import resolve_tokenizer
 from mindrlhf.utils.cli import run_cli
+
+if TYPE_CHECKING:
+    from mindrlhf.rollout_tools import ToolBox
 
 log = logging.getLogger(__name__)
 
@@ -330,6 +333,8 @@ def evaluate(
     reduce: Optional[Callable[[np.ndarray], np.ndarray]] = None,
     base_model: Optional[PathLike] = None,
     vllm: Optional[Mapping[str, Any]] = None,
+    tools: Optional["ToolBox"] = None,
+    max_tool_calling_iterations: int = 5,
 ) -> Dict[str, Any]:
     """Evaluate a model on GSM8K; return the summary as a dict.
 
@@ -354,6 +359,12 @@ def evaluate(
     ``vllm``: sample with a vLLM engine instead of the native sampler (``VLLMSampler``'s options: ``python``,
     ``dtype``, ``server``; ``{}`` for the defaults), started for this evaluation and stopped after it (a served
     one keeps running).
+
+    ``tools``: the tools the model may call (a ``rollout_tools.ToolBox``), shown in every prompt through the chat
+    template and answered by the rollout's own loop (``generation.tool_loop``, at most
+    ``max_tool_calling_iterations`` rounds), as a GRPO run with those tools samples; the summary then has
+    ``tool_call_frequency`` (calls per completion), ``tool_failure_frequency`` (failed calls per call) and
+    ``turns_mean``, and ``mean_completion_tokens`` counts the model's tokens only.
 
     ``model`` may be a LoRA run's PEFT adapter folder: its base (``base_model``, else the one its
     adapter_config.json records) is loaded and the adapters applied (``adapter_base``).
@@ -411,7 +422,8 @@ def evaluate(
     stops = list(stop_token_ids) if stop_token_ids is not None else list(tokenizer.stop_token_ids)
     if system_prompt is None:
         system_prompt = style_system_prompt(prompt_style)
-    prompts = tokenizer.encode_batch([build_prompt(q.question, tokenizer, system_prompt, use_chat_template)
+    loop = _tool_loop(tools, tokenizer, max_tool_calling_iterations, use_chat_template)
+    prompts = tokenizer.encode_batch([_prompt_text(q.question, tokenizer, system_prompt, use_chat_template, tools)
                                       for q in questions])
     if rewards is None:
         rewards = RewardManager(["accuracy", style_format_reward(prompt_style)])
@@ -419,6 +431,7 @@ def evaluate(
     load_s = time.perf_counter() - t_load
 
     correct = sample_correct = format_ok = completions_total = tokens_total = truncated = 0
+    tool_calls = tool_failures = turns = 0
     compile_s = 0.0
     tmp = out_path.with_name(out_path.name + ".tmp") if out_path is not None else None
     sink = open(tmp, "w", encoding="utf-8") if tmp is not None else None
@@ -434,7 +447,8 @@ def evaluate(
                     n=n, temperature=0.0 if mode == "greedy" else float(temperature),
                     top_p=1.0 if mode == "greedy" else top_p, max_tokens=max_new_tokens,
                     stop_token_ids=stops, seed=(seed * 1_000_003 + batch[0].index) % (2 ** 63))
-                done = sampler.generate(prompts[start:start + len(batch)], params)
+                done = (loop.generate(sampler, prompts[start:start + len(batch)], params) if loop is not None
+                        else sampler.generate(prompts[start:start + len(batch)], params))
                 compile_s += float(getattr(sampler, "last_stats", {}).get("compile_s", 0.0))
                 texts = tokenizer.batch_decode([c.token_ids for c in done], skip_special_tokens=True)
                 _add_rewards(reward_sums, rewards, texts, batch, n, tokenizer.batch_decode(
@@ -446,8 +460,11 @@ def evaluate(
                     sample_correct += sum(score.sample_correct)
                     format_ok += sum(score.format_ok)
                     completions_total += n
-                    tokens_total += sum(len(c.token_ids) for c in mine)
+                    tokens_total += sum(_policy_tokens(c) for c in mine)
                     truncated += sum(c.finish_reason == "length" for c in mine)
+                    tool_calls += sum(c.tool_calls for c in mine)
+                    tool_failures += sum(c.tool_failures for c in mine)
+                    turns += sum(c.turns for c in mine)
                     if sink is not None:
                         sink.write(json.dumps({
                             "index": q.index, "line": q.line, "question": q.question, "solution": q.solution,
@@ -456,8 +473,10 @@ def evaluate(
                             "predicted_answer": score.predicted_answer, "votes": score.votes,
                             "correct": score.correct, "format_ok": score.format_ok,
                             "sample_correct": score.sample_correct,
-                            "completion_tokens": [len(c.token_ids) for c in mine],
+                            "completion_tokens": [_policy_tokens(c) for c in mine],
                             "finish_reasons": [c.finish_reason for c in mine],
+                            **({"tool_calls": [c.tool_calls for c in mine],
+                                "tool_failures": [c.tool_failures for c in mine]} if loop is not None else {}),
                         }, ensure_ascii=False) + "\n")
                 if sink is not None:
                     sink.flush()
@@ -477,15 +496,19 @@ def evaluate(
     wall = time.perf_counter() - t0
 
     names = list(reward_sums)
-    counts = np.array([correct, sample_correct, format_ok, completions_total, tokens_total, truncated,
-                       *[x for name in names for x in reward_sums[name]]], np.float64)
+    counts = np.array([correct, sample_correct, format_ok, completions_total, tokens_total, truncated, tool_calls,
+                       tool_failures, turns, *[x for name in names for x in reward_sums[name]]], np.float64)
     if reduce is not None:
         counts = np.asarray(reduce(counts), np.float64)
-    correct, sample_correct, format_ok, completions_total, tokens_total, truncated = (int(round(c))
-                                                                                     for c in counts[:6])
-    reward_sums = {name: (float(counts[6 + 2 * i]), int(round(counts[7 + 2 * i]))) for i, name in enumerate(names)}
+    (correct, sample_correct, format_ok, completions_total, tokens_total, truncated, tool_calls, tool_failures,
+     turns) = (int(round(c)) for c in counts[:9])
+    reward_sums = {name: (float(counts[9 + 2 * i]), int(round(counts[10 + 2 * i]))) for i, name in enumerate(names)}
     total = len(questions)
     acc = correct / total
+    tool_summary = {} if loop is None else {
+        "tools": list(loop.toolbox.names), "tool_call_frequency": tool_calls / completions_total,
+        "tool_failure_frequency": tool_failures / tool_calls if tool_calls else 0.0,
+        "turns_mean": turns / completions_total}
     return {
         "mode": mode, "k": n, "metric": "pass@1" if mode == "greedy" else f"maj@{n}",
         "num_questions": total, "correct": correct, "accuracy": acc,
@@ -503,7 +526,40 @@ def evaluate(
         "max_new_tokens": max_new_tokens, "temperature": 0.0 if mode == "greedy" else float(temperature),
         "top_p": 1.0 if mode == "greedy" else top_p, "seed": seed, "prompt_style": prompt_style,
         "output": str(out_path) if out_path is not None else None,
+        **tool_summary,
     }
+
+
+def _policy_tokens(completion) -> int:
+    """The completion's tokens the model sampled (a tool-using one's tool results left out, as training counts)."""
+    return sum(completion.tool_mask) if completion.tool_mask else len(completion.token_ids)
+
+
+def _tool_loop(tools: Optional["ToolBox"], tokenizer, max_iterations: int, use_chat_template: bool):
+    """The evaluation's ``ToolLoop`` (None without tools); the chat template must render the tools."""
+    if tools is None:
+        return None
+    if not use_chat_template:
+        raise MindRLHFError("--tools needs the chat template (it shows the model the tools and renders their "
+                            "results); drop --no_chat_template")
+    from mindrlhf.generation.tool_loop import ToolLoop
+    from mindrlhf.rollout_tools import check_template_renders_tools
+
+    check_template_renders_tools(tokenizer, tools.schemas)
+    return ToolLoop(tools, tokenizer, max_iterations)
+
+
+def _prompt_text(question: str, tokenizer, system_prompt: Optional[str], use_chat_template: bool,
+                 tools: Optional["ToolBox"]) -> str:
+    """``build_prompt``'s text, with the tools' schemas rendered by the chat template when there are tools (as a
+    prompt row's ``tools`` column is rendered in training)."""
+    if tools is None:
+        return build_prompt(question, tokenizer, system_prompt, use_chat_template)
+    from mindrlhf.rollout_tools import render_prompt
+
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": question})
+    return render_prompt(tokenizer, messages, tools.schemas)
 
 
 def _add_rewards(sums: Dict[str, list], rewards, texts: List[str], batch: Sequence[Question], n: int,
@@ -572,6 +628,10 @@ def format_summary(result: Dict[str, Any]) -> str:
         f"{result['load_time_s']:.1f} s loading (of the generation time, {result['compile_time_s']:.1f} s was "
         f"graph compilation)",
     ]
+    if result.get("tools"):
+        lines.append(f"  tools          {', '.join(result['tools'])}: {result['tool_call_frequency']:.2f} calls per "
+                     f"completion, {result['tool_failure_frequency']:.1%} of them failed, {result['turns_mean']:.2f} "
+                     "assistant turns per completion")
     if result.get("rewards"):
         scores = ", ".join(f"{name} {value:.4f}" for name, value in result["rewards"].items())
         lines.append(f"  rewards        {scores} (mean over {result['num_completions']} completions)")
@@ -630,7 +690,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device_target", default="CPU", choices=DEVICE_TARGETS, help="MindSpore device (default CPU)")
     p.add_argument("--no_progress", action="store_true", help="hide the progress bar")
     add_vllm_arguments(p)
+    add_tool_arguments(p)
     return p
+
+
+def add_tool_arguments(p: argparse.ArgumentParser) -> None:
+    """``--tools`` and its settings, with GRPO's defaults (``configs.grpo_configs.GenerationConfig``)."""
+    g = p.add_argument_group("tools", "let the model call tools, as a GRPO run with --tools samples: the chat template "
+                                      "shows them in every prompt and their results are appended as tool messages")
+    g.add_argument("--tools", nargs="+", default=[], metavar="TOOL",
+                   help="built-ins by name (calculator) or user functions as 'package.module:function' (typed, with "
+                        "a Google-style docstring; they run in this process)")
+    g.add_argument("--max_tool_calling_iterations", type=int, default=5,
+                   help="tool rounds per completion at most (default 5); all turns share --max_new_tokens")
+    g.add_argument("--tool_timeout", type=float, default=10.0,
+                   help="seconds one call may run before it is stopped and answered with an error (default 10; 0 = "
+                        "no limit)")
+    g.add_argument("--max_tool_response_length", type=int, default=256,
+                   help="characters of a tool result kept (default 256; 0 = no limit)")
+
+
+def tool_options(args: argparse.Namespace) -> Optional["ToolBox"]:
+    """``evaluate``'s ``tools`` from ``add_tool_arguments``' flags (None without ``--tools``); a bad tool is named
+    before any model loads."""
+    if not args.tools:
+        return None
+    if args.max_tool_calling_iterations < 0 or args.tool_timeout < 0 or args.max_tool_response_length < 0:
+        raise MindRLHFError("--max_tool_calling_iterations, --tool_timeout and --max_tool_response_length must be "
+                            ">= 0")
+    from mindrlhf.rollout_tools import ToolBox
+
+    return ToolBox(args.tools, timeout=args.tool_timeout, max_response_length=args.max_tool_response_length)
 
 
 def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
@@ -661,6 +751,7 @@ def vllm_options(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
 
 def _main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    tools = tool_options(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import mindspore as ms
 
@@ -672,7 +763,8 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
         top_p=args.top_p, seed=args.seed, prompt_style=args.prompt_style, system_prompt=args.system_prompt,
         use_chat_template=not args.no_chat_template, dtype=args.dtype, output=args.output, overwrite=args.overwrite,
         progress=not args.no_progress, tokenizer_dir=args.tokenizer_dir, vocab_path=args.vocab_path,
-        merges_file_path=args.merges_file_path, base_model=args.base_model, vllm=vllm_options(args))
+        merges_file_path=args.merges_file_path, base_model=args.base_model, vllm=vllm_options(args),
+        tools=tools, max_tool_calling_iterations=args.max_tool_calling_iterations)
     print(format_summary(result))
     return 0
 

@@ -4,7 +4,7 @@
 GRPO, PPO) on the sampler they roll out with, SFT and DPO (``trainer.offline.PolicyOfflineTrainer``) on a
 sampler built on the trained policy at the first evaluation. Both call ``evaluation.gsm8k_eval.evaluate`` with
 the run's ``eval_file`` / ``eval_limit`` / ``eval_num_generations`` (``configs.common.PolicyEvalTrainConfig``),
-the training prompt style and the stage's generation settings, so the ``eval/*`` rows are the numbers
+the training prompt style, the run's tools and the stage's generation settings, so the ``eval/*`` rows are the numbers
 ``mindrlhf-eval`` gives for that step's checkpoint. The sampler's compiled graphs are released afterwards: the
 evaluation must not keep a second set of decode caches alive through training.
 """
@@ -17,6 +17,7 @@ import numpy as np
 
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.generation import Sampler
+from mindrlhf.generation.tool_loop import ToolLoop
 from mindrlhf.parallel import comm
 from mindrlhf.rewards import RewardManager
 
@@ -26,6 +27,9 @@ EVAL_BATCH = 16
 #: ``evaluate``'s summary keys logged as ``eval/*`` metrics.
 EVAL_METRICS = {"eval/accuracy": "accuracy", "eval/format_rate": "format_rate",
                 "eval/mean_length": "mean_completion_tokens", "eval/truncated_rate": "truncated_rate"}
+#: With tools, also these (under ``eval/``, the training metrics' names).
+EVAL_TOOL_METRICS = {"tools/call_frequency": "tool_call_frequency", "tools/failure_frequency": "tool_failure_frequency",
+                     "tools/turns/mean": "turns_mean"}
 
 
 class PolicyEvaluation:
@@ -35,6 +39,8 @@ class PolicyEvaluation:
 
     #: The prompt style of the training data (None: the default style's).
     prompt_style: Optional[str] = None
+    #: The run's tools (a rollout stage with ``tools``): the evaluation shows and answers them as its rollouts do.
+    tool_loop: Optional[ToolLoop] = None
 
     def eval_sampler(self) -> Sampler:
         """The sampler that holds the policy's current weights."""
@@ -101,16 +107,19 @@ class PolicyEvaluation:
         reduce = None
         if replicas > 1:  # one count per replica: its tp ranks hold the same ones
             reduce = lambda v: comm.all_sum(v if representative else np.zeros_like(v))  # noqa: E731
+        tools = {} if self.tool_loop is None else {"tools": self.tool_loop.toolbox,
+                                                   "max_tool_calling_iterations": self.tool_loop.max_iterations}
         try:
             summary = evaluate(sampler, self.tokenizer, data_path=t.eval_file or None, limit=t.eval_limit,
                                batch_size=EVAL_BATCH,
                                mode="greedy" if k == 1 else "maj", k=k, seed=t.seed,
                                prompt_style=self.prompt_style or DEFAULT_PROMPT_STYLE, rewards=self.eval_rewards(),
                                progress=False, shard=(replica, replicas), reduce=reduce,
-                               **self.eval_generation_settings())
+                               **tools, **self.eval_generation_settings())
         finally:
             sampler.release()
         out = {key: float(summary[name]) for key, name in EVAL_METRICS.items()}
         out.update({f"eval/reward/{name}": float(value) for name, value in summary["rewards"].items()})
+        out.update({f"eval/{key}": float(summary[name]) for key, name in EVAL_TOOL_METRICS.items() if name in summary})
         out["time/eval"] = time.perf_counter() - t0
         return out
