@@ -258,7 +258,8 @@ def write_sft_rows(gsm8k_jsonl, out, *, limit: int = 0, offset: int = 0, style: 
 
 
 def sft_rows_main(argv=None) -> int:
-    """``mindrlhf-data --sft``: GSM8K (question/answer jsonl) → conversational SFT rows for ``mindrlhf-sft``."""
+    """``mindrlhf-data --sft``: GSM8K (question/answer jsonl) → conversational SFT rows for ``mindrlhf-sft`` (with
+    ``--tools calculator``: tool-using ones, ``data.gsm8k_tools``)."""
     def run(args) -> int:
         p = argparse.ArgumentParser(prog="mindrlhf-data --sft", description=sft_rows_main.__doc__)
         p.add_argument("--output", required=True, help="the SFT jsonl to write (prompt/completion message lists)")
@@ -269,7 +270,7 @@ def sft_rows_main(argv=None) -> int:
         p.add_argument("--offset", type=int, default=0, help="skip this many rows first")
         p.add_argument("--prompt_style", default=DEFAULT_PROMPT_STYLE, choices=sorted(PROMPT_STYLES),
                        help="system prompt style (as GRPO's prompt_style)")
-        p.add_argument("--tools", nargs="+", choices=["calculator"], default=[], metavar="calculator",
+        p.add_argument("--tools", choices=["calculator"], default=None,
                        help="write each answer's <<48/2=24>> calculator annotations as Hermes calls of the built-in "
                        "calculator and its results (assistant, tool, assistant ... messages, the tool's schema in a "
                        "'tools' column; mindrlhf-sft trains only the assistant turns), to teach the call format "
@@ -286,7 +287,7 @@ def sft_rows_main(argv=None) -> int:
             raise MindRLHFError(f"{a.output} exists; pass --overwrite to replace it, or choose another --output")
         source = a.data_path or GSM8K_TRAIN_SAMPLE
         report = write_sft_rows(source, a.output, limit=a.limit, offset=a.offset, style=a.prompt_style,
-                                strict=a.strict, tools=list(dict.fromkeys(a.tools)))
+                                strict=a.strict, tools=[a.tools] if a.tools else [])
         # Each skipped row and the summary on stderr: stdout stays the one JSON line scripts read.
         for row in report.skipped:
             print(row, file=sys.stderr)
