@@ -83,8 +83,9 @@ class SFTDataConfig(OfflineDataConfig):
 
     completion_only_loss: bool = config_field(
         True, "Train on the completion tokens only (prompt tokens masked out of the loss, as TRL does for "
-        "prompt/completion rows). false = every token after the first. Rows in the 'messages' format have no "
-        "prompt: every token is trained.")
+        "prompt/completion rows; of a conversational completion only its assistant turns: tool messages are read, "
+        "not trained, TRL's assistant_only_loss). false = every token after the first. Rows in the 'messages' "
+        "format have no prompt: every token is trained.")
     packing: bool = config_field(
         False, "Pack several rows into each sequence of up to max_length tokens (best-fit decreasing, as TRL's "
         "packing_strategy='bfd'); every row keeps its own positions and attends only to itself, so the loss is "

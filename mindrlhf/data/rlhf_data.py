@@ -200,19 +200,42 @@ def convert_to_mindrecord(
 
 
 def write_sft_rows(gsm8k_jsonl, out, *, limit: int = 0, offset: int = 0, style: str = DEFAULT_PROMPT_STYLE,
-                   strict: bool = False) -> ConversionReport:
+                   strict: bool = False, tools: Sequence[str] = ()) -> ConversionReport:
     """Write GSM8K's ``{"question", "answer"}`` rows (``read_records``: JSONL, parquet, a datasets folder)
     as conversational SFT rows (``sft_row``), atomically:
     the usable rows after the first ``offset``, at most ``limit`` (0 = all); returns the report.
 
-    Bad rows (malformed JSON or not UTF-8, no question or answer, no numeric final answer after ``####``) are
-    skipped with their line and reason, as the mindrecord conversion skips them; with ``strict`` nothing is
-    written when any is (``report.output_path`` is None)."""
+    With ``tools`` (``("calculator",)``) each answer's ``<<48/2=24>>`` annotations become calculator calls and the
+    calculator's results (``data.gsm8k_tools.tool_sft_row``: the completion a list of assistant and tool messages,
+    the schemas as a ``tools`` column); an answer without annotations is kept as the plain row with the ``tools``
+    column (counted in the summary).
+
+    Bad rows (malformed JSON or not UTF-8, no question or answer, no numeric final answer after ``####``; with
+    ``tools``, an annotation the calculator refuses or does not confirm) are skipped with their line and reason, as
+    the mindrecord conversion skips them; with ``strict`` nothing is written when any is (``report.output_path`` is
+    None)."""
     source = Path(gsm8k_jsonl)
     if not source.exists():
         raise MindRLHFError(f"input file not found: {source}; pass GSM8K question/answer rows (JSONL, parquet or a "
                             "datasets save_to_disk folder) with --data_path")
+    if tools:
+        from mindrlhf.data.gsm8k_tools import AnnotationError, calculator_box, tool_sft_row
+
+        box = calculator_box(tools)
     records, skipped, read = read_records(source, "gsm8k", "question", "answer")
+    if tools:
+        converted: List[Tuple[int, dict, str]] = []
+        for line, record, solution in records:
+            if not isinstance(record["answer"], str):  # final_answer read a number: no annotation to turn
+                record = {**record, "answer": str(record["answer"])}
+            try:
+                converted.append((line, tool_sft_row(record["question"], record["answer"], box, style), solution))
+            except AnnotationError as bad:
+                skipped.append(SkippedRow(line, bad.reason, bad.detail))
+        records = converted
+        skipped.sort(key=lambda row: row.line)
+    else:
+        records = [(line, sft_row(r["question"], r["answer"], style), solution) for line, r, solution in records]
     report, write = converter_report(source, read, skipped, len(records), strict=strict,
                                      fix="pass a GSM8K jsonl with question and answer ('... #### N') fields")
     if not write:
@@ -221,15 +244,22 @@ def write_sft_rows(gsm8k_jsonl, out, *, limit: int = 0, offset: int = 0, style: 
     if not rows:
         raise MindRLHFError(f"{source} has no rows after offset {offset} ({len(records)} usable rows); "
                             "lower --offset")
-    lines = [json.dumps(sft_row(r["question"], r["answer"], style), ensure_ascii=False) for _, r, _ in rows]
+    lines = [json.dumps(row, ensure_ascii=False) for _, row, _ in rows]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(Path(out), "\n".join(lines) + "\n")
     report.output_path, report.rows_written = str(out), len(lines)
+    if tools:
+        kept_plain = sum(not row["completion"][0].get("tool_calls") for _, row, _ in rows)
+        if kept_plain:
+            from mindrlhf.data.gsm8k_tools import NO_ANNOTATION_WARNING
+
+            report.warnings[NO_ANNOTATION_WARNING] = kept_plain
     return report
 
 
 def sft_rows_main(argv=None) -> int:
-    """``mindrlhf-data --sft``: GSM8K (question/answer jsonl) → conversational SFT rows for ``mindrlhf-sft``."""
+    """``mindrlhf-data --sft``: GSM8K (question/answer jsonl) → conversational SFT rows for ``mindrlhf-sft`` (with
+    ``--tools calculator``: tool-using ones, ``data.gsm8k_tools``)."""
     def run(args) -> int:
         p = argparse.ArgumentParser(prog="mindrlhf-data --sft", description=sft_rows_main.__doc__)
         p.add_argument("--output", required=True, help="the SFT jsonl to write (prompt/completion message lists)")
@@ -240,6 +270,12 @@ def sft_rows_main(argv=None) -> int:
         p.add_argument("--offset", type=int, default=0, help="skip this many rows first")
         p.add_argument("--prompt_style", default=DEFAULT_PROMPT_STYLE, choices=sorted(PROMPT_STYLES),
                        help="system prompt style (as GRPO's prompt_style)")
+        p.add_argument("--tools", choices=["calculator"], default=None,
+                       help="write each answer's <<48/2=24>> calculator annotations as Hermes calls of the built-in "
+                       "calculator and its results (assistant, tool, assistant ... messages, the tool's schema in a "
+                       "'tools' column; mindrlhf-sft trains only the assistant turns), to teach the call format "
+                       "before GRPO with tools: [calculator]; a row whose annotation the calculator refuses or "
+                       "disagrees with is skipped and named; a row without annotations is kept without a call")
         p.add_argument("--strict", action="store_true", help="exit 1 without writing when any row is skipped")
         p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
         a = p.parse_args(args)
@@ -251,7 +287,7 @@ def sft_rows_main(argv=None) -> int:
             raise MindRLHFError(f"{a.output} exists; pass --overwrite to replace it, or choose another --output")
         source = a.data_path or GSM8K_TRAIN_SAMPLE
         report = write_sft_rows(source, a.output, limit=a.limit, offset=a.offset, style=a.prompt_style,
-                                strict=a.strict)
+                                strict=a.strict, tools=[a.tools] if a.tools else [])
         # Each skipped row and the summary on stderr: stdout stays the one JSON line scripts read.
         for row in report.skipped:
             print(row, file=sys.stderr)

@@ -30,6 +30,13 @@ Tokenisation, as TRL 1.16's ``SFTTrainer._prepare_dataset`` / ``DPOTrainer._prep
   (``trl.data_utils.common_prefix_length``), normally right after the prompt's tokens; when they differ
   earlier (tokens merging across the boundary) TRL starts the completion there and warns once; so do
   we, and the report counts the rows.
+* A conversational completion holding non-assistant messages (a tool-using answer: assistant turns with
+  ``tool_calls``, ``tool`` messages with the results) trains only its assistant turns, TRL's
+  ``assistant_only_loss`` without the template's generation tags: each run of other messages is out of the loss
+  from just after the end-of-turn token of the assistant turn before it through the next assistant header (the
+  ids ``generation.tool_loop`` appends with ``tool_mask`` 0 at rollout), found by rendering the conversation up to
+  and through the run; a template that renders the earlier turns differently once later ones follow skips the row
+  (``chat_template_error``). A completion of assistant messages only is read exactly as TRL reads it.
 * The first token of a sequence is never trained (nothing predicts it); masks are explicit, never
   derived from token ids, so an EOS that equals the pad id is trained.
 
@@ -133,6 +140,10 @@ class _Example:
     prompt: Optional[str]
     wholes: List[str]
     label: str = ""  # "pair 2: " when a row holds several pairs
+    # An SFT completion's runs of non-assistant messages (tool results): per run, the conversation rendered up to the
+    # assistant turn before it (None: the run opens the completion) and through it, with the next assistant header.
+    untrained: List[Tuple[Optional[str], str]] = field(default_factory=list)
+    untrained_ids: List[Tuple[Optional[List[int]], List[int]]] = field(default_factory=list)
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -315,10 +326,14 @@ class _Reader:
                                               add_special_tokens=special)
         wholes = self.tokenizer.encode_batch([text for ex in pending for text in ex.wholes],
                                              add_special_tokens=special)
-        prompt_iter, whole_iter = iter(prompts), iter(wholes)
+        marks = self.tokenizer.encode_batch([text for ex in pending for pair in ex.untrained for text in pair
+                                             if text is not None], add_special_tokens=special)
+        prompt_iter, whole_iter, mark_iter = iter(prompts), iter(wholes), iter(marks)
         for ex in pending:
             prompt_ids = next(prompt_iter) if ex.prompt is not None else None
             whole_ids = [next(whole_iter) for _ in ex.wholes]
+            ex.untrained_ids = [(None if before is None else next(mark_iter), next(mark_iter))
+                                for before, _ in ex.untrained]
             try:
                 self.build(self, ex, whole_ids, prompt_ids)
                 self.kept_lines.add(ex.line)
@@ -397,9 +412,47 @@ def _parse_sft(reader: _Reader, row: Dict[str, Any], line: int) -> List[_Example
     reader.settle(name, conversational, line)
     prompt, completion = row[keys[0]], row[keys[1]]
     if conversational:
-        return [_Example(line, reader.render(row, prompt, generation_prompt=True),
-                         [reader.render(row, prompt + completion, generation_prompt=False)])]
+        whole = reader.render(row, prompt + completion, generation_prompt=False)
+        untrained = []
+        for a, b in _non_assistant_runs(completion):
+            before = reader.render(row, prompt + completion[:a], generation_prompt=False) if a else None
+            through = (reader.render(row, prompt + completion[:b], generation_prompt=True) if b < len(completion)
+                       else whole)
+            untrained.append((before, through))
+        return [_Example(line, reader.render(row, prompt, generation_prompt=True), [whole], untrained=untrained)]
     return [_Example(line, prompt, [prompt + reader.with_eos(completion)])]
+
+
+def _non_assistant_runs(completion: List[Dict[str, Any]]) -> List[Tuple[int, int]]:
+    """``(start, end)`` of each run of consecutive non-assistant messages (tool results) in a completion."""
+    runs: List[Tuple[int, int]] = []
+    for i, message in enumerate(completion):
+        if message["role"] == "assistant":
+            continue
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _untrained_span(tokenizer: "Tokenizer", ids: List[int], before: Optional[List[int]],
+                    through: List[int]) -> Tuple[int, int]:
+    """The token range of one run of non-assistant messages in a whole sequence ``ids``: from just after the end-of-turn
+    token of the assistant turn before it (the tokens the policy writes end there; what follows is what
+    ``rollout_tools.tool_result_ids`` appends at rollout) through the next assistant header."""
+    start = 0
+    if before is not None:
+        stops = set(tokenizer.stop_token_ids)
+        ends = [i for i, token in enumerate(before) if token in stops]
+        if not ends:
+            raise _Bad("chat_template_error", "the assistant turn before a tool message ends with no stop token "
+                                              f"(ids {sorted(stops)}); its tool message cannot be kept out of the loss")
+        start = ends[-1] + 1
+    if (before is not None and ids[:start] != before[:start]) or ids[:len(through)] != through:
+        raise _Bad("chat_template_error", "the chat template renders the turns before a tool message differently "
+                                          "once later messages follow; its tokens cannot be kept out of the loss")
+    return start, len(through)
 
 
 def read_sft_rows(path: PathLike, tokenizer: "Tokenizer", *, max_length: int, completion_only_loss: bool = True,
@@ -408,7 +461,8 @@ def read_sft_rows(path: PathLike, tokenizer: "Tokenizer", *, max_length: int, co
 
     The sequence is cut to its first ``max_length`` tokens (TRL's default ``truncation_mode="keep_start"``)
     and a row left with no trained token is skipped (``nothing_trainable``), as TRL drops it.
-    ``completion_only_loss`` (TRL's default for prompt/completion data) trains only the completion;
+    ``completion_only_loss`` (TRL's default for prompt/completion data) trains only the completion, and of a
+    conversational completion only its assistant turns (tool results are read, not trained: the module docstring);
     ``False`` trains every token; language-modelling rows (``messages``, ``text``) train every token.
     Raises ``MindRLHFError`` when no row is usable, or, with ``strict``, at the first bad row.
     """
@@ -424,6 +478,9 @@ def read_sft_rows(path: PathLike, tokenizer: "Tokenizer", *, max_length: int, co
         mask = np.ones(len(ids), dtype=np.uint8)
         if completion_only_loss:
             mask[:start] = 0
+            for before, through in ex.untrained_ids:  # tool results: read, never trained (assistant-only loss)
+                begin, end = _untrained_span(reader.tokenizer, ids, before, through)
+                mask[begin:end] = 0
         mask[:1] = 0  # nothing predicts the first token
         if not mask[:max_length].any():
             raise _Bad("nothing_trainable", f"{len(ids)} tokens, the completion from token {start}: "
