@@ -262,7 +262,7 @@ def test_bfloat16_after_three_syncs_equals_a_first_load_and_its_gap_is_bounded(e
                            for c in hot])
     print(f"bfloat16 vs float32 trainer: sampled-token log-prob gap mean {np.abs(gaps).mean():.4f}, "
           f"max {np.abs(gaps).max():.4f} over {gaps.size} tokens")
-    assert np.abs(gaps).mean() < 0.03 and np.abs(gaps).max() < 0.1  # measured: 0.012 and 0.033
+    assert np.abs(gaps).mean() < 0.03 and np.abs(gaps).max() < 0.1  # measured: 0.012 and 0.044
     fresh = VLLMSampler(model.config, server=engines("qwen2", "bfloat16")[2].path)
     try:
         fresh.load_weights(get_weights(model))
