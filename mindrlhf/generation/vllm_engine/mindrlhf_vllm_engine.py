@@ -21,6 +21,7 @@ This file imports nothing of mindrlhf: mindrlhf's environment (MindSpore, numpy 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -29,6 +30,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Any, Callable, NamedTuple
 
 PROTOCOL = 1
 _STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -53,17 +55,17 @@ class WeightSync:
         tied = "lm_head.weight" not in views
         kept = set()  # sources of linears whose only copy is the handle's: not loaded into empty Parameters
         repacked = 0
-        for module_name, (module, packed) in _packed_linears(model).items():
+        for module_name, linear in _packed_linears(model).items():
             sources = _hf_sources(module_name, tied)
             missing = [s for s in sources if s not in views]
             if missing:
                 raise RuntimeError(f"{module_name}: the trainer sent no {missing[0]}")
-            if module.weight.numel() == 0:
+            if linear.module.weight.numel() == 0:
                 kept.update(sources)
             if want.isdisjoint(sources):
                 continue
             weight = torch.cat([views[s] for s in sources]) if len(sources) > 1 else views[sources[0]]
-            _repack(module_name, packed, weight.to(module.weight.dtype))
+            linear.repack(module_name, weight.to(linear.module.weight.dtype))
             repacked += 1
         rest = [(name, views[name]) for name in views if name in want and name not in kept]
         loaded = model.load_weights(iter(rest)) if rest else set()
@@ -72,10 +74,18 @@ class WeightSync:
                 "seconds": time.perf_counter() - t0}
 
 
-def _packed_linears(model) -> dict:
-    """The layers whose matmul runs on a packed copy of the weight, with that copy (a oneDNN handle, or
-    sgl-kernel's packed tensor on AMX): the linears (their ``weight`` Parameter left empty) and the output head
-    (vocabulary rows padded; the embedding's when tied)."""
+class _PackedLinear(NamedTuple):
+    """A layer whose matmul runs on a packed copy of its weight, and the function that writes a new weight into
+    that copy (``repack(module_name, weight)``, bound to the copy when the layer is found)."""
+
+    module: Any
+    repack: Callable[[str, Any], None]
+
+
+def _packed_linears(model) -> dict[str, _PackedLinear]:
+    """The layers whose matmul runs on a packed copy of the weight, each with its repack bound to that copy (a
+    oneDNN handle, or sgl-kernel's packed tensor on AMX): the linears (their ``weight`` Parameter left empty) and
+    the output head (vocabulary rows padded; the embedding's when tied)."""
     import torch
 
     out = {}
@@ -84,11 +94,11 @@ def _packed_linears(model) -> dict:
         cells = [c.cell_contents for c in getattr(linear, "__closure__", None) or ()]
         for value in cells:
             if type(value).__name__ == "CPUDNNLGEMMHandler":
-                out[name] = (module, value)
+                out[name] = _PackedLinear(module, functools.partial(_repack_onednn, value))
         if name not in out and "weight_packed_linear_cpu" in getattr(getattr(linear, "__code__", None), "co_names", ()):
             (tensor,) = [v for v in cells if isinstance(v, torch.Tensor)]
             (rows,) = [v for v in cells if isinstance(v, int)]  # the engine's N
-            out[name] = (module, (tensor, rows))
+            out[name] = _PackedLinear(module, functools.partial(_repack_sgl, tensor, rows))
         if name not in out and getattr(getattr(module, "weight", None), "numel", lambda: 1)() == 0:
             raise RuntimeError(f"{name}: vLLM runs this linear through a kernel other than oneDNN's or sgl-kernel's "
                                "(zentorch on AMD Zen), which the in-place weight sync does not update yet")
@@ -105,34 +115,40 @@ def _hf_sources(module_name: str, tied: bool) -> tuple:
     return (f"{module_name}.weight",)
 
 
-def _repack(module_name: str, packed, weight) -> None:
-    """Write ``weight`` (N, K) into a linear's packed copy: a oneDNN handle pointed at a new packed copy, or
-    sgl-kernel's packed tensor overwritten with the new weight packed the same way. Rows are zero-padded to the
-    engine's N (the vocabulary padded to vLLM's multiple: those logits are never sampled)."""
+def _pad_rows(weight, rows: int):
+    """``weight`` (N, K) zero-padded to ``rows`` rows: the vocabulary padded to vLLM's multiple (those logits are
+    never sampled)."""
     import torch
+
+    n, k = weight.shape
+    return torch.cat([weight, weight.new_zeros(rows - n, k)]) if n < rows else weight
+
+
+def _repack_onednn(handler, module_name: str, weight) -> None:
+    """Point a linear's oneDNN handle at a new packed copy of ``weight`` (N, K), rows zero-padded to the handle's N."""
     from vllm import _custom_ops as ops
 
     n, k = weight.shape
-    if isinstance(packed, tuple):  # sgl-kernel: (the packed tensor, the engine's N)
-        tensor, rows = packed
-        if n < rows:
-            weight = torch.cat([weight, weight.new_zeros(rows - n, k)])
-        new = torch.ops._C.convert_weight_packed(weight.contiguous())
-        if new.shape != tensor.shape or new.dtype != tensor.dtype:
-            raise RuntimeError(f"{module_name}: the trainer's weight {(n, k)} packs to {tuple(new.shape)} "
-                               f"{new.dtype}, the engine holds {tuple(tensor.shape)} {tensor.dtype}")
-        tensor.copy_(new)  # the compiled graph reads this tensor
-        return
-    handler = packed
     if k != handler.k or n > handler.n:
         raise RuntimeError(f"{module_name}: the trainer's weight is {tuple(weight.shape)}, the engine's "
                            f"{(handler.n, handler.k)}")
-    if n < handler.n:
-        weight = torch.cat([weight, weight.new_zeros(handler.n - n, k)])
-    new = ops.create_onednn_mm(weight.t(), 32)
+    new = ops.create_onednn_mm(_pad_rows(weight, handler.n).t(), 32)
     old = handler.handler_tensor.clone()
     handler.handler_tensor.copy_(new.handler_tensor)  # the compiled graph now calls the new handle
     new.handler_tensor = old  # the old C++ handle is freed with ``new``: no leak, no double free
+
+
+def _repack_sgl(tensor, rows: int, module_name: str, weight) -> None:
+    """Overwrite sgl-kernel's packed ``tensor`` with ``weight`` (N, K) packed the same way, rows zero-padded to the
+    engine's N (``rows``)."""
+    import torch
+
+    n, k = weight.shape
+    new = torch.ops._C.convert_weight_packed(_pad_rows(weight, rows).contiguous())
+    if new.shape != tensor.shape or new.dtype != tensor.dtype:
+        raise RuntimeError(f"{module_name}: the trainer's weight {(n, k)} packs to {tuple(new.shape)} "
+                           f"{new.dtype}, the engine holds {tuple(tensor.shape)} {tensor.dtype}")
+    tensor.copy_(new)  # the compiled graph reads this tensor
 
 
 # ---------------------------------------------------------------- the engine process
