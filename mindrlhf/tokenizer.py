@@ -116,6 +116,7 @@ class Tokenizer:
         self.config = config
         self.source = source
         self._template_cache: Dict[str, Any] = {}
+        self._tool_forms: Dict[str, Optional[str]] = {}  # per template name: the Hermes ChatML form, or None
         self.special_tokens: Dict[str, str] = {}
         for name in _NAMED_SPECIAL:
             content = _token_content(config.get(name))
@@ -361,6 +362,30 @@ class Tokenizer:
             self._template_cache[template] = env.from_string(template)
         return self._template_cache[template]
 
+    def _tool_form(self, name: Optional[str]) -> Optional[str]:
+        """The Hermes ChatML template when this tokenizer's template is ChatML (it writes ``<|im_start|>`` turns, and
+        both turn tokens are in the vocabulary) and renders no tools; None otherwise (its own template is used, and
+        a check that tools are shown refuses it)."""
+        key = name or "default"
+        if key not in self._tool_forms:
+            form = None
+            source = self._chat_template(name)
+            if ("<|im_start|>" in source and self.token_to_id("<|im_start|>") is not None
+                    and self.token_to_id("<|im_end|>") is not None):
+                own = self._compiled(source)
+                probe = [{"role": "user", "content": "2 + 2?"}]
+                schema = [{"type": "function", "function": {"name": "probe_tool_name", "parameters": {}}}]
+                variables = {**self.special_tokens, "documents": None}
+                shown = own.render(messages=probe, add_generation_prompt=True, tools=schema, **variables)
+                if "probe_tool_name" not in shown:
+                    from mindrlhf.resources import HERMES_CHATML_TOOLS
+
+                    form = HERMES_CHATML_TOOLS.read_text(encoding="utf-8")
+                    logger.info("the chat template of %s renders no tools: conversations with tools use the Hermes "
+                                "ChatML form (docs/how-to/tools.md)", self.source)
+            self._tool_forms[key] = form
+        return self._tool_forms[key]
+
     def apply_chat_template(
         self,
         messages: Sequence[Message],
@@ -370,16 +395,29 @@ class Tokenizer:
     ) -> Union[str, List[int]]:
         """Render ``messages`` with the tokenizer's Jinja chat template (as transformers does).
 
+        A conversation with tools (``tools=`` schemas, assistant ``tool_calls`` or ``tool`` messages) on a ChatML
+        tokenizer whose template renders no tools uses the Hermes form instead (``resources/
+        hermes_chatml_tools.jinja``: the schemas in the system turn, ``<tool_call>`` and ``<tool_response>``
+        blocks, as Qwen2.5 writes them), so such a model can be taught and trained to call tools.
+
         Extra ``kwargs`` (``tools``, ``documents``, ``chat_template_name``, anything the template reads)
         are passed to the template. Returns the prompt string, or its ids when ``tokenize=True``.
         """
         name = kwargs.pop("chat_template_name", None)
-        template = self._compiled(self._chat_template(name))
+        source = self._chat_template(name)
+        if _has_tools(messages, kwargs.get("tools")) and self._tool_form(name) is not None:
+            source = self._tool_form(name)
+        template = self._compiled(source)
         # transformers drops None-valued keys: templates test for a key's presence, not for None.
         chat = [{key: value for key, value in message.items() if value is not None} for message in messages]
         variables = {**self.special_tokens, "tools": None, "documents": None, **kwargs}
         text = template.render(messages=chat, add_generation_prompt=add_generation_prompt, **variables)
         return self.encode(text) if tokenize else text
+
+
+def _has_tools(messages: Sequence[Message], tools: Any) -> bool:
+    """Whether a conversation involves tools: schemas given, or a tool call or result among its messages."""
+    return bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
 
 
 def resolve_tokenizer(model_path: Optional[Union[str, os.PathLike]] = None,

@@ -99,20 +99,49 @@ def test_a_malformed_call_stays_in_the_message_content():
     assert assistant_message(text) == {"role": "assistant", "content": text}
 
 
+#: A ChatML template that renders no tools (SmolLM2's kind).
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+#: What the drop and re-render templates below write first: the tools (so they are the templates used).
+SHOWS_TOOLS = "{% if tools %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
+
+
+def test_a_chatml_template_without_tools_uses_the_hermes_form(tmp_path, qwen_tokenizer_dir, calc):
+    """The schemas go into the system turn, a call and its result render as the Qwen2.5 template writes them, the
+    whole trajectory re-renders to its ids; a conversation without tools keeps the model's own template."""
+    tok = _with_template(tmp_path, qwen_tokenizer_dir, CHATML)
+    check_template_renders_tools(tok, calc.schemas)
+    prompt = render_prompt(tok, QUESTION, calc.schemas)
+    assert prompt.startswith("<|im_start|>system\nUse the calculator.\n\n# Tools\n")
+    assert "<tools>\n" + json.dumps(calc.schemas[0]) + "\n</tools>" in prompt
+    assert prompt.endswith("<|im_start|>user\nWhat is 48 / 2 + 5?<|im_end|>\n<|im_start|>assistant\n")
+    results = calc.run(CALL)
+    tool = tool_result_ids(tok, results)
+    assert tok.decode(tool, skip_special_tokens=False) == ("\n<|im_start|>user\n<tool_response>\n24\n</tool_response>"
+                                                           "<|im_end|>\n<|im_start|>assistant\n")
+    ids = tok.encode(prompt) + tok.encode(CALL + "<|im_end|>") + tool + tok.encode("29<|im_end|>")
+    messages = (QUESTION + [assistant_message(CALL)] + [{"role": "tool", "name": r.name, "content": r.content}
+                                                        for r in results] + [{"role": "assistant", "content": "29"}])
+    assert retokenization_drift(tok, messages, ids, tools=calc.schemas) is None
+    assert tok.apply_chat_template(QUESTION) == ("<|im_start|>system\nUse the calculator.<|im_end|>\n<|im_start|>user\n"
+                                                 "What is 48 / 2 + 5?<|im_end|>\n<|im_start|>assistant\n")
+
+
 def test_a_template_without_tools_is_refused(tmp_path, qwen_tokenizer_dir, calc):
-    plain = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    plain = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}<|endoftext|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")  # not ChatML: no Hermes form either
     tok = _with_template(tmp_path, qwen_tokenizer_dir, plain)
     with pytest.raises(MindRLHFError, match="does not render tools"):
         check_template_renders_tools(tok, calc.schemas)
     with pytest.raises(MindRLHFError, match="does not render tools"):
         render_prompt(tok, QUESTION, calc.schemas)
-    assert render_prompt(tok, QUESTION, []).endswith("<|im_start|>assistant\n")  # no tools: rendered as ever
+    assert render_prompt(tok, QUESTION, []).endswith("<|assistant|>\n")  # no tools: rendered as ever
 
 
 def test_a_template_dropping_tool_messages_is_refused(tmp_path, qwen_tokenizer_dir, calc):
-    drops = ("{% for m in messages %}{% if m.role != 'tool' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
-             "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    drops = (SHOWS_TOOLS + "{% for m in messages %}{% if m.role != 'tool' %}<|im_start|>{{ m.role }}\n"
+             "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     tok = _with_template(tmp_path, qwen_tokenizer_dir, drops)
     with pytest.raises(MindRLHFError, match="does not render tool messages"):
         tool_result_ids(tok, calc.run(CALL))
@@ -120,7 +149,7 @@ def test_a_template_dropping_tool_messages_is_refused(tmp_path, qwen_tokenizer_d
 
 def test_a_template_re_rendering_the_turn_before_a_tool_message_is_refused(tmp_path, qwen_tokenizer_dir, calc):
     # the assistant turn gains a marker once a tool message follows it: the policy's ids would no longer be a prefix
-    shifty = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    shifty = (SHOWS_TOOLS + "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
               "{% if m.role == 'assistant' and not loop.last %} [called]{% endif %}<|im_end|>\n{% endfor %}"
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     tok = _with_template(tmp_path, qwen_tokenizer_dir, shifty)

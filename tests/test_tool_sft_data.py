@@ -149,11 +149,12 @@ def test_the_loss_covers_the_assistant_turns_only_on_the_ids_the_rollout_produce
 
 
 def test_a_template_that_rerenders_earlier_turns_skips_the_row(tok, tmp_path, qwen_tokenizer_dir):
-    from test_tool_render import _with_template
+    from test_tool_render import SHOWS_TOOLS, _with_template
 
     # a template that marks the last message: the turn before a tool message renders differently in the whole
-    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% if loop.last %} (last){% endif %}"
-                "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    template = (SHOWS_TOOLS + "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                "{% if loop.last %} (last){% endif %}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     odd = _with_template(tmp_path, qwen_tokenizer_dir, template)
     row = tool_sft_row(QUESTION, ANSWER, calculator_box())
     path = tmp_path / "rows.jsonl"

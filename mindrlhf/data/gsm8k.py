@@ -5,7 +5,9 @@ A GSM8K ``answer`` is worked reasoning with ``<<a*b=c>>`` calculator notes, endi
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple
+
+from mindrlhf.errors import MindRLHFError
 
 if TYPE_CHECKING:  # only for the annotation; keeps this module import-light for the reward code
     from mindrlhf.tokenizer import Tokenizer
@@ -115,18 +117,23 @@ def build_prompt(
     tokenizer: "Tokenizer",
     system_prompt: Optional[str] = DEFAULT_SYSTEM_PROMPT,
     use_chat_template: bool = True,
+    tools: Optional[Sequence[Dict[str, Any]]] = None,
 ) -> str:
     """The prompt text for one question.
 
     With ``use_chat_template`` (default): the tokenizer's chat template over a system message
     (skipped when ``system_prompt`` is empty or None) and the user question, ending with the
-    assistant header (``add_generation_prompt=True``). Otherwise the raw question.
+    assistant header (``add_generation_prompt=True``), with ``tools`` (JSON schemas) rendered by the
+    template as a prompt row's ``tools`` column is. Otherwise the raw question.
     """
     if not use_chat_template:
+        if tools:
+            raise MindRLHFError("tools are shown to the model by the chat template; drop --no_chat_template")
         return question
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": question})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         tools=list(tools) if tools else None)
 
 
 def strip_calculator_notes(answer: str) -> str:

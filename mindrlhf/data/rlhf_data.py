@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from tqdm import tqdm
@@ -132,9 +132,11 @@ def convert_to_mindrecord(
     strict: bool = False,
     overwrite: bool = False,
     show_progress: bool = True,
+    tools: Optional[Sequence[Dict[str, Any]]] = None,
 ) -> ConversionReport:
     """Convert ``file_path`` (question/answer rows: ``read_records``) into the prompt mindrecord ``output_path``;
-    return the report.
+    return the report. ``tools``: JSON schemas the chat template renders into every prompt (a GRPO run with
+    ``tools`` trains on prompts that show them; ``rollout_tools.ToolBox(...).schemas``).
 
     With ``strict``, nothing is written when any row is skipped (``report.output_path`` is None).
     Only ``output_path`` and ``output_path + ".db"`` are ever written.
@@ -160,6 +162,10 @@ def convert_to_mindrecord(
             f"the tokenizer from {tokenizer.source} has no chat_template; pass --tokenizer_config with the model's "
             "tokenizer_config.json, or --no_chat_template for raw questions"
         )
+    if tools:
+        from mindrlhf.rollout_tools import check_template_renders_tools
+
+        check_template_renders_tools(tokenizer, tools)
     default_q, default_a = DATASET_FIELDS[dataset_type]
     rows, skipped, read = read_rows(source, dataset_type, question_field or default_q, answer_field or default_a)
 
@@ -172,7 +178,7 @@ def convert_to_mindrecord(
     with tqdm(total=len(rows), desc="tokenizing", unit="row", disable=not show_progress, file=sys.stderr) as bar:
         for start in range(0, len(rows), _CHUNK):
             chunk = rows[start:start + _CHUNK]
-            prompts = [build_prompt(q, tokenizer, system_prompt, use_chat_template) for _, q, _ in chunk]
+            prompts = [build_prompt(q, tokenizer, system_prompt, use_chat_template, tools) for _, q, _ in chunk]
             for row, ids in zip(chunk, tokenizer.encode_batch(prompts)):
                 if len(ids) > max_prompt_length:
                     skipped.append(SkippedRow(row[0], "prompt_too_long",
@@ -337,6 +343,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--system_prompt", default=None,
                         help="system message of the chat prompt, replacing the --prompt_style one; '' for none")
     parser.add_argument("--no_chat_template", action="store_true", help="use the raw question as the prompt")
+    parser.add_argument("--tools", nargs="+", default=[], metavar="TOOL",
+                        help="show these tools in every prompt (the chat template renders their schemas), for a "
+                             "GRPO run with the same --tools: built-ins by name (calculator) or "
+                             "'package.module:function'")
     parser.add_argument("--strict", action="store_true", help="exit 1 without writing when any row is skipped")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     parser.add_argument("--no_progress", action="store_true", help="hide the progress bar")
@@ -345,6 +355,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _main(argv: Optional[Sequence[str]]) -> int:
     args = build_parser().parse_args(argv)
+    schemas = None
+    if args.tools:
+        from mindrlhf.rollout_tools import ToolBox
+
+        schemas = ToolBox(args.tools).schemas
     tokenizer = load_tokenizer(args.vocab_path, args.merges_file_path, args.tokenizer_config, args.tokenizer_dir)
     report = convert_to_mindrecord(
         args.file_path, args.output_path, tokenizer,
@@ -352,7 +367,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         question_field=args.question_field, answer_field=args.answer_field,
         system_prompt=(args.system_prompt if args.system_prompt is not None
                        else style_system_prompt(args.prompt_style)), use_chat_template=not args.no_chat_template,
-        strict=args.strict, overwrite=args.overwrite, show_progress=not args.no_progress,
+        strict=args.strict, overwrite=args.overwrite, show_progress=not args.no_progress, tools=schemas,
     )
     for row in report.skipped:
         print(row, file=sys.stderr)

@@ -231,6 +231,9 @@ class _Reader:
     """One data file (JSONL, parquet or a save_to_disk folder: ``row_files``): format detection, row checks,
     rendering, batched tokenisation."""
 
+    #: The run's tools (JSON schemas) for conversational rows without a ``tools`` column of their own (prompt rows).
+    default_tools: Optional[List[Dict[str, Any]]] = None
+
     def __init__(self, path: PathLike, tokenizer: "Tokenizer", formats: Dict[str, Tuple[str, ...]], kind: str,
                  strict: bool, show_progress: bool,
                  build: Callable[["_Reader", _Example, List[List[int]], Optional[List[int]]], None]) -> None:
@@ -298,7 +301,7 @@ class _Reader:
 
     def render(self, row: Dict[str, Any], messages: List[Dict[str, Any]], generation_prompt: bool) -> str:
         """The chat template's text for ``messages``, with the row's tools and template kwargs (as TRL)."""
-        tools = row.get("tools")
+        tools = row["tools"] if "tools" in row else self.default_tools
         if isinstance(tools, str):
             try:
                 tools = json.loads(tools)
@@ -716,12 +719,15 @@ def _parse_prompt(reader: _Reader, row: Dict[str, Any], line: int) -> Tuple[List
 
 
 def read_prompt_rows(path: PathLike, tokenizer: "Tokenizer", *, max_prompt_length: int, strict: bool = False,
-                     show_progress: bool = True) -> Tuple[PromptRows, ConversionReport]:
+                     show_progress: bool = True,
+                     tools: Optional[Sequence[Dict[str, Any]]] = None) -> Tuple[PromptRows, ConversionReport]:
     """The prompts of a JSONL file for the RL stages (GRPO, PPO): ReaL's ``{"prompt": text}`` rows and TRL's
     prompt-only rows (``prompt`` a text or a list of ``{"role", "content"}`` messages), tokenised as TRL's
     ``GRPOTrainer`` does. A prompt longer than ``max_prompt_length`` tokens is skipped, never truncated (as the
     prompt mindrecord converter does). The rows' other keys are the reward functions' dataset columns
-    (``PromptRows``). Raises ``MindRLHFError`` when no row is usable, or, with ``strict``, at the first bad row.
+    (``PromptRows``). ``tools``: the run's tools' JSON schemas, rendered into every conversational prompt that has no
+    ``tools`` column of its own (as TRL's ``GRPOTrainer(tools=...)`` renders its tools into every prompt). Raises
+    ``MindRLHFError`` when no row is usable, or, with ``strict``, at the first bad row.
     """
     if max_prompt_length < 1:
         raise MindRLHFError(f"max_prompt_length {max_prompt_length} must be >= 1")
@@ -743,6 +749,7 @@ def read_prompt_rows(path: PathLike, tokenizer: "Tokenizer", *, max_prompt_lengt
         lines.append(ex.line)
 
     reader = _PromptReader(path, tokenizer, _PROMPT_FORMATS, "prompt", strict, show_progress, build)
+    reader.default_tools = list(tools) if tools else None
     report = reader.read(parse)
     if not prompt_ids:
         raise report.no_usable_rows(reader.path, "each row needs a 'prompt' (a text or a list of messages) of at "

@@ -423,7 +423,8 @@ def evaluate(
     if system_prompt is None:
         system_prompt = style_system_prompt(prompt_style)
     loop = _tool_loop(tools, tokenizer, max_tool_calling_iterations, use_chat_template)
-    prompts = tokenizer.encode_batch([_prompt_text(q.question, tokenizer, system_prompt, use_chat_template, tools)
+    schemas = tools.schemas if tools is not None else None
+    prompts = tokenizer.encode_batch([build_prompt(q.question, tokenizer, system_prompt, use_chat_template, schemas)
                                       for q in questions])
     if rewards is None:
         rewards = RewardManager(["accuracy", style_format_reward(prompt_style)])
@@ -547,19 +548,6 @@ def _tool_loop(tools: Optional["ToolBox"], tokenizer, max_iterations: int, use_c
 
     check_template_renders_tools(tokenizer, tools.schemas)
     return ToolLoop(tools, tokenizer, max_iterations)
-
-
-def _prompt_text(question: str, tokenizer, system_prompt: Optional[str], use_chat_template: bool,
-                 tools: Optional["ToolBox"]) -> str:
-    """``build_prompt``'s text, with the tools' schemas rendered by the chat template when there are tools (as a
-    prompt row's ``tools`` column is rendered in training)."""
-    if tools is None:
-        return build_prompt(question, tokenizer, system_prompt, use_chat_template)
-    from mindrlhf.rollout_tools import render_prompt
-
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": question})
-    return render_prompt(tokenizer, messages, tools.schemas)
 
 
 def _add_rewards(sums: Dict[str, list], rewards, texts: List[str], batch: Sequence[Question], n: int,

@@ -41,7 +41,8 @@ def check_template_renders_tools(tokenizer: "Tokenizer", schemas: Sequence[Dict[
     names = [schema["function"]["name"] for schema in schemas]
     if shown == plain or not all(name in shown for name in names):
         raise MindRLHFError(f"the chat template of {tokenizer.source} does not render tools (tools=); use a model "
-                            "whose template supports tool calling (Qwen2.5, Qwen3: the Hermes <tool_call> form)")
+                            "whose template supports tool calling (Qwen2.5, Qwen3: the Hermes <tool_call> form) or a "
+                            "ChatML one (<|im_start|> turns), which gets the Hermes form")
 
 
 def _tool_messages(results: Sequence[ToolResult]) -> List[Message]:

@@ -84,6 +84,16 @@ def prompt_file_format(path: str) -> str:
     return row_file_format(path) or "mindrecord"
 
 
+def tool_schemas(cfg) -> Optional[List[Dict[str, object]]]:
+    """The JSON schemas of the run's ``tools`` (None without), which every prompt of the default data and every
+    conversational prompt row without a ``tools`` column of its own shows (as TRL renders its tools)."""
+    if not cfg.generation.tools:
+        return None
+    from mindrlhf.rollout_tools import ToolBox
+
+    return ToolBox(cfg.generation.tools).schemas
+
+
 def resolve_dataset(cfg, tokenizer) -> str:
     """The prompt file (``data.mind_dataset_dir``, alias ``train_file``): a mindrecord or prompt rows (JSONL, parquet, a
     datasets save_to_disk folder); the packaged GSM8K sample, tokenised once into output_dir as a mindrecord, by
@@ -93,11 +103,14 @@ def resolve_dataset(cfg, tokenizer) -> str:
     from mindrlhf.data.rlhf_data import convert_to_mindrecord
     from mindrlhf.resources import GSM8K_TRAIN_SAMPLE
 
-    out = Path(cfg.train.output_dir) / "data" / "gsm8k_train_sample.mindrecord"
+    tools = tool_schemas(cfg)
+    out = Path(cfg.train.output_dir) / "data" / ("gsm8k_train_sample_tools.mindrecord" if tools
+                                                 else "gsm8k_train_sample.mindrecord")
     if comm.is_main() and not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         report = convert_to_mindrecord(str(GSM8K_TRAIN_SAMPLE), str(out), tokenizer,
-                                       max_prompt_length=cfg.generation.max_prompt_length, show_progress=False)
+                                       max_prompt_length=cfg.generation.max_prompt_length, show_progress=False,
+                                       tools=tools)
         log.info("default data: %s", report.summary())
     comm.job_barrier()  # the other ranks (a disaggregated job's generators too) wait for the file
     return str(out)
@@ -111,7 +124,8 @@ def read_prompt_jsonl(path: str, cfg, tokenizer, layout, batch_size: int) -> Pro
     from mindrlhf.data.text_rows import read_prompt_rows
 
     max_len = cfg.generation.max_prompt_length
-    rows, report = read_prompt_rows(path, tokenizer, max_prompt_length=max_len, show_progress=False)
+    rows, report = read_prompt_rows(path, tokenizer, max_prompt_length=max_len, show_progress=False,
+                                    tools=tool_schemas(cfg))
     log_data_report(cfg, report, "train_file")
     if tokenizer.pad_token_id is None:
         raise MindRLHFError(f"the tokenizer from {tokenizer.source} has neither pad_token nor eos_token; "
