@@ -1,7 +1,7 @@
 """Tools in the shared rollout of a GRPO run: a run with ``tools`` in which no completion calls one is today's
 one-turn run bit for bit (metrics and weights), with the tool metrics at zero; a tiny model taught by SFT to call
 the calculator makes a GRPO step whose rows are its call, the tool's result (masked) and its answer, exactly the ids
-the chat template renders; what such a run refuses."""
+the chat template renders; what such a run refuses (PPO, an unknown tool)."""
 from __future__ import annotations
 
 import json
@@ -62,8 +62,6 @@ def test_tools_are_refused_before_any_model_loads(grpo_assets, tmp_path, capsys)
 
     assert main(grpo_args(grpo_assets, tmp_path / "a", tools=["calculatr"])) != 0
     assert "unknown tool 'calculatr'; built-ins: calculator" in capsys.readouterr().err
-    assert main(grpo_args(grpo_assets, tmp_path / "b", tools=["calculator"], gen_workers=1)) != 0
-    assert "a disaggregated rollout does not run tools yet" in capsys.readouterr().err
     from mindrlhf.ppo import main as ppo
 
     assert ppo(["--tools", "calculator", "--output_dir", str(tmp_path / "c"), "--reward_funcs", "accuracy"]) == 2
