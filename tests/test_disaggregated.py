@@ -204,6 +204,24 @@ def test_tool_using_completions_cross_exactly():
                              b.tool_failures, b.turns)
 
 
+
+def test_a_trainer_logs_the_tool_counts_it_received_once():
+    """Every trainer of a disaggregated job received and counted every generator's completions, so its counts are
+    the totals, not a share to sum over the trainers; trainer rank 1 of 2 beside one generator has no place in the
+    infer layout, so no infer representative is asked for. A step with no rows counted (replayed) logs none."""
+    from types import SimpleNamespace
+
+    from mindrlhf.trainer.rollout import RolloutTrainer
+
+    layout = RunLayout(ParallelLayout(dp=2), ParallelLayout(dp=1), data_parallel_groups(1, 2), None, rank=1,
+                       gen_workers=1)
+    trainer = SimpleNamespace(link=object(), layout=layout, _tool_counts=np.array([6.0, 3.0, 20.0, 16.0]))
+    assert RolloutTrainer._tool_metrics(trainer) == {"tools/call_frequency": 6 / 16, "tools/failure_frequency": 0.5,
+                                                     "tools/turns/mean": 20 / 16}
+    assert not trainer._tool_counts.any()  # reset for the next step
+    assert RolloutTrainer._tool_metrics(trainer) == {}
+
+
 # -- the job ------------------------------------------------------------------------------------------------
 #: The synchronous GRPO job the 1 + 1 equality test runs colocated (one process) and with one generator: two prompt
 #: batches per step, the KL term, two updates per step, DAPO's dynamic sampling (a flat group for every even-length
