@@ -180,15 +180,57 @@ def test_completions_cross_exactly():
              Completion(prompt_index=1, token_ids=[], logprobs=[], finish_reason="stop")]
     got, _ = unpack_completions(pack_completions(plain, [1, 1], rows=2, width=5), width=5)
     assert [c.entropies for c in got] == [[], []] and [c.token_ids for c in got] == [[3, 4], []]
+    # One-turn completions (no tools): no tool mask, no calls, one turn, as the sampler made them.
+    assert [(c.tool_mask, c.tool_calls, c.tool_failures, c.turns) for c in got] == [([], 0, 0, 1)] * 2
+
+
+def test_tool_using_completions_cross_exactly():
+    """The generators run the tools: each row's tool mask (policy 1, tool 0), its calls, failed calls and turns
+    arrive as sampled, beside rows without a mask (no call: the loop returns the sampler's completions)."""
+    rng = np.random.default_rng(1)
+    masks = [[1, 1, 0, 0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [], [1] * 8]
+    counts = [(1, 0, 2), (3, 2, 2), (0, 0, 1), (12, 12, 6)]
+    sent = [Completion(prompt_index=i, token_ids=rng.integers(0, 151_936, len(m) or 4).tolist(),
+                       logprobs=[0.0 if not t else float(np.float32(x)) for t, x in zip(m or [1] * 4,
+                                                                                    rng.normal(size=8))],
+                       finish_reason="length" if i == 3 else "stop", tool_mask=m, tool_calls=calls,
+                       tool_failures=failures, turns=turns)
+            for i, (m, (calls, failures, turns)) in enumerate(zip(masks, counts))]
+    got, versions = unpack_completions(pack_completions(sent, [3, 3, 3, 3], rows=4, width=8), width=8)
+    assert versions.tolist() == [3, 3, 3, 3]
+    for a, b in zip(sent, got):
+        assert (a.token_ids, a.logprobs, a.finish_reason, a.entropies, a.tool_mask, a.tool_calls, a.tool_failures,
+                a.turns) == (b.token_ids, b.logprobs, b.finish_reason, b.entropies, b.tool_mask, b.tool_calls,
+                             b.tool_failures, b.turns)
+
+
+
+def test_a_trainer_logs_the_tool_counts_it_received_once():
+    """Every trainer of a disaggregated job received and counted every generator's completions, so its counts are
+    the totals, not a share to sum over the trainers; trainer rank 1 of 2 beside one generator has no place in the
+    infer layout, so no infer representative is asked for. A step with no rows counted (replayed) logs none."""
+    from types import SimpleNamespace
+
+    from mindrlhf.trainer.rollout import RolloutTrainer
+
+    layout = RunLayout(ParallelLayout(dp=2), ParallelLayout(dp=1), data_parallel_groups(1, 2), None, rank=1,
+                       gen_workers=1)
+    trainer = SimpleNamespace(link=object(), layout=layout, _tool_counts=np.array([6.0, 3.0, 20.0, 16.0]))
+    assert RolloutTrainer._tool_metrics(trainer) == {"tools/call_frequency": 6 / 16, "tools/failure_frequency": 0.5,
+                                                     "tools/turns/mean": 20 / 16}
+    assert not trainer._tool_counts.any()  # reset for the next step
+    assert RolloutTrainer._tool_metrics(trainer) == {}
 
 
 # -- the job ------------------------------------------------------------------------------------------------
 #: The synchronous GRPO job the 1 + 1 equality test runs colocated (one process) and with one generator: two prompt
 #: batches per step, the KL term, two updates per step, DAPO's dynamic sampling (a flat group for every even-length
-#: question, so steps sample more rounds), the evaluation at the last step and the rollouts recorded.
+#: question, so steps sample more rounds), the calculator tool (run by the generator: the random model calls it
+#: rarely if ever, so the rows are one-turn ones; ``test_tool_using_completions_cross_exactly`` covers the tool
+#: fields), the evaluation at the last step and the rollouts recorded.
 SYNCHRONOUS = dict(max_steps=2, num_rollouts=2, beta=0.04, mini_batch_size=8, lr=1e-3, tensorboard="false",
                    dynamic_sampling="true", max_sampling_rounds=3, eval_steps=2, eval_limit=4,
-                   reward_funcs=["accuracy", "e2e_rewards:flat_for_even_questions"])
+                   reward_funcs=["accuracy", "e2e_rewards:flat_for_even_questions"], tools=["calculator"])
 
 
 @pytest.fixture(scope="module")
@@ -207,10 +249,11 @@ def synchronous(grpo_assets, tmp_path_factory):
 @pytest.mark.msrun
 def test_one_generator_one_trainer_equals_the_colocated_run(synchronous):
     """msrun world 2 with gen_workers 1 (rank 1 samples, rank 0 scores, runs the reference, trains and evaluates) at
-    max_staleness 0: every metric (the eval/* rows included) and the final weights equal the colocated one-process
-    run's (float32, 1e-6), with two prompt batches per step, the KL term and two updates per step (old log-probs),
-    and DAPO's dynamic sampling (a flat group for every even-length question, so a step samples further rounds: the
-    trainer tells the generator after each round); every row was sampled by the policy of the step before
+    max_staleness 0: every metric (the eval/* rows and tools/* included) and the final weights equal the colocated
+    one-process run's (float32, 1e-6), with two prompt batches per step, the KL term and two updates per step (old
+    log-probs), the calculator tool (the generator runs it), and DAPO's dynamic sampling (a flat group for every
+    even-length question, so a step samples further rounds: the trainer tells the generator after each round); every
+    row was sampled by the policy of the step before
     (staleness 0); the trainer's --save_data_file dumps are the colocated run's."""
     import mindspore as ms
 
@@ -225,6 +268,10 @@ def test_one_generator_one_trainer_equals_the_colocated_run(synchronous):
     # The evaluation ran at step 2 (on the trainer: the generator has neither the rewards nor, one step off, the
     # step's weights); its rows are compared below with every other metric.
     assert set(EVAL_KEYS) <= set(m2[1]) and m2[1]["eval/mean_length"] > 0 and not set(EVAL_KEYS) & set(m2[0])
+    # The generator ran the tool loop and the trainer logged its counts once (they equal colocated's below).
+    for r in m2:
+        assert r["tools/turns/mean"] >= 1.0 and 0.0 <= r["tools/failure_frequency"] <= 1.0, r
+        assert r["tools/call_frequency"] > 0.0 or r["tools/turns/mean"] == 1.0, r  # no call, no second turn
     for a, b in zip(m1, m2):
         assert {k for k in set(b) - set(a) if not _timing(k)} == {"staleness/mean", "staleness/max"}
         assert {"time/generator_busy", "time/generator_idle", "time/trainer_busy", "time/trainer_idle"} <= set(b)

@@ -1,7 +1,8 @@
 """Tools in the shared rollout of a GRPO run: a run with ``tools`` in which no completion calls one is today's
 one-turn run bit for bit (metrics and weights), with the tool metrics at zero; a tiny model taught by SFT to call
 the calculator makes a GRPO step whose rows are its call, the tool's result (masked) and its answer, exactly the ids
-the chat template renders; what such a run refuses."""
+the chat template renders, and the same step with a generator rank running the tools (by hand); what such a run
+refuses (PPO, an unknown tool)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 
-from grpo_runs import grpo_args, is_timing, read_rows, run_inprocess
+from grpo_runs import byhand_only, grpo_args, is_timing, msrun, read_rows, run_inprocess
 from mindrlhf.data.gsm8k import DEFAULT_SYSTEM_PROMPT
 from mindrlhf.evaluation.gsm8k_eval import evaluate
 from mindrlhf.rollout_tools import ToolBox, assistant_message, render_prompt, retokenization_drift, tool_result_ids
@@ -63,8 +64,6 @@ def test_tools_are_refused_before_any_model_loads(grpo_assets, tmp_path, capsys)
 
     assert main(grpo_args(grpo_assets, tmp_path / "a", tools=["calculatr"])) != 0
     assert "unknown tool 'calculatr'; built-ins: calculator" in capsys.readouterr().err
-    assert main(grpo_args(grpo_assets, tmp_path / "b", tools=["calculator"], gen_workers=1)) != 0
-    assert "a disaggregated rollout does not run tools yet" in capsys.readouterr().err
     from mindrlhf.ppo import main as ppo
 
     assert ppo(["--tools", "calculator", "--output_dir", str(tmp_path / "c"), "--reward_funcs", "accuracy"]) == 2
@@ -302,3 +301,30 @@ def test_the_update_of_a_tool_trajectory_equals_the_loss_by_hand(tool_caller, to
         want = want_grads[p.name]
         np.testing.assert_allclose(g.asnumpy(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max() + 1e-9,
                                    err_msg=p.name)
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+@byhand_only("CI runs tests/test_disaggregated.py's 1 + 1 equality run with tools (no completion calls one) and the "
+             "wire format's round trip of tool-using rows")
+def test_a_generator_rank_runs_the_tools_as_a_colocated_rank(tool_caller, grpo_assets, tmp_path):
+    """The tool-calling step of ``test_a_grpo_step_with_a_tool_call`` under msrun with gen_workers 1: the generator
+    runs the calculator, the rows (their tool tokens masked) and every metric equal the colocated run's."""
+    job = dict(sft_path_train=tool_caller["model"], mind_dataset_dir=tool_caller["prompts"], max_prompt_length=512,
+               max_completion_length=96, num_generations=2, max_steps=1, save_steps=1, temperature=0.05,
+               tools=["calculator"], tensorboard="false")
+    one, two = tmp_path / "colocated", tmp_path / "disaggregated"
+    assert run_inprocess(grpo_args(grpo_assets, one, save_data_file=tmp_path / "one", **job)) == 0
+    msrun(2, grpo_args(grpo_assets, two, use_parallel="true", gen_workers=1, save_data_file=tmp_path / "two", **job),
+          tmp_path / "log", 8229)
+    (a,), (b,) = read_rows(one), read_rows(two)
+    assert (b["tools/call_frequency"], b["tools/failure_frequency"], b["tools/turns/mean"]) == (1.0, 0.0, 2.0)
+    assert {k for k in set(b) - set(a) if not is_timing(k)} == {"staleness/mean", "staleness/max"}
+    for key, value in a.items():
+        if not is_timing(key) and value == value:
+            assert b[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (key, b[key], value)
+    want, got = np.load(tmp_path / "one.step1.npz"), np.load(tmp_path / "two.step1.npz")
+    assert set(want.files) == set(got.files)
+    assert (got["completion_mask"] < got["completion_present"]).any()  # the tool tokens: attended, out of the loss
+    for name in want.files:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-9, err_msg=name)

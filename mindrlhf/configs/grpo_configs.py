@@ -447,12 +447,12 @@ class GenerationConfig:
         [], "Tools the policy may call during a rollout, each a built-in by name (calculator: + - * / // % ** on "
         "numbers, read with ast, bounded) or a user function by dotted path 'package.module:function' (a typed "
         "function with a Google-style docstring, whose JSON schema the model is shown). User tools run in the "
-        "training process. A turn that ends with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (the "
-        "Hermes form of Qwen2.5 and Qwen3) gets the results appended as the chat template's tool messages and the "
-        "policy continues; the tool tokens are left out of the loss, the KL, the entropy and the length metrics "
-        "(metrics tools/call_frequency, tools/failure_frequency, tools/turns/mean). The prompts must show the tools: "
-        "prompt rows with a 'tools' column, rendered by the template. [] = one-turn rollouts. Not yet with "
-        "gen_workers > 0, nor in PPO (its GAE across tool tokens).")
+        "process that samples (a generator rank with gen_workers > 0). A turn that ends with "
+        "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (the Hermes form of Qwen2.5 and Qwen3) "
+        "gets the results appended as the chat template's tool messages and the policy continues; the tool tokens "
+        "are left out of the loss, the KL, the entropy and the length metrics (metrics tools/call_frequency, "
+        "tools/failure_frequency, tools/turns/mean). The prompts must show the tools: prompt rows with a 'tools' "
+        "column, rendered by the template. [] = one-turn rollouts. Not yet in PPO (its GAE across tool tokens).")
     max_tool_calling_iterations: int = config_field(
         5, "Tool rounds per completion at most (TRL's max_tool_calling_iterations): after that many, a turn's calls "
         "are not run and the completion ends there. All turns and tool results share max_completion_length. "
@@ -823,10 +823,6 @@ class RolloutConfig(TrainingConfig):
         if self.generation.lora_sampler == "merged" and not self.model.lora:
             errors.append("lora_sampler = merged without LoRA: it chooses how adapters reach the sampler; set "
                           "lora_rank > 0 (or lora_init_from), or drop lora_sampler")
-        if p.gen_workers and self.generation.tools:
-            # The tool mask and counts do not cross the rollout link yet.
-            errors.append(f"tools with gen_workers = {p.gen_workers}: a disaggregated rollout does not run tools yet; "
-                          "set gen_workers 0 (colocated) or tools []")
         if p.gen_workers:  # what a disaggregated rollout does not do yet, named (GRPO's and PPO's alike)
             if p.train_pp > 1 and self.train.eval_steps:
                 # The trainers evaluate on a sampler over their own policy, and a pipeline stage holds only its

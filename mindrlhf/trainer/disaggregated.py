@@ -20,8 +20,10 @@ while the generators sample step s + 1 with it (the same collectives in the same
   (one step off and resumed: the checkpoint's weights in flight, so the next step's rows are sampled again). A run
   length of 0: the trainers replay recorded rows (``replay_data_file``), the generators stop.
 * ``RolloutLink.send`` / ``receive``: the step's completions as one fixed-shape padded AllGather (each generator's
-  block of ``rows_per_generator`` rows: token ids, sampler log-probs and entropies padded to ``width``, the length,
-  whether it was cut at the limit, and the policy version it was sampled with); the trainers' blocks are zeros.
+  block of ``rows_per_generator`` rows: token ids, sampler log-probs, entropies and the tool mask padded to
+  ``width``, the length, whether it was cut at the limit, the policy version it was sampled with, and its tool calls,
+  failed calls and turns); the trainers' blocks are zeros. With ``tools`` the generators run them
+  (``generation.tool_loop``), so the rows arrive with their tool results in place.
   Then each generator's busy interval and idle seconds (one small AllGather; the ``time/generator_*`` metrics).
 * ``RolloutLink.more_rounds``: with DAPO's dynamic sampling (max_staleness 0), after each round a Broadcast from
   rank 0 of whether the step needs another round; the generators then sample the next batches with the round's
@@ -36,12 +38,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.generation import Completion, Sampler
+from mindrlhf.generation.tool_loop import ToolLoop
 from mindrlhf.models.weights import get_weights
 from mindrlhf.parallel import comm
 from mindrlhf.parallel.groups import RunLayout
@@ -52,17 +55,25 @@ from mindrlhf.utils import faults
 
 log = logging.getLogger(__name__)
 
-#: Columns of a completion row after the three padded per-token fields: its length, cut at the limit, version.
-_TAIL = 3
+#: Padded per-token fields of a completion row: ids, log-probs, entropies, tool mask.
+_FIELDS = 4
+#: Columns after them: its length, cut at the limit, version, tool calls, failed calls, turns.
+_TAIL = 6
+
+
+def block_columns(width: int) -> int:
+    """The columns of a ``pack_completions`` row at ``width`` tokens."""
+    return _FIELDS * width + _TAIL
 
 
 def pack_completions(completions: List[Completion], versions: List[int], rows: int, width: int) -> np.ndarray:
-    """One generator's completions as a ``(rows, 3 * width + 3)`` float32 block (token ids are exact in float32
-    below 2**24): ids | log-probs | entropies (NaN where the sampler reports none), each padded to ``width``, then
-    length, truncated, version."""
+    """One generator's completions as a ``(rows, 4 * width + 6)`` float32 block (token ids and counts are exact in
+    float32 below 2**24): ids | log-probs | entropies | tool mask (NaN where the sampler reports no entropies, or
+    the completion has no tool mask), each padded to ``width``, then length, truncated, version, tool calls, tool
+    failures, turns."""
     if len(completions) != rows:
         raise MindRLHFError(f"a generator sampled {len(completions)} completions where the step needs {rows}")
-    block = np.zeros((rows, 3 * width + _TAIL), np.float32)
+    block = np.zeros((rows, block_columns(width)), np.float32)
     for i, (c, v) in enumerate(zip(completions, versions)):
         n = len(c.token_ids)
         if n > width:
@@ -71,7 +82,9 @@ def pack_completions(completions: List[Completion], versions: List[int], rows: i
         block[i, width:width + n] = c.logprobs
         # NaN marks a sampler that reports no entropies (vLLM): the trainer leaves the metric out, as colocated.
         block[i, 2 * width:2 * width + n] = c.entropies if len(c.entropies) == n else np.nan
-        block[i, 3 * width:] = (n, c.finish_reason == "length", v)
+        # NaN marks no tool mask (a one-turn completion: every token the policy's), which the trainer reads as [].
+        block[i, 3 * width:3 * width + n] = c.tool_mask if len(c.tool_mask) == n else np.nan
+        block[i, _FIELDS * width:] = (n, c.finish_reason == "length", v, c.tool_calls, c.tool_failures, c.turns)
     return block
 
 
@@ -79,14 +92,18 @@ def unpack_completions(block: np.ndarray, width: int, first_index: int = 0) -> T
     """The completions of a ``pack_completions`` block (``prompt_index`` counted from ``first_index``, as the
     sampler's are not needed here) and their versions."""
     out = []
+    tail = _FIELDS * width
     for i, row in enumerate(block):
-        n = int(row[3 * width])
-        entropies = row[2 * width:2 * width + n]
+        n = int(row[tail])
+        entropies, tool_mask = row[2 * width:2 * width + n], row[3 * width:3 * width + n]
         out.append(Completion(prompt_index=first_index + i, token_ids=[int(t) for t in row[:n]],
                               logprobs=[float(x) for x in row[width:width + n]],
-                              finish_reason="length" if row[3 * width + 1] else "stop",
-                              entropies=[] if np.isnan(entropies).any() else [float(x) for x in entropies]))
-    return out, block[:, 3 * width + 2].astype(np.int64)
+                              finish_reason="length" if row[tail + 1] else "stop",
+                              entropies=[] if np.isnan(entropies).any() else [float(x) for x in entropies],
+                              tool_mask=[] if np.isnan(tool_mask).any() else [int(x) for x in tool_mask],
+                              tool_calls=int(row[tail + 3]), tool_failures=int(row[tail + 4]),
+                              turns=int(row[tail + 5])))
+    return out, block[:, tail + 2].astype(np.int64)
 
 
 class RolloutLink:
@@ -146,7 +163,7 @@ class RolloutLink:
     def receive(self) -> Tuple[List[Completion], np.ndarray, np.ndarray]:
         """A trainer's: every generator's completions of the step (generator-replica order), their versions and
         each generator's ``(busy start, busy end, idle seconds)`` of them (``send``)."""
-        block = self._exchange(np.zeros((self.rows, 3 * self.width + _TAIL), np.float32))
+        block = self._exchange(np.zeros((self.rows, block_columns(self.width)), np.float32))
         completions, versions = unpack_completions(block, self.width)
         busy = comm.job_all_gather(np.zeros(3, np.float32))[self.trainers:]  # every generator rank's
         return completions, versions, busy
@@ -209,9 +226,11 @@ class GenerationWorker:
     the run starts) and ``train`` returns no metrics (rank 0, a trainer, logs them)."""
 
     def __init__(self, cfg, *, sampler: Sampler, dataset, layout: RunLayout, config, num_generations: int,
-                 rollouts_per_step: int, stop_ids: List[int]):
+                 rollouts_per_step: int, stop_ids: List[int], tool_loop: Optional[ToolLoop] = None):
         self.cfg, self.sampler, self.dataset, self.layout, self.config = cfg, sampler, dataset, layout, config
         self.num_generations, self.rollouts_per_step, self.stop_ids = num_generations, rollouts_per_step, stop_ids
+        #: The run's tools (``generation.tool_loop``): a generator runs them as a colocated rank would; None: none.
+        self.tool_loop = tool_loop
         self.link = RolloutLink.of_job(cfg, layout, dataset.batch_size, rollouts_per_step, num_generations)
 
     def check_inputs(self) -> None:
@@ -245,7 +264,7 @@ class GenerationWorker:
                 first = round_index * self.rollouts_per_step  # a colocated rank's rollout index of the round
                 rollout = sample_batches(self.sampler, self.dataset, batches, lambda r, s=step, f=first:
                                          sampling_params(self.cfg, s, f + r, replica, self.num_generations,
-                                                         self.stop_ids))
+                                                         self.stop_ids), self.tool_loop)
                 end = self.link.now()
                 # Idle: since the last sampling ended (sending those rows, waiting for weights or the word).
                 self.link.send(rollout.completions, version, (start, end, start - last_end))
@@ -266,6 +285,7 @@ def build_generator(cfg, layout: RunLayout, tokenizer, config, *, num_generation
     another checkpoint, else the policy's, which the trainers broadcast before the first step), the sampler the
     config asks for, and its replica's share of the prompts (``batch_size`` per global batch)."""
     from mindrlhf.generation.factory import build_sampler
+    from mindrlhf.generation.tool_loop import tool_loop_of
     from mindrlhf.models import CausalLM
     from mindrlhf.parallel.resharding import load_shard
 
@@ -278,6 +298,7 @@ def build_generator(cfg, layout: RunLayout, tokenizer, config, *, num_generation
     dataset = load_prompt_dataset(cfg, layout, tokenizer, config, batch_size)
     stop_ids = list(cfg.generation.stop_token_ids) or list(tokenizer.stop_token_ids)
     return GenerationWorker(cfg, sampler=build_sampler(cfg, model), dataset=dataset, layout=layout, config=config,
-                            num_generations=num_generations, rollouts_per_step=rollouts_per_step, stop_ids=stop_ids)
+                            num_generations=num_generations, rollouts_per_step=rollouts_per_step, stop_ids=stop_ids,
+                            tool_loop=tool_loop_of(cfg, tokenizer))
 
 

@@ -132,7 +132,8 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         #: The multi-turn rollout's tools (``generation.tool_loop``); None: one-turn rollouts.
         self.tool_loop = tool_loop_of(cfg, tokenizer)
         #: This replica's tool counts since the step began (calls, failures, turns, completions; every round of a
-        #: dynamic-sampling step), logged and reset by ``_finish_metrics``.
+        #: dynamic-sampling step; a disaggregated trainer's: every generator's), counted in ``_arrays``, logged and
+        #: reset by ``_finish_metrics``.
         self._tool_counts = np.zeros(4, np.float64)
         self.batches_drawn = 0  # dataset batches consumed so far (all epochs): where the next step reads
         #: A disaggregated job's trainer (``gen_workers`` > 0): its link to the generator ranks, which sample
@@ -611,10 +612,17 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
     def _tool_metrics(self) -> Dict[str, float]:
         """TRL's ``tools/call_frequency`` (calls per completion) and ``tools/failure_frequency`` (failed calls per
         call), and ``tools/turns/mean`` (assistant turns per completion), over every generator replica's completions
-        of the step (all its sampling rounds)."""
-        keep = self.layout.infer_representative
-        calls, failures, turns, rows = comm.all_sum(self._tool_counts if keep else np.zeros(4, np.float64))
+        of the step (all its sampling rounds); none on a replayed step."""
+        if self.link is not None:
+            # A disaggregated job's trainers each received (``_received_rollout``) and counted every generator's
+            # completions: each holds the totals, and summing them over the trainers would count them N times.
+            calls, failures, turns, rows = self._tool_counts
+        else:  # each generator replica counted its own completions: its tp rank 0 speaks for them
+            keep = self.layout.infer_representative
+            calls, failures, turns, rows = comm.all_sum(self._tool_counts if keep else np.zeros(4, np.float64))
         self._tool_counts = np.zeros(4, np.float64)
+        if not rows:  # a replayed step sampled nothing: no turns to report (0 would read as "no turn at all")
+            return {}
         return {"tools/call_frequency": float(calls / max(rows, 1.0)),
                 "tools/failure_frequency": float(failures / calls) if calls else 0.0,
                 "tools/turns/mean": float(turns / max(rows, 1.0))}
