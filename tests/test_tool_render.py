@@ -157,3 +157,45 @@ def test_a_template_re_rendering_the_turn_before_a_tool_message_is_refused(tmp_p
         tool_result_ids(tok, calc.run(CALL))
     with pytest.raises(MindRLHFError, match="at least one result"):
         tool_result_ids(tok, [])
+
+
+def test_the_runs_tools_are_shown_in_prompts_without_their_own(tmp_path, tok, calc):
+    """A GRPO run with tools renders them into every conversational prompt row without a ``tools`` column and into
+    the default data's prompts (as TRL renders its tools), and ``mindrlhf-data --tools`` into a prompt mindrecord;
+    a row's own tools win."""
+    from mindrlhf.configs.grpo_configs import GRPOConfig
+    from mindrlhf.data.dataset import PromptDataset
+    from mindrlhf.data.gsm8k import DEFAULT_SYSTEM_PROMPT, build_prompt
+    from mindrlhf.data.rlhf_data import main as convert
+    from mindrlhf.data.text_rows import read_prompt_rows
+    from mindrlhf.resources import GSM8K_TRAIN_SAMPLE
+    from mindrlhf.trainer.sampling import resolve_dataset, tool_schemas
+
+    other = [{"type": "function", "function": {"name": "own_tool", "description": "A row's own.", "parameters": {}}}]
+    rows = [{"prompt": QUESTION, "answer": "29"}, {"prompt": QUESTION, "answer": "29", "tools": other}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    read, _ = read_prompt_rows(path, tok, max_prompt_length=1024, show_progress=False, tools=calc.schemas)
+    texts = [tok.decode(ids, skip_special_tokens=False) for ids in read.prompt_ids]
+    assert texts == [render_prompt(tok, QUESTION, calc.schemas), render_prompt(tok, QUESTION, other)]
+    plain, _ = read_prompt_rows(path, tok, max_prompt_length=1024, show_progress=False)
+    assert tok.decode(plain.prompt_ids[0], skip_special_tokens=False) == tok.apply_chat_template(QUESTION)
+
+    cfg = GRPOConfig.from_dict({"tools": ["calculator"], "max_prompt_length": 640,
+                                "output_dir": str(tmp_path / "run")}, validate=False)
+    assert tool_schemas(cfg) == calc.schemas
+    default = resolve_dataset(cfg, tok)
+    assert default.endswith("gsm8k_train_sample_tools.mindrecord")
+    first = json.loads(GSM8K_TRAIN_SAMPLE.read_text(encoding="utf-8").splitlines()[0])["question"]
+    data = PromptDataset(default, batch_size=1)
+    shown = [int(t) for t in data.prompt_ids[0, :int(data.prompt_length[0])]]
+    assert shown == tok.encode(build_prompt(first, tok, DEFAULT_SYSTEM_PROMPT, tools=calc.schemas))
+    assert '"name": "calculator"' in tok.decode(shown, skip_special_tokens=False)
+
+    out = tmp_path / "cli.mindrecord"
+    assert convert(["--tokenizer_dir", str(tok.source), "--file_path", str(GSM8K_TRAIN_SAMPLE), "--output_path",
+                    str(out), "--max_prompt_length", "640", "--tools", "calculator", "--no_progress"]) == 0
+    cli = PromptDataset(str(out), batch_size=1)
+    assert [int(t) for t in cli.prompt_ids[0, :int(cli.prompt_length[0])]] == shown
+    assert convert(["--tokenizer_dir", str(tok.source), "--file_path", str(GSM8K_TRAIN_SAMPLE), "--output_path",
+                    str(tmp_path / "bad.mindrecord"), "--tools", "calculatr"]) == 2

@@ -451,8 +451,10 @@ class GenerationConfig:
         "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (the Hermes form of Qwen2.5 and Qwen3) "
         "gets the results appended as the chat template's tool messages and the policy continues; the tool tokens "
         "are left out of the loss, the KL, the entropy and the length metrics (metrics tools/call_frequency, "
-        "tools/failure_frequency, tools/turns/mean). The prompts must show the tools: prompt rows with a 'tools' "
-        "column, rendered by the template. [] = one-turn rollouts. Not yet in PPO (its GAE across tool tokens).")
+        "tools/failure_frequency, tools/turns/mean). The chat template shows the tools' schemas in the default "
+        "data's prompts and in prompt rows without a 'tools' column of their own (a prompt mindrecord: convert it "
+        "with mindrlhf-data --tools); a ChatML template without tool support gets the Hermes form. [] = one-turn "
+        "rollouts. Not yet in PPO (its GAE across tool tokens).")
     max_tool_calling_iterations: int = config_field(
         5, "Tool rounds per completion at most (TRL's max_tool_calling_iterations): after that many, a turn's calls "
         "are not run and the completion ends there. All turns and tool results share max_completion_length. "

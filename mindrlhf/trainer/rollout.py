@@ -162,7 +162,8 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
             unseen = [name for name in self.tool_loop.toolbox.names if name not in shown]
             if unseen:  # a warning: a custom prompt may describe its tools in its own words
                 log.warning("tools %s are not named in the first training prompt: a policy calls only the tools its "
-                            "prompts show; give the prompt rows a 'tools' column (rendered by the chat template)",
+                            "prompts show; convert a prompt mindrecord with mindrlhf-data --tools (prompt rows and "
+                            "the default data show the run's tools)",
                             ", ".join(unseen))
         if dataset.report is not None:  # a prompt JSONL file: its skipped rows are listed in output_dir
             self.data_reports = [dataset.report]
