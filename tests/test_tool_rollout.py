@@ -6,6 +6,7 @@ refuses (PPO, an unknown tool)."""
 from __future__ import annotations
 
 import json
+import re
 
 import mindspore as ms
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 
 from grpo_runs import byhand_only, grpo_args, is_timing, msrun, read_rows, run_inprocess
 from mindrlhf.data.gsm8k import DEFAULT_SYSTEM_PROMPT
+from mindrlhf.errors import MindRLHFError
 from mindrlhf.evaluation.gsm8k_eval import evaluate
 from mindrlhf.rollout_tools import ToolBox, assistant_message, render_prompt, retokenization_drift, tool_result_ids
 from mindrlhf.tokenizer import Tokenizer
@@ -328,3 +330,83 @@ def test_a_generator_rank_runs_the_tools_as_a_colocated_rank(tool_caller, grpo_a
     assert (got["completion_mask"] < got["completion_present"]).any()  # the tool tokens: attended, out of the loss
     for name in want.files:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-9, err_msg=name)
+
+
+def test_an_environment_is_read_and_refused_in_one_line(grpo_assets, tmp_path, capsys):
+    from mindrlhf.grpo import main
+    from mindrlhf.rollout_tools.environment import Environment
+
+    env = Environment("tool_envs:CalculatorEnv")
+    assert (env.methods, env.has_reward) == (["calculator"], True)
+    assert env.schemas == ToolBox(["calculator"]).schemas  # the built-in's schema: the taught model calls it alike
+    instance = env.start({"solution": "24", "question": "What is 48 / 2?"})
+    assert (env.tools(instance)[0]("48 / 2"), env.reward(instance)) == ("24", 1.0)
+    assert env.reward(env.start({"solution": "25"})) == 0.0  # a new instance: nothing called yet
+    for path, message in [("tool_envs:Talkative", "reset returned an observation ('The numbers are small.')"),
+                          ("tool_envs:NoTools", "has no public methods besides reset/get_reward"),
+                          ("tool_envs:NeedsArguments", "NeedsArguments() failed: TypeError"),
+                          ("tool_envs:builtin_calculator", "is not a class"),
+                          ("tool_envs:Missing", "module 'tool_envs' has no callable 'Missing'")]:
+        with pytest.raises(MindRLHFError, match=re.escape(message)):
+            Environment(path).start({})
+    assert main(grpo_args(grpo_assets, tmp_path / "a", reward_funcs=["accuracy", "environment"])) != 0
+    assert "reward_funcs has 'environment' (an environment's get_reward()) but environment is ''" in \
+        capsys.readouterr().err
+    assert main(grpo_args(grpo_assets, tmp_path / "b", environment="tool_envs:NoTools")) != 0
+    assert "environment NoTools has no public methods" in capsys.readouterr().err
+    assert main(grpo_args(grpo_assets, tmp_path / "c", environment="tool_envs:CalculatorEnv", gen_workers=1,
+                          use_parallel="true")) != 0
+    assert "environment with gen_workers = 1: a disaggregated rollout does not carry" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.slow
+def test_a_grpo_step_in_an_environment_is_the_tool_step_with_its_reward(tool_caller, tool_step, grpo_assets, tmp_path):
+    """The taught model in ``CalculatorEnv`` (the calculator as a method of one instance per completion, reset with
+    the row): the same prompts, completions and tool metrics as the step with the built-in calculator, and the
+    environment's reward (1.0: each rollout's call gave its row's answer) in training and in the evaluation."""
+    _, want = tool_step
+    out = tmp_path / "run"
+    assert run_inprocess(grpo_args(grpo_assets, out, sft_path_train=tool_caller["model"],
+                                   mind_dataset_dir=tool_caller["prompts"], max_prompt_length=512,
+                                   max_completion_length=96, num_generations=2, max_steps=1, save_steps=1,
+                                   temperature=0.05, environment="tool_envs:CalculatorEnv", tensorboard="false",
+                                   reward_funcs=["accuracy", "environment"], save_data_file=tmp_path / "dump",
+                                   eval_steps=1, eval_file=tool_caller["questions"])) == 0
+    (row,) = read_rows(out)
+    got = np.load(tmp_path / "dump.step1.npz")
+    for name in ("prompt_ids", "completion_ids", "completion_mask"):
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert (row["tools/call_frequency"], row["tools/failure_frequency"], row["tools/turns/mean"]) == (1.0, 0.0, 2.0)
+    assert (row["rewards/environment/mean"], row["rewards/accuracy/mean"]) == (1.0, 1.0)
+    assert (row["eval/reward/environment"], row["eval/tools/call_frequency"], row["eval/accuracy"]) == (1.0, 1.0, 1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+@byhand_only("CI runs the tool masks through one process's update (the loss by hand above) and the disaggregated "
+             "1 + 1 run with tools")
+def test_two_data_parallel_workers_with_tools_train_as_one_process(tool_caller, grpo_assets, tmp_path):
+    """Two data-parallel workers sample the taught model's tool calls (each its share of the prompts) and train one
+    step whose loss divides by the global count of policy tokens (the tool tokens of both replicas left out); one
+    process replaying their recorded rows computes the same step: loss, grad norm and weights."""
+    from grpo_runs import assert_same_updated_weights
+
+    job = dict(sft_path_train=tool_caller["model"], mind_dataset_dir=tool_caller["prompts"], max_prompt_length=512,
+               max_completion_length=96, num_generations=2, max_steps=1, save_steps=1, temperature=0.05,
+               tensorboard="false", advantage_estimator="reinforce_plus_plus", loss_agg_mode="token-mean",
+               reward_funcs=["e2e_rewards:length_reward"], lr=1e-3)
+    two, one, dump = tmp_path / "dp2", tmp_path / "one", tmp_path / "rows" / "rollouts.npz"
+    msrun(2, grpo_args(grpo_assets, two, use_parallel="true", train_dp=2, infer_dp=2, tools=["calculator"],
+                       save_data_file=dump, **job), tmp_path / "log", 8231)
+    (b,) = read_rows(two)
+    assert (b["tools/call_frequency"], b["tools/failure_frequency"], b["tools/turns/mean"]) == (1.0, 0.0, 2.0)
+    rows = np.load(tmp_path / "rows" / "rollouts.step1.npz")
+    assert (rows["completion_mask"] < rows["completion_present"]).any()  # tool tokens: attended, out of the loss
+    assert run_inprocess(grpo_args(grpo_assets, one, replay_data_file=dump, **job)) == 0
+    (a,) = read_rows(one)
+    assert a["grad_norm"] > 1e-3  # not a vacuous comparison
+    for key in ("loss", "grad_norm", "reward", "completions/mean_length"):
+        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (key, b[key], a[key])
+    assert_same_updated_weights(*(ms.load_checkpoint(str(run / "checkpoints" / "step_00000001" / "policy.ckpt"))
+                                  for run in (one, two)), lr=1e-3)

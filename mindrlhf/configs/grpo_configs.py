@@ -455,6 +455,13 @@ class GenerationConfig:
         "data's prompts and in prompt rows without a 'tools' column of their own (a prompt mindrecord: convert it "
         "with mindrlhf-data --tools); a ChatML template without tool support gets the Hermes form. [] = one-turn "
         "rollouts. Not yet in PPO (its GAE across tool tokens).")
+    environment: str = config_field(
+        "", "An environment class by dotted path 'package.module:Class' (TRL's environment_factory shape): one "
+        "instance per completion, reset(**row) with the prompt row's columns (and solution) before it is sampled; "
+        "its other public methods are tools the policy calls on that instance (shown in the prompts with the "
+        "tools); an optional get_reward() is scored by the reward function 'environment'. reset must return None "
+        "(prompts are tokenised once). Runs in the sampling process. '' = none. Not with gen_workers > 0, nor in "
+        "PPO.")
     max_tool_calling_iterations: int = config_field(
         5, "Tool rounds per completion at most (TRL's max_tool_calling_iterations): after that many, a turn's calls "
         "are not run and the completion ends there. All turns and tool results share max_completion_length. "
@@ -822,6 +829,9 @@ class RolloutConfig(TrainingConfig):
         if vllm and p.infer_tp > 1:
             errors.append(f"use_vllm = true with infer_tp = {p.infer_tp}: the vLLM engine samples whole models (its "
                           "tensor parallelism is not wired in); set infer_tp 1")
+        if "environment" in self.reward.reward_funcs and not self.generation.environment:
+            errors.append("reward_funcs has 'environment' (an environment's get_reward()) but environment is ''; set "
+                          "environment to 'package.module:Class', or drop that reward")
         if self.generation.lora_sampler == "merged" and not self.model.lora:
             errors.append("lora_sampler = merged without LoRA: it chooses how adapters reach the sampler; set "
                           "lora_rank > 0 (or lora_init_from), or drop lora_sampler")
@@ -833,6 +843,10 @@ class RolloutConfig(TrainingConfig):
                               f"train_pp = {p.train_pp}: the trainers evaluate with their policy, which a pipeline "
                               "stage cannot sample; set eval_steps 0 or train_pp 1 (evaluate a checkpoint with "
                               "mindrlhf-eval)")
+            if self.generation.environment:
+                # get_reward() is read on the generator after the last turn and the wire format carries no reward.
+                errors.append(f"environment with gen_workers = {p.gen_workers}: a disaggregated rollout does not "
+                              "carry environments' rewards yet; set gen_workers 0, or use tools")
 
     def _check_batch_geometry(self, errors: List[str]) -> None:
         """Prompts per generator replica, and completions per step → mini-batch → rank → micro-batch → pipeline

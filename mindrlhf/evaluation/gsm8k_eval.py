@@ -52,6 +52,7 @@ from mindrlhf.utils.cli import run_cli
 
 if TYPE_CHECKING:
     from mindrlhf.rollout_tools import ToolBox
+    from mindrlhf.rollout_tools.environment import Environment
 
 log = logging.getLogger(__name__)
 
@@ -335,6 +336,7 @@ def evaluate(
     vllm: Optional[Mapping[str, Any]] = None,
     tools: Optional["ToolBox"] = None,
     max_tool_calling_iterations: int = 5,
+    environment: Optional["Environment"] = None,
 ) -> Dict[str, Any]:
     """Evaluate a model on GSM8K; return the summary as a dict.
 
@@ -348,7 +350,7 @@ def evaluate(
 
     ``rewards``: the reward functions to average (a ``RewardManager``, called as training calls it, with the
     question and its solution as columns); default: the built-in ``accuracy`` and the prompt style's format
-    reward, as the training defaults.
+    reward, as the training defaults, and ``environment`` with an environment that has ``get_reward``.
 
     ``shard`` ``(i, n)`` and ``reduce``: data-parallel evaluation. Replica ``i`` of ``n`` evaluates batches ``i``,
     ``i + n``, ... (a batch, its seed and its padding are the unsharded run's, so each question gets the same
@@ -364,7 +366,9 @@ def evaluate(
     template and answered by the rollout's own loop (``generation.tool_loop``, at most
     ``max_tool_calling_iterations`` rounds), as a GRPO run with those tools samples; the summary then has
     ``tool_call_frequency`` (calls per completion), ``tool_failure_frequency`` (failed calls per call) and
-    ``turns_mean``, and ``mean_completion_tokens`` counts the model's tokens only.
+    ``turns_mean``, and ``mean_completion_tokens`` counts the model's tokens only. ``environment``
+    (``rollout_tools.environment.Environment``): an instance per completion, reset with its question and solution,
+    whose methods are tools too and whose ``get_reward()`` the ``environment`` reward function scores.
 
     ``model`` may be a LoRA run's PEFT adapter folder: its base (``base_model``, else the one its
     adapter_config.json records) is loaded and the adapters applied (``adapter_base``).
@@ -422,12 +426,13 @@ def evaluate(
     stops = list(stop_token_ids) if stop_token_ids is not None else list(tokenizer.stop_token_ids)
     if system_prompt is None:
         system_prompt = style_system_prompt(prompt_style)
-    loop = _tool_loop(tools, tokenizer, max_tool_calling_iterations, use_chat_template)
-    schemas = tools.schemas if tools is not None else None
+    loop = _tool_loop(tools, environment, tokenizer, max_tool_calling_iterations, use_chat_template)
+    schemas = loop.schemas if loop is not None else None
     prompts = tokenizer.encode_batch([build_prompt(q.question, tokenizer, system_prompt, use_chat_template, schemas)
                                       for q in questions])
-    if rewards is None:
-        rewards = RewardManager(["accuracy", style_format_reward(prompt_style)])
+    if rewards is None:  # the training defaults, and an environment's own reward
+        rewards = RewardManager(["accuracy", style_format_reward(prompt_style)]
+                                + (["environment"] if environment is not None and environment.has_reward else []))
     reward_sums = {name: [0.0, 0] for name in rewards.names}  # sum and count of the scores given (not None)
     load_s = time.perf_counter() - t_load
 
@@ -448,8 +453,9 @@ def evaluate(
                     n=n, temperature=0.0 if mode == "greedy" else float(temperature),
                     top_p=1.0 if mode == "greedy" else top_p, max_tokens=max_new_tokens,
                     stop_token_ids=stops, seed=(seed * 1_000_003 + batch[0].index) % (2 ** 63))
-                done = (loop.generate(sampler, prompts[start:start + len(batch)], params) if loop is not None
-                        else sampler.generate(prompts[start:start + len(batch)], params))
+                done = (loop.generate(sampler, prompts[start:start + len(batch)], params,
+                                      rows=[{"question": q.question, "solution": q.solution} for q in batch])
+                        if loop is not None else sampler.generate(prompts[start:start + len(batch)], params))
                 compile_s += float(getattr(sampler, "last_stats", {}).get("compile_s", 0.0))
                 texts = tokenizer.batch_decode([c.token_ids for c in done], skip_special_tokens=True)
                 _add_rewards(reward_sums, rewards, texts, batch, n, tokenizer.batch_decode(
@@ -507,7 +513,7 @@ def evaluate(
     total = len(questions)
     acc = correct / total
     tool_summary = {} if loop is None else {
-        "tools": list(loop.toolbox.names), "tool_call_frequency": tool_calls / completions_total,
+        "tools": loop.names, "tool_call_frequency": tool_calls / completions_total,
         "tool_failure_frequency": tool_failures / tool_calls if tool_calls else 0.0,
         "turns_mean": turns / completions_total}
     return {
@@ -536,18 +542,20 @@ def _policy_tokens(completion) -> int:
     return sum(completion.tool_mask) if completion.tool_mask else len(completion.token_ids)
 
 
-def _tool_loop(tools: Optional["ToolBox"], tokenizer, max_iterations: int, use_chat_template: bool):
-    """The evaluation's ``ToolLoop`` (None without tools); the chat template must render the tools."""
-    if tools is None:
+def _tool_loop(tools: Optional["ToolBox"], environment: Optional["Environment"], tokenizer, max_iterations: int,
+               use_chat_template: bool):
+    """The evaluation's ``ToolLoop`` (None without tools or an environment); the chat template must render them."""
+    if tools is None and environment is None:
         return None
     if not use_chat_template:
         raise MindRLHFError("--tools needs the chat template (it shows the model the tools and renders their "
                             "results); drop --no_chat_template")
     from mindrlhf.generation.tool_loop import ToolLoop
-    from mindrlhf.rollout_tools import check_template_renders_tools
+    from mindrlhf.rollout_tools import ToolBox, check_template_renders_tools
 
-    check_template_renders_tools(tokenizer, tools.schemas)
-    return ToolLoop(tools, tokenizer, max_iterations)
+    loop = ToolLoop(tools if tools is not None else ToolBox([]), tokenizer, max_iterations, environment=environment)
+    check_template_renders_tools(tokenizer, loop.schemas)
+    return loop
 
 
 def _add_rewards(sums: Dict[str, list], rewards, texts: List[str], batch: Sequence[Question], n: int,
@@ -555,8 +563,11 @@ def _add_rewards(sums: Dict[str, list], rewards, texts: List[str], batch: Sequen
     """Score one batch's completions with ``rewards`` (as training calls them: the prompt as the model saw it,
     the completion ids, the solution and the question as columns) and add each function's scores to ``sums``."""
     rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731  (completions are question-major)
+    extra = ({"environment_reward": [c.env_reward for c in done]}
+             if any(c.env_reward is not None for c in done) else {})
     _, per_fn = rewards(texts, rep([q.solution for q in batch]), prompts=rep(prompt_texts),
-                        completion_ids=[list(c.token_ids) for c in done], question=rep([q.question for q in batch]))
+                        completion_ids=[list(c.token_ids) for c in done], question=rep([q.question for q in batch]),
+                        **extra)
     for name, scores in per_fn.items():
         given = scores[~np.isnan(scores)]
         sums[name][0] += float(given.sum())
@@ -696,19 +707,35 @@ def add_tool_arguments(p: argparse.ArgumentParser) -> None:
                         "no limit)")
     g.add_argument("--max_tool_response_length", type=int, default=256,
                    help="characters of a tool result kept (default 256; 0 = no limit)")
+    g.add_argument("--environment", default="", metavar="PKG.MODULE:CLASS",
+                   help="an environment class (one instance per completion, reset with its question and solution; "
+                        "its public methods are tools; get_reward() is scored by the 'environment' reward)")
 
 
 def tool_options(args: argparse.Namespace) -> Optional["ToolBox"]:
     """``evaluate``'s ``tools`` from ``add_tool_arguments``' flags (None without ``--tools``); a bad tool is named
     before any model loads."""
     if not args.tools:
-        return None
+        return None if not args.environment else _limited_box([], args)
     if args.max_tool_calling_iterations < 0 or args.tool_timeout < 0 or args.max_tool_response_length < 0:
         raise MindRLHFError("--max_tool_calling_iterations, --tool_timeout and --max_tool_response_length must be "
                             ">= 0")
+    return _limited_box(args.tools, args)
+
+
+def _limited_box(tools, args: argparse.Namespace) -> "ToolBox":
     from mindrlhf.rollout_tools import ToolBox
 
-    return ToolBox(args.tools, timeout=args.tool_timeout, max_response_length=args.max_tool_response_length)
+    return ToolBox(tools, timeout=args.tool_timeout, max_response_length=args.max_tool_response_length)
+
+
+def environment_option(args: argparse.Namespace) -> Optional["Environment"]:
+    """``evaluate``'s ``environment`` from ``--environment`` (None without), read before any model loads."""
+    if not args.environment:
+        return None
+    from mindrlhf.rollout_tools.environment import Environment
+
+    return Environment(args.environment)
 
 
 def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
@@ -739,7 +766,7 @@ def vllm_options(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
 
 def _main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    tools = tool_options(args)
+    tools, environment = tool_options(args), environment_option(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import mindspore as ms
 
@@ -752,7 +779,7 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
         use_chat_template=not args.no_chat_template, dtype=args.dtype, output=args.output, overwrite=args.overwrite,
         progress=not args.no_progress, tokenizer_dir=args.tokenizer_dir, vocab_path=args.vocab_path,
         merges_file_path=args.merges_file_path, base_model=args.base_model, vllm=vllm_options(args),
-        tools=tools, max_tool_calling_iterations=args.max_tool_calling_iterations)
+        tools=tools, max_tool_calling_iterations=args.max_tool_calling_iterations, environment=environment)
     print(format_summary(result))
     return 0
 

@@ -107,3 +107,5 @@ class Completion:
     tool_calls: int = 0      #: calls the completion made (a malformed one counts)
     tool_failures: int = 0   #: of those, the ones whose result is an error
     turns: int = 1           #: assistant turns: 1 + the tool rounds it continued after
+    #: An environment's ``get_reward()`` after the completion's last turn (``generation.tool_loop``); None without.
+    env_reward: Optional[float] = None

@@ -10,6 +10,10 @@ or when the completion budget (``params.max_tokens``, shared by all turns and th
 would not fit are not appended (the row ends with its call unanswered), a continuation is cut at what is left
 (``finish_reason`` "length"). ``tool_calls`` counts the calls that ran.
 
+With an ``Environment`` (``rollout_tools.environment``) every completion gets its own instance, reset with its
+prompt's row before the first turn; its calls go to that instance's methods (and the run's tools), and its
+``get_reward()`` is read into ``Completion.env_reward`` after the last turn.
+
 Token in, token out: the policy's ids are never re-tokenised. ``Completion.tool_mask`` marks the policy's tokens (1)
 and the tools' (0); the tools' log-probs and entropies are 0. A batch in which no turn calls a tool returns the
 sampler's completions untouched.
@@ -17,25 +21,43 @@ sampler's completions untouched.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence
 
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.generation.base import Sampler
 from mindrlhf.generation.params import Completion, SamplingParams
 from mindrlhf.rollout_tools import ToolBox, parse_tool_calls, tool_result_ids
+from mindrlhf.rollout_tools.environment import Environment, merged_toolbox
 
 if TYPE_CHECKING:
     from mindrlhf.tokenizer import Tokenizer
 
 
 class ToolLoop:
-    """Generation with tools: ``toolbox`` answers the calls, ``tokenizer`` (its chat template) renders the results,
-    at most ``max_iterations`` tool rounds per completion."""
+    """Generation with tools: ``toolbox`` answers the calls (with ``environment``, each completion's instance
+    too), ``tokenizer`` (its chat template) renders the results, at most ``max_iterations`` tool rounds per
+    completion."""
 
-    def __init__(self, toolbox: ToolBox, tokenizer: "Tokenizer", max_iterations: int):
+    def __init__(self, toolbox: ToolBox, tokenizer: "Tokenizer", max_iterations: int,
+                 environment: Optional[Environment] = None):
         if max_iterations < 0:
             raise MindRLHFError(f"max_tool_calling_iterations must be >= 0, got {max_iterations}")
         self.toolbox, self.tokenizer, self.max_iterations = toolbox, tokenizer, int(max_iterations)
+        self.environment = environment
+        names = toolbox.names + (environment.methods if environment is not None else [])
+        if len(set(names)) < len(names):
+            raise MindRLHFError(f"a tool and a method of environment {environment.name} share a name "
+                                f"({', '.join(sorted(n for n in set(names) if names.count(n) > 1))}); rename one")
+
+    @property
+    def schemas(self) -> List[Dict[str, Any]]:
+        """What the prompts show: the tools' schemas, then the environment's."""
+        return self.toolbox.schemas + (self.environment.schemas if self.environment is not None else [])
+
+    @property
+    def names(self) -> List[str]:
+        """Every tool's name, as the model calls it."""
+        return [schema["function"]["name"] for schema in self.schemas]
 
     def _turn_text(self, ids: Sequence[int]) -> str:
         # Special tokens kept: a <tool_call> that is an added token is text the parser must see.
@@ -46,9 +68,27 @@ class ToolLoop:
             return []
         return parse_tool_calls(self._turn_text(turn))
 
-    def generate(self, sampler: Sampler, prompts: Sequence[Sequence[int]], params: SamplingParams) -> List[Completion]:
-        """``params.n`` completions per prompt, each continued through its tool calls (see the module docstring)."""
+    def generate(self, sampler: Sampler, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 rows: Optional[Sequence[Mapping[str, Any]]] = None) -> List[Completion]:
+        """``params.n`` completions per prompt, each continued through its tool calls (see the module docstring).
+        ``rows``: each prompt's row (its columns and solution), which an environment is reset with."""
+        boxes, instances = None, None
+        if self.environment is not None:
+            if rows is None or len(rows) != len(prompts):
+                raise MindRLHFError("an environment needs each prompt's row to reset with")
+            # One instance per completion (prompt-major, as the sampler returns them), reset before it is sampled.
+            instances = [self.environment.start(rows[p]) for p in range(len(prompts)) for _ in range(params.n)]
+            boxes = [merged_toolbox(self.toolbox, self.environment.tools(x)) for x in instances]
         first = sampler.generate(prompts, params)
+        rows_out = self._continue(sampler, prompts, params, first, boxes)
+        if instances is not None:
+            for c, instance in zip(rows_out, instances):
+                c.env_reward = self.environment.reward(instance)
+        return rows_out
+
+    def _continue(self, sampler: Sampler, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                  first: List[Completion], boxes: Optional[List[ToolBox]]) -> List[Completion]:
+        """The tool rounds after the first turn (``boxes``: each completion's tools; None: the run's toolbox)."""
         pending = {i: calls for i, c in enumerate(first) if (calls := self._calls(c, c.token_ids))}
         if not pending or not self.max_iterations:
             return first
@@ -60,7 +100,8 @@ class ToolLoop:
             continuing, inputs, room = [], [], []
             for i, calls in pending.items():
                 row = rows[i]
-                results = [self.toolbox.call(call) for call in calls]
+                box = boxes[i] if boxes is not None else self.toolbox
+                results = [box.call(call) for call in calls]
                 row.tool_calls += len(results)
                 row.tool_failures += sum(r.failed for r in results)
                 suffix = tool_result_ids(self.tokenizer, results)
@@ -102,12 +143,15 @@ class ToolLoop:
 
 
 def tool_loop_of(cfg, tokenizer: "Tokenizer") -> Optional[ToolLoop]:
-    """The run's ``ToolLoop`` from its generation config (None without ``tools``); the template must render tools."""
+    """The run's ``ToolLoop`` from its generation config (None without ``tools`` or ``environment``); the template
+    must render tools."""
     g = cfg.generation
-    if not g.tools:
+    if not g.tools and not g.environment:
         return None
     from mindrlhf.rollout_tools import check_template_renders_tools
 
     box = ToolBox(g.tools, timeout=g.tool_timeout, max_response_length=g.max_tool_response_length)
-    check_template_renders_tools(tokenizer, box.schemas)
-    return ToolLoop(box, tokenizer, g.max_tool_calling_iterations)
+    loop = ToolLoop(box, tokenizer, g.max_tool_calling_iterations,
+                    environment=Environment(g.environment) if g.environment else None)
+    check_template_renders_tools(tokenizer, loop.schemas)
+    return loop

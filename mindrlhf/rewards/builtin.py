@@ -154,3 +154,14 @@ def overlong_reward(max_completion_length: int, buffer_length: int, penalty: flo
         return [-penalty * min(max(len(ids) - start, 0) / buffer_length, 1.0) for ids in completion_ids]
 
     return overlong
+
+
+@register_reward("environment")
+def environment_reward(completions: Sequence, environment_reward: Optional[Sequence] = None,
+                       **kwargs) -> List[Optional[float]]:
+    """The rollout's environment's ``get_reward()`` for each completion (``--environment`` with a ``get_reward``
+    method; NaN or None scores nothing)."""
+    if environment_reward is None:
+        raise ValueError("the 'environment' reward reads an environment's get_reward(); run with --environment "
+                         "pkg.module:Class whose class has get_reward()")
+    return [None if value is None or value != value else float(value) for value in environment_reward]

@@ -107,8 +107,9 @@ class PolicyEvaluation:
         reduce = None
         if replicas > 1:  # one count per replica: its tp ranks hold the same ones
             reduce = lambda v: comm.all_sum(v if representative else np.zeros_like(v))  # noqa: E731
-        tools = {} if self.tool_loop is None else {"tools": self.tool_loop.toolbox,
-                                                   "max_tool_calling_iterations": self.tool_loop.max_iterations}
+        loop = self.tool_loop
+        tools = {} if loop is None else {"tools": loop.toolbox, "environment": loop.environment,
+                                         "max_tool_calling_iterations": loop.max_iterations}
         try:
             summary = evaluate(sampler, self.tokenizer, data_path=t.eval_file or None, limit=t.eval_limit,
                                batch_size=EVAL_BATCH,

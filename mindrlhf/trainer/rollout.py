@@ -159,7 +159,7 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         self.prompt_style = prompt_style_of(tokenizer, dataset)
         if self.tool_loop is not None and dataset.num_rows:
             shown = tokenizer.decode(dataset.prompt_ids[0, :int(dataset.prompt_length[0])], skip_special_tokens=False)
-            unseen = [name for name in self.tool_loop.toolbox.names if name not in shown]
+            unseen = [name for name in self.tool_loop.names if name not in shown]
             if unseen:  # a warning: a custom prompt may describe its tools in its own words
                 log.warning("tools %s are not named in the first training prompt: a policy calls only the tools its "
                             "prompts show; convert a prompt mindrecord with mindrlhf-data --tools (prompt rows and "
@@ -310,7 +310,8 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
             prompt_texts = rep(self.tokenizer.batch_decode(rollout.prompts, skip_special_tokens=False))
             total, per_fn = self.rewards(scored.texts, scored.solutions, prompts=prompt_texts,
                                          completion_ids=[list(c.token_ids) for c in rollout.completions],
-                                         **{name: rep(values) for name, values in rollout.columns.items()})
+                                         **{name: rep(values) for name, values in rollout.columns.items()},
+                                         **environment_rewards(rollout.completions))
             scored.exp.rewards = total.astype(np.float32)
             if per_fn:
                 scored.exp.reward_per_fn = np.stack([per_fn[k] for k in self.reward_names], axis=1).astype(np.float32)
@@ -694,6 +695,13 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         return {"advantage": float(adv)}
 
 
+def environment_rewards(completions) -> Dict[str, list]:
+    """The ``environment_reward`` column (each completion's ``get_reward()``) when an environment gave them."""
+    if all(c.env_reward is None for c in completions):
+        return {}
+    return {"environment_reward": [c.env_reward for c in completions]}
+
+
 def rollout_precheck(cfg) -> None:
     """What must fail before any model of a stage that samples (GRPO, PPO) loads: a typo in a reward function's or a
     tool's dotted path (or a tool without a schema), an unavailable generation backend."""
@@ -706,4 +714,11 @@ def rollout_precheck(cfg) -> None:
         from mindrlhf.rollout_tools import ToolBox
 
         ToolBox(cfg.generation.tools)
+    if cfg.generation.environment:  # the class, its reset and its tools' schemas, likewise
+        from mindrlhf.rollout_tools.environment import Environment
+
+        env = Environment(cfg.generation.environment)
+        if "environment" in cfg.reward.reward_funcs and not env.has_reward:
+            raise MindRLHFError(f"reward_funcs has 'environment' but environment {env.name} has no get_reward(); "
+                                "add one, or drop that reward")
     check_sampler_config(cfg)

@@ -16,6 +16,7 @@ from mindrlhf.errors import MindRLHFError
 from mindrlhf.generation import Completion, Sampler, SamplingParams
 from mindrlhf.generation.tool_loop import ToolLoop
 from mindrlhf.parallel import comm
+from mindrlhf.rollout_tools.environment import environment_rows
 from mindrlhf.trainer.base import log_data_report
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,12 @@ def sample_batches(sampler: Sampler, dataset: PromptDataset, batches, params_of,
         params = params_of(r)
         if params.entropy and not sampler.reports_entropy:  # the entropy metric is then left out
             params = replace(params, entropy=False)
-        out.completions += (tool_loop.generate(sampler, local, params) if tool_loop is not None
-                            else sampler.generate(local, params))
+        if tool_loop is not None:
+            columns = {name: list(batch[key]) for name, key in dataset.reward_columns.items()}
+            out.completions += tool_loop.generate(sampler, local, params,
+                                                  rows=environment_rows(columns, list(batch["solution"])))
+        else:
+            out.completions += sampler.generate(local, params)
         out.prompts += local
         out.solutions += list(batch["solution"])
         for name, key in dataset.reward_columns.items():
@@ -87,11 +92,13 @@ def prompt_file_format(path: str) -> str:
 def tool_schemas(cfg) -> Optional[List[Dict[str, object]]]:
     """The JSON schemas of the run's ``tools`` (None without), which every prompt of the default data and every
     conversational prompt row without a ``tools`` column of its own shows (as TRL renders its tools)."""
-    if not cfg.generation.tools:
+    g = cfg.generation
+    if not g.tools and not g.environment:
         return None
     from mindrlhf.rollout_tools import ToolBox
+    from mindrlhf.rollout_tools.environment import Environment
 
-    return ToolBox(cfg.generation.tools).schemas
+    return ToolBox(g.tools).schemas + (Environment(g.environment).schemas if g.environment else [])
 
 
 def resolve_dataset(cfg, tokenizer) -> str:
