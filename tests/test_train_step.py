@@ -187,3 +187,19 @@ def test_concat_experiences_pads_to_the_widest():
 
     for row, (e, i) in enumerate([(narrow, i) for i in range(4)] + [(wide, i) for i in range(4)]):
         np.testing.assert_array_equal(tokens(both, row), tokens(e, i))
+
+
+def test_a_dump_keeps_the_tool_mask(tmp_path):
+    """A recorded tool-using step replays with its tool mask (its length metrics count the policy's tokens)."""
+    from mindrlhf.trainer.experience import load_experience, save_experience
+
+    exp = _experience(9)
+    tools = (np.arange(9)[None, :] % 3 != 1).astype(np.int32).repeat(4, 0)
+    exp.extras["tool_mask"] = tools
+    save_experience(exp, tmp_path / "d.step1.npz")
+    back = load_experience(tmp_path / "d.step1.npz")
+    np.testing.assert_array_equal(back.extras["tool_mask"], tools)
+    np.testing.assert_array_equal(back.extras["completion_present"], exp.extras["completion_present"])
+    del exp.extras["tool_mask"]
+    save_experience(exp, tmp_path / "e.step1.npz")
+    assert "tool_mask" not in load_experience(tmp_path / "e.step1.npz").extras

@@ -130,6 +130,8 @@ def save_experience(exp: Experience, path: Path, completions_text: Optional[List
     """Write the arrays of a step (all ranks gathered) to an .npz (no pickled objects)."""
     arrays = {k: getattr(exp, k) for k in _ARRAYS}
     arrays["completion_present"] = exp.extras["completion_present"]
+    if "tool_mask" in exp.extras:  # a tool-using rollout: its policy tokens, which the length metrics count
+        arrays["tool_mask"] = exp.extras["tool_mask"]
     if completions_text is not None:
         arrays["completions_text"] = np.array(completions_text, dtype=np.str_)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -146,4 +148,6 @@ def load_experience(path: Path) -> Experience:
     with np.load(path, allow_pickle=False) as data:
         kw = {k: data[k] for k in _ARRAYS}
         extras = {"completion_present": data["completion_present"]}
+        if "tool_mask" in data.files:
+            extras["tool_mask"] = data["tool_mask"]
     return Experience(**kw, extras=extras)
