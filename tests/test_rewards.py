@@ -174,7 +174,8 @@ def test_registry_builtins_and_unknown_name():
     assert get_reward_fn("accuracy") is accuracy_reward
     assert get_reward_fn("format") is format_reward
     assert get_reward_fn("boxed") is boxed_reward
-    with pytest.raises(MindRLHFError, match=r"unknown reward function 'acurracy'; built-ins: accuracy, boxed, format"):
+    with pytest.raises(MindRLHFError, match=r"unknown reward function 'acurracy'; built-ins: accuracy, boxed, "
+                                            r"environment, format, gsm8k_format;"):
         get_reward_fn("acurracy")
 
 
