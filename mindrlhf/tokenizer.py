@@ -404,10 +404,8 @@ class Tokenizer:
         are passed to the template. Returns the prompt string, or its ids when ``tokenize=True``.
         """
         name = kwargs.pop("chat_template_name", None)
-        source = self._chat_template(name)
-        if _has_tools(messages, kwargs.get("tools")) and self._tool_form(name) is not None:
-            source = self._tool_form(name)
-        template = self._compiled(source)
+        form = self._tool_form(name) if _has_tools(messages, kwargs.get("tools")) else None
+        template = self._compiled(form if form is not None else self._chat_template(name))
         # transformers drops None-valued keys: templates test for a key's presence, not for None.
         chat = [{key: value for key, value in message.items() if value is not None} for message in messages]
         variables = {**self.special_tokens, "tools": None, "documents": None, **kwargs}

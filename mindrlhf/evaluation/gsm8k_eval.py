@@ -563,11 +563,11 @@ def _add_rewards(sums: Dict[str, list], rewards, texts: List[str], batch: Sequen
     """Score one batch's completions with ``rewards`` (as training calls them: the prompt as the model saw it,
     the completion ids, the solution and the question as columns) and add each function's scores to ``sums``."""
     rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731  (completions are question-major)
-    extra = ({"environment_reward": [c.env_reward for c in done]}
-             if any(c.env_reward is not None for c in done) else {})
+    from mindrlhf.generation.tool_loop import environment_rewards
+
     _, per_fn = rewards(texts, rep([q.solution for q in batch]), prompts=rep(prompt_texts),
                         completion_ids=[list(c.token_ids) for c in done], question=rep([q.question for q in batch]),
-                        **extra)
+                        **environment_rewards(done))
     for name, scores in per_fn.items():
         given = scores[~np.isnan(scores)]
         sums[name][0] += float(given.sum())
@@ -713,20 +713,16 @@ def add_tool_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def tool_options(args: argparse.Namespace) -> Optional["ToolBox"]:
-    """``evaluate``'s ``tools`` from ``add_tool_arguments``' flags (None without ``--tools``); a bad tool is named
-    before any model loads."""
-    if not args.tools:
-        return None if not args.environment else _limited_box([], args)
+    """``evaluate``'s ``tools`` from ``add_tool_arguments``' flags (None without ``--tools`` or ``--environment``,
+    whose calls share these limits); a bad tool or limit is named before any model loads."""
+    if not args.tools and not args.environment:
+        return None
     if args.max_tool_calling_iterations < 0 or args.tool_timeout < 0 or args.max_tool_response_length < 0:
         raise MindRLHFError("--max_tool_calling_iterations, --tool_timeout and --max_tool_response_length must be "
                             ">= 0")
-    return _limited_box(args.tools, args)
-
-
-def _limited_box(tools, args: argparse.Namespace) -> "ToolBox":
     from mindrlhf.rollout_tools import ToolBox
 
-    return ToolBox(tools, timeout=args.tool_timeout, max_response_length=args.max_tool_response_length)
+    return ToolBox(args.tools, timeout=args.tool_timeout, max_response_length=args.max_tool_response_length)
 
 
 def environment_option(args: argparse.Namespace) -> Optional["Environment"]:

@@ -142,6 +142,14 @@ class ToolLoop:
         return rows  # calls left when the rounds ran out are not run, so not counted (as TRL counts)
 
 
+def environment_rewards(completions: Sequence[Completion]) -> Dict[str, list]:
+    """The reward functions' ``environment_reward`` column (each completion's ``get_reward()``) when an environment
+    gave them; empty otherwise."""
+    if all(c.env_reward is None for c in completions):
+        return {}
+    return {"environment_reward": [c.env_reward for c in completions]}
+
+
 def tool_loop_of(cfg, tokenizer: "Tokenizer") -> Optional[ToolLoop]:
     """The run's ``ToolLoop`` from its generation config (None without ``tools`` or ``environment``); the template
     must render tools."""

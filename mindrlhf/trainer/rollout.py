@@ -28,7 +28,7 @@ import numpy as np
 from mindrlhf.data import PromptDataset
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.generation import Sampler, SamplingParams
-from mindrlhf.generation.tool_loop import tool_loop_of
+from mindrlhf.generation.tool_loop import environment_rewards, tool_loop_of
 from mindrlhf.models import CausalLM
 from mindrlhf.models.lora import merged_shard_weights
 from mindrlhf.models.weights import get_weights
@@ -693,13 +693,6 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         if adv.ndim:  # per-token advantages (REINFORCE++): their mean over the completion's loss tokens
             return {"advantage": float(adv[mask].mean()) if mask.any() else 0.0}
         return {"advantage": float(adv)}
-
-
-def environment_rewards(completions) -> Dict[str, list]:
-    """The ``environment_reward`` column (each completion's ``get_reward()``) when an environment gave them."""
-    if all(c.env_reward is None for c in completions):
-        return {}
-    return {"environment_reward": [c.env_reward for c in completions]}
 
 
 def rollout_precheck(cfg) -> None:
