@@ -994,6 +994,20 @@ def test_reinforce_plus_plus_advantages_by_hand():
     np.testing.assert_allclose(got2[:3][mask2[:3] > 0], _whiten_by_hand([0.25, 0.5, 1.0, 2.0]), rtol=1e-12)
 
 
+def test_reinforce_plus_plus_return_passes_through_tool_tokens():
+    """A two-turn row (call, tool result out of the mask, reply): the return passes through the tool tokens, so the
+    call gets the reward discounted over the policy tokens between (γ^k, k not counting the tool tokens), as GAE
+    carries PPO's credit; the tool tokens get 0 and are left out of the whitening."""
+    est = get_advantage_estimator("reinforce_plus_plus")
+    mask = np.array([[1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0]], np.float32)
+    got = est(np.array([2.0, 1.0]), 2, completion_mask=mask, gamma=0.5)
+    # row 0: returns [0.5, 1 | tool | 2]; row 1 (one turn): [0.25, 0.5, 1]
+    white = _whiten_by_hand([0.5, 1.0, 2.0, 0.25, 0.5, 1.0])
+    want = np.zeros((2, 6))
+    want[0, [0, 1, 4]], want[1, :3] = white[:3], white[3:]
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_reinforce_plus_plus_baseline_advantages_by_hand():
     """REINFORCE++-baseline: reward minus its group's mean on every valid token, whitened over the batch's valid
     tokens; a group with one valid reward keeps it uncentred (verl's baseline 0 for a group of one)."""

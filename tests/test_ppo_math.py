@@ -76,6 +76,91 @@ def test_gae_and_returns_by_hand_on_variable_length_rows():
     np.testing.assert_allclose(adv, [[0.81, 0.9, 1.0]])
 
 
+def _one_turn_gae(rewards, values, mask, gamma, lam):
+    """``gae`` as it was before multi-turn rows: the running advantage and the next value reset to 0 at every position
+    outside the mask. The reference for prefix masks, where nothing is carried past a completion's end."""
+    m = np.asarray(mask) > 0
+    r = np.where(m, np.asarray(rewards, np.float64), 0.0)
+    v = np.where(m, np.asarray(values, np.float64), 0.0)
+    adv = np.zeros_like(r)
+    next_value, running = np.zeros(r.shape[0]), np.zeros(r.shape[0])
+    for t in range(r.shape[1] - 1, -1, -1):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        running = np.where(m[:, t], delta + gamma * lam * running, 0.0)
+        adv[:, t] = running
+        next_value = np.where(m[:, t], v[:, t], 0.0)
+    return adv, np.where(m, adv + v, 0.0)
+
+
+def test_gae_on_prefix_masks_is_the_one_turn_formula_bit_for_bit():
+    """Rows of every length 0..C (padding holding junk rewards and values), several γ, λ: advantages and returns
+    equal the one-turn loop's exactly."""
+    rng = np.random.default_rng(5)
+    c = 9
+    mask = (np.arange(c)[None, :] < np.arange(c + 1)[:, None]).astype(np.float32)
+    r, v = rng.normal(size=mask.shape) * 3, rng.normal(size=mask.shape)
+    for gamma, lam in ((1.0, 0.95), (0.9, 0.5), (1.0, 0.0), (0.99, 1.0), (0.0, 0.7)):
+        for got, want in zip(ppo.gae(r, v, mask, gamma, lam), _one_turn_gae(r, v, mask, gamma, lam)):
+            np.testing.assert_array_equal(got, want, err_msg=f"gamma {gamma}, lam {lam}")
+
+
+#: A two-turn row: the call (columns 0, 1), the tool's result (2, 3: out of the mask), the reply (4, 5), padding (6).
+TOOL_ROW = np.array([[1, 1, 0, 0, 1, 1, 0]])
+
+
+def test_gae_carries_credit_across_tool_tokens_by_hand():
+    """The running advantage and the next value pass through the tool tokens unchanged (verl's
+    ``compute_gae_advantage_return``), so the reward at the reply reaches the call; the tool columns' rewards and
+    values (junk here) are not read, and their advantages and returns are 0."""
+    rewards = np.array([[0.0, 0.0, 9.0, 9.0, 0.0, 1.0, 5.0]])
+    values = np.array([[0.5, 0.2, 7.0, 7.0, 0.4, 0.3, 3.0]])
+    adv, ret = ppo.gae(rewards, values, TOOL_ROW, gamma=1.0, lam=0.5)
+    # the row without its tool columns: r = [0, 0, 0, 1], V = [0.5, 0.2, 0.4, 0.3]
+    # A3 = 1 − 0.3 = 0.7; A2 = (0.3 − 0.4) + 0.5·0.7 = 0.25; A1 = (0.4 − 0.2) + 0.5·0.25 = 0.325;
+    # A0 = (0.2 − 0.5) + 0.5·0.325 = −0.1375
+    np.testing.assert_allclose(adv, [[-0.1375, 0.325, 0.0, 0.0, 0.25, 0.7, 0.0]], atol=1e-12)
+    np.testing.assert_allclose(ret, [[0.3625, 0.525, 0.0, 0.0, 0.65, 1.0, 0.0]], atol=1e-12)
+    # the one-turn loop would end the call's credit at the tool block: A1 = 0 − 0.2 there
+    assert _one_turn_gae(rewards, values, TOOL_ROW, 1.0, 0.5)[0][0, 1] == pytest.approx(-0.2)
+    # γ discounts over the policy tokens only: the reward 1 at the reply's end is γ³ = 0.729 at the call's start
+    adv, _ = ppo.gae(np.array([[0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]]), np.zeros((1, 7)), TOOL_ROW, 0.9, 1.0)
+    np.testing.assert_allclose(adv, [[0.729, 0.81, 0.0, 0.0, 0.9, 1.0, 0.0]], atol=1e-12)
+
+
+def test_gae_with_tool_tokens_is_gae_on_the_row_without_them():
+    """Random rows, each with random holes (tool blocks) and padding: advantages and returns at the masked columns
+    equal ``gae`` on the row with the other columns removed (a prefix row), bit for bit; 0 elsewhere."""
+    rng = np.random.default_rng(11)
+    b, c = 12, 10
+    mask = (rng.random((b, c)) < 0.6).astype(np.float32)
+    mask[0], mask[1] = 0, 1  # an empty row and a full one
+    r, v = rng.normal(size=(b, c)), rng.normal(size=(b, c))
+    for gamma, lam in ((1.0, 0.95), (0.9, 0.5), (0.99, 1.0)):
+        adv, ret = ppo.gae(r, v, mask, gamma, lam)
+        assert not adv[mask == 0].any() and not ret[mask == 0].any()
+        for i in range(b):
+            keep = np.flatnonzero(mask[i])
+            packed = np.zeros((1, c))
+            packed_mask = (np.arange(c) < len(keep))[None, :].astype(np.float32)
+            pr, pv = packed.copy(), packed.copy()
+            pr[0, :len(keep)], pv[0, :len(keep)] = r[i, keep], v[i, keep]
+            want_adv, want_ret = ppo.gae(pr, pv, packed_mask, gamma, lam)
+            np.testing.assert_array_equal(adv[i, keep], want_adv[0, :len(keep)], err_msg=f"row {i}")
+            np.testing.assert_array_equal(ret[i, keep], want_ret[0, :len(keep)], err_msg=f"row {i}")
+
+
+def test_in_loss_gae_returns_are_for_prefix_masks_only():
+    """``gae_returns`` (the critic's in-update targets) resets at a tool block, so on a tool row it is not ``gae``'s
+    returns: why a step whose mask is no prefix takes the separate values pass (``PPOTrainer.values_pass``)."""
+    import mindspore as ms
+
+    rewards = np.array([[0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]], np.float32)
+    values = np.array([[0.5, 0.2, 7.0, 7.0, 0.4, 0.3, 3.0]], np.float32)
+    got = ppo.gae_returns(ms.Tensor(values), ms.Tensor(rewards), ms.Tensor(TOOL_ROW.astype(np.float32)), 1.0, 0.5)
+    _, want = ppo.gae(rewards, values, TOOL_ROW, 1.0, 0.5)
+    assert abs(got.asnumpy()[0, 1] - want[0, 1]) > 0.1
+
+
 def test_in_graph_gae_returns_equal_the_host_gae_on_prefix_masks():
     """The critic's in-loss targets (``gae_returns``, a (C, C) matmul) equal ``gae``'s returns: the hand case above
     and random rows of every length from 0 to C (empty, partial, full), for several γ, λ (λ = 0: one-step TD)."""

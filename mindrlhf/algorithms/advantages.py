@@ -184,18 +184,21 @@ def _scored_tokens(arr: np.ndarray, completion_mask) -> np.ndarray:
 def reinforce_plus_plus_advantages(rewards, num_generations: int, eps: float = 1e-6, *, completion_mask,
                                    gamma: float = 1.0):
     """REINFORCE++ (Hu et al. 2025, arXiv:2501.03262; verl's ``compute_reinforce_plus_plus_outcome_advantage``):
-    the reward placed on each completion's last valid token, its discounted return per token
-    G_t = γ^(last − t)·R (reset at a masked token, as verl's loop), then whitened over all valid tokens of the batch,
+    the reward placed on each completion's last valid token, its discounted return per token G_t = γ^k·R with k the
+    valid tokens after t, then whitened over all valid tokens of the batch,
     (G − mean) / sqrt(var + 1e-8) with the unbiased variance (``ppo.masked_whiten``, verl's ``masked_whiten``).
     No group baseline: ``num_generations`` and ``eps`` are unused. A NaN reward's tokens are left out of the
-    statistics and get 0. Returns (B, T)."""
+    statistics and get 0. A tool result's tokens between two turns are not valid tokens and are skipped: the
+    return passes through them, so the turns before them get the reward too (``ppo.gae``'s carry). verl's loop
+    resets the return at every masked token, which gives those turns 0; on a prefix mask (a one-turn rollout) the
+    two are the same. Returns (B, T)."""
     arr, back = _to_numpy(rewards)
     valid = _scored_tokens(arr, completion_mask)
     token_rewards = np.zeros(valid.shape)
     last = last_token_index(valid)
     rows = np.flatnonzero(last >= 0)
     token_rewards[rows, last[rows]] = arr[rows]
-    # GAE with λ = 1 and no values is the discounted return Σ_s γ^(s−t) r_s, zeroed and reset on masked tokens.
+    # GAE with λ = 1 and no values is the discounted return over the valid tokens, 0 on the others.
     returns, _ = gae(token_rewards, np.zeros(valid.shape), valid, gamma, 1.0)
     return back(masked_whiten(returns, valid))
 

@@ -8,7 +8,8 @@ returns = advantages + values, advantages whitened over the mask, value loss
 score scaling/bias/clip; its EMA value normaliser
 ``ExponentialRunningMeanStd``).
 
-Rows are completions, right-padded: ``mask`` (B, T) is 1 on each completion's tokens. Host functions
+Rows are completions, right-padded: ``mask`` (B, T) is 1 on each completion's policy tokens (0 on padding and,
+in a multi-turn rollout, on the tool results' tokens between turns: ``gae`` carries credit across them). Host functions
 work in float64 numpy (rollout data lives on the host between phases, as GRPO's advantages do);
 ``clipped_value_loss`` is a MindSpore function used inside the critic's loss.
 """
@@ -68,9 +69,9 @@ def _check_scores(s: np.ndarray, what: str, bad: np.ndarray) -> None:
 
 def kl_shaped_rewards(logp: np.ndarray, ref_logp: np.ndarray, mask: np.ndarray, scores: np.ndarray,
                       kl_coef: float, estimator: str = "k1") -> Tuple[np.ndarray, np.ndarray]:
-    """Per-token rewards (B, T): ``−kl_coef · KL_t`` on every completion token, plus the row's score at its last
-    token; 0 on padding. Returns ``(rewards, kl)`` (``kl`` per token, 0 on padding: ``objective/kl`` is its row
-    sum)."""
+    """Per-token rewards (B, T): ``−kl_coef · KL_t`` on every masked token, plus the row's score at its last
+    masked token (``last_token_index``: a multi-turn row's last policy token); 0 where the mask is 0. Returns
+    ``(rewards, kl)`` (``kl`` per token, 0 where the mask is 0: ``objective/kl`` is its row sum)."""
     kl_of = get_kl_estimator(estimator)  # algorithms.kl's estimator, on host float64 arrays
     m = _mask(mask)
     d = np.asarray(logp, np.float64) - np.asarray(ref_logp, np.float64)
@@ -84,9 +85,17 @@ def kl_shaped_rewards(logp: np.ndarray, ref_logp: np.ndarray, mask: np.ndarray, 
 
 def gae(rewards: np.ndarray, values: np.ndarray, mask: np.ndarray, gamma: float = 1.0,
         lam: float = 0.95) -> Tuple[np.ndarray, np.ndarray]:
-    """Generalised advantage estimation (Schulman et al. 2016) over each row's completion tokens:
-    ``δ_t = r_t + γ·V_{t+1} − V_t`` (``V`` after the last token is 0), ``A_t = δ_t + γλ·A_{t+1}``;
-    returns ``(advantages, returns = advantages + values)``, both 0 on padding."""
+    """Generalised advantage estimation (Schulman et al. 2016) over each row's masked tokens:
+    ``δ_t = r_t + γ·V_next − V_t``, ``A_t = δ_t + γλ·A_next``, where "next" is the row's next MASKED token (``V``
+    and ``A`` after the last one are 0); returns ``(advantages, returns = advantages + values)``, both 0 where
+    the mask is 0.
+
+    A position outside the mask inside a row (a tool result's tokens between two turns of a multi-turn rollout)
+    is skipped: the running advantage and the next value pass through it unchanged, so the final reward's credit
+    reaches the turns before it. That is verl's ``compute_gae_advantage_return``
+    (``verl/trainer/ppo/core_algos.py``: "skip values and TD-error on observation tokens"), and it equals GAE on
+    the row with those columns removed. Trailing padding carries zeros, so on a prefix mask (a completion's
+    tokens, then padding) this is the one-turn formula, bit for bit."""
     m = _mask(mask)
     r = np.where(m, np.asarray(rewards, np.float64), 0.0)
     v = np.where(m, np.asarray(values, np.float64), 0.0)
@@ -95,9 +104,9 @@ def gae(rewards: np.ndarray, values: np.ndarray, mask: np.ndarray, gamma: float 
     running = np.zeros(r.shape[0])
     for t in range(r.shape[1] - 1, -1, -1):
         delta = r[:, t] + gamma * next_value - v[:, t]
-        running = np.where(m[:, t], delta + gamma * lam * running, 0.0)
-        adv[:, t] = running
-        next_value = np.where(m[:, t], v[:, t], 0.0)
+        running = np.where(m[:, t], delta + gamma * lam * running, running)
+        adv[:, t] = np.where(m[:, t], running, 0.0)
+        next_value = np.where(m[:, t], v[:, t], next_value)
     return adv, np.where(m, adv + v, 0.0)
 
 
@@ -164,7 +173,8 @@ class RunningValueNorm:
 
 def gae_returns(values: Tensor, rewards: Tensor, mask: Tensor, gamma: float, lam: float) -> Tensor:
     """``gae``'s returns (advantages + values, 0 on padding) as a MindSpore function, for rows whose ``mask`` is a
-    prefix (a completion's tokens, then padding): the critic's first update of a step computes its own targets
+    prefix (a completion's tokens, then padding; a row with tool tokens between turns is not, and its step takes
+    the separate values pass, ``PPOTrainer.values_pass``): the critic's first update of a step computes its own targets
     from the values it has just produced (``PPOTrainer``). With δ_s = r_s + γ·V_{s+1} − V_s on the row's tokens
     (V past the last token 0) and 0 beyond them, ``A_t = Σ_{s ≥ t} (γλ)^{s−t} δ_s``: one (C, C) matmul instead of
     a loop over the columns."""

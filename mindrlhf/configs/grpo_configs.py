@@ -207,8 +207,8 @@ class AlgorithmConfig:
         choices=ADVANTAGE_ESTIMATORS.names())
     gamma: float = config_field(
         1.0, "advantage_estimator reinforce_plus_plus: the discount of the token-level return, token t of a "
-        "completion gets gamma^(its last token - t) * reward before the whitening (verl's algorithm.gamma; 1 = every "
-        "token the reward). Range [0, 1].",
+        "completion gets gamma^k * reward before the whitening, k its tokens after t, a tool result's tokens between "
+        "turns not counted (verl's algorithm.gamma; 1 = every token the reward). Range [0, 1].",
         ge=0.0, le=1.0)
     scale_rewards: str = config_field(
         "group", "Advantage scaling: advantage = (reward - group mean) / (std + eps) with the std of the "
