@@ -11,6 +11,11 @@ numbers) → ``ppo_epochs × num_mini_batches`` updates of the actor (the clippe
 weight sync. Metrics carry the names of TRL's last ``PPOTrainer`` (``objective/*``, ``policy/*``, ``loss/*``,
 ``val/*``).
 
+With ``tools`` or an ``environment`` the rollout is multi-turn (``generation.tool_loop``): the completion mask the
+rollout builds is 0 on the tool results' tokens, so they are out of the KL-shaped rewards (the score goes on the
+last policy token), GAE (which carries credit across them to the earlier turns), the whitening and both losses;
+such a mask is no prefix, so the step takes the separate values pass (``values_pass``).
+
 Run on one process with ``python`` or on several with ``msrun … -m mindrlhf.ppo --use_parallel true``.
 """
 from __future__ import annotations
@@ -274,8 +279,9 @@ class PPOTrainer(RolloutTrainer):
 
     def values_pass(self, exp: Experience, batch: PPOBatch) -> Optional[np.ndarray]:
         """The critic's old values of this share's rows (B, C), or None when its first update computes them."""
-        # The in-loss targets read each completion's mask as a prefix (its tokens, then padding); anything else
-        # takes the separate pass (decided on the global batch: every rank the same way).
+        # The in-loss targets read each completion's mask as a prefix (its tokens, then padding); anything else (a
+        # row with tool tokens between its turns) takes the separate pass (decided on the global batch: every rank
+        # the same way).
         in_update = self.values_in_update and bool(np.all(np.diff(batch.mask, axis=1) <= 0))
         return None if in_update else self.completion_forward(self.critic_updater.runner, exp)
 

@@ -1,8 +1,8 @@
 """Tools in the shared rollout of a GRPO run: a run with ``tools`` in which no completion calls one is today's
 one-turn run bit for bit (metrics and weights), with the tool metrics at zero; a tiny model taught by SFT to call
 the calculator makes a GRPO step whose rows are its call, the tool's result (masked) and its answer, exactly the ids
-the chat template renders, and the same step with a generator rank running the tools (by hand); what such a run
-refuses (PPO, an unknown tool)."""
+the chat template renders, and the same step with a generator rank running the tools (by hand); a PPO step with the
+calculator and in an environment (GAE across the tool tokens, by hand); what such a run refuses (an unknown tool)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 
-from grpo_runs import byhand, byhand_only, grpo_args, is_timing, msrun, read_rows, run_inprocess
+from grpo_runs import SUITE_RECOMPUTE, byhand, byhand_only, grpo_args, is_timing, msrun, read_rows, run_inprocess
 from mindrlhf.data.gsm8k import DEFAULT_SYSTEM_PROMPT
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.evaluation.gsm8k_eval import evaluate
@@ -66,10 +66,32 @@ def test_tools_are_refused_before_any_model_loads(grpo_assets, tmp_path, capsys)
 
     assert main(grpo_args(grpo_assets, tmp_path / "a", tools=["calculatr"])) != 0
     assert "unknown tool 'calculatr'; built-ins: calculator" in capsys.readouterr().err
+
+
+def test_ppo_takes_tools_and_environments_and_refuses_what_grpo_refuses_in_one_line(tmp_path, capsys):
+    """PPO's config takes ``tools`` and an ``environment`` (with its reward); what is still refused is GRPO's rule for
+    every rollout stage, one line naming the fix, before any model loads."""
+    from mindrlhf.configs.ppo import parse_ppo_args
     from mindrlhf.ppo import main as ppo
 
-    assert ppo(["--tools", "calculator", "--output_dir", str(tmp_path / "c"), "--reward_funcs", "accuracy"]) == 2
-    assert "tools with PPO: its GAE does not yet carry credit across the tool tokens" in capsys.readouterr().err
+    out = ["--output_dir", str(tmp_path / "o")]
+    assert parse_ppo_args(["--tools", "calculator", "--reward_funcs", "accuracy", *out]).generation.tools == \
+        ["calculator"]
+    cfg = parse_ppo_args(["--environment", "tool_envs:CalculatorEnv", "--reward_funcs", "accuracy", "environment",
+                          *out])
+    assert (cfg.generation.environment, cfg.reward.reward_funcs) == ("tool_envs:CalculatorEnv",
+                                                                      ["accuracy", "environment"])
+    for argv, message in [
+            (["--tools", "calculatr"], "unknown tool 'calculatr'; built-ins: calculator"),
+            (["--reward_funcs", "accuracy", "environment"],
+             "reward_funcs has 'environment' (an environment's get_reward()) but environment is ''; set environment"),
+            (["--environment", "tool_envs:CalculatorEnv", "--gen_workers", "1", "--use_parallel", "true"],
+             "environment with gen_workers = 1: a disaggregated rollout does not carry environments' rewards yet; "
+             "set gen_workers 0, or use tools")]:
+        assert ppo([*argv, *out]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
 
 
 QUESTIONS = [("What is 48 / 2?", "48 / 2", "24"), ("What is 7 * 6?", "7 * 6", "42")]
@@ -331,6 +353,116 @@ def test_a_generator_rank_runs_the_tools_as_a_colocated_rank(tool_caller, grpo_a
     assert (got["completion_mask"] < got["completion_present"]).any()  # the tool tokens: attended, out of the loss
     for name in want.files:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-9, err_msg=name)
+
+
+def _ppo_tool_step(tool_caller, tmp_path, **extra):
+    """One near-greedy PPO step of the taught model (the critic its body with a new head, no reward model, one
+    mini-batch and no value normaliser: the setting in which the critic's first update would compute the old values
+    itself); its metrics, its recorded rows, what ``values_pass`` and ``advantages_and_returns`` saw and made, and
+    its algorithm settings."""
+    from mindrlhf.configs.ppo import parse_ppo_args
+    from mindrlhf.ppo import build_trainer
+    from mindrlhf.trainer.entry import setup_runtime
+
+    args = {"model": tool_caller["model"], "train_file": tool_caller["prompts"], "output_dir": tmp_path / "run",
+            "reward_model": "", "batch_size": 2, "num_generations": 2, "max_new_tokens": 96,
+            "max_prompt_length": 512, "temperature": 0.05, "max_steps": 1, "ppo_epochs": 1, "num_mini_batches": 1,
+            "micro_batch_size": 0, "value_norm": "false", "lr": 1e-4, "progress_bar": "false",
+            "tensorboard": "false", "log_completions_steps": 0, "save_data_file": tmp_path / "dump",
+            **SUITE_RECOMPUTE, **extra}
+    cfg = parse_ppo_args([x for k, v in args.items()
+                          for x in (f"--{k}", *(map(str, v) if isinstance(v, list) else [str(v)]))])
+    trainer = build_trainer(cfg, setup_runtime(cfg))
+    assert trainer.values_in_update  # a one-turn step would take its old values from the critic's update
+    seen = {}
+
+    def recorded(name, real):
+        def call(*a):
+            seen[name] = (a, real(*a))
+            return seen[name][1]
+        return call
+
+    for name in ("values_pass", "advantages_and_returns"):
+        setattr(trainer, name, recorded(name, getattr(trainer, name)))
+    row = trainer.train_one_step()
+    row.update(trainer.evaluate_step())  # as the loop does after a step (eval_steps)
+    return row, np.load(tmp_path / "dump.step1.npz"), seen, cfg.algorithm
+
+
+def _gae_by_hand(rewards, values, gamma: float, lam: float):
+    """GAE on one row's policy tokens alone (a list): A_t = r_t + γ·V_(t+1) − V_t + γλ·A_(t+1), 0 past the end."""
+    adv, running, next_value = [0.0] * len(rewards), 0.0, 0.0
+    for t in reversed(range(len(rewards))):
+        running = rewards[t] + gamma * next_value - values[t] + gamma * lam * running
+        adv[t], next_value = running, values[t]
+    return adv
+
+
+@pytest.mark.slow
+def test_a_ppo_step_with_a_tool_call(tool_caller, tmp_path):
+    """The taught model's PPO step with the calculator: the rows are its call, the calculator's result and its answer,
+    the result's tokens out of the mask PPO trains on; the score (accuracy) goes on the answer's last token, the
+    tool tokens get no KL penalty, the step takes the separate values pass (the mask is no prefix), and the
+    advantages at the policy tokens are GAE by hand on the rewards and values with the tool tokens removed (then
+    whitened over the step's policy tokens), the critic's targets its returns; the tool tokens' are 0. Evaluation
+    while training calls the calculator too."""
+    row, dump, seen, a = _ppo_tool_step(tool_caller, tmp_path, tools=["calculator"], reward_funcs=["accuracy"],
+                                        eval_steps=1, eval_file=tool_caller["questions"])
+    tok, box = tool_caller["tokenizer"], tool_caller["box"]
+    assert (row["tools/call_frequency"], row["tools/failure_frequency"], row["tools/turns/mean"]) == (1.0, 0.0, 2.0)
+    assert row["objective/scores"] == 1.0 and row["rewards/accuracy/mean"] == 1.0
+    # evaluation while training runs the same tool loop
+    assert (row["eval/accuracy"], row["eval/tools/call_frequency"], row["eval/tools/turns/mean"]) == (1.0, 1.0, 2.0)
+    assert len(dump["completion_ids"]) == 4
+    spans = []
+    for g in range(4):
+        _, _, call, tool, reply = _segments(tok, box, dump, g)
+        n = len(call) + len(tool) + len(reply)
+        assert dump["completion_ids"][g, :n].tolist() == call + tool + reply, g
+        assert dump["completion_mask"][g].tolist() == \
+            [1.0] * len(call) + [0.0] * len(tool) + [1.0] * len(reply) + [0.0] * (dump["completion_mask"].shape[1] - n)
+        assert dump["completion_present"][g, :n].all()
+        spans.append((len(call), len(call) + len(tool), n))
+    _, values = seen["values_pass"]
+    assert values is not None and row["time/values"] > 0  # the separate values pass ran
+    (exp, targets, _, batch), _ = seen["advantages_and_returns"]
+    np.testing.assert_array_equal(batch.mask, dump["completion_mask"])
+    assert (a.gamma, a.lam, a.kl_coef, a.adv_norm) == (1.0, 0.95, 0.05, True)  # PPO's defaults
+    policy_adv, by_hand, one_turn_first = [], [], []
+    for g, (tool_start, tool_end, n) in enumerate(spans):
+        keep = np.flatnonzero(batch.mask[g])
+        assert keep.tolist() == [*range(tool_start), *range(tool_end, n)]
+        # no KL penalty nor reward on the tool tokens; the score on the last policy token
+        assert not batch.kl[g, tool_start:tool_end].any() and not batch.rewards[g, tool_start:tool_end].any()
+        assert batch.rewards[g, n - 1] == pytest.approx(batch.score[g] - a.kl_coef * batch.kl[g, n - 1], abs=1e-12)
+        adv = _gae_by_hand(batch.rewards[g, keep].tolist(), batch.values[g, keep].tolist(), a.gamma, a.lam)
+        by_hand += adv
+        policy_adv += exp.advantages[g, keep].tolist()
+        assert not exp.advantages[g, tool_start:tool_end].any() and not exp.advantages[g, n:].any()
+        # the critic's targets: the returns, advantages + values before the whitening, 0 on the tool tokens
+        np.testing.assert_allclose(targets.returns[g, keep], np.array(adv) + batch.values[g, keep], rtol=1e-5,
+                                   atol=1e-6)
+        assert not targets.returns[g, tool_start:tool_end].any()
+        # what ending the call's credit at the tool block would give its first token
+        call_alone = _gae_by_hand(batch.rewards[g, :tool_start].tolist(), batch.values[g, :tool_start].tolist(),
+                                  a.gamma, a.lam)
+        one_turn_first.append(abs(call_alone[0] - adv[0]))
+    x = np.array(by_hand)
+    white = (x - x.mean()) / np.sqrt(((x - x.mean()) ** 2).sum() / (len(x) - 1) + 1e-8)  # adv_norm (TRL's whiten)
+    np.testing.assert_allclose(policy_adv, white, rtol=1e-5, atol=1e-6)
+    assert min(one_turn_first) > 0.05  # the carried credit is not a vacuous difference
+    assert np.isfinite(row["loss/value_avg"]) and row["val/grad_norm"] > 0 and row["grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_a_ppo_step_in_an_environment_scores_its_reward(tool_caller, tmp_path):
+    """The taught model's PPO step in ``CalculatorEnv`` (the calculator a method of each completion's instance): the
+    rollout's reward functions get the environment's ``get_reward()``, which adds to the score as any rule reward."""
+    row, dump, _, _ = _ppo_tool_step(tool_caller, tmp_path, environment="tool_envs:CalculatorEnv",
+                                     reward_funcs=["accuracy", "environment"], kl_coef=0.0)
+    assert (row["tools/call_frequency"], row["tools/turns/mean"]) == (1.0, 2.0)
+    assert (row["rewards/environment/mean"], row["rewards/accuracy/mean"], row["objective/scores"]) == (1.0, 1.0, 2.0)
+    assert (dump["completion_mask"] < dump["completion_present"]).any()
 
 
 def test_an_environment_is_read_and_refused_in_one_line(grpo_assets, tmp_path, capsys):

@@ -454,14 +454,14 @@ class GenerationConfig:
         "tools/failure_frequency, tools/turns/mean). The chat template shows the tools' schemas in the default "
         "data's prompts and in prompt rows without a 'tools' column of their own (a prompt mindrecord: convert it "
         "with mindrlhf-data --tools); a ChatML template without tool support gets the Hermes form. [] = one-turn "
-        "rollouts. Not yet in PPO (its GAE across tool tokens).")
+        "rollouts. In PPO the tool tokens are also out of the value loss and GAE, which carries the final reward's "
+        "credit across them to the earlier turns.")
     environment: str = config_field(
         "", "An environment class by dotted path 'package.module:Class' (TRL's environment_factory shape): one "
         "instance per completion, reset(**row) with the prompt row's columns (and solution) before it is sampled; "
         "its other public methods are tools the policy calls on that instance (shown in the prompts with the "
         "tools); an optional get_reward() is scored by the reward function 'environment'. reset must return None "
-        "(prompts are tokenised once). Runs in the sampling process. '' = none. Not with gen_workers > 0, nor in "
-        "PPO.")
+        "(prompts are tokenised once). Runs in the sampling process. '' = none. Not with gen_workers > 0.")
     max_tool_calling_iterations: int = config_field(
         5, "Tool rounds per completion at most (TRL's max_tool_calling_iterations): after that many, a turn's calls "
         "are not run and the completion ends there. All turns and tool results share max_completion_length. "

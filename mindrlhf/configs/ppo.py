@@ -237,11 +237,6 @@ class PPOConfig(RolloutConfig):
     def _check_combinations(self, errors: List[str]) -> None:
         super()._check_combinations(errors)
         a, m = self.algorithm, self.model
-        if self.generation.tools or self.generation.environment:
-            # GAE and the value targets run over the completion mask, where a block of tool tokens would end a turn
-            # as if the completion ended there (no credit from the final reward to the turns before it).
-            errors.append("tools with PPO: its GAE does not yet carry credit across the tool tokens between turns; "
-                          "use GRPO for tool-using rollouts, or tools []")
         if not self.reward.reward_funcs and not m.reward_model_path:
             errors.append("no reward: reward_funcs is empty and reward_model_path is ''; give a reward model "
                           "(--reward_model DIR), reward functions (--reward_funcs accuracy), or both")
