@@ -470,3 +470,70 @@ def test_shared_prompt_prefill_gives_the_same_completions(which, request):
             np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=0, atol=1e-5)
     # The shared path prefilled a batch of the 3 distinct prompts, not of all 12 rows.
     assert any(batch == 3 for batch, _ in shared._graphs) and not any(batch == 3 for batch, _ in each._graphs)
+
+
+def test_a_continuation_prefills_only_what_follows_a_kept_completion(qwen):
+    """Inside ``reuse_prefixes`` the rows that stop with ids ``keep`` accepts keep their cache (taken when a shrinking
+    batch drops them, or at the end); the next call's prompts that extend them (a tool turn: completion + appended
+    ids) prefill only the rest and sample what a sampler prefilling all of it samples, token for token and log-prob
+    for log-prob, in one batch or in chunks, with a fresh prompt among them; nothing is kept after the block, nor
+    across new weights."""
+    vocab = qwen.config.vocab_size
+    prompts = _prompts(vocab, (5, 13, 9, 3), seed=6)
+    hot = dict(n=2, temperature=4.0, top_k=8, max_tokens=9, seed=0)  # varied paths from the sharpened model
+    paths = [c.token_ids for c in NativeSampler(qwen, length_bucket=8).generate(prompts, SamplingParams(**hot))]
+    rng = np.random.default_rng(1)
+    second = SamplingParams(n=1, temperature=0.7, max_tokens=8, seed=4)
+    reference = NativeSampler(qwen, length_bucket=8, prefill_chunk=8)
+
+    def turn_two(turn_one):
+        rows = [prompts[c.prompt_index] + c.token_ids + rng.integers(0, vocab, 2 + i % 5).tolist()
+                for i, c in enumerate(turn_one) if c.finish_reason == "stop"]
+        return rows + _prompts(vocab, (7,), seed=9)  # and one prompt that extends nothing
+
+    # The same draws with stop ids taken from the paths: rows stop at different steps (and leave the shrinking
+    # batch), some run to the limit; then every row stops.
+    for batch, stop_at in ((None, {0: 3, 2: 5, 5: 2}), (3, {r: 2 + r % 5 for r in range(8)})):
+        first = SamplingParams(**hot, stop_token_ids=sorted({paths[r][k] for r, k in stop_at.items()}))
+        keep = lambda ids, skip=paths[0][stop_at[0]]: ids[-1] != skip  # noqa: E731 - row 0's stop id: not kept
+        reusing = NativeSampler(qwen, length_bucket=8, prefill_chunk=8, max_batch_size=batch)
+        with reusing.reuse_prefixes(keep):
+            one = reusing.generate(prompts, first)
+            stopped = [c for c in one if c.finish_reason == "stop"]
+            assert len({len(c.token_ids) for c in stopped}) >= 3 and len(stopped) >= len(stop_at)
+            assert reusing.last_stats["kept_rows"] == sum(keep(c.token_ids) for c in stopped) > 0
+            assert [c.token_ids for c in one] == [c.token_ids for c in reference.generate(prompts, first)]
+            prompts_two = turn_two(one)
+            two = reusing.generate(prompts_two, second)
+            assert reusing.last_stats["reused_tokens"] > 0
+        want = reference.generate(prompts_two, second)
+        assert reference.last_stats["reused_tokens"] == 0
+        assert [c.token_ids for c in two] == [c.token_ids for c in want]
+        for x, y in zip(two, want):
+            np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=0, atol=1e-5)
+        reusing.generate(prompts_two, second)  # after the block: prefilled whole
+        assert reusing.last_stats["reused_tokens"] == 0 and not reusing._kept
+    # Weights loaded inside the block drop what was kept (it was computed with the old ones).
+    with reusing.reuse_prefixes(keep):
+        one = reusing.generate(prompts, first)
+        reusing.load_weights(get_weights(qwen))
+        reusing.generate(turn_two(one), second)
+        assert reusing.last_stats["reused_tokens"] == 0
+
+
+def test_a_kept_cache_is_bounded_by_keep_bytes(qwen):
+    prompts = _prompts(qwen.config.vocab_size, (6, 6), seed=2)
+    hot = dict(temperature=4.0, top_k=8, max_tokens=6, seed=0)
+    paths = [c.token_ids for c in NativeSampler(qwen, length_bucket=8).generate(prompts, SamplingParams(**hot))]
+    stops = [p[2] for p in paths]
+    params = SamplingParams(**hot, stop_token_ids=stops)
+    lengths = [1 + next(k for k, t in enumerate(p) if t in stops) for p in paths]
+    needs = [6 + n - 1 for n in lengths]  # prompt and completion but the stop id, which is never fed
+    c = qwen.config
+    per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4
+    for budget, rows in ((0, 0), (needs[0] * per_token, 1), ((needs[0] + needs[1] - 1) * per_token, 1),
+                         (sum(needs) * per_token, 2)):
+        sampler = NativeSampler(qwen, length_bucket=8, keep_bytes=budget)
+        with sampler.reuse_prefixes(lambda ids: True):
+            out = sampler.generate(prompts, params)
+            assert [len(x.token_ids) for x in out] == lengths and sampler.last_stats["kept_rows"] == rows

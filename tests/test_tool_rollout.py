@@ -544,3 +544,35 @@ def test_two_data_parallel_workers_with_tools_train_as_one_process(tool_caller, 
         assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (key, b[key], a[key])
     assert_same_updated_weights(*(ms.load_checkpoint(str(run / "checkpoints" / "step_00000001" / "policy.ckpt"))
                                   for run in (one, two)), lr=1e-3)
+
+
+@pytest.mark.slow
+def test_a_tool_turn_continues_from_its_kept_cache(tool_caller):
+    """The taught model's tool loop on the native sampler: the continuation after the calculator's result prefills
+    only the result (the call's cache is kept), and samples what a sampler that prefills everything samples."""
+    from mindrlhf.generation import NativeSampler, SamplingParams
+    from mindrlhf.generation.tool_loop import ToolLoop
+    from mindrlhf.models import load_model
+
+    tok, box = tool_caller["tokenizer"], tool_caller["box"]
+    prompts = [tok.encode(render_prompt(tok, [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
+                                              {"role": "user", "content": q}], box.schemas)) for q, _, _ in QUESTIONS]
+    model = load_model(str(tool_caller["model"]))
+    params = SamplingParams(n=2, temperature=0.7, max_tokens=96, stop_token_ids=tok.stop_token_ids, seed=5)
+    loop = ToolLoop(box, tok, max_iterations=2)
+    reusing, whole = NativeSampler(model), NativeSampler(model, keep_bytes=0)
+    got = loop.generate(reusing, prompts, params)
+    reused = reusing.last_stats["reused_tokens"]
+    want = loop.generate(whole, prompts, params)
+    assert all(c.tool_calls == 1 for c in got) and reused > 0 and whole.last_stats["reused_tokens"] == 0
+    # Each continuation (prompt, call, tool result) is left-padded to P columns; its prompt and call but the call's
+    # last token are kept, and the prefill's 32-token pieces start at the one holding the first column to compute.
+    kept = [len(prompts[c.prompt_index]) + c.tool_mask.index(0) - 1 for c in got]
+    lengths = [len(prompts[c.prompt_index]) + c.tool_mask.index(1, c.tool_mask.index(0)) for c in got]
+    P = -(-max(lengths) // 32) * 32
+    start = min(P - n + k for n, k in zip(lengths, kept)) // 32 * 32
+    assert reused == sum(start - (P - n) for n in lengths) > 0.8 * sum(kept)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert [c.tool_mask for c in got] == [c.tool_mask for c in want]
+    for x, y in zip(got, want):
+        np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=0, atol=1e-5)

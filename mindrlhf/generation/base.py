@@ -5,12 +5,14 @@ The contract a backend keeps (docs/design.md, "The Sampler contract"): ``generat
 reproducibly for a given ``params.seed``; ``load_weights`` receives, after every update, THIS rank's
 weights in the sampler's own layout (HF names; tensor-parallel slices already cut by the trainer)
 and writes them in place; ``release`` frees what the backend holds between rollouts (compiled
-graphs, KV caches) when memory is needed elsewhere.
+graphs, KV caches) when memory is needed elsewhere; inside ``reuse_prefixes`` a backend may keep the computed
+state of finished completions for prompts that continue them (a multi-turn rollout's next turn).
 """
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, Iterable, List, Mapping, Sequence, Tuple, Union
+import contextlib
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -40,6 +42,15 @@ class Sampler(abc.ABC):
     @abc.abstractmethod
     def release(self) -> None:
         """Free compiled graphs and caches until the next ``generate`` (which rebuilds them)."""
+
+    @contextlib.contextmanager
+    def reuse_prefixes(self, keep: Callable[[Sequence[int]], bool]) -> Iterator[None]:
+        """Within the block, a finished completion whose generated ids satisfy ``keep`` may have its computed
+        state (its KV cache) kept, so that a later ``generate`` of the block whose prompt begins with that
+        completion's prompt and ids prefills only the rest (the next turn of a multi-turn rollout). Results are
+        the same as without it; nothing is kept after the block. Default: nothing kept (a backend with prefix
+        caching of its own, as vLLM, needs nothing here)."""
+        yield
 
     def holds(self, model: Any) -> bool:
         """Whether the sampler generates with ``model`` itself (then its weights need no sync)."""

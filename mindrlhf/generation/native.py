@@ -16,6 +16,12 @@ Data flow of one ``generate`` call:
 5. rows that finished drop out of sampling; when at most half the rows are left, the batch (and
    its cache) shrinks to B/2, B/4 or B/8, and the loop ends when every row has finished.
 
+Inside ``reuse_prefixes`` (the tool loop's turns), a row that stops with ids the caller's ``keep`` accepts has
+its cache columns (prompt and completion but the last token) copied to the host before its rows are dropped; a
+prompt of the next call that begins with those ids gets them written back into its cache rows and only the rest
+is prefilled (the pieces start at the first column some row has to compute). Positions and masks are those of a
+full prefill, so results are the same to rounding.
+
 The KV cache lives in ``Parameter``s owned by a per-shape cell and is written in place with
 ``ScatterUpdate``; the step graphs take only small tensors as inputs (token ids, positions, the
 additive mask row and the cache index as a 0-d int64 tensor), so nothing recompiles per token.
@@ -24,9 +30,11 @@ read directly, so new policy weights never trigger a recompilation.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mindspore as ms
 import numpy as np
@@ -62,6 +70,15 @@ class _KV(nn.Cell):
         super().__init__()
         self.k = Parameter(ops.zeros(shape, dtype), name=f"kv_cache.{layer}.k", requires_grad=False)
         self.v = Parameter(ops.zeros(shape, dtype), name=f"kv_cache.{layer}.v", requires_grad=False)
+
+
+@dataclass
+class _Kept:
+    """A finished completion's cache kept inside ``reuse_prefixes``: the ids it covers (prompt and completion but
+    its last token, which was never fed) and their K/V, float32 (layers, 2, kv_heads, len(ids), head_dim)."""
+
+    ids: np.ndarray
+    kv: np.ndarray
 
 
 class CachedDecoder(nn.Cell):
@@ -130,7 +147,10 @@ class NativeSampler(Sampler):
     many tokens, which bounds the prefill graph's activation memory; ``cache_bucket`` rounds the
     cache length so that batches with different prompt lengths reuse the same compiled graphs;
     ``share_prompts`` prefills each distinct prompt of a chunk once and copies its cache to the
-    rows that sample from it (off: every row is prefilled; results are the same either way).
+    rows that sample from it (off: every row is prefilled; results are the same either way);
+    ``keep_bytes`` bounds the host memory of the caches kept inside ``reuse_prefixes`` in one call (each kept
+    token costs 2 × layers × kv_heads × head_dim float32 values: 46 KB for SmolLM2); rows past it are not kept
+    and their continuations are prefilled whole (0: nothing kept).
 
     Memory on CPU: a compiled graph keeps all of its intermediate tensors allocated for the life
     of the process, so the prefill graph costs about B × prefill_chunk × cache_len × heads floats
@@ -141,7 +161,7 @@ class NativeSampler(Sampler):
     def __init__(self, model: CausalLM, *, max_batch_size: Optional[int] = None, length_bucket: int = 32,
                  jit: bool = True, jit_level: str = "O0", shrink_batch: bool = True, max_shrinks: int = 3,
                  max_len: Optional[int] = None, max_cached_graphs: int = 12, prefill_chunk: int = 32,
-                 cache_bucket: int = 128, share_prompts: bool = True):
+                 cache_bucket: int = 128, share_prompts: bool = True, keep_bytes: int = 2 << 30):
         if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
             raise MindRLHFError(f"NativeSampler max_batch_size={max_batch_size!r} is invalid: use an integer >= 1 "
                                 f"or None (no limit)")
@@ -167,6 +187,9 @@ class NativeSampler(Sampler):
         self.prefill_chunk = _bucket(prefill_chunk, length_bucket)
         self.cache_bucket = cache_bucket
         self.share_prompts = share_prompts
+        self.keep_bytes = int(keep_bytes)
+        self._keep: Optional[Callable[[Sequence[int]], bool]] = None  # set inside reuse_prefixes
+        self._kept: List[_Kept] = []  # the previous call's kept caches (inside reuse_prefixes)
         self._graphs: "OrderedDict[Tuple[int, int], Tuple[CachedDecoder, Any]]" = OrderedDict()
         self._storage: Optional[Tuple[int, ...]] = None
         #: How often compiled graphs were dropped because the model's Parameters were replaced
@@ -183,13 +206,25 @@ class NativeSampler(Sampler):
         ``models.set_weights`` writes in place (``Parameter.copy_``): a compiled graph is bound to the
         storage its Parameters had when it compiled, so new policy weights need no recompilation.
         """
+        self._kept = []  # computed with the old weights
         return set_weights(self.model, named_arrays, source="NativeSampler.load_weights", strict=strict)
 
     def holds(self, model) -> bool:
         return model is self.model
 
+    @contextlib.contextmanager
+    def reuse_prefixes(self, keep: Callable[[Sequence[int]], bool]) -> Iterator[None]:
+        """Keep the caches of rows that stop with ids ``keep`` accepts; the next call's prompts that begin with
+        them prefill only the rest (see the module docstring). Nothing is kept after the block."""
+        self._keep, self._kept = keep, []
+        try:
+            yield
+        finally:
+            self._keep, self._kept = None, []
+
     def release(self) -> None:
         """Free every compiled step graph and its KV cache; the next ``generate`` compiles again."""
+        self._kept = []
         for cell, _ in self._graphs.values():
             self._release(cell)
         self._graphs.clear()
@@ -209,6 +244,7 @@ class NativeSampler(Sampler):
                 self._release(cell)
             self._graphs.clear()
             self._storage = key
+            self._kept = []  # computed with the replaced weights
 
     def _graph(self, batch: int, cache_len: int) -> Tuple[CachedDecoder, Any]:
         key = (batch, cache_len)
@@ -296,17 +332,21 @@ class NativeSampler(Sampler):
         rng = np.random.default_rng(np.random.SeedSequence(params.seed % (1 << 64)))
         uniforms = rng.random((len(owners), params.max_tokens))
         chunk = self.max_batch_size or len(owners)
-        stats = dict(prefill_s=0.0, decode_s=0.0, sample_s=0.0, compile_s=0.0)
+        stats = dict(prefill_s=0.0, decode_s=0.0, sample_s=0.0, compile_s=0.0, reused_tokens=0, kept_rows=0)
         t0 = time.perf_counter()
+        found = [self._find(a) for a in arrays]
+        kept: List[_Kept] = []
         steps = 0
         results: List[Completion] = []
         for s in range(0, len(owners), chunk):
             rows = owners[s:s + chunk]
             done, n_steps = self._generate_chunk([arrays[i] for i in rows], uniforms[s:s + chunk], params, stats,
-                                                 np.array(rows))
+                                                 np.array(rows), [found[i] for i in rows], kept)
             steps += n_steps
             results += [Completion(prompt_index=o, token_ids=t, logprobs=lp, finish_reason=r, entropies=h)
                         for o, (t, lp, r, h) in zip(rows, done)]
+        if self._keep is not None:
+            self._kept = kept  # the next call of the block continues these
         total = time.perf_counter() - t0
         tokens = sum(len(c.token_ids) for c in results)
         self.tokens_generated += tokens
@@ -314,9 +354,20 @@ class NativeSampler(Sampler):
                                tokens_per_s=tokens / total if total > 0 else 0.0)
         return results
 
+    def _find(self, prompt: np.ndarray) -> Optional[_Kept]:
+        """The longest kept cache whose ids begin ``prompt`` (None outside ``reuse_prefixes`` or without one)."""
+        best = None
+        for kept in self._kept:
+            n = kept.ids.size
+            if n <= prompt.size and (best is None or n > best.ids.size) and np.array_equal(prompt[:n], kept.ids):
+                best = kept
+        return best
+
     def _generate_chunk(self, prompts: List[np.ndarray], uniforms: np.ndarray, params: SamplingParams,
-                        stats: Dict[str, float], owners: np.ndarray):
-        """Generate for the chunk's rows; ``owners[r]`` is the request prompt row ``r`` samples from."""
+                        stats: Dict[str, float], owners: np.ndarray, found: List[Optional[_Kept]],
+                        kept: List[_Kept]):
+        """Generate for the chunk's rows; ``owners[r]`` is the request prompt row ``r`` samples from, ``found[r]``
+        the kept cache its prompt begins with; rows kept inside ``reuse_prefixes`` are appended to ``kept``."""
         B = len(prompts)
         T = params.max_tokens
         lens = np.array([p.size for p in prompts], np.int64)
@@ -338,8 +389,13 @@ class NativeSampler(Sampler):
         causal = np.arange(S)[None, :] <= np.arange(P)[:, None]  # (P, S)
         bias = np.where(key_ok[:, None, :] & causal[None], 0.0, MASK_VALUE).astype(np.float32)
         key_bias = np.where(key_ok, 0.0, MASK_VALUE).astype(np.float32)  # decode mask row, grows per step
+        # Kept caches cover a row's first `reused` tokens (at least its last token is computed, for its logits);
+        # the prefill starts at the piece holding the first column some row has to compute.
+        reused = np.array([0 if f is None else min(f.ids.size, p.size - 1) for f, p in zip(found, prompts)])
+        start = int((P - lens + reused).min()) // piece * piece if reused.any() else 0
+        written = [(P - p.size, f.kv[:, :, :, :n]) if n else None for f, p, n in zip(found, prompts, reused)]
 
-        cell, fn, logits = self._prefill(ids, pos, bias, owners, piece, S, stats)
+        cell, fn, logits = self._prefill(ids, pos, bias, owners, piece, S, stats, start, written)
 
         stop = np.array(sorted(set(params.stop_token_ids)), np.int64)
         penalty = params.repetition_penalty != 1.0
@@ -354,6 +410,7 @@ class NativeSampler(Sampler):
         slot_of = np.arange(B)         # chunk row -> its row in the device batch
         slot_rows = np.arange(B)       # device-batch row -> chunk row (padding rows repeat one)
         ladder = [-(-B // (1 << k)) for k in range(1, self.max_shrinks + 1)] if self.shrink_batch else []
+        seen = np.zeros(B, bool)  # rows already offered to the caller's `keep`
         steps = 0
         for step in range(T):
             steps += 1
@@ -394,6 +451,8 @@ class NativeSampler(Sampler):
                 # into the smallest batch of the ladder B/2, B/4, … that holds them; finished rows
                 # stop costing compute. (A short ladder bounds the number of compiled graphs.)
                 new_b = min(fits)
+                self._keep_rows(cell, np.setdiff1d(slot_rows, active), slot_of, seen, prompts, tokens, reasons,
+                                P, kept, stats)
                 keep = np.concatenate([slot_of[active], np.full(new_b - active.size, slot_of[active[0]])])
                 cell, fn = self._copy_rows(cell, keep, new_b, S)
                 key_bias = key_bias[keep]
@@ -403,19 +462,61 @@ class NativeSampler(Sampler):
             key_bias[:, P + step] = 0.0
             logits = self._run(cell, fn, stats, "decode", last[slot_rows].reshape(nb, 1).astype(np.int32),
                                (lens[slot_rows] + step).reshape(nb, 1), key_bias[:, None, :], P + step, S)
+        self._keep_rows(cell, np.unique(slot_rows), slot_of, seen, prompts, tokens, reasons, P, kept, stats)
         return [(tokens[r], logps[r], reasons[r], entropies[r]) for r in range(B)], steps
 
+    def _keep_rows(self, cell: CachedDecoder, rows: np.ndarray, slot_of: np.ndarray, seen: np.ndarray,
+                   prompts: List[np.ndarray], tokens: List[List[int]], reasons: List[str], P: int,
+                   kept: List[_Kept], stats: Dict[str, float]) -> None:
+        """Inside ``reuse_prefixes``: copy to the host the cache of the finished chunk ``rows`` (still in
+        ``cell``) that stopped with ids the caller keeps, within ``keep_bytes`` for the call."""
+        if self._keep is None:
+            return
+        rows = [int(r) for r in rows if not seen[r] and reasons[r] == "stop"]
+        seen[rows] = True
+        rows = [r for r in rows if self._keep(tokens[r])]
+        per_token = cell.num_layers * 2 * cell.kv_heads * self.config.head_dim * 4
+        used = sum(k.kv.nbytes for k in kept)
+        take = []
+        for r in rows:  # the last token was sampled, never fed: the cache holds the ids before it
+            n = prompts[r].size + len(tokens[r]) - 1
+            if used + n * per_token > self.keep_bytes:
+                break
+            used += n * per_token
+            take.append((r, n))
+        if not take:
+            return
+        index = Tensor(np.array([slot_of[r] for r, _ in take], np.int64), ms.int64)
+        out = [np.empty((cell.num_layers, 2, cell.kv_heads, n, self.config.head_dim), np.float32) for _, n in take]
+        for layer, kv in enumerate(cell.kv):
+            for which, cache in enumerate((kv.k, kv.v)):
+                rows_of = ops.gather(cache.value().reshape(cell.batch_size, -1), index, 0).astype(ms.float32)
+                rows_of = rows_of.asnumpy().reshape(len(take), cell.kv_heads, cell.cache_len, -1)
+                for j, (r, n) in enumerate(take):
+                    first = P - prompts[r].size
+                    out[j][layer, which] = rows_of[j, :, first:first + n]
+        for (r, _), kv in zip(take, out):
+            kept.append(_Kept(np.concatenate([prompts[r], np.asarray(tokens[r][:-1], np.int64)]), kv))
+        stats["kept_rows"] += len(take)
+
     def _prefill(self, ids: np.ndarray, pos: np.ndarray, bias: np.ndarray, owners: np.ndarray, piece: int,
-                 cache_len: int, stats: Dict[str, float]):
+                 cache_len: int, stats: Dict[str, float], start: int = 0,
+                 written: Optional[List[Optional[Tuple[int, np.ndarray]]]] = None):
         """Fill the (B, cache_len) cache with the prompts; return its cell, step function and the last
         prompt position's logits (B, V). With ``share_prompts`` each distinct prompt runs once, in a
-        batch of the distinct prompts, and its cache rows are then copied to its completions' rows."""
+        batch of the distinct prompts, and its cache rows are then copied to its completions' rows.
+        ``written[r]``: (first column, K/V) kept for row r, written before the pieces, which start at ``start``."""
         B, P = ids.shape
         _, first, row_of = np.unique(owners, return_index=True, return_inverse=True)
         shared = self.share_prompts and first.size < B
         run_rows = first if shared else np.arange(B)
         cell, fn = self._graph(run_rows.size, cache_len)
-        for c0 in range(0, P, piece):
+        if start:
+            rows = [written[r] for r in run_rows]
+            self._write_kept(cell, rows)
+            # A row's tokens before `start` are not computed: they come from its kept cache.
+            stats["reused_tokens"] += sum(start - w[0] for w in rows if w is not None)
+        for c0 in range(start, P, piece):
             logits = self._run(cell, fn, stats, "prefill", ids[run_rows, c0:c0 + piece],
                                pos[run_rows, c0:c0 + piece], bias[run_rows, c0:c0 + piece], c0, cache_len)
         if not shared:
@@ -423,6 +524,19 @@ class NativeSampler(Sampler):
         # Rows are ordered as the distinct prompts' first occurrences; row_of maps every row to one.
         cell, fn = self._copy_rows(cell, row_of.ravel(), B, cache_len)
         return cell, fn, logits[row_of.ravel()]
+
+    def _write_kept(self, cell: CachedDecoder, rows: List[Optional[Tuple[int, np.ndarray]]]) -> None:
+        """Write each row's kept K/V ((first column, (layers, 2, kv_heads, n, head_dim)) or None) into ``cell``'s
+        cache at columns [first, first + n); every other column is zeroed (masked: padding or recomputed)."""
+        shape = (cell.batch_size, cell.kv_heads, cell.cache_len, self.config.head_dim)
+        for layer, kv in enumerate(cell.kv):
+            for which, cache in enumerate((kv.k, kv.v)):
+                host = np.zeros(shape, np.float32)
+                for j, w in enumerate(rows):
+                    if w is not None:
+                        host[j, :, w[0]:w[0] + w[1].shape[3]] = w[1][layer, which]
+                # copy_ (in place), not set_data: the compiled graphs are bound to this storage.
+                cache.copy_(Tensor(host.reshape(cache.shape)).astype(cell.dtype))
 
     def _copy_rows(self, cell: CachedDecoder, keep: np.ndarray, new_b: int, cache_len: int):
         """Copy cache rows ``keep`` (new_b of them, repeats allowed) into the (new_b, cache_len) cell;

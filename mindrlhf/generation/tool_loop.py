@@ -14,6 +14,9 @@ With an ``Environment`` (``rollout_tools.environment``) every completion gets it
 prompt's row before the first turn; its calls go to that instance's methods (and the run's tools), and its
 ``get_reward()`` is read into ``Completion.env_reward`` after the last turn.
 
+Inside the sampler's ``reuse_prefixes`` a turn that calls tools may keep its KV cache, so its continuation
+prefills only the tool results (the native sampler does; vLLM's prefix caching does the same on its own).
+
 Token in, token out: the policy's ids are never re-tokenised. ``Completion.tool_mask`` marks the policy's tokens (1)
 and the tools' (0); the tools' log-probs and entropies are 0. A batch in which no turn calls a tool returns the
 sampler's completions untouched.
@@ -79,8 +82,10 @@ class ToolLoop:
             # One instance per completion (prompt-major, as the sampler returns them), reset before it is sampled.
             instances = [self.environment.start(rows[p]) for p in range(len(prompts)) for _ in range(params.n)]
             boxes = [merged_toolbox(self.toolbox, self.environment.tools(x)) for x in instances]
-        first = sampler.generate(prompts, params)
-        rows_out = self._continue(sampler, prompts, params, first, boxes)
+        # A turn that calls tools is continued next round: the sampler may keep its cache for that.
+        with sampler.reuse_prefixes(lambda ids: bool(parse_tool_calls(self._turn_text(ids)))):
+            first = sampler.generate(prompts, params)
+            rows_out = self._continue(sampler, prompts, params, first, boxes)
         if instances is not None:
             for c, instance in zip(rows_out, instances):
                 c.env_reward = self.environment.reward(instance)
