@@ -15,6 +15,7 @@ from mindrlhf.rollout_tools import (
     render_prompt,
     retokenization_drift,
     tool_result_ids,
+    trajectory_messages,
 )
 from mindrlhf.rollout_tools.builtin import calculator
 from mindrlhf.tokenizer import Tokenizer
@@ -79,6 +80,23 @@ def test_a_trajectory_of_policy_and_tool_ids_re_renders_to_the_same_ids(tok, cal
     assert messages[2] == {"role": "assistant", "content": "I will compute it.", "tool_calls": [
         {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "48 / 2"}}}]}
     assert retokenization_drift(tok, messages, trajectory, tools=calc.schemas) is None
+    # and back: the completion's ids and tool mask read as those messages (what a completions dump shows)
+    assert trajectory_messages(tok, trajectory[len(prompt_ids):], mask) == messages[2:]
+
+
+def test_a_turn_with_two_calls_reads_back_as_two_named_tool_messages(tok, calc):
+    """Two calls in one turn (one failing) and a turn cut before its end: the messages name each result after its
+    call, in order."""
+    turn = CALL + "\n" + CALL.replace("48 / 2", "1 / 0")
+    results = calc.run(turn)
+    assert [r.failed for r in results] == [False, True]
+    ids = tok.encode(turn + "<|im_end|>") + tool_result_ids(tok, results) + tok.encode("It is 24 and")
+    mask = [1] * len(tok.encode(turn + "<|im_end|>")) + [0] * len(tool_result_ids(tok, results))
+    mask += [1] * (len(ids) - len(mask))
+    messages = trajectory_messages(tok, ids, mask)
+    assert messages == [assistant_message(turn)] + [{"role": "tool", "name": "calculator", "content": r.content}
+                                                    for r in results] + [{"role": "assistant",
+                                                                          "content": "It is 24 and"}]
 
 
 def test_a_policy_writing_its_call_otherwise_is_reported_not_hidden(tok, calc):
@@ -123,6 +141,9 @@ def test_a_chatml_template_without_tools_uses_the_hermes_form(tmp_path, qwen_tok
     messages = (QUESTION + [assistant_message(CALL)] + [{"role": "tool", "name": r.name, "content": r.content}
                                                         for r in results] + [{"role": "assistant", "content": "29"}])
     assert retokenization_drift(tok, messages, ids, tools=calc.schemas) is None
+    completion = ids[len(tok.encode(prompt)):]
+    mask = [1] * len(tok.encode(CALL + "<|im_end|>")) + [0] * len(tool) + [1] * len(tok.encode("29<|im_end|>"))
+    assert trajectory_messages(tok, completion, mask) == messages[2:]
     assert tok.apply_chat_template(QUESTION) == ("<|im_start|>system\nUse the calculator.<|im_end|>\n<|im_start|>user\n"
                                                  "What is 48 / 2 + 5?<|im_end|>\n<|im_start|>assistant\n")
 

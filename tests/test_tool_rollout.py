@@ -183,6 +183,15 @@ def test_a_grpo_step_with_a_tool_call(tool_caller, tool_step):
     assert (row["tools/call_frequency"], row["tools/failure_frequency"], row["tools/turns/mean"]) == (1.0, 0.0, 2.0)
     assert row["completions/mean_length"] == pytest.approx(np.mean(policy_tokens))  # policy tokens only
     assert row["rewards/accuracy/mean"] == 1.0
+    # the completions dump shows each trajectory as messages: the call, the calculator's result, the reply
+    dumped = [json.loads(line) for line in (out / "completions_step_1.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert len(dumped) == 4
+    for d in dumped:
+        (question, expression, answer), = [q for q in QUESTIONS if q[0] in d["prompt"]]
+        assert d["messages"] == ([assistant_message(_call(expression))]
+                                 + [{"role": "tool", "name": r.name, "content": r.content}
+                                    for r in box.run(_call(expression))]
+                                 + [{"role": "assistant", "content": f"The answer is {answer}."}])
     # evaluation while training runs the same tool loop: its rows are mindrlhf-eval's of the step's checkpoint
     summary = evaluate(str(out / "checkpoints" / "step_00000001"), data_path=tool_caller["questions"],
                        max_new_tokens=96, progress=False, tools=box)

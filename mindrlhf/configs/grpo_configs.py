@@ -700,7 +700,8 @@ class RolloutTrainConfig(PolicyEvalTrainConfig):
 
     log_completions_steps: int = config_field(
         10, "Write output_dir/completions_step_N.jsonl (prompt, completion, rewards and the stage's per-row "
-        "values: GRPO's advantage, PPO's mean advantage) every N steps and at the last step. 0 = never. Range >= 0.",
+        "values: GRPO's advantage, PPO's mean advantage; with tools also 'messages', the trajectory's turns, calls and "
+        "tool results) every N steps and at the last step. 0 = never. Range >= 0.",
         ge=0)
     eval_steps: int = config_field(
         0, "Evaluate the policy every N steps and at the last step on held-out GSM8K questions (eval_file), with "

@@ -11,9 +11,11 @@ from mindrlhf.rollout_tools.render import (
     render_prompt,
     retokenization_drift,
     tool_result_ids,
+    trajectory_messages,
 )
 from mindrlhf.rollout_tools.schema import tool_schema
 
 __all__ = ["TOOLS", "TRUNCATED", "ToolBox", "ToolCall", "ToolCallError", "ToolError", "ToolResult", "ToolTimeout",
            "assistant_message", "call_with_timeout", "check_template_renders_tools", "get_tool", "parse_tool_calls",
-           "register_tool", "render_prompt", "retokenization_drift", "tool_result_ids", "tool_schema"]
+           "register_tool", "render_prompt", "retokenization_drift", "tool_result_ids", "tool_schema",
+           "trajectory_messages"]

@@ -9,16 +9,20 @@ after the end-of-turn token the policy stopped at) and every result's text is in
 """
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.rollout_tools.calling import ToolResult
+from mindrlhf.rollout_tools.hermes import assistant_message
 
 if TYPE_CHECKING:
     from mindrlhf.tokenizer import Tokenizer
 
 Message = Dict[str, Any]
 _PROBE = [{"role": "user", "content": "What is 6 * 7?"}]
+#: A tool message as the Hermes form renders it (Qwen2.5 / Qwen3 templates, and ours for ChatML models).
+_RESPONSE = re.compile(r"<tool_response>\n?(.*?)\n?</tool_response>", re.DOTALL)
 
 
 def render_prompt(tokenizer: "Tokenizer", messages: Sequence[Message], schemas: Sequence[Dict[str, Any]],
@@ -96,3 +100,33 @@ def retokenization_drift(tokenizer: "Tokenizer", messages: Sequence[Message], id
     return (f"re-rendered trajectory differs from the sampled ids at token {first} of {len(ids)} (re-rendered "
             f"{tokenizer.decode(rendered[first:first + 8], skip_special_tokens=False)!r}, sampled "
             f"{tokenizer.decode(ids[first:first + 8], skip_special_tokens=False)!r})")
+
+
+def trajectory_messages(tokenizer: "Tokenizer", ids: Sequence[int], tool_mask: Sequence[int]) -> List[Message]:
+    """A multi-turn completion (``ids``; ``tool_mask`` 1 on the policy's tokens, 0 on the tools') as chat messages:
+    each run of policy tokens an assistant turn (its calls as ``tool_calls``, ``assistant_message``), each run of tool
+    tokens its ``tool`` messages (the Hermes ``<tool_response>`` blocks, named after the calls before them; a template
+    that renders no such blocks gives one message with the run's text). For reading a rollout, never for training:
+    the trainer trains on the ids."""
+    stops = set(tokenizer.stop_token_ids)
+    runs: List[List[int]] = []
+    for i, token in enumerate(ids):
+        if i == 0 or bool(tool_mask[i]) != bool(tool_mask[i - 1]):
+            runs.append([])
+        runs[-1].append(int(token))
+    messages: List[Message] = []
+    policy = bool(tool_mask[0]) if len(ids) else True
+    for run in runs:  # runs alternate between the policy's and the tools'
+        if policy:
+            while run and run[-1] in stops:  # the end-of-turn token is the template's, not the content's
+                run = run[:-1]
+            messages.append(assistant_message(tokenizer.decode(run, skip_special_tokens=False)))
+        else:
+            text = tokenizer.decode(run, skip_special_tokens=False)
+            calls = messages[-1].get("tool_calls", []) if messages else []
+            names = [c["function"]["name"] for c in calls]
+            contents = _RESPONSE.findall(text) or [text]
+            messages += [{"role": "tool", **({"name": names[k]} if k < len(names) else {}), "content": content}
+                         for k, content in enumerate(contents)]
+        policy = not policy
+    return messages
