@@ -382,3 +382,21 @@ def test_toolbox_refuses_what_it_cannot_offer():
         ToolBox([coro])
     with pytest.raises(MindRLHFError, match="must be >= 0"):
         ToolBox(["calculator"], timeout=-1)
+
+
+def test_an_environments_toolbox_calls_its_own_instance_with_the_schemas_read_once():
+    """Every completion's toolbox binds its own instance's methods to the schemas the class gave once (the same
+    objects, not read again per completion); a schema list that does not match the tools is refused."""
+    from mindrlhf.rollout_tools.environment import Environment
+    from tool_envs import CalculatorEnv
+
+    env, run_tools = Environment(CalculatorEnv), ToolBox([])
+    a, b = env.start({"solution": "24"}), env.start({"solution": "42"})
+    box_a, box_b = env.toolbox(a, run_tools), env.toolbox(b, run_tools)
+    assert box_a.schemas == box_b.schemas == ToolBox(env.tools(a)).schemas
+    assert all(x is y for x, y in zip(box_a.schemas, env.schemas))
+    assert box_a.run('<tool_call>{"name": "calculator", "arguments": {"expression": "48 / 2"}}</tool_call>')[0] \
+        .content == "24"
+    assert (env.reward(a), env.reward(b)) == (1.0, 0.0)
+    with pytest.raises(MindRLHFError, match="ToolBox got 2 schemas for 1 tools; give one per tool"):
+        ToolBox(["calculator"], schemas=env.schemas * 2)

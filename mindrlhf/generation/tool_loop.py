@@ -30,7 +30,7 @@ from mindrlhf.errors import MindRLHFError
 from mindrlhf.generation.base import Sampler
 from mindrlhf.generation.params import Completion, SamplingParams
 from mindrlhf.rollout_tools import ToolBox, parse_tool_calls, tool_result_ids
-from mindrlhf.rollout_tools.environment import Environment, merged_toolbox
+from mindrlhf.rollout_tools.environment import Environment
 
 if TYPE_CHECKING:
     from mindrlhf.tokenizer import Tokenizer
@@ -81,7 +81,7 @@ class ToolLoop:
                 raise MindRLHFError("an environment needs each prompt's row to reset with")
             # One instance per completion (prompt-major, as the sampler returns them), reset before it is sampled.
             instances = [self.environment.start(rows[p]) for p in range(len(prompts)) for _ in range(params.n)]
-            boxes = [merged_toolbox(self.toolbox, self.environment.tools(x)) for x in instances]
+            boxes = [self.environment.toolbox(x, self.toolbox) for x in instances]
         # A turn that calls tools is continued next round: the sampler may keep its cache for that.
         with sampler.reuse_prefixes(lambda ids: bool(parse_tool_calls(self._turn_text(ids)))):
             first = sampler.generate(prompts, params)

@@ -141,23 +141,28 @@ class ToolBox:
 
     ``schemas`` is what the chat template renders (``tools=``); ``call`` answers one parsed call and ``run`` every
     call in an assistant turn's text. ``timeout`` is each call's limit in seconds (0: none); a result longer than
-    ``max_response_length`` characters (0: no limit) is cut there and marked ``...(truncated)``.
+    ``max_response_length`` characters (0: no limit) is cut there and marked ``...(truncated)``. ``schemas``: the
+    tools' schemas when they are known already (an environment's methods, bound anew for every completion), one per
+    tool in order; otherwise each is read from its signature and docstring.
     """
 
-    def __init__(self, tools: Sequence[Union[str, Callable]], timeout: float = 10.0, max_response_length: int = 256):
+    def __init__(self, tools: Sequence[Union[str, Callable]], timeout: float = 10.0, max_response_length: int = 256,
+                 schemas: Optional[Sequence[Dict[str, Any]]] = None):
         if timeout < 0 or max_response_length < 0:
             raise MindRLHFError(f"tool timeout ({timeout}) and max_tool_response_length ({max_response_length}) "
                                 "must be >= 0 (0: no limit)")
+        if schemas is not None and len(schemas) != len(tools):
+            raise MindRLHFError(f"ToolBox got {len(schemas)} schemas for {len(tools)} tools; give one per tool")
         self.timeout = float(timeout)
         self.max_response_length = int(max_response_length)
         self.functions: Dict[str, Callable] = {}
         self.schemas: List[Dict[str, Any]] = []
-        for tool in tools:
+        for k, tool in enumerate(tools):
             fn = get_tool(tool) if isinstance(tool, str) else tool
             if inspect.iscoroutinefunction(fn):
                 raise MindRLHFError(f"tool {tool!r} is an async function; give a plain function (async tools are "
                                     "not supported)")
-            schema = tool_schema(fn)
+            schema = tool_schema(fn) if schemas is None else schemas[k]
             name = schema["function"]["name"]
             if name in self.functions:
                 raise MindRLHFError(f"two tools are named {name!r}; the model calls a tool by its function name, so "

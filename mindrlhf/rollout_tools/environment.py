@@ -55,6 +55,12 @@ class Environment:
         """``instance``'s tools: its public methods, bound."""
         return [getattr(instance, name) for name in self.methods]
 
+    def toolbox(self, instance: Any, box: ToolBox) -> ToolBox:
+        """``box``'s tools (with its limits) and ``instance``'s: the tools one completion calls. The schemas are the
+        ones read once from the class, not read again for every instance."""
+        return ToolBox(list(box.functions.values()) + self.tools(instance), timeout=box.timeout,
+                       max_response_length=box.max_response_length, schemas=box.schemas + self.schemas)
+
     def start(self, row: Mapping[str, Any]) -> Any:
         """A new instance, reset with ``row``'s columns."""
         instance = self._build()
@@ -73,16 +79,10 @@ class Environment:
         return math.nan if value is None else float(value)
 
 
-def merged_toolbox(box: ToolBox, extra: List[Callable]) -> ToolBox:
-    """``box``'s tools plus ``extra`` (an environment instance's bound methods), with ``box``'s limits."""
-    return ToolBox(list(box.functions.values()) + list(extra), timeout=box.timeout,
-                   max_response_length=box.max_response_length)
-
-
 def environment_rows(columns: Dict[str, list], solutions: list) -> List[Dict[str, Any]]:
     """Per prompt, the row ``reset`` gets: its dataset columns by name and its ``solution``."""
     return [{**{name: values[i] for name, values in columns.items()}, "solution": solutions[i]}
             for i in range(len(solutions))]
 
 
-__all__ = ["ENVIRONMENTS", "Environment", "environment_rows", "merged_toolbox"]
+__all__ = ["ENVIRONMENTS", "Environment", "environment_rows"]
