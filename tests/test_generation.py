@@ -481,10 +481,10 @@ def test_a_continuation_prefills_only_what_follows_a_kept_completion(qwen):
     vocab = qwen.config.vocab_size
     prompts = _prompts(vocab, (5, 13, 9, 3), seed=6)
     hot = dict(n=2, temperature=4.0, top_k=8, max_tokens=9, seed=0)  # varied paths from the sharpened model
-    paths = [c.token_ids for c in NativeSampler(qwen, length_bucket=8).generate(prompts, SamplingParams(**hot))]
+    reference = NativeSampler(qwen, length_bucket=8, prefill_chunk=8)
+    paths = [c.token_ids for c in reference.generate(prompts, SamplingParams(**hot))]
     rng = np.random.default_rng(1)
     second = SamplingParams(n=1, temperature=0.7, max_tokens=8, seed=4)
-    reference = NativeSampler(qwen, length_bucket=8, prefill_chunk=8)
 
     def turn_two(turn_one):
         rows = [prompts[c.prompt_index] + c.token_ids + rng.integers(0, vocab, 2 + i % 5).tolist()
@@ -524,7 +524,8 @@ def test_a_continuation_prefills_only_what_follows_a_kept_completion(qwen):
 def test_a_kept_cache_is_bounded_by_keep_bytes(qwen):
     prompts = _prompts(qwen.config.vocab_size, (6, 6), seed=2)
     hot = dict(temperature=4.0, top_k=8, max_tokens=6, seed=0)
-    paths = [c.token_ids for c in NativeSampler(qwen, length_bucket=8).generate(prompts, SamplingParams(**hot))]
+    sampler = NativeSampler(qwen, length_bucket=8)  # one sampler: its compiled graphs serve every call
+    paths = [c.token_ids for c in sampler.generate(prompts, SamplingParams(**hot))]
     stops = [p[2] for p in paths]
     params = SamplingParams(**hot, stop_token_ids=stops)
     lengths = [1 + next(k for k, t in enumerate(p) if t in stops) for p in paths]
@@ -533,7 +534,7 @@ def test_a_kept_cache_is_bounded_by_keep_bytes(qwen):
     per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4
     for budget, rows in ((0, 0), (needs[0] * per_token, 1), ((needs[0] + needs[1] - 1) * per_token, 1),
                          (sum(needs) * per_token, 2)):
-        sampler = NativeSampler(qwen, length_bucket=8, keep_bytes=budget)
+        sampler.keep_bytes = budget
         with sampler.reuse_prefixes(lambda ids: True):
             out = sampler.generate(prompts, params)
             assert [len(x.token_ids) for x in out] == lengths and sampler.last_stats["kept_rows"] == rows
