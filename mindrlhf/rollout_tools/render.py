@@ -10,7 +10,7 @@ after the end-of-turn token the policy stopped at) and every result's text is in
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from mindrlhf.errors import MindRLHFError
 from mindrlhf.rollout_tools.calling import ToolResult
@@ -109,14 +109,13 @@ def trajectory_messages(tokenizer: "Tokenizer", ids: Sequence[int], tool_mask: S
     that renders no such blocks gives one message with the run's text). For reading a rollout, never for training:
     the trainer trains on the ids."""
     stops = set(tokenizer.stop_token_ids)
-    runs: List[List[int]] = []
+    runs: List[Tuple[bool, List[int]]] = []  # (the policy's?, its ids)
     for i, token in enumerate(ids):
         if i == 0 or bool(tool_mask[i]) != bool(tool_mask[i - 1]):
-            runs.append([])
-        runs[-1].append(int(token))
+            runs.append((bool(tool_mask[i]), []))
+        runs[-1][1].append(int(token))
     messages: List[Message] = []
-    policy = bool(tool_mask[0]) if len(ids) else True
-    for run in runs:  # runs alternate between the policy's and the tools'
+    for policy, run in runs:
         if policy:
             while run and run[-1] in stops:  # the end-of-turn token is the template's, not the content's
                 run = run[:-1]
@@ -128,5 +127,4 @@ def trajectory_messages(tokenizer: "Tokenizer", ids: Sequence[int], tool_mask: S
             contents = _RESPONSE.findall(text) or [text]
             messages += [{"role": "tool", **({"name": names[k]} if k < len(names) else {}), "content": content}
                          for k, content in enumerate(contents)]
-        policy = not policy
     return messages

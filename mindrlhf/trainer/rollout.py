@@ -681,15 +681,16 @@ class RolloutTrainer(PolicyEvaluation, Trainer):
         path = self.output_dir / f"completions_step_{step}.jsonl"
         exp = scored.exp
         prompts = self.tokenizer.batch_decode(scored.prompts, skip_special_tokens=False)
-        tools = exp.extras.get("tool_mask")
+        tool_mask = exp.extras.get("tool_mask")
         with open(path, "w", encoding="utf-8") as f:
             for i, text in enumerate(scored.texts):
                 row = {"step": step, "prompt": prompts[i], "completion": text, "solution": scored.solutions[i],
                        "reward": float(exp.rewards[i]), **self._dump_fields(exp, i),
                        "rewards": {n: float(exp.reward_per_fn[i, j]) for j, n in enumerate(self.reward_names)}}
-                if tools is not None:  # the trajectory as messages: its turns, calls and the tools' results
+                if tool_mask is not None:  # the trajectory as messages: its turns, calls and the tools' results
                     n = int(exp.extras["completion_present"][i].sum())
-                    row["messages"] = trajectory_messages(self.tokenizer, exp.completion_ids[i, :n], tools[i, :n])
+                    row["messages"] = trajectory_messages(self.tokenizer, exp.completion_ids[i, :n],
+                                                          tool_mask[i, :n])
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
     def _dump_fields(self, exp: Experience, i: int) -> Dict[str, object]:
