@@ -12,6 +12,7 @@ and a layout); with no arguments it fine-tunes the embedded SmolLM2 on the packa
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Dict, Optional, Sequence
@@ -24,6 +25,7 @@ from mindrlhf.errors import MindRLHFError
 from mindrlhf.parallel import comm
 from mindrlhf.trainer.base import log_data_report
 from mindrlhf.trainer.entry import StageSpec, model_source, run_stage
+from mindrlhf.trainer.experience import bucket as round_up
 from mindrlhf.trainer.metrics import EVAL_CURVE
 from mindrlhf.trainer.offline import (
     PolicyOfflineTrainer,
@@ -80,12 +82,26 @@ class SFTTrainer(PolicyOfflineTrainer):
 
 
 def sft_micro_batches(input_ids: Sequence[np.ndarray], trained: Sequence[np.ndarray], size: int, pad_id: int,
-                      segments: Optional[Sequence[np.ndarray]] = None, bucket: int = 32):
-    """Sequences cut into micro-batches in the log-prob head's layout: each split before its first trained token
-    (the "prompt", left-padded) so the vocabulary head runs only from there on (the "completion", right-padded;
-    ``trainer.offline.prompt_completion_micro_batches``); untrained tokens after it (packed rows' prompts) stay
-    masked. Packed sequences attend per row (their segments as the mask)."""
-    cuts = [split_point(m) for m in trained]
+                      segments: Optional[Sequence[np.ndarray]] = None, bucket: int = 32, cut: str = "auto"):
+    """Sequences cut into micro-batches in the log-prob head's layout: each split into an untrained start (the
+    "prompt", left-padded) and the rest (the "completion", right-padded;
+    ``trainer.offline.prompt_completion_micro_batches``) so the vocabulary head runs only from the split on;
+    untrained tokens after it stay masked. ``cut`` says where: ``row`` at each sequence's first trained token
+    (least head work, but the micro-batch pays its longest start plus its longest rest); ``shared`` every sequence
+    of a micro-batch at one column, the earliest first trained token rounded down to ``bucket`` (one padding: the
+    micro-batch is as wide as its longest sequence rounded up), the head running over the few untrained columns
+    before; ``auto`` whichever of the two computes fewer positions (a tie: ``row``). Packed sequences attend per
+    row (their segments as the mask)."""
+    firsts = [split_point(m) for m in trained]
+    cuts = []
+    for s in range(0, len(input_ids), size):
+        own = firsts[s:s + size]
+        lengths = [len(ids) for ids in input_ids[s:s + size]]
+        shared = min(own) // bucket * bucket or min(own)  # a whole bucket of start: no left padding
+        row_width = round_up(max(own), bucket) + round_up(max(n - k for n, k in zip(lengths, own)), bucket)
+        shared_width = round_up(shared, bucket) + round_up(max(lengths) - shared, bucket)
+        share = cut == "shared" or (cut == "auto" and shared_width < row_width)
+        cuts += [shared] * len(own) if share else own
     return prompt_completion_micro_batches([ids[:k] for ids, k in zip(input_ids, cuts)],
                                            [ids[k:] for ids, k in zip(input_ids, cuts)], size, pad_id,
                                            trained=[m[k:] for m, k in zip(trained, cuts)], segments=segments,
@@ -156,6 +172,9 @@ def build_trainer(cfg: SFTConfig, layout=None):
     cuts = [split_point(m) for m in seqs["trained"]]
     extent = prompt_completion_extent(cuts, [len(ids) - k for ids, k in zip(seqs["input_ids"], cuts)],
                                       cfg.micro_rows)
+    # A shared cut (sft_micro_batches) may run the head over a whole sequence: bound its logits by the longest.
+    widest = cfg.micro_rows * round_up(max(len(ids) for ids in seqs["input_ids"]), 32)
+    extent = replace(extent, logit_rows=max(extent.logit_rows, widest))
     model, masters = load_policy(path, config, layout, cfg.model.dtype, lora=cfg.model, seed=cfg.train.seed)
     updater = build_updater(cfg, model, SFTObjective(), head=LogProbHead(stats=True), groups=layout.groups,
                             masters=masters, extent=extent)

@@ -207,3 +207,51 @@ def test_packed_loss_gradients_and_metrics_equal_unpacked(tiny_llama_dir):
     np.testing.assert_allclose(aux_p, aux, rtol=1e-5)  # trained tokens, correct, entropy sums
     leaky = [dict(mb, attention_mask=(mb["attention_mask"] > 0).astype(np.int32)) for mb in packed_mbs]
     assert abs(run(leaky)[0] - loss) > 1e-3 * loss
+
+
+def test_shared_cuts_and_length_order_train_as_row_cuts_in_data_order(tiny_llama_dir):
+    """Rows of 5+7, 2+3, 9+4 and 1+10 tokens (untrained start + trained rest) in micro-batches of 2, bucket 4. Cut
+    at each row's first trained token, the data order pads to 16 and 24 columns; a shared cut (the earliest first
+    trained token, rounded down to the bucket) makes the second 16 wide, and ``auto`` takes it there only (a tie
+    keeps the row cuts); longest first (``longest_first``) both are 16 with ``auto``. Every layout gives the same
+    loss (1e-6), gradients and metric sums: only padding and the head's untrained columns change."""
+    from mindrlhf.models import load_model
+    from mindrlhf.models.heads import LogProbHead
+    from mindrlhf.sft import SFTObjective
+    from mindrlhf.sft import sft_micro_batches as micro_batches
+    from mindrlhf.trainer.offline import longest_first
+    from mindrlhf.trainer.update import Updater
+
+    model = load_model(tiny_llama_dir)
+    ids, masks = _rows(model.config.vocab_size, seed=3)
+    trained = float(sum(m.sum() for m in masks))
+    updater = Updater(model, SFTObjective(), head=LogProbHead(stats=True), lr=0.0, weight_decay=0.0,
+                      betas=(0.9, 0.999), eps=1e-8, max_grad_norm=0.0, jit=False)
+
+    def run(mbs):
+        grads, loss, aux = updater.runner.loss_and_grads(mbs, SFTObjective.inputs, extra=_scalars(trained))
+        return loss, [g.asnumpy() for g in grads], np.asarray(aux).sum(0)
+
+    def widths(mbs):  # input columns + the dropped last one; the head's columns
+        return [(mb["input_ids"].shape[1] + 1, mb["completion_ids"].shape[1]) for mb in mbs]
+
+    rows = longest_first({"input_ids": ids, "trained": masks, "index": np.arange(4)}, [len(r) for r in ids])
+    np.testing.assert_array_equal(rows["index"], [2, 0, 3, 1])
+    layouts = {
+        "row": micro_batches(ids, masks, 2, pad_id=0, bucket=4, cut="row"),
+        "shared": micro_batches(ids, masks, 2, pad_id=0, bucket=4, cut="shared"),
+        "auto": micro_batches(ids, masks, 2, pad_id=0, bucket=4),
+        "auto, longest first": micro_batches(rows["input_ids"], rows["trained"], 2, pad_id=0, bucket=4),
+    }
+    assert widths(layouts["row"]) == [(16, 8), (24, 12)]
+    assert widths(layouts["shared"]) == [(16, 12), (16, 12)]  # cut after 2 (2 < 4) and after 1
+    assert widths(layouts["auto"]) == [(16, 8), (16, 12)]
+    assert widths(layouts["auto, longest first"]) == [(16, 12), (16, 12)]  # shared after 4; a tie: row cuts
+    loss, grads, aux = run(layouts["row"])
+    for name, mbs in layouts.items():
+        assert int(sum(mb["completion_mask"].sum() for mb in mbs)) == trained, name
+        got_loss, got_grads, got_aux = run(mbs)
+        assert abs(got_loss - loss) <= 1e-6 * loss, name
+        for a, b in zip(grads, got_grads):
+            np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7, err_msg=name)
+        np.testing.assert_allclose(got_aux, aux, rtol=1e-5, err_msg=name)

@@ -64,6 +64,12 @@ class OfflineDataConfig:
         0, "Passes over train_file: the run is num_epochs * (rows // batch_size) steps (a partial last batch of "
         "an epoch is dropped), or max_steps if given and smaller. 0 = max_steps alone. Range >= 0.",
         ge=0)
+    micro_batch_order: str = config_field(
+        "length", "The order a step's rows are cut into micro-batches in. length: longest first, so rows of "
+        "like length share a micro-batch and less padding is computed (the loss is normalised by the whole "
+        "step's counts, so the update is the same up to float rounding; with lora_dropout > 0 rows draw other "
+        "masks). data: the order they were drawn in.",
+        choices=("length", "data"))
     strict: bool = config_field(
         False, "A bad row (invalid JSON, missing or mistyped keys, nothing to train after max_length) is an "
         "error naming its file and line, instead of being skipped and counted in the log.")

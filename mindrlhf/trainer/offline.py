@@ -76,7 +76,14 @@ class OfflineTrainer(Trainer):
         ``rows``); adds the rows' real tokens to ``num_tokens``."""
         columns = self.dataset.columns
         self.num_tokens += sum(self.row_tokens(columns, i) for i in rows)
-        return self.micro_batches(batch, "train"), self.counts(columns, rows)
+        return self.micro_batches(self.ordered(batch, columns), "train"), self.counts(columns, rows)
+
+    def ordered(self, batch: Dict[str, Any], columns: Mapping[str, Sequence]) -> Dict[str, Any]:
+        """``batch`` (rows of ``columns``, ``index`` their ids) longest first by ``row_tokens`` (stable), as
+        ``data.micro_batch_order`` length asks: micro-batches are cut in this order, so like lengths pad together."""
+        if self.cfg.data.micro_batch_order != "length":
+            return batch
+        return longest_first(batch, [self.row_tokens(columns, i) for i in batch["index"]])
 
     def stage_metrics(self, res: Dict[str, float], rows: np.ndarray) -> Dict[str, float]:
         """The stage's metrics of a step from the updater's result (``step_metrics``)."""
@@ -93,7 +100,7 @@ class OfflineTrainer(Trainer):
         mine = np.asarray(self.replica_share(rows), np.int64)
         batch: Dict[str, Any] = {k: [v[i] for i in mine] for k, v in self.valid.items()}
         batch["index"] = mine
-        micro = self.micro_batches(batch, "valid") if len(mine) else []
+        micro = self.micro_batches(self.ordered(batch, self.valid), "valid") if len(mine) else []
         res = self.updater.evaluate(micro, self.counts(self.valid, rows))
         return {"eval/loss": res["loss"], **{f"eval/{k}": res[k] for k in self.eval_metrics}}
 
@@ -186,6 +193,13 @@ class PolicyOfflineTrainer(PolicyEvaluation, OfflineTrainer):
         """``eval_max_new_tokens``; mindrlhf-eval's defaults for the rest (temperature 0.7, top_p 1, the
         tokenizer's stop tokens)."""
         return {"max_new_tokens": self.cfg.train.eval_max_new_tokens}
+
+
+def longest_first(batch: Dict[str, Any], lengths: Sequence[int]) -> Dict[str, Any]:
+    """``batch`` (columns of rows: arrays or lists) with its rows reordered by ``lengths`` (one per row), longest
+    first; rows of equal length keep their order."""
+    order = np.argsort(-np.asarray(lengths, np.int64), kind="stable")
+    return {k: v[order] if isinstance(v, np.ndarray) else [v[i] for i in order] for k, v in batch.items()}
 
 
 def prompt_completion_micro_batches(prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray], size: int,
