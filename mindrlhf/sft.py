@@ -15,7 +15,7 @@ import logging
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -29,9 +29,11 @@ from mindrlhf.trainer.experience import bucket as round_up
 from mindrlhf.trainer.metrics import EVAL_CURVE
 from mindrlhf.trainer.offline import (
     PolicyOfflineTrainer,
+    grid_width,
     pack_rows,
     prompt_completion_extent,
     prompt_completion_micro_batches,
+    width_grid,
 )
 from mindrlhf.utils.cli import run_cli
 
@@ -63,15 +65,18 @@ class SFTTrainer(PolicyOfflineTrainer):
     step_metrics = ("mean_token_accuracy", "entropy")
     eval_metrics = ("mean_token_accuracy",)
 
-    def __init__(self, cfg: SFTConfig, *, model, updater, tokenizer, layout, train, source, valid=None, reports=()):
-        """``train`` / ``valid``: the training sequences (``sequences``) of the rows read from ``source``."""
+    def __init__(self, cfg: SFTConfig, *, model, updater, tokenizer, layout, train, source, valid=None, reports=(),
+                 widths=None):
+        """``train`` / ``valid``: the training sequences (``sequences``) of the rows read from ``source``;
+        ``widths``: the micro-batch widths allowed (``trainer.offline.width_grid``; None: any multiple of 32)."""
         super().__init__(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout, columns=train,
                          source=source, reports=reports, valid=valid)
+        self.widths = widths
 
     def micro_batches(self, batch, split):
         """Padded micro-batches of sequences (``sft_micro_batches``)."""
         return sft_micro_batches(batch["input_ids"], batch["trained"], self.micro_rows, self.pad_id,
-                                 segments=batch.get("segments"))
+                                 segments=batch.get("segments"), widths=self.widths)
 
     def counts(self, columns, rows):
         # The trained tokens: the loss is their mean over the step (a row's first token is never trained).
@@ -82,7 +87,8 @@ class SFTTrainer(PolicyOfflineTrainer):
 
 
 def sft_micro_batches(input_ids: Sequence[np.ndarray], trained: Sequence[np.ndarray], size: int, pad_id: int,
-                      segments: Optional[Sequence[np.ndarray]] = None, bucket: int = 32, cut: str = "auto"):
+                      segments: Optional[Sequence[np.ndarray]] = None, bucket: int = 32, cut: str = "auto",
+                      widths: Optional[Sequence[int]] = None):
     """Sequences cut into micro-batches in the log-prob head's layout: each split into an untrained start (the
     "prompt", left-padded) and the rest (the "completion", right-padded;
     ``trainer.offline.prompt_completion_micro_batches``) so the vocabulary head runs only from the split on;
@@ -91,21 +97,33 @@ def sft_micro_batches(input_ids: Sequence[np.ndarray], trained: Sequence[np.ndar
     of a micro-batch at one column, the earliest first trained token rounded down to ``bucket`` (one padding: the
     micro-batch is as wide as its longest sequence rounded up), the head running over the few untrained columns
     before; ``auto`` whichever of the two computes fewer positions (a tie: ``row``). Packed sequences attend per
-    row (their segments as the mask)."""
+    row (their segments as the mask). ``widths``: the micro-batch widths allowed (``trainer.offline.width_grid``)."""
     firsts = [split_point(m) for m in trained]
     cuts = []
     for s in range(0, len(input_ids), size):
         own = firsts[s:s + size]
         lengths = [len(ids) for ids in input_ids[s:s + size]]
         shared = min(own) // bucket * bucket or min(own)  # a whole bucket of start: no left padding
-        row_width = round_up(max(own), bucket) + round_up(max(n - k for n, k in zip(lengths, own)), bucket)
-        shared_width = round_up(shared, bucket) + round_up(max(lengths) - shared, bucket)
+        row_width = grid_width(round_up(max(own), bucket) + round_up(max(n - k for n, k in zip(lengths, own)),
+                                                                     bucket), widths)
+        shared_width = grid_width(round_up(shared, bucket) + round_up(max(lengths) - shared, bucket), widths)
         share = cut == "shared" or (cut == "auto" and shared_width < row_width)
         cuts += [shared] * len(own) if share else own
     return prompt_completion_micro_batches([ids[:k] for ids, k in zip(input_ids, cuts)],
                                            [ids[k:] for ids, k in zip(input_ids, cuts)], size, pad_id,
                                            trained=[m[k:] for m, k in zip(trained, cuts)], segments=segments,
-                                           bucket=bucket)
+                                           bucket=bucket, widths=widths)
+
+
+def micro_batch_widths(input_ids: Sequence[np.ndarray], cuts: Sequence[int], count: int,
+                       bucket: int = 32) -> Optional[List[int]]:
+    """At most ``count`` widths every micro-batch ``sft_micro_batches`` forms from these sequences (first trained
+    tokens ``cuts``) can be padded to (``trainer.offline.width_grid``; None: the bucket alone keeps to ``count``).
+    No micro-batch is wider than the longest start plus the longest rest, nor than the longest sequence and one
+    bucket (a shared cut)."""
+    lengths = [round_up(len(ids), bucket) for ids in input_ids]
+    split = round_up(max(cuts), bucket) + round_up(max(len(ids) - k for ids, k in zip(input_ids, cuts)), bucket)
+    return width_grid(lengths, min(split, max(lengths) + bucket), count)
 
 
 def split_point(trained: np.ndarray) -> int:
@@ -154,8 +172,9 @@ def read_rows(cfg: SFTConfig, path: str, tokenizer, what: str):
 def build_trainer(cfg: SFTConfig, layout=None):
     """Load the model, tokenizer and rows as the config says; return a ready SFT trainer."""
     from mindrlhf.models.heads import LogProbHead
+    from mindrlhf.models.layer_graphs import STATIC_VARIANTS
     from mindrlhf.trainer.entry import load_policy
-    from mindrlhf.trainer.update import build_updater
+    from mindrlhf.trainer.update import build_updater, static_layer_graphs
 
     path, tokenizer, config = model_source(cfg.model, "the model SFT trains")
     train, train_report = read_rows(cfg, cfg.data.train_file or default_train_file(cfg), tokenizer, "train_file")
@@ -175,12 +194,18 @@ def build_trainer(cfg: SFTConfig, layout=None):
     # A shared cut (sft_micro_batches) may run the head over a whole sequence: bound its logits by the longest.
     widest = cfg.micro_rows * round_up(max(len(ids) for ids in seqs["input_ids"]), 32)
     extent = replace(extent, logit_rows=max(extent.logit_rows, widest))
+    # Static-shape layer graphs compile one graph per width for the first STATIC_VARIANTS widths: keep to that many.
+    widths = micro_batch_widths(seqs["input_ids"], cuts, STATIC_VARIANTS) \
+        if cfg.parallel.layer_graphs and static_layer_graphs(cfg.parallel) else None
+    if widths and comm.is_main():
+        log.info("micro-batch widths: %s (the rows' lengths need more than the %d static layer-graph shapes; each "
+                 "micro-batch is padded to the next)", widths, STATIC_VARIANTS)
     model, masters = load_policy(path, config, layout, cfg.model.dtype, lora=cfg.model, seed=cfg.train.seed)
     updater = build_updater(cfg, model, SFTObjective(), head=LogProbHead(stats=True), groups=layout.groups,
                             masters=masters, extent=extent)
     return SFTTrainer(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout, train=seqs,
                       source=train.source, valid=sequences(valid, capacity) if valid is not None else None,
-                      reports=[r for r in (train_report, valid_report) if r])
+                      reports=[r for r in (train_report, valid_report) if r], widths=widths)
 
 
 SFT = StageSpec("sft", parse=parse_sft_args, build=build_trainer, models=lambda cfg: {"--model": cfg.model.model_path})

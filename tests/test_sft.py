@@ -242,11 +242,14 @@ def test_shared_cuts_and_length_order_train_as_row_cuts_in_data_order(tiny_llama
         "shared": micro_batches(ids, masks, 2, pad_id=0, bucket=4, cut="shared"),
         "auto": micro_batches(ids, masks, 2, pad_id=0, bucket=4),
         "auto, longest first": micro_batches(rows["input_ids"], rows["trained"], 2, pad_id=0, bucket=4),
+        "widths 20, 28": micro_batches(rows["input_ids"], rows["trained"], 2, pad_id=0, bucket=4, widths=[20, 28]),
     }
     assert widths(layouts["row"]) == [(16, 8), (24, 12)]
     assert widths(layouts["shared"]) == [(16, 12), (16, 12)]  # cut after 2 (2 < 4) and after 1
     assert widths(layouts["auto"]) == [(16, 8), (16, 12)]
     assert widths(layouts["auto, longest first"]) == [(16, 12), (16, 12)]  # shared after 4; a tie: row cuts
+    # both cuts of each micro-batch widen to 20: a tie, so row cuts, the completions padded on (12 + 8, 4 + 16)
+    assert widths(layouts["widths 20, 28"]) == [(20, 8), (20, 16)]
     loss, grads, aux = run(layouts["row"])
     for name, mbs in layouts.items():
         assert int(sum(mb["completion_mask"].sum() for mb in mbs)) == trained, name
@@ -255,3 +258,39 @@ def test_shared_cuts_and_length_order_train_as_row_cuts_in_data_order(tiny_llama
         for a, b in zip(grads, got_grads):
             np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7, err_msg=name)
         np.testing.assert_allclose(got_aux, aux, rtol=1e-5, err_msg=name)
+
+
+def test_width_grid_pads_least_within_the_count():
+    """Widths 32, 32, 64, 96 x3, 128, 160, 192 in 3 widths ending at 192: 32/96/192 pads 32 (64 -> 96) + 64 + 32
+    (128, 160 -> 192) = 128 columns, every other choice more (64/96/192: 160; 96/160/192: 192; 32/128/192: 192). As
+    few distinct widths as allowed: no grid. A width past the grid stays as it is."""
+    from mindrlhf.trainer.offline import grid_width, width_grid
+
+    assert width_grid([32, 32, 64, 96, 96, 96, 128, 160, 192], 192, 3) == [32, 96, 192]
+    assert width_grid([32, 64, 96], 128, 4) is None
+    assert width_grid([32, 32, 64, 96, 96, 160], 128, 3) == [32, 96, 128]  # a row wider than top counts at top
+    assert [grid_width(w, [32, 96, 192]) for w in (1, 32, 33, 192, 224)] == [32, 32, 96, 192, 224]
+
+
+def test_micro_batch_widths_hold_every_micro_batch_of_any_step():
+    """Rows of 20-700 tokens whose first trained token falls anywhere: the grid has at most 8 widths, and every
+    micro-batch of 3 that steps of 6 random rows form, longest first with the cut ``auto`` picks, is one of them."""
+    from mindrlhf.sft import micro_batch_widths, sft_micro_batches, split_point
+    from mindrlhf.trainer.offline import longest_first
+
+    rng = np.random.default_rng(0)
+    ids, trained = [], []
+    for _ in range(200):
+        n = int(rng.integers(20, 700))
+        ids.append(np.ones(n, np.int32))
+        trained.append((np.arange(n) >= rng.integers(1, n)).astype(np.int8))
+    grid = micro_batch_widths(ids, [split_point(m) for m in trained], 8)
+    assert grid is not None and len(grid) <= 8
+    seen = set()
+    for _ in range(100):
+        pick = rng.choice(len(ids), 6, replace=False)
+        rows = longest_first({"input_ids": [ids[i] for i in pick], "trained": [trained[i] for i in pick]},
+                             [len(ids[i]) for i in pick])
+        for mb in sft_micro_batches(rows["input_ids"], rows["trained"], 3, 0, widths=grid):
+            seen.add(mb["input_ids"].shape[1] + 1)
+    assert seen <= set(grid) and len(seen) > 4

@@ -195,6 +195,11 @@ class PolicyOfflineTrainer(PolicyEvaluation, OfflineTrainer):
         return {"max_new_tokens": self.cfg.train.eval_max_new_tokens}
 
 
+def grid_width(width: int, widths: Optional[Sequence[int]]) -> int:
+    """``width`` widened to the next of ``widths`` (sorted; None or past the last: ``width`` itself)."""
+    return next((w for w in widths if w >= width), width) if widths else width
+
+
 def longest_first(batch: Dict[str, Any], lengths: Sequence[int]) -> Dict[str, Any]:
     """``batch`` (columns of rows: arrays or lists) with its rows reordered by ``lengths`` (one per row), longest
     first; rows of equal length keep their order."""
@@ -202,10 +207,51 @@ def longest_first(batch: Dict[str, Any], lengths: Sequence[int]) -> Dict[str, An
     return {k: v[order] if isinstance(v, np.ndarray) else [v[i] for i in order] for k, v in batch.items()}
 
 
+def width_grid(widths: Sequence[int], top: int, count: int) -> Optional[List[int]]:
+    """At most ``count`` micro-batch widths (prompt + completion columns) for rows whose own widths are ``widths``
+    (each already a multiple of the bucket), so static-shape layer graphs (one compile per width, up to
+    ``layer_graphs.STATIC_VARIANTS``) serve every micro-batch and none falls back to the slower dynamic graphs. None
+    when the distinct widths with ``top`` (the widest micro-batch the layout can form) are that few already;
+    otherwise the ``count`` widths ending at ``top`` that add the least padding when each row is widened to the next
+    (dynamic programming over the distinct widths)."""
+    counts: Dict[int, int] = {}
+    for w in widths:
+        counts[min(int(w), top)] = counts.get(min(int(w), top), 0) + 1
+    counts.setdefault(top, 0)
+    values = sorted(counts)
+    if len(values) <= count:
+        return None
+    n = len(values)
+    rows = np.cumsum([0] + [counts[v] for v in values])
+    sums = np.cumsum([0] + [counts[v] * v for v in values])
+
+    def pad(a: int, b: int) -> int:  # rows of values[a..b] widened to values[b]
+        return int(values[b] * (rows[b + 1] - rows[a]) - (sums[b + 1] - sums[a]))
+
+    # best[j][b]: least padding of values[0..b] with j widths, the last values[b]; back[j][b]: the previous width
+    best = [[pad(0, b) for b in range(n)]]
+    back: List[List[int]] = [[-1] * n]
+    for _ in range(1, count):
+        row, prev = [], []
+        for b in range(n):
+            options = [(best[-1][a] + pad(a + 1, b), a) for a in range(b)] or [(best[-1][b], -1)]
+            cost, a = min(options)
+            row.append(cost)
+            prev.append(a)
+        best.append(row)
+        back.append(prev)
+    grid, j, b = [], count - 1, n - 1
+    while b >= 0:
+        grid.append(values[b])
+        b, j = back[j][b], j - 1
+    return sorted(grid)
+
+
 def prompt_completion_micro_batches(prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray], size: int,
                                     pad_id: int, *, trained: Optional[Sequence[np.ndarray]] = None,
                                     segments: Optional[Sequence[np.ndarray]] = None,
-                                    bucket: int = 32) -> List[Dict[str, np.ndarray]]:
+                                    bucket: int = 32, widths: Optional[Sequence[int]] = None
+                                    ) -> List[Dict[str, np.ndarray]]:
     """Rows ``[prompt_i | completion_i]`` cut into micro-batches of ``size`` in the log-prob head's layout:
     prompts left-padded and completions right-padded to the micro-batch's longest (each rounded up to
     ``bucket``, so compiled layer graphs see few shapes). The model reads the rows minus their last token and
@@ -213,12 +259,14 @@ def prompt_completion_micro_batches(prompts: Sequence[np.ndarray], completions: 
     over completions only. ``completion_mask`` is 1 on the trained tokens: ``trained`` (per completion
     token) or every real completion token. ``segments``: each row's packed-row numbers (``pack_rows``, as
     long as prompt + completion), which become the attention mask (each packed row sees itself only).
+    ``widths`` (``width_grid``): the micro-batch widths allowed; the completions are padded on to the next one.
     Every prompt needs at least one token (nothing predicts a first token without context)."""
     out = []
     for s in range(0, len(prompts), size):
         ps, cs = prompts[s:s + size], completions[s:s + size]
         width_p = round_up(max(len(p) for p in ps), bucket)
         width_c = round_up(max(len(c) for c in cs), bucket)
+        width_c = grid_width(width_p + width_c, widths) - width_p
         ids = np.full((len(ps), width_p + width_c), pad_id, np.int32)
         real = np.zeros(ids.shape, np.int32)
         train = np.zeros((len(ps), width_c), np.float32)
