@@ -214,14 +214,23 @@ def test_reward_model_trains_the_same_with_and_without_recompute(stage_assets, t
         assert rm.main(_argv("rm", stage_assets, out, max_steps=2, save_steps=2, eval_steps=2, lr=1e-5,
                              recompute=mode)) == 0
         runs[mode] = (_metrics(out), get_weights(load_model(_last_checkpoint(out, 2))))
-    (want, a), (got, b) = runs["full"], runs["none"]
+    _assert_same_run(runs["full"], runs["none"], abs_metric=1e-6)
+    (_, a), (_, b) = runs["full"], runs["none"]
+    for name in a:
+        assert np.abs(b[name] - a[name]).mean() < 1e-7, name  # only noise-level entries differ at all
+
+
+def _assert_same_run(want_run, got_run, abs_metric: float) -> None:
+    """Two runs' (metrics rows, final weights): every logged metric but the times to rel 1e-5 (``abs_metric``
+    near 0), every weight to rtol 1e-4 / atol 2e-5."""
+    (want, a), (got, b) = want_run, got_run
+    assert [x["step"] for x in got] == [x["step"] for x in want]
     for x, y in zip(want, got):
         for k, v in x.items():
             if k not in ("step_time", "time"):
-                assert y[k] == pytest.approx(v, rel=1e-5, abs=1e-6), (x["step"], k)
+                assert y[k] == pytest.approx(v, rel=1e-5, abs=abs_metric), (x["step"], k)
     for name in a:
         np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=2e-5, err_msg=name)
-        assert np.abs(b[name] - a[name]).mean() < 1e-7, name  # only noise-level entries differ at all
 
 
 @pytest.mark.parametrize("stage", ["sft", "dpo"])
@@ -240,16 +249,9 @@ def test_micro_batches_longest_first_train_as_the_data_order(stage_assets, tmp_p
         assert main(_argv(stage, stage_assets, out, max_steps=2, save_steps=2, eval_steps=2, lr=1e-5,
                           micro_batch_order=order, **({"beta": 0.2} if stage == "dpo" else {}))) == 0
         runs[order] = (_metrics(out), get_weights(load_model(_last_checkpoint(out, 2))))
-    (want, a), (got, b) = runs["data"], runs["length"]
-    assert [x["step"] for x in got] == [x["step"] for x in want]
-    for x, y in zip(want, got):
-        for k, v in x.items():
-            if k not in ("step_time", "time"):
-                # abs: DPO's rewards are beta x differences of sequence log-probs near -100, whose float32 sums
-                # move by ~1e-5 with the padding; a row's reference placed on another row would move them by ~1.
-                assert y[k] == pytest.approx(v, rel=1e-5, abs=2e-5), (x["step"], k)
-    for name in a:
-        np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=2e-5, err_msg=name)
+    # abs: DPO's rewards are beta x differences of sequence log-probs near -100, whose float32 sums move by ~1e-5
+    # with the padding; a row's reference placed on another row would move them by ~1.
+    _assert_same_run(runs["data"], runs["length"], abs_metric=2e-5)
 
 
 def _msrun_stage(stage, assets, out: Path, log_dir: Path, port: int, env_extra=None, **flags):
