@@ -27,7 +27,10 @@ from mindrlhf.trainer.entry import StageSpec, model_source, run_stage
 from mindrlhf.trainer.metrics import EVAL_CURVE
 from mindrlhf.trainer.offline import (
     PolicyOfflineTrainer,
+    Shape,
+    pair_lengths,
     pair_rows,
+    pair_shape_grid,
     prompt_completion_extent,
     prompt_completion_micro_batches,
 )
@@ -77,13 +80,14 @@ class DPOObjective:
 
 
 def pair_logp_micro_batches(prompts: Sequence[np.ndarray], chosen: Sequence[np.ndarray],
-                            rejected: Sequence[np.ndarray], pairs: int, pad_id: int,
-                            bucket: int = 32) -> List[Dict[str, np.ndarray]]:
+                            rejected: Sequence[np.ndarray], pairs: int, pad_id: int, bucket: int = 32,
+                            shapes: Optional[Sequence[Shape]] = None) -> List[Dict[str, np.ndarray]]:
     """Pairs cut into micro-batches of ``pairs`` pairs in the log-prob head's layout
     (``trainer.offline.prompt_completion_micro_batches``): rows ``chosen_i, rejected_i`` interleaved, so a
-    pair's rows share their prompt and pack together."""
+    pair's rows share their prompt and pack together. ``shapes``: the (prompt, completion) widths
+    allowed (``trainer.offline.shape_grid``)."""
     rows_p, rows_c = pair_rows(prompts, chosen, rejected)
-    return prompt_completion_micro_batches(rows_p, rows_c, 2 * pairs, pad_id, bucket=bucket)
+    return prompt_completion_micro_batches(rows_p, rows_c, 2 * pairs, pad_id, bucket=bucket, shapes=shapes)
 
 
 class DPOTrainer(PolicyOfflineTrainer):
@@ -101,10 +105,12 @@ class DPOTrainer(PolicyOfflineTrainer):
     eval_metrics = ("rewards/accuracies", "rewards/margins")
 
     def __init__(self, cfg: DPOConfig, *, model, updater, tokenizer, layout, train_pairs, ref_runner,
-                 valid_pairs=None, reports=()):
+                 valid_pairs=None, reports=(), shapes: Optional[Sequence[Shape]] = None):
+        """``shapes``: the micro-batches' (prompt, completion) widths allowed (``trainer.offline.shape_grid``)."""
         super().__init__(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout,
                          columns=train_pairs.columns(), source=train_pairs.source, reports=reports,
                          valid=valid_pairs.columns() if valid_pairs is not None else None)
+        self.shapes = shapes
         self.ref_runner = ref_runner
         # Reference per-token log-probs of each completion (2 per pair), when precomputed.
         self.ref_logps: Dict[str, List[np.ndarray]] = {}
@@ -120,7 +126,8 @@ class DPOTrainer(PolicyOfflineTrainer):
 
     # -- the reference ---------------------------------------------------------------------------
     def _micro(self, prompts, chosen, rejected) -> List[Dict[str, np.ndarray]]:
-        return pair_logp_micro_batches(prompts, chosen, rejected, self.micro_rows, self.pad_id)
+        return pair_logp_micro_batches(prompts, chosen, rejected, self.micro_rows, self.pad_id,
+                                       shapes=self.shapes)
 
     def _reference_all(self, columns) -> List[np.ndarray]:
         """The reference's per-token log-probs of every pair's two completions (a flat list, chosen then
@@ -190,10 +197,11 @@ def build_trainer(cfg: DPOConfig, layout=None):
     objective = DPOObjective(cfg.loss.loss_type, cfg.loss.beta, cfg.loss.label_smoothing)
     rows_p, rows_c = pair_rows(train.prompt_ids, train.chosen_ids, train.rejected_ids)
     extent = prompt_completion_extent([len(p) for p in rows_p], [len(c) for c in rows_c], 2 * cfg.micro_rows)
+    shapes = pair_shape_grid(cfg, *pair_lengths(train.prompt_ids, train.chosen_ids, train.rejected_ids))
     updater = build_updater(cfg, policy, objective, head=LogProbHead(), groups=layout.groups, masters=masters,
                             share_prompts=share, extent=extent)
     return DPOTrainer(cfg, model=policy, updater=updater, tokenizer=tokenizer, layout=layout, train_pairs=train,
-                      ref_runner=ref_runner, valid_pairs=valid, reports=reports)
+                      ref_runner=ref_runner, valid_pairs=valid, reports=reports, shapes=shapes)
 
 
 DPO = StageSpec("dpo", parse=parse_dpo_args, build=build_trainer,

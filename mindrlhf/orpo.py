@@ -29,7 +29,14 @@ from mindrlhf.configs.offline import ORPOConfig, parse_orpo_args
 from mindrlhf.data.text_rows import read_pair_files, require_pair_file
 from mindrlhf.trainer.entry import StageSpec, model_source, run_stage
 from mindrlhf.trainer.metrics import EVAL_CURVE
-from mindrlhf.trainer.offline import PolicyOfflineTrainer, prompt_completion_extent, prompt_completion_micro_batches
+from mindrlhf.trainer.offline import (
+    PolicyOfflineTrainer,
+    Shape,
+    pair_lengths,
+    pair_shape_grid,
+    prompt_completion_extent,
+    prompt_completion_micro_batches,
+)
 from mindrlhf.utils.cli import run_cli
 
 #: TRL ORPOTrainer's metric names, each a mean over the step's pairs (``nll_loss``: over its chosen rows' tokens).
@@ -82,11 +89,13 @@ def nll_token_count(prompts: Sequence[np.ndarray], chosen: Sequence[np.ndarray])
 
 
 def orpo_micro_batches(prompts: Sequence[np.ndarray], chosen: Sequence[np.ndarray], rejected: Sequence[np.ndarray],
-                       pairs: int, pad_id: int, bucket: int = 32) -> List[Dict[str, np.ndarray]]:
+                       pairs: int, pad_id: int, bucket: int = 32, shapes: Optional[Sequence[Shape]] = None
+                       ) -> List[Dict[str, np.ndarray]]:
     """Pairs cut into micro-batches of ``pairs`` pairs in the log-prob head's layout
     (``trainer.offline.prompt_completion_micro_batches``), rows ``chosen_i, rejected_i`` interleaved: each row's
     first token is the context and every later one is scored, ``completion_mask`` on the completion's tokens,
-    ``nll_mask`` on all scored tokens of the chosen rows (TRL's ORPO NLL: prompt and completion)."""
+    ``nll_mask`` on all scored tokens of the chosen rows (TRL's ORPO NLL: prompt and completion). ``shapes``:
+    the (prompt, completion) widths allowed (``trainer.offline.shape_grid``)."""
     rows, trained = [], []
     for p, pair in zip(prompts, zip(chosen, rejected)):
         for c in pair:
@@ -96,7 +105,7 @@ def orpo_micro_batches(prompts: Sequence[np.ndarray], chosen: Sequence[np.ndarra
             trained.append(np.r_[np.zeros(max(len(p) - 1, 0), np.float32),
                                  np.ones(len(c) - (0 if len(p) else 1), np.float32)])
     micro = prompt_completion_micro_batches([r[:1] for r in rows], [r[1:] for r in rows], 2 * pairs, pad_id,
-                                            trained=trained, bucket=bucket)
+                                            trained=trained, bucket=bucket, shapes=shapes)
     at = 0
     for mb in micro:
         nll = np.zeros_like(mb["completion_mask"])
@@ -122,13 +131,16 @@ class ORPOTrainer(PolicyOfflineTrainer):
     eval_metrics = METRICS
 
     def __init__(self, cfg: ORPOConfig, *, model, updater, tokenizer, layout, train_pairs, valid_pairs=None,
-                 reports=()):
+                 reports=(), shapes: Optional[Sequence[Shape]] = None):
+        """``shapes``: the micro-batches' (prompt, completion) widths allowed (``trainer.offline.shape_grid``)."""
         super().__init__(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout,
                          columns=train_pairs.columns(), source=train_pairs.source, reports=reports,
                          valid=valid_pairs.columns() if valid_pairs is not None else None)
+        self.shapes = shapes
 
     def micro_batches(self, batch, split):
-        return orpo_micro_batches(batch["prompt"], batch["chosen"], batch["rejected"], self.micro_rows, self.pad_id)
+        return orpo_micro_batches(batch["prompt"], batch["chosen"], batch["rejected"], self.micro_rows, self.pad_id,
+                                  shapes=self.shapes)
 
     def counts(self, columns, rows):
         """The step's pairs and the tokens of its chosen rows' NLL (both global)."""
@@ -152,13 +164,15 @@ def build_trainer(cfg: ORPOConfig, layout=None):
     train, valid, reports = read_pair_files(cfg, tokenizer, "truncate", main=comm.is_main())
     policy, masters = load_policy(path, config, layout, cfg.model.dtype, lora=cfg.model, seed=cfg.train.seed)
     # orpo_micro_batches' layout: each row's first token as the prompt, the rest scored
-    extent = prompt_completion_extent([1], [len(p) + max(len(c), len(r)) - 1 for p, c, r in
-                                            zip(train.prompt_ids, train.chosen_ids, train.rejected_ids)],
-                                      2 * cfg.micro_rows)
+    rests = [len(p) + max(len(c), len(r)) - 1
+             for p, c, r in zip(train.prompt_ids, train.chosen_ids, train.rejected_ids)]
+    extent = prompt_completion_extent([1], rests, 2 * cfg.micro_rows)
+    order = pair_lengths(train.prompt_ids, train.chosen_ids, train.rejected_ids)[2]
+    shapes = pair_shape_grid(cfg, [1] * len(rests), rests, order)
     updater = build_updater(cfg, policy, ORPOObjective(cfg.loss.beta), head=LogProbHead(), groups=layout.groups,
                             masters=masters, extent=extent)
     return ORPOTrainer(cfg, model=policy, updater=updater, tokenizer=tokenizer, layout=layout, train_pairs=train,
-                       valid_pairs=valid, reports=reports)
+                       valid_pairs=valid, reports=reports, shapes=shapes)
 
 
 ORPO = StageSpec("orpo", parse=parse_orpo_args, build=build_trainer,

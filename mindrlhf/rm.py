@@ -26,7 +26,10 @@ from mindrlhf.parallel import comm
 from mindrlhf.trainer.entry import StageSpec, model_source, run_stage
 from mindrlhf.trainer.offline import (
     OfflineTrainer,
+    Shape,
+    pair_lengths,
     pair_rows,
+    pair_shape_grid,
     prompt_completion_extent,
     prompt_completion_micro_batches,
 )
@@ -61,16 +64,17 @@ class RMObjective:
 
 
 def pair_micro_batches(prompts: Sequence[np.ndarray], chosen: Sequence[np.ndarray], rejected: Sequence[np.ndarray],
-                       pairs: int, pad_id: int, bucket: int = 32) -> List[Dict[str, np.ndarray]]:
+                       pairs: int, pad_id: int, bucket: int = 32, shapes: Optional[Sequence[Shape]] = None
+                       ) -> List[Dict[str, np.ndarray]]:
     """Pairs cut into micro-batches of ``pairs`` pairs, rows ``prompt_i + chosen_i, prompt_i + rejected_i``
     interleaved, in the log-prob head's prompt / completion layout (``trainer.offline.prompt_completion_micro_batches``)
     so a pair's two rows share their prompt and pack together (``models.packing``). That layout drops each row's
     last column, so every completion gets one padding column after it (never attended: its mask is 0), and
     ``score_index`` (the completion's length) names the position of the row's last real token
-    (``models.heads.ScoreHead(packed=True)``)."""
+    (``models.heads.ScoreHead(packed=True)``). ``shapes``: the (prompt, completion) widths allowed (``shape_grid``)."""
     rows_p, rows_c = pair_rows(prompts, chosen, rejected)
     out = prompt_completion_micro_batches(rows_p, [np.r_[c, pad_id] for c in rows_c], 2 * pairs, pad_id,
-                                          bucket=bucket)
+                                          bucket=bucket, shapes=shapes)
     for n, mb in enumerate(out):
         lengths = np.array([len(c) for c in rows_c[n * 2 * pairs:(n + 1) * 2 * pairs]], np.int32)
         width_p = mb["input_ids"].shape[1] - (mb["completion_ids"].shape[1] - 1)
@@ -98,13 +102,16 @@ class RMTrainer(OfflineTrainer):
     eval_metrics = ("accuracy", "margin", "mean_reward")
 
     def __init__(self, cfg: RMConfig, *, model, updater, tokenizer, layout, train_pairs, valid_pairs=None,
-                 reports=()):
+                 reports=(), shapes: Optional[Sequence[Shape]] = None):
+        """``shapes``: the micro-batches' (prompt, completion) widths allowed (``trainer.offline.shape_grid``)."""
         super().__init__(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout,
                          columns=_pair_columns(train_pairs), source=train_pairs.source, reports=reports,
                          valid=_pair_columns(valid_pairs) if valid_pairs is not None else None)
+        self.shapes = shapes
 
     def micro_batches(self, batch, split):
-        return pair_micro_batches(batch["prompt"], batch["chosen"], batch["rejected"], self.micro_rows, self.pad_id)
+        return pair_micro_batches(batch["prompt"], batch["chosen"], batch["rejected"], self.micro_rows, self.pad_id,
+                                  shapes=self.shapes)
 
     def row_tokens(self, columns, i):
         # Real tokens of the pair's two rows (prompt + chosen, prompt + rejected), as TRL counts them.
@@ -138,11 +145,12 @@ def build_trainer(cfg: RMConfig, layout=None):
     # The largest micro-batch pair_micro_batches forms (each completion one column longer); no vocabulary logits.
     extent = replace(prompt_completion_extent([len(p) for p in rows_p], [len(c) + 1 for c in rows_c],
                                               2 * cfg.micro_rows), logit_rows=0)
+    shapes = pair_shape_grid(cfg, *pair_lengths(train.prompt_ids, train.chosen_ids, train.rejected_ids, extra=1))
     updater = build_updater(cfg, model, RMObjective(cfg.loss.center_rewards_coefficient),
                             head=ScoreHead(1, packed=True), groups=layout.groups, masters=masters,
                             share_prompts=share, extent=extent, what="reward model")
     return RMTrainer(cfg, model=model, updater=updater, tokenizer=tokenizer, layout=layout, train_pairs=train,
-                     valid_pairs=valid, reports=reports)
+                     valid_pairs=valid, reports=reports, shapes=shapes)
 
 
 RM = StageSpec("rm", parse=parse_rm_args, build=build_trainer, models=lambda cfg: {"--model": cfg.model.model_path})

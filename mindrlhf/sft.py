@@ -33,6 +33,7 @@ from mindrlhf.trainer.offline import (
     pack_rows,
     prompt_completion_extent,
     prompt_completion_micro_batches,
+    static_shape_grid,
     width_grid,
 )
 from mindrlhf.utils.cli import run_cli
@@ -172,9 +173,8 @@ def read_rows(cfg: SFTConfig, path: str, tokenizer, what: str):
 def build_trainer(cfg: SFTConfig, layout=None):
     """Load the model, tokenizer and rows as the config says; return a ready SFT trainer."""
     from mindrlhf.models.heads import LogProbHead
-    from mindrlhf.models.layer_graphs import STATIC_VARIANTS
     from mindrlhf.trainer.entry import load_policy
-    from mindrlhf.trainer.update import build_updater, static_layer_graphs
+    from mindrlhf.trainer.update import build_updater
 
     path, tokenizer, config = model_source(cfg.model, "the model SFT trains")
     train, train_report = read_rows(cfg, cfg.data.train_file or default_train_file(cfg), tokenizer, "train_file")
@@ -194,12 +194,7 @@ def build_trainer(cfg: SFTConfig, layout=None):
     # A shared cut (sft_micro_batches) may run the head over a whole sequence: bound its logits by the longest.
     widest = cfg.micro_rows * round_up(max(len(ids) for ids in seqs["input_ids"]), 32)
     extent = replace(extent, logit_rows=max(extent.logit_rows, widest))
-    # Static-shape layer graphs compile one graph per width for the first STATIC_VARIANTS widths: keep to that many.
-    widths = micro_batch_widths(seqs["input_ids"], cuts, STATIC_VARIANTS) \
-        if cfg.parallel.layer_graphs and static_layer_graphs(cfg.parallel) else None
-    if widths and comm.is_main():
-        log.info("micro-batch widths: %s (the rows' lengths need more than the %d static layer-graph shapes; each "
-                 "micro-batch is padded to the next)", widths, STATIC_VARIANTS)
+    widths = static_shape_grid(cfg, lambda count: micro_batch_widths(seqs["input_ids"], cuts, count))
     model, masters = load_policy(path, config, layout, cfg.model.dtype, lora=cfg.model, seed=cfg.train.seed)
     updater = build_updater(cfg, model, SFTObjective(), head=LogProbHead(stats=True), groups=layout.groups,
                             masters=masters, extent=extent)

@@ -534,3 +534,44 @@ def test_recompute_auto_sizes_the_update_by_the_rows_not_max_length(stage_assets
     (line,) = [r.getMessage() for r in caplog.records if "recompute auto" in r.getMessage()]
     assert trainer.updater.recompute == "none", line
     assert 0 < int(re.search(r"\((\d+) positions\)", line).group(1)) < rows * 400
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "orpo"])
+def test_static_layer_graphs_get_at_most_their_shapes_of_micro_batches(stage_assets, tmp_path, stage, caplog):
+    """Rows whose lengths would form more micro-batch shapes than the static layer graphs compile (8): with
+    ``layer_graph_shapes static`` every step's micro-batches keep to 8 shapes, logged once; with ``dynamic`` they
+    are padded to the bucket only, more than 8 shapes. A shape is the rows' width for padded rows (SFT, ORPO) and
+    the (prompt, completion) widths for pairs packed behind their prompt (RM, DPO: the layer graphs see both)."""
+    import importlib
+    import logging
+
+    from mindrlhf.parallel.groups import init_run_layout
+    from mindrlhf.parallel.layout import ParallelLayout
+
+    def words(n):
+        return " ".join(["seven"] * n)
+
+    rows = [(words(p), words(c)) for p in (10, 40, 70, 100) for c in (10, 60, 110, 160, 210)]
+    path = tmp_path / "rows.jsonl"
+    if stage == "sft":
+        lines = [{"prompt": p, "completion": " " + c} for p, c in rows]
+    else:
+        lines = [{"prompt": p, "chosen": " " + c, "rejected": " " + words(5)} for p, c in rows]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    module = importlib.import_module(f"mindrlhf.{stage}")
+    parse = getattr(importlib.import_module("mindrlhf.configs.offline"), f"parse_{stage}_args")
+    shapes = {}
+    for mode in ("static", "dynamic"):
+        argv = _argv(stage, stage_assets, tmp_path / mode, max_length=512, train_file=path, valid_file="",
+                     batch_size=4, micro_batch_size=1, layer_graph_shapes=mode)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="mindrlhf"):
+            trainer = module.build_trainer(parse(argv), init_run_layout(ParallelLayout(dp=1), ParallelLayout(dp=1),
+                                                                        0, 1))
+        logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("micro-batch widths")]
+        assert len(logged) == (mode == "static"), logged
+        data = trainer.dataset
+        shapes[mode] = {(mb["input_ids"].shape, mb["completion_ids"].shape if stage in ("rm", "dpo") else None)
+                        for index in range(len(data))
+                        for mb in trainer.micro_batches(trainer.ordered(data.batch(0, index), data.columns), "train")}
+    assert len(shapes["static"]) <= 8 < len(shapes["dynamic"]), shapes

@@ -62,11 +62,12 @@ def _hand_reference(policy_dir, pairs, beta):
     return loss.item(), metrics, {n: p.grad.numpy() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("pairs_per_micro", [4, 1, 2])
-def test_orpo_step_equals_a_float64_hand_computation(policy_dir, pairs_per_micro):
+@pytest.mark.parametrize("pairs_per_micro,widen", [(4, False), (1, False), (2, False), (2, True)])
+def test_orpo_step_equals_a_float64_hand_computation(policy_dir, pairs_per_micro, widen):
     """One ORPO update: loss, gradients and every TRL metric equal the float64 hand computation, whether the four
     pairs are one micro-batch or several (the NLL is normalised by the step's token count, the odds-ratio term by
-    its pair count, both passed as the step's scalars)."""
+    its pair count, both passed as the step's scalars), and with the rows padded on to a wider grid width
+    (``widen``)."""
     import mindspore as ms
 
     from mindrlhf.models import load_model
@@ -77,7 +78,9 @@ def test_orpo_step_equals_a_float64_hand_computation(policy_dir, pairs_per_micro
     model = load_model(policy_dir)
     pairs = _pairs(model.config.vocab_size)
     want_loss, want, want_grads = _hand_reference(policy_dir, pairs, BETA)
-    micro = orpo_micro_batches(*pairs, pairs_per_micro, pad_id=0)
+    micro = orpo_micro_batches(*pairs, pairs_per_micro, pad_id=0, shapes=[(32, 96)] if widen else None)
+    if widen:  # the completion part's grid width, not its bucket's
+        assert {mb["completion_ids"].shape[1] for mb in micro} == {96}
     objective = ORPOObjective(BETA)
     updater = Updater(model, objective, head=LogProbHead(), lr=0.0, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
                       max_grad_norm=0.0, jit=False)

@@ -50,12 +50,14 @@ def _torch_reference(model_dir, chosen, rejected, center):
     return loss.item(), metrics, {n: p.grad.numpy() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("pairs_per_micro,center,share", [(4, 0.0, True), (1, 0.01, True), (4, 0.0, False)])
-def test_rm_step_equals_transformers_reward_model(reward_dir, pairs_per_micro, center, share):
+@pytest.mark.parametrize("pairs_per_micro,center,share,widen", [
+    (4, 0.0, True, False), (1, 0.01, True, False), (4, 0.0, False, False), (2, 0.0, True, True)])
+def test_rm_step_equals_transformers_reward_model(reward_dir, pairs_per_micro, center, share, widen):
     """One reward-model update (Bradley-Terry over the step's pairs, optional centering): loss, gradients,
     accuracy, margin and the reward statistics equal TRL's math on transformers' Qwen2ForSequenceClassification
     (each pair's rows whole and right-padded), as one micro-batch of 4 pairs or four of 1, with each pair's two
-    rows packed behind one copy of their prompt (``share``) or padded (the pipeline-stage layout)."""
+    rows packed behind one copy of their prompt (``share``) or padded (the pipeline-stage layout), and with the
+    prompt and completion parts padded on to wider grid widths (``widen``)."""
     from mindrlhf.models import load_model
     from mindrlhf.models.heads import ScoreHead
     from mindrlhf.rm import RMObjective, pair_micro_batches
@@ -69,7 +71,10 @@ def test_rm_step_equals_transformers_reward_model(reward_dir, pairs_per_micro, c
     updater = Updater(model, RMObjective(center), head=ScoreHead(1, packed=True), lr=0.0, weight_decay=0.0,
                       betas=(0.9, 0.999), eps=1e-8, max_grad_norm=0.0, jit=False, share_prompts=share)
     assert updater.runner.share_prompts == share
-    micro = pair_micro_batches(prompts, completions_c, completions_r, pairs_per_micro, pad_id=0)
+    micro = pair_micro_batches(prompts, completions_c, completions_r, pairs_per_micro, pad_id=0,
+                               shapes=[(64, 96)] if widen else None)
+    if widen:  # the parts' widths, not their bucket's (32 each)
+        assert {(mb["input_ids"].shape[1], mb["completion_ids"].shape[1]) for mb in micro} == {(64 + 96 - 1, 96)}
     import mindspore as ms
 
     grads, loss, _ = updater.runner.loss_and_grads(micro, (), extra=(ms.Tensor(np.float32(4)),

@@ -213,8 +213,8 @@ class TrainLayoutConfig:
         "(peer_trl.py).")
     layer_graph_shapes: str = config_field(
         "auto", "How the layer graphs (layer_graphs) are compiled. static: once per input shape (the rows are "
-        "padded to multiples of 32, so a run sees few shapes; SFT pads its micro-batches to at most 8 widths "
-        "chosen from its rows' lengths) for the first 8 shapes, which then run "
+        "padded to multiples of 32, so a run sees few shapes; the offline stages pad their micro-batches to at "
+        "most 8 shapes chosen from their rows' lengths) for the first 8 shapes, which then run "
         "MindSpore's faster static-shape kernels (each shape's graphs keep their buffers; later shapes run the "
         "dynamic graphs). dynamic: one compile for every sequence length. auto: static on CPU, dynamic on "
         "Ascend and GPU. The same numbers either way. Figures: bench/README.md (train_flops.py "

@@ -14,7 +14,9 @@ rows they skipped: ``trainer.base``.
 from __future__ import annotations
 
 import bisect
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+import logging
+from functools import partial
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
@@ -26,6 +28,10 @@ from mindrlhf.trainer.experience import bucket as round_up
 from mindrlhf.trainer.memory import MicroBatchExtent
 from mindrlhf.trainer.policy_eval import PolicyEvaluation
 from mindrlhf.trainer.schedule import run_length
+from mindrlhf.trainer.update import static_layer_graphs
+
+log = logging.getLogger("mindrlhf")
+G = TypeVar("G")
 
 
 class OfflineTrainer(Trainer):
@@ -247,11 +253,110 @@ def width_grid(widths: Sequence[int], top: int, count: int) -> Optional[List[int
     return sorted(grid)
 
 
+#: A micro-batch's (prompt, completion) widths: pairs packed behind their shared prompt run layer graphs of both.
+Shape = Tuple[int, int]
+
+
+def pair_lengths(prompts: Sequence[np.ndarray], chosen: Sequence[np.ndarray], rejected: Sequence[np.ndarray],
+                 extra: int = 0) -> Tuple[List[int], List[int], List[int]]:
+    """Each pair's prompt and longer completion as its micro-batch rows hold them (``pair_rows``; ``extra``
+    columns more per completion) and its ``row_tokens`` (the prompt read twice): the inputs of ``pair_shapes``."""
+    rows_p, rows_c = pair_rows(prompts, chosen, rejected)
+    return ([len(p) for p in rows_p[::2]], [max(len(a), len(b)) + extra for a, b in zip(rows_c[::2], rows_c[1::2])],
+            [2 * len(p) + len(c) + len(r) for p, c, r in zip(prompts, chosen, rejected)])
+
+
+def pair_shapes(prompt_lengths: Sequence[int], completion_lengths: Sequence[int], order: Optional[Sequence[int]],
+                step_pairs: int, micro_pairs: int, steps: int = 256, bucket: int = 32) -> Dict[Shape, int]:
+    """How often each bucketed (prompt, completion) shape comes up among the micro-batches of ``micro_pairs`` pairs
+    that ``steps`` random steps of ``step_pairs`` pairs form (a fixed seed): pair ``i`` has a prompt of
+    ``prompt_lengths[i]`` tokens and a longer completion of ``completion_lengths[i]``; ``order``: the pairs'
+    ``row_tokens``, longest first as ``OfflineTrainer.ordered`` cuts them (None: the drawn order). A sample of the
+    shapes a run will see (a micro-batch is as wide as its widest pair in each part) for ``shape_grid``."""
+    rng = np.random.default_rng(0)
+    prompts = np.array([round_up(n, bucket) for n in prompt_lengths])
+    completions = np.array([round_up(n, bucket) for n in completion_lengths])
+    key = None if order is None else -np.asarray(order)
+    seen: Dict[Shape, int] = {}
+    for _ in range(steps):
+        pick = rng.choice(len(prompts), min(step_pairs, len(prompts)), replace=False)
+        if key is not None:
+            pick = pick[np.argsort(key[pick], kind="stable")]
+        for s in range(0, len(pick), micro_pairs):
+            rows = pick[s:s + micro_pairs]
+            shape = (int(prompts[rows].max()), int(completions[rows].max()))
+            seen[shape] = seen.get(shape, 0) + 1
+    return seen
+
+
+def grid_shape(shape: Shape, grid: Optional[Sequence[Shape]], weights: Shape = (1, 2)) -> Shape:
+    """``shape`` widened to the ``grid`` shape at least as wide in both parts with the fewest positions
+    (``weights``: a position of each part); ``shape`` itself when none is (or no grid)."""
+    wider = [g for g in grid or () if g[0] >= shape[0] and g[1] >= shape[1]]
+    return min(wider, key=lambda g: weights[0] * g[0] + weights[1] * g[1]) if wider else shape
+
+
+def shape_grid(shapes: Mapping[Shape, int], top: Shape, count: int, weights: Shape = (1, 2)) -> List[Shape]:
+    """At most ``count`` (prompt, completion) shapes for micro-batches seen ``shapes[s]`` times each, every one
+    widened to the next (``grid_shape``): greedily from ``top`` alone (the widest the rows can form, so every
+    micro-batch fits one), adding the seen shape that saves the most positions (``weights``: a position of each
+    part; a pair packs one prompt and two completions) while one does."""
+    seen = np.array(list(shapes), np.int64).reshape(-1, 2)
+    times = np.array(list(shapes.values()), np.int64)
+    weight = np.asarray(weights, np.int64)
+
+    def padding(grid: List[Shape]) -> int:
+        cost = np.full(len(seen), np.iinfo(np.int64).max)
+        for g in grid:  # each seen shape to its cheapest wider grid shape
+            fits = (seen <= np.asarray(g)).all(axis=1)
+            cost = np.where(fits, np.minimum(cost, (weight * (np.asarray(g) - seen)).sum(axis=1)), cost)
+        return int((cost * times).sum())
+
+    grid = [tuple(int(v) for v in top)]
+    while len(grid) < count:
+        options = [(padding(grid + [tuple(int(v) for v in s)]), tuple(int(v) for v in s)) for s in seen
+                   if tuple(s) not in grid]
+        if not options or min(options)[0] >= padding(grid):
+            break
+        grid.append(min(options)[1])
+    return sorted(grid)
+
+
+def pair_shape_grid(cfg, prompt_lengths: Sequence[int], completion_lengths: Sequence[int],
+                    order: Sequence[int], bucket: int = 32) -> Optional[List[Shape]]:
+    """The (prompt, completion) shapes a pair stage's micro-batches are padded to (``static_shape_grid``): None when
+    the rows' bucketed prompt and completion widths combine into few enough shapes already, else ``shape_grid`` over
+    ``pair_shapes`` sampled with the run's batch, micro-batch and ``micro_batch_order``."""
+    prompts = {round_up(n, bucket) for n in prompt_lengths}
+    completions = {round_up(n, bucket) for n in completion_lengths}
+    p = cfg.parallel
+    sample = partial(pair_shapes, prompt_lengths, completion_lengths,
+                     order if cfg.data.micro_batch_order == "length" else None,
+                     max(cfg.data.batch_size // p.train_dp, 1), max(cfg.micro_rows // p.train_micro_batches, 1))
+    return static_shape_grid(cfg, lambda count: None if len(prompts) * len(completions) <= count else
+                             shape_grid(sample(bucket=bucket), (max(prompts), max(completions)), count))
+
+
+def static_shape_grid(cfg, choose: Callable[[int], Optional[G]]) -> Optional[G]:
+    """``choose(STATIC_VARIANTS)``: the micro-batch widths of a stage whose layer graphs compile one static graph
+    per input shape for that many shapes (the later ones run the slower dynamic graphs), logged once; None when the
+    layer graphs are dynamic or off, or when ``choose`` needs no grid."""
+    from mindrlhf.models.layer_graphs import STATIC_VARIANTS
+
+    if not (cfg.parallel.layer_graphs and static_layer_graphs(cfg.parallel)):
+        return None
+    grid = choose(STATIC_VARIANTS)
+    if grid and comm.is_main():
+        log.info("micro-batch widths: %s (the rows' lengths need more than the %d static layer-graph shapes; each "
+                 "micro-batch is padded to the next)", grid, STATIC_VARIANTS)
+    return grid
+
+
 def prompt_completion_micro_batches(prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray], size: int,
                                     pad_id: int, *, trained: Optional[Sequence[np.ndarray]] = None,
                                     segments: Optional[Sequence[np.ndarray]] = None,
-                                    bucket: int = 32, widths: Optional[Sequence[int]] = None
-                                    ) -> List[Dict[str, np.ndarray]]:
+                                    bucket: int = 32, widths: Optional[Sequence[int]] = None,
+                                    shapes: Optional[Sequence[Shape]] = None) -> List[Dict[str, np.ndarray]]:
     """Rows ``[prompt_i | completion_i]`` cut into micro-batches of ``size`` in the log-prob head's layout:
     prompts left-padded and completions right-padded to the micro-batch's longest (each rounded up to
     ``bucket``, so compiled layer graphs see few shapes). The model reads the rows minus their last token and
@@ -260,12 +365,14 @@ def prompt_completion_micro_batches(prompts: Sequence[np.ndarray], completions: 
     token) or every real completion token. ``segments``: each row's packed-row numbers (``pack_rows``, as
     long as prompt + completion), which become the attention mask (each packed row sees itself only).
     ``widths`` (``width_grid``): the micro-batch widths allowed; the completions are padded on to the next one.
+    ``shapes`` (``shape_grid``): the (prompt, completion) widths allowed; each micro-batch is padded to the next.
     Every prompt needs at least one token (nothing predicts a first token without context)."""
     out = []
     for s in range(0, len(prompts), size):
         ps, cs = prompts[s:s + size], completions[s:s + size]
         width_p = round_up(max(len(p) for p in ps), bucket)
         width_c = round_up(max(len(c) for c in cs), bucket)
+        width_p, width_c = grid_shape((width_p, width_c), shapes)
         width_c = grid_width(width_p + width_c, widths) - width_p
         ids = np.full((len(ps), width_p + width_c), pad_id, np.int32)
         real = np.zeros(ids.shape, np.int32)
