@@ -2,6 +2,7 @@
 
     python bench/micro_batch_shapes.py                      # the packaged GSM8K sample, SmolLM2's tokenizer
     python bench/micro_batch_shapes.py --sft_file rows.jsonl --steps 128 --batch_size 8 --micro_batch_size 4
+    python bench/micro_batch_shapes.py --time dpo --time_steps 24   # and SmolLM2 steps with / without the grid
 
 Rows: SFT rows (``--sft_file``, default: the packaged GSM8K sample as conversational rows, system prompt +
 question -> reference solution) and preference pairs made from the same questions as ``bench/peer_trl.py`` makes
@@ -20,12 +21,22 @@ Printed per layout: the positions the decoder computes (SFT: rows x width; pairs
 two completions, as they pack behind the prompt), the real tokens, the distinct shapes the layer graphs see (SFT: the
 width; pairs: prompt and completion widths) and the share of micro-batches whose shape is not among the first 8 a
 run meets (those run the dynamic-shape graphs, ``layer_graphs.STATIC_VARIANTS``).
+
+``--time sft|rm|dpo``: then times ``--time_steps`` steps of that stage on SmolLM2 (built as its command builds it,
+every default but ``layer_graph_shapes static``; the rows above; steps of ``--batch_size`` in micro-batches of
+``--micro_batch_size``) twice, each in a process of its own: as built (the grid) and with the grid removed (bucket
+widths only, later shapes on the dynamic graphs). Printed per run: every step's seconds, the total and the mean of
+the steps after the first 8 (when both runs have compiled their static shapes).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence, Tuple
 
@@ -78,6 +89,51 @@ def _print(title: str, real: int, results: Dict[str, Dict[str, float]]) -> None:
         print(f"| {name} | {r['positions']:,} | {r['positions'] / base:.3f} | {r['shapes']} | {r['dynamic']:.0%} |")
 
 
+def _timed_child(stage: str, rows_file: str, steps: int, batch: int, micro: int, grid: bool) -> None:
+    """``steps`` steps of ``stage`` on SmolLM2 over ``rows_file``, with its micro-batch grid or without; prints one
+    JSON line of the steps' seconds."""
+    import importlib
+
+    from mindrlhf.checkpoint.smollm2 import prepare_smollm2
+    from mindrlhf.trainer.entry import setup_runtime
+
+    parse = getattr(importlib.import_module("mindrlhf.configs.offline"), f"parse_{stage}_args")
+    with tempfile.TemporaryDirectory() as out:
+        cfg = parse(["--model", str(prepare_smollm2()), "--train_file", rows_file, "--output_dir", out, "--max_steps",
+                     str(steps), "--batch_size", str(batch), "--micro_batch_size", str(micro), "--max_length", "2048",
+                     "--save_steps", "0", "--progress_bar", "false", "--tensorboard", "false",
+                     "--layer_graph_shapes", "static"])
+        trainer = importlib.import_module(f"mindrlhf.{stage}").build_trainer(cfg, setup_runtime(cfg))
+        grid_attr = "widths" if stage == "sft" else "shapes"
+        if not grid:
+            setattr(trainer, grid_attr, None)
+        seconds = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            trainer.train_one_step()
+            seconds.append(time.perf_counter() - start)
+        print(json.dumps({"grid": getattr(trainer, grid_attr), "seconds": seconds}, default=str))
+
+
+def _time(stage: str, rows_file: Path, args) -> None:
+    """Both runs of ``--time`` (see the module docstring), one after the other, each in its own process."""
+    print(f"\n{stage} on SmolLM2, {args.time_steps} steps of {args.batch_size} in micro-batches of "
+          f"{args.micro_batch_size}, static layer graphs")
+    print("| micro-batches | total s | mean s of steps 9.. | steps s |")
+    print("| --- | --- | --- | --- |")
+    for grid in (True, False):
+        proc = subprocess.run([sys.executable, __file__, "--child", stage, str(rows_file), str(args.time_steps),
+                               str(args.batch_size), str(args.micro_batch_size), str(int(grid))],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            raise SystemExit(proc.stderr[-3000:])
+        res = json.loads(proc.stdout.strip().splitlines()[-1])
+        secs = res["seconds"]
+        name = f"the grid {res['grid']}" if grid else "bucket widths only"
+        print(f"| {name} | {sum(secs):.1f} | {statistics.mean(secs[8:] or secs):.2f} | "
+              f"{' '.join(f'{x:.1f}' for x in secs)} |")
+
+
 def main(argv: Sequence[str] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sft_file", type=Path, default=None, help="conversational SFT rows (default: the GSM8K sample)")
@@ -85,7 +141,14 @@ def main(argv: Sequence[str] = None) -> None:
     ap.add_argument("--batch_size", type=int, default=8)
     ap.add_argument("--micro_batch_size", type=int, default=4)
     ap.add_argument("--max_length", type=int, default=2048)
+    ap.add_argument("--time", choices=("sft", "rm", "dpo"), default=None,
+                    help="also time this stage's SmolLM2 steps with and without the grid")
+    ap.add_argument("--time_steps", type=int, default=24)
+    ap.add_argument("--child", nargs=6, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.child:
+        stage, rows_file, steps, batch, micro, grid = args.child
+        return _timed_child(stage, rows_file, int(steps), int(batch), int(micro), grid == "1")
 
     from mindrlhf.checkpoint.smollm2 import prepare_smollm2
     from mindrlhf.configs.offline import parse_dpo_args
@@ -99,10 +162,10 @@ def main(argv: Sequence[str] = None) -> None:
     tokenizer = resolve_tokenizer(prepare_smollm2())
     rng = np.random.default_rng(1)
     mb = args.micro_batch_size
-    with tempfile.TemporaryDirectory() as tmp:
-        sft_file, pair_file = _write_rows(args.sft_file, Path(tmp))
-        rows, _ = read_sft_rows(sft_file, tokenizer, max_length=args.max_length, show_progress=False)
-        pairs, _ = read_pair_rows(pair_file, tokenizer, max_length=args.max_length, show_progress=False)
+    work = tempfile.TemporaryDirectory()
+    sft_file, pair_file = _write_rows(args.sft_file, Path(work.name))
+    rows, _ = read_sft_rows(sft_file, tokenizer, max_length=args.max_length, show_progress=False)
+    pairs, _ = read_pair_rows(pair_file, tokenizer, max_length=args.max_length, show_progress=False)
 
     seqs = sequences(rows)
     ids, trained = seqs["input_ids"], seqs["trained"]
@@ -160,6 +223,9 @@ def main(argv: Sequence[str] = None) -> None:
            {"data order": _count(pair_steps, pair_cut(False, None), pair_shape, pair_positions, STATIC_VARIANTS),
             "longest first": _count(pair_steps, pair_cut(True, None), pair_shape, pair_positions, STATIC_VARIANTS),
             "+ grid": _count(pair_steps, pair_cut(True, shapes), pair_shape, pair_positions, STATIC_VARIANTS)})
+    if args.time:
+        _time(args.time, sft_file if args.time == "sft" else pair_file, args)
+    work.cleanup()
 
 
 if __name__ == "__main__":
