@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import bisect
 import logging
-from functools import partial
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
 from mindrlhf.data.dataset import ShardedDataset
 from mindrlhf.data.report import ConversionReport
+from mindrlhf.models.layer_graphs import STATIC_VARIANTS
 from mindrlhf.parallel import comm
 from mindrlhf.trainer.base import Trainer
 from mindrlhf.trainer.experience import bucket as round_up
@@ -312,10 +312,10 @@ def shape_grid(shapes: Mapping[Shape, int], top: Shape, count: int, weights: Sha
             cost = np.where(fits, np.minimum(cost, (weight * (np.asarray(g) - seen)).sum(axis=1)), cost)
         return int((cost * times).sum())
 
-    grid = [tuple(int(v) for v in top)]
+    candidates = [(int(p), int(c)) for p, c in seen]
+    grid = [(int(top[0]), int(top[1]))]
     while len(grid) < count:
-        options = [(padding(grid + [tuple(int(v) for v in s)]), tuple(int(v) for v in s)) for s in seen
-                   if tuple(s) not in grid]
+        options = [(padding(grid + [s]), s) for s in candidates if s not in grid]
         if not options or min(options)[0] >= padding(grid):
             break
         grid.append(min(options)[1])
@@ -329,20 +329,23 @@ def pair_shape_grid(cfg, prompt_lengths: Sequence[int], completion_lengths: Sequ
     ``pair_shapes`` sampled with the run's batch, micro-batch and ``micro_batch_order``."""
     prompts = {round_up(n, bucket) for n in prompt_lengths}
     completions = {round_up(n, bucket) for n in completion_lengths}
-    p = cfg.parallel
-    sample = partial(pair_shapes, prompt_lengths, completion_lengths,
-                     order if cfg.data.micro_batch_order == "length" else None,
-                     max(cfg.data.batch_size // p.train_dp, 1), max(cfg.micro_rows // p.train_micro_batches, 1))
-    return static_shape_grid(cfg, lambda count: None if len(prompts) * len(completions) <= count else
-                             shape_grid(sample(bucket=bucket), (max(prompts), max(completions)), count))
+
+    def choose(count: int) -> Optional[List[Shape]]:
+        if len(prompts) * len(completions) <= count:
+            return None
+        p = cfg.parallel  # a rank's rows of a step, and of a micro-batch, as OfflineTrainer cuts them
+        seen = pair_shapes(prompt_lengths, completion_lengths, order if cfg.data.micro_batch_order == "length" else
+                           None, max(cfg.data.batch_size // p.train_dp, 1),
+                           max(cfg.micro_rows // p.train_micro_batches, 1), bucket=bucket)
+        return shape_grid(seen, (max(prompts), max(completions)), count)
+
+    return static_shape_grid(cfg, choose)
 
 
 def static_shape_grid(cfg, choose: Callable[[int], Optional[G]]) -> Optional[G]:
     """``choose(STATIC_VARIANTS)``: the micro-batch widths of a stage whose layer graphs compile one static graph
     per input shape for that many shapes (the later ones run the slower dynamic graphs), logged once; None when the
     layer graphs are dynamic or off, or when ``choose`` needs no grid."""
-    from mindrlhf.models.layer_graphs import STATIC_VARIANTS
-
     if not (cfg.parallel.layer_graphs and static_layer_graphs(cfg.parallel)):
         return None
     grid = choose(STATIC_VARIANTS)
