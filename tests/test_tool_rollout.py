@@ -568,12 +568,15 @@ def test_a_tool_turn_continues_from_its_kept_cache(tool_caller):
                                               {"role": "user", "content": q}], box.schemas)) for q, _, _ in QUESTIONS]
     model = load_model(str(tool_caller["model"]))
     params = SamplingParams(n=2, temperature=0.7, max_tokens=96, stop_token_ids=tok.stop_token_ids, seed=5)
-    loop = ToolLoop(box, tok, max_iterations=2)
+    # One tool round, so the sampler's last call is the continuation measured below (at this temperature the taught
+    # model sometimes calls twice, which would start a second round).
+    loop = ToolLoop(box, tok, max_iterations=1)
     reusing, whole = NativeSampler(model), NativeSampler(model, keep_bytes=0)
     got = loop.generate(reusing, prompts, params)
     reused = reusing.last_stats["reused_tokens"]
     want = loop.generate(whole, prompts, params)
-    assert all(c.tool_calls == 1 for c in got) and reused > 0 and whole.last_stats["reused_tokens"] == 0
+    assert all(c.tool_calls == 1 for c in got) and reused > 0 and whole.last_stats["reused_tokens"] == 0, \
+        ([c.tool_calls for c in got], [tok.decode(c.token_ids) for c in got])
     # Each continuation (prompt, call, tool result) is left-padded to P columns; its prompt and call but the call's
     # last token are kept, and the prefill's 32-token pieces start at the one holding the first column to compute.
     kept = [len(prompts[c.prompt_index]) + c.tool_mask.index(0) - 1 for c in got]
